@@ -1,0 +1,1 @@
+"""HF / PyTorch checkpoint converters: key maps, safetensors streaming, Orbax save/restore."""

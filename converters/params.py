@@ -1,0 +1,52 @@
+"""Build the target's params pytree from named HF tensors (any source: safetensors, a torch state dict)."""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from converters import qwen3
+from converters.keymap import flatten_paths, map_checkpoint, unflatten_paths
+from ddtree_jax.config import TargetConfig
+from ddtree_jax.models.target import TargetModel
+
+
+def abstract_target(cfg: TargetConfig, dtype=None):
+    """(graphdef, abstract params) of the target without allocating weights."""
+    model = nnx.eval_shape(lambda: TargetModel(cfg, rngs=nnx.Rngs(0), dtype=dtype))
+    return nnx.split(model)
+
+
+def expected_shapes(abstract_params) -> dict[str, tuple[tuple[int, ...], object]]:
+    flat = flatten_paths(nnx.to_pure_dict(abstract_params))
+    return {k: (tuple(v.shape), np.dtype(v.dtype)) for k, v in flat.items()}
+
+
+def target_params_from_tensors(
+    cfg: TargetConfig,
+    names: Iterable[str],
+    load: Callable[[str], np.ndarray],
+    *,
+    dtype=None,
+    source: str = "checkpoint",
+    on_tensor: Callable[[str], None] | None = None,
+):
+    """Map HF tensors onto the target model; returns (graphdef, params) ready for decode.*."""
+    graphdef, abstract = abstract_target(cfg, dtype)
+    flat = map_checkpoint(
+        names,
+        load,
+        qwen3.rules_for(cfg),
+        expected_shapes(abstract),
+        strip_prefixes=qwen3.prefixes_for(cfg),
+        ignore=qwen3.ignored_for(cfg),
+        source=source,
+        on_tensor=on_tensor,
+    )
+    params = jax.tree_util.tree_map(lambda x: x, abstract)
+    nnx.replace_by_pure_dict(params, unflatten_paths({k: jnp.asarray(v) for k, v in flat.items()}))
+    return graphdef, params

@@ -1,0 +1,294 @@
+"""Target model configuration, parsed and validated from a Hugging Face config.json.
+
+One frozen dataclass describes every supported target family; it is hashable so jitted
+functions can take it as a static argument. Parsing collects every problem before raising,
+so a user with a broken config sees all of them at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Mapping
+
+ATTENTION = "attention"
+GDN = "gdn"
+MIXER_KINDS = (ATTENTION, GDN)
+
+SUPPORTED_MODEL_TYPES = ("qwen3_5_text", "qwen3_5", "qwen3_next", "qwen3")
+DTYPES = {
+    "float32": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+}
+
+
+class ConfigError(ValueError):
+    """A config.json that this project cannot run; the message lists every problem found."""
+
+    def __init__(self, problems: list[str], source: str = "config"):
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"{source}: {len(self.problems)} problem(s):\n{lines}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetConfig:
+    """Everything the JAX target model needs, in this project's own terms."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    layer_types: tuple[str, ...]  # per layer: "attention" or "gdn"
+    # attention
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rotary_dim: int
+    rope_theta: float
+    attn_output_gate: bool  # Qwen3.5 / Qwen3-Next gated attention (q_proj carries a gate per head)
+    attention_bias: bool
+    # norms
+    rms_norm_eps: float
+    norm_zero_centered: bool  # out = norm(x) * (1 + w) for the block / final / q,k norms
+    # Gated DeltaNet
+    gdn_num_k_heads: int = 0
+    gdn_num_v_heads: int = 0
+    gdn_k_head_dim: int = 0
+    gdn_v_head_dim: int = 0
+    conv_kernel: int = 4
+    # embedding and outputs
+    tie_word_embeddings: bool = False
+    dtype: str = "float32"
+    max_position_embeddings: int = 32768
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    pad_token_id: int | None = None
+
+    # ---- derived sizes -------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_types)
+
+    @property
+    def gdn_key_dim(self) -> int:
+        return self.gdn_num_k_heads * self.gdn_k_head_dim
+
+    @property
+    def gdn_value_dim(self) -> int:
+        return self.gdn_num_v_heads * self.gdn_v_head_dim
+
+    @property
+    def gdn_conv_dim(self) -> int:
+        return 2 * self.gdn_key_dim + self.gdn_value_dim
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == ATTENTION)
+
+    @property
+    def recurrent_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t != ATTENTION)
+
+    def replace(self, **changes: Any) -> "TargetConfig":
+        return dataclasses.replace(self, **changes)
+
+    # ---- parsing -------------------------------------------------------------------
+    @classmethod
+    def from_hf_dict(cls, raw: Mapping[str, Any], source: str = "config.json") -> "TargetConfig":
+        return _parse_target(raw, source)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> "TargetConfig":
+        path = os.fspath(path)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"no config.json at {path}")
+        with open(path) as f:
+            return cls.from_hf_dict(json.load(f), source=path)
+
+
+class _Reader:
+    """Reads fields from a config dict, remembering every missing or malformed one."""
+
+    def __init__(self, raw: Mapping[str, Any], problems: list[str]):
+        self.raw = raw
+        self.problems = problems
+
+    def get(self, key: str, default: Any = None, *, required: bool = False, kind: type | tuple = ()):
+        if key not in self.raw or self.raw[key] is None:
+            if required:
+                self.problems.append(f"missing required field '{key}'")
+            return default
+        value = self.raw[key]
+        if kind and not isinstance(value, kind) or isinstance(value, bool) and kind in (int, float):
+            self.problems.append(f"field '{key}' has type {type(value).__name__}, expected {kind}")
+            return default
+        return value
+
+    def positive_int(self, key: str, default: int | None = None, *, required: bool = True) -> int:
+        value = self.get(key, default, required=required and default is None)
+        if value is None:
+            return 0
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            self.problems.append(f"field '{key}' must be a positive integer, got {value!r}")
+            return 0
+        return value
+
+
+def _rope(reader: _Reader, head_dim: int, default_partial: float) -> tuple[int, float]:
+    raw = reader.raw
+    params = raw.get("rope_parameters") or {}
+    scaling = raw.get("rope_scaling") or {}
+    if not isinstance(params, Mapping):
+        reader.problems.append("field 'rope_parameters' must be an object")
+        params = {}
+    rope_type = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
+    if rope_type not in ("default", None):
+        reader.problems.append(f"unsupported rope_type '{rope_type}' (only 'default' RoPE is implemented)")
+    theta = params.get("rope_theta", raw.get("rope_theta"))
+    if theta is None:
+        reader.problems.append("missing required field 'rope_theta' (top level or in rope_parameters)")
+        theta = 10000.0
+    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", default_partial))
+    rotary_dim = int(head_dim * float(partial)) if head_dim else 0
+    if head_dim and (rotary_dim <= 0 or rotary_dim % 2):
+        reader.problems.append(
+            f"rotary dim int(head_dim * partial_rotary_factor) = {rotary_dim} must be even and > 0"
+        )
+    return rotary_dim, float(theta)
+
+
+def _layer_types(reader: _Reader, num_layers: int) -> tuple[str, ...]:
+    raw_types = reader.raw.get("layer_types")
+    if raw_types is None:
+        interval = reader.raw.get("full_attention_interval", 4)
+        if not isinstance(interval, int) or interval <= 0:
+            reader.problems.append(f"full_attention_interval must be a positive integer, got {interval!r}")
+            interval = 4
+        return tuple(ATTENTION if (i + 1) % interval == 0 else GDN for i in range(num_layers))
+    names = {"full_attention": ATTENTION, "linear_attention": GDN}
+    out = []
+    for i, t in enumerate(raw_types):
+        if t not in names:
+            reader.problems.append(f"layer_types[{i}] = {t!r} is not one of {sorted(names)}")
+            out.append(ATTENTION)
+        else:
+            out.append(names[t])
+    if num_layers and len(out) != num_layers:
+        reader.problems.append(f"layer_types has {len(out)} entries but num_hidden_layers = {num_layers}")
+    return tuple(out)
+
+
+def _dtype(reader: _Reader) -> str:
+    name = reader.raw.get("dtype", reader.raw.get("torch_dtype", "float32")) or "float32"
+    if name not in DTYPES:
+        reader.problems.append(f"unsupported dtype '{name}' (supported: float32, bfloat16, float16)")
+        return "float32"
+    return DTYPES[name]
+
+
+def _eos(raw: Mapping[str, Any]) -> tuple[int, ...]:
+    eos = raw.get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+
+def _parse_target(raw: Mapping[str, Any], source: str) -> TargetConfig:
+    problems: list[str] = []
+    if not isinstance(raw, Mapping):
+        raise ConfigError([f"expected a JSON object, got {type(raw).__name__}"], source)
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(
+            [f"unknown model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"], source
+        )
+    outer = raw
+    if model_type == "qwen3_5":
+        text = raw.get("text_config")
+        if not isinstance(text, Mapping):
+            raise ConfigError(["model_type 'qwen3_5' needs a 'text_config' object"], source)
+        # Fields the composite config keeps at top level (dtype, tie) are defaults for the text part.
+        merged = {k: outer[k] for k in ("dtype", "torch_dtype", "tie_word_embeddings") if k in outer}
+        merged.update(text)
+        raw = merged
+    r = _Reader(raw, problems)
+    hidden = r.positive_int("hidden_size")
+    num_heads = r.positive_int("num_attention_heads")
+    num_kv = r.positive_int("num_key_value_heads", num_heads or None)
+    head_dim = r.positive_int("head_dim", (hidden // num_heads) if hidden and num_heads else None)
+    num_layers = r.positive_int("num_hidden_layers")
+    vocab = r.positive_int("vocab_size")
+    inter = r.positive_int("intermediate_size")
+    eps = float(r.get("rms_norm_eps", 1e-6))
+    qwen35_like = model_type in ("qwen3_5_text", "qwen3_5", "qwen3_next")
+    rotary_dim, theta = _rope(r, head_dim, 0.25 if qwen35_like else 1.0)
+    if num_heads and num_kv and num_heads % num_kv:
+        problems.append(f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv})")
+    fields: dict[str, Any] = {}
+    if qwen35_like:
+        layer_types = _layer_types(r, num_layers)
+        if GDN in layer_types:
+            fields = dict(
+                gdn_num_k_heads=r.positive_int("linear_num_key_heads"),
+                gdn_num_v_heads=r.positive_int("linear_num_value_heads"),
+                gdn_k_head_dim=r.positive_int("linear_key_head_dim"),
+                gdn_v_head_dim=r.positive_int("linear_value_head_dim"),
+                conv_kernel=r.positive_int("linear_conv_kernel_dim", 4),
+            )
+            hk, hv = fields["gdn_num_k_heads"], fields["gdn_num_v_heads"]
+            if hk and hv and hv % hk:
+                problems.append(
+                    f"linear_num_value_heads ({hv}) must be a multiple of linear_num_key_heads ({hk})"
+                )
+        if model_type == "qwen3_next":
+            experts = r.get("num_experts", 512)
+            mlp_only = set(r.get("mlp_only_layers") or [])
+            step = r.get("decoder_sparse_step", 1) or 1
+            moe_layers = [
+                i for i in range(num_layers) if experts and i not in mlp_only and (i + 1) % step == 0
+            ]
+            if moe_layers:
+                problems.append(
+                    f"qwen3_next with mixture-of-experts layers {moe_layers[:4]}... is not supported "
+                    "(only dense qwen3_next: num_experts = 0)"
+                )
+    else:
+        layer_types = tuple([ATTENTION] * num_layers)
+        if raw.get("use_sliding_window") and raw.get("sliding_window"):
+            problems.append("qwen3 sliding-window attention (use_sliding_window) is not supported")
+    if r.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act {raw.get('hidden_act')!r} is not supported (only 'silu')")
+    dtype = _dtype(r)
+    if problems:
+        raise ConfigError(problems, source)
+    return TargetConfig(
+        model_type=model_type,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        layer_types=layer_types,
+        num_heads=num_heads,
+        num_kv_heads=num_kv,
+        head_dim=head_dim,
+        rotary_dim=rotary_dim,
+        rope_theta=theta,
+        attn_output_gate=qwen35_like,
+        attention_bias=bool(raw.get("attention_bias", False)),
+        rms_norm_eps=eps,
+        norm_zero_centered=qwen35_like,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        dtype=dtype,
+        max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
+        eos_token_ids=_eos(raw) or _eos(outer),
+        bos_token_id=raw.get("bos_token_id"),
+        pad_token_id=raw.get("pad_token_id"),
+        **fields,
+    )

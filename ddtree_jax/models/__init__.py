@@ -1,0 +1,1 @@
+"""Flax NNX models: the hybrid target and (later) the DFlash drafter."""

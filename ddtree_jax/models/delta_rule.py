@@ -1,0 +1,106 @@
+"""The gated delta rule in pure JAX: one-token recurrence, chunked (WY/UT) form, and the block
+form that serves both chunks and trees.
+
+Per value head, S is [dk, dv] and one token does
+    S <- exp(g) S ;  u = beta (v - S^T k) ;  S <- S + k u^T ;  o = S^T q.
+A block of N tokens where token i sees the tokens j in `visible[i]` (j == i or an earlier
+token on its path) has the closed form (G = path sums of g, A strictly lower triangular):
+    A_ij = beta_i exp(G_i - G_j) k_i.k_j        for visible strict predecessors j
+    (I + A) U = beta (V - exp(G) (K S0))
+    O = exp(G) (Q S0) + ((Q K^T) * D) U,       D_ij = exp(G_i - G_j) on visible pairs
+A chain (visible = lower triangle) is one chunk of the chunked prefill; a tree (visible =
+ancestor-or-self) is tree verification. All math runs in float32 at HIGHEST precision.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+HIGHEST = jax.lax.Precision.HIGHEST
+CHUNK = 64
+
+
+def _mm(spec: str, *xs):
+    return jnp.einsum(spec, *xs, precision=HIGHEST)
+
+
+def recurrent_step(q, k, v, g, beta, state):
+    """One token. q, k [B,H,dk] (q scaled), v [B,H,dv], g, beta [B,H], state [B,H,dk,dv]."""
+    state = state * jnp.exp(g)[..., None, None]
+    kv_mem = _mm("bhkv,bhk->bhv", state, k)
+    u = beta[..., None] * (v - kv_mem)
+    state = state + k[..., :, None] * u[..., None, :]
+    return _mm("bhkv,bhk->bhv", state, q), state
+
+
+def recurrent(q, k, v, g, beta, state):
+    """Token-by-token reference over T: inputs [B,H,T,...]; returns o [B,H,T,dv], final state."""
+
+    def body(s, xs):
+        o, s = recurrent_step(*xs, s)
+        return s, o
+
+    xs = tuple(jnp.moveaxis(a, 2, 0) for a in (q, k, v, g, beta))
+    state, o = jax.lax.scan(body, state, xs)
+    return jnp.moveaxis(o, 0, 2), state
+
+
+def block(q, k, v, path_g, beta, state, visible):
+    """Outputs of N tokens that each see `visible` predecessors, from the state before them.
+
+    q, k [B,H,N,dk]; v [B,H,N,dv]; path_g, beta [B,H,N]; state [B,H,dk,dv];
+    visible [N,N] or [B,N,N] bool (self included). Returns (o [B,H,N,dv], u [B,H,N,dv]).
+    `u` are the corrected values; the state after a path is exp(G_end) S0 + sum_j exp(G_end - G_j) k_j u_j^T
+    over the path's tokens (see `advance`).
+    """
+    n = q.shape[2]
+    if visible.ndim == 3:
+        visible = visible[:, None]
+    eye = jnp.eye(n, dtype=bool)
+    diff = path_g[..., :, None] - path_g[..., None, :]
+    # Mask BEFORE exp: for non-visible pairs the exponent can be large and positive.
+    decay = jnp.exp(jnp.where(visible, diff, -jnp.inf))
+    strict = decay * (~eye)
+    a = beta[..., :, None] * _mm("bhik,bhjk->bhij", k, k) * strict
+    exp_g = jnp.exp(path_g)[..., None]
+    rhs = beta[..., None] * (v - exp_g * _mm("bhnk,bhkv->bhnv", k, state))
+    system = a + eye.astype(a.dtype)
+    u = jax.lax.linalg.triangular_solve(system, rhs, left_side=True, lower=True, unit_diagonal=True)
+    o = exp_g * _mm("bhnk,bhkv->bhnv", q, state) + _mm("bhij,bhjv->bhiv", _mm("bhik,bhjk->bhij", q, k) * decay, u)
+    return o, u
+
+
+def advance(k, u, path_g, state, end_g):
+    """State after a chain of tokens: exp(end_g) S0 + sum_j exp(end_g - G_j) k_j u_j^T.
+
+    k [B,H,N,dk], u [B,H,N,dv], path_g [B,H,N] (G_j), end_g [B,H] (G of the last token).
+    Tokens that are not on the path must have zero u (beta = 0).
+    """
+    w = jnp.exp(end_g[..., None] - path_g)[..., None] * k
+    return jnp.exp(end_g)[..., None, None] * state + _mm("bhnk,bhnv->bhkv", w, u)
+
+
+def chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
+    """Chunked prefill over T tokens: inputs [B,H,T,...]; returns o [B,H,T,dv], final state.
+
+    Positions to skip (padding) must carry g = 0 and beta = 0: they then leave the state as is.
+    """
+    b, h, t, _ = q.shape
+    pad = (-t) % chunk
+    if pad:
+        padder = lambda a: jnp.pad(a, [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 3))
+        q, k, v, g, beta = map(padder, (q, k, v, g, beta))
+    nc = (t + pad) // chunk
+    split = lambda a: jnp.moveaxis(a.reshape(b, h, nc, chunk, *a.shape[3:]), 2, 0)
+    causal = jnp.tril(jnp.ones((chunk, chunk), bool))
+
+    def body(s, xs):
+        qc, kc, vc, gc, bc = xs
+        path_g = jnp.cumsum(gc, axis=-1)
+        o, u = block(qc, kc, vc, path_g, bc, s, causal)
+        return advance(kc, u, path_g, s, path_g[..., -1]), o
+
+    state, o = jax.lax.scan(body, state, tuple(map(split, (q, k, v, g, beta))))
+    o = jnp.moveaxis(o, 0, 2).reshape(b, h, nc * chunk, -1)
+    return o[:, :, :t], state

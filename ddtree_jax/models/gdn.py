@@ -1,0 +1,93 @@
+"""Gated DeltaNet token mixer (Qwen3.5 / Qwen3.6 / Qwen3-Next linear-attention layers).
+
+Parameters follow the Qwen3.5 split layout (the converter reorders Qwen3-Next's fused
+projections into it). Prefill uses the chunked form, single-token steps the recurrence;
+both are pure functions of (params, inputs, RecurrentCache).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ddtree_jax.cache import RecurrentCache
+from ddtree_jax.config import TargetConfig
+from ddtree_jax.models import delta_rule
+from ddtree_jax.models.conv import causal_conv, next_window
+from ddtree_jax.models.layers import GatedRMSNorm, Linear
+
+
+def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+class GatedDeltaNet(nnx.Module):
+    def __init__(self, cfg: TargetConfig, *, dtype, rngs: nnx.Rngs):
+        self.cfg = cfg
+        h, hv = cfg.hidden_size, cfg.gdn_num_v_heads
+        self.in_proj_qkv = Linear(h, cfg.gdn_conv_dim, dtype=dtype, rngs=rngs)
+        self.in_proj_z = Linear(h, cfg.gdn_value_dim, dtype=dtype, rngs=rngs)
+        self.in_proj_b = Linear(h, hv, dtype=dtype, rngs=rngs)
+        self.in_proj_a = Linear(h, hv, dtype=dtype, rngs=rngs)
+        k = cfg.conv_kernel
+        self.conv_weight = nnx.Param(
+            (jax.random.normal(rngs.params(), (k, cfg.gdn_conv_dim)) * k**-0.5).astype(dtype)
+        )
+        self.dt_bias = nnx.Param(jnp.ones((hv,), dtype))
+        self.A_log = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (hv,), minval=1.0, maxval=16.0)).astype(dtype))
+        self.norm = GatedRMSNorm(cfg.gdn_v_head_dim, cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
+        self.out_proj = Linear(cfg.gdn_value_dim, h, dtype=dtype, rngs=rngs)
+
+    # ---- pieces shared by every entry point ------------------------------------------
+    def project(self, x: jax.Array):
+        """Conv inputs [B,T,conv_dim], gate z [B,T,Hv,dv], beta and g [B,T,Hv] (float32)."""
+        cfg = self.cfg
+        b, t, _ = x.shape
+        mixed = self.in_proj_qkv(x)
+        z = self.in_proj_z(x).reshape(b, t, cfg.gdn_num_v_heads, cfg.gdn_v_head_dim)
+        beta = jax.nn.sigmoid(self.in_proj_b(x)).astype(jnp.float32)
+        a = self.in_proj_a(x).astype(jnp.float32)
+        g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a + self.dt_bias[...].astype(jnp.float32))
+        return mixed, z, beta, g
+
+    def heads(self, conv_out: jax.Array):
+        """Split activated conv outputs into float32 q (normed, scaled), k (normed), v, heads-first."""
+        cfg = self.cfg
+        b, t, _ = conv_out.shape
+        kd = cfg.gdn_key_dim
+        q = conv_out[..., :kd].reshape(b, t, cfg.gdn_num_k_heads, cfg.gdn_k_head_dim)
+        k = conv_out[..., kd : 2 * kd].reshape(b, t, cfg.gdn_num_k_heads, cfg.gdn_k_head_dim)
+        v = conv_out[..., 2 * kd :].reshape(b, t, cfg.gdn_num_v_heads, cfg.gdn_v_head_dim)
+        rep = cfg.gdn_num_v_heads // cfg.gdn_num_k_heads
+        if rep > 1:  # v-head j reads k-head j // rep
+            q, k = jnp.repeat(q, rep, axis=2), jnp.repeat(k, rep, axis=2)
+        q = l2_normalize(q.astype(jnp.float32)) * cfg.gdn_k_head_dim**-0.5
+        k = l2_normalize(k.astype(jnp.float32))
+        to_heads = lambda a: jnp.swapaxes(a, 1, 2)
+        return to_heads(q), to_heads(k), to_heads(v.astype(jnp.float32))
+
+    def output(self, o: jax.Array, z: jax.Array, dtype) -> jax.Array:
+        """o [B,H,T,dv] float32 -> projected output [B,T,hidden]."""
+        o = jnp.swapaxes(o, 1, 2).astype(dtype)
+        y = self.norm(o, z)
+        return self.out_proj(y.reshape(*y.shape[:2], -1))
+
+    # ---- append tokens to the committed state -----------------------------------------
+    def __call__(
+        self, x: jax.Array, cache: RecurrentCache, n_valid: jax.Array, *, chunked: bool
+    ) -> tuple[jax.Array, RecurrentCache]:
+        """Consume the first n_valid[b] of T tokens; later (padding) tokens leave the state alone."""
+        t = x.shape[1]
+        mixed, z, beta, g = self.project(x)
+        conv_out = jax.nn.silu(causal_conv(mixed, cache.conv, self.conv_weight[...]))
+        q, k, v = self.heads(conv_out.astype(x.dtype))
+        valid = (jnp.arange(t)[None, :] < n_valid[:, None])[:, None, :]
+        beta = jnp.where(valid, jnp.swapaxes(beta, 1, 2), 0.0)
+        g = jnp.where(valid, jnp.swapaxes(g, 1, 2), 0.0)
+        if chunked:
+            o, state = delta_rule.chunked(q, k, v, g, beta, cache.state)
+        else:
+            o, state = delta_rule.recurrent(q, k, v, g, beta, cache.state)
+        new_cache = RecurrentCache(conv=next_window(mixed, cache.conv, n_valid), state=state)
+        return self.output(o, z, x.dtype), new_cache

@@ -1,0 +1,109 @@
+"""Small building blocks shared by the target and the drafter: linear, norms, RoPE, SwiGLU.
+
+Parameters use the layouts the converters write: linear kernels [in, out], embeddings
+[vocab, hidden]. Norms and RoPE compute in float32 and cast back, as the HF models do.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+def _init(rngs: nnx.Rngs, shape, dtype, scale: float):
+    return (jax.random.normal(rngs.params(), shape, jnp.float32) * scale).astype(dtype)
+
+
+class Linear(nnx.Module):
+    """y = x @ kernel (+ bias); kernel is [in, out]."""
+
+    def __init__(self, d_in: int, d_out: int, *, bias: bool = False, dtype="float32", rngs: nnx.Rngs):
+        self.kernel = nnx.Param(_init(rngs, (d_in, d_out), dtype, d_in**-0.5))
+        self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = jnp.einsum("...i,io->...o", x, self.kernel[...])
+        if self.bias is not None:
+            y = y + self.bias[...]
+        return y
+
+
+def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    return x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm over the last axis; `zero_centered` gives out = norm(x) * (1 + w) (Qwen3.5)."""
+
+    def __init__(self, dim: int, eps: float, *, zero_centered: bool, dtype="float32", rngs: nnx.Rngs):
+        self.eps = eps
+        self.zero_centered = zero_centered
+        self.weight = nnx.Param(jnp.zeros((dim,), dtype) if zero_centered else jnp.ones((dim,), dtype))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        normed = rms_normalize(x, self.eps)
+        w = self.weight[...].astype(jnp.float32)
+        if self.zero_centered:
+            return (normed * (1.0 + w)).astype(x.dtype)
+        # Plain Qwen3 / Llama order: cast to the input dtype first, then scale.
+        return w.astype(x.dtype) * normed.astype(x.dtype)
+
+
+class GatedRMSNorm(nnx.Module):
+    """Gated DeltaNet output norm: w * rmsnorm(o) * silu(z), per head over the value dim."""
+
+    def __init__(self, dim: int, eps: float, *, dtype="float32", rngs: nnx.Rngs):
+        self.eps = eps
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+
+    def __call__(self, o: jax.Array, z: jax.Array) -> jax.Array:
+        normed = rms_normalize(o, self.eps).astype(o.dtype)
+        gated = self.weight[...] * normed * jax.nn.silu(z.astype(jnp.float32))
+        return gated.astype(o.dtype)
+
+
+class SwiGLU(nnx.Module):
+    """down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, inter: int, *, dtype="float32", rngs: nnx.Rngs):
+        self.gate_proj = Linear(hidden, inter, dtype=dtype, rngs=rngs)
+        self.up_proj = Linear(hidden, inter, dtype=dtype, rngs=rngs)
+        self.down_proj = Linear(inter, hidden, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Embedding(nnx.Module):
+    """Token embedding [vocab, hidden]; `attend` reuses it as a tied LM head."""
+
+    def __init__(self, vocab: int, hidden: int, *, dtype="float32", rngs: nnx.Rngs):
+        self.embedding = nnx.Param(_init(rngs, (vocab, hidden), dtype, 1.0))
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        return jnp.take(self.embedding[...], tokens, axis=0)
+
+    def attend(self, x: jax.Array) -> jax.Array:
+        return jnp.einsum("...h,vh->...v", x, self.embedding[...])
+
+
+def rope_cos_sin(positions: jax.Array, rotary_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """cos/sin tables [..., rotary_dim] for integer positions (non-interleaved halves)."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate the first rotary_dim features of x [..., T, heads, hd]; cos/sin are [..., T, rot]."""
+    rot = cos.shape[-1]
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    half = rot // 2
+    rotated = jnp.concatenate([-x_rot[..., half:], x_rot[..., :half]], axis=-1)
+    c = cos[..., None, :].astype(x.dtype)
+    s = sin[..., None, :].astype(x.dtype)
+    out = x_rot * c + rotated * s
+    return jnp.concatenate([out, x_pass], axis=-1) if x_pass.shape[-1] else out

@@ -1,0 +1,1 @@
+"""Pallas GPU kernels, one per file next to its pure-jnp reference (impl= switch)."""
