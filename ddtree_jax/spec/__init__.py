@@ -1,0 +1,1 @@
+"""Speculative decoding: draft tree construction, tree verification, acceptance, commit, generation."""

@@ -1,0 +1,104 @@
+"""DDTree construction on device: the `budget` most likely draft prefixes as a tree.
+
+The score of a prefix is the sum of the drafter's per-depth log-probs along it. The reference
+is a best-first heap; here the same set comes from a depth-by-depth beam of width `budget`
+followed by one top-`budget` over all depths (a node in the global top set has its parent in
+it, and in its own depth's top set). Everything has fixed shapes for a given budget.
+
+Ties follow one total order, the heap's: higher score first, then smaller depth, then the
+lexicographically smaller path of sibling ranks (rank = position in the per-depth top-k, ties
+in log-prob broken by the smaller token id). Beams are kept in that lexicographic order so
+that "lower flat index first" (lax.top_k's tie rule) implements it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ddtree_jax.tree import Tree, chain_tree, make_tree
+
+NEG = -jnp.inf
+MAX_BUDGET = 1024
+
+
+def validate_budget(budget: int, depth: int, vocab: int, max_candidates: int | None = None) -> int:
+    """Check the static tree parameters; returns the per-depth candidate count."""
+    problems = []
+    if not isinstance(budget, int) or isinstance(budget, bool) or not 1 <= budget <= MAX_BUDGET:
+        problems.append(f"budget must be an integer in [1, {MAX_BUDGET}], got {budget!r}")
+    if depth < 1:
+        problems.append(f"the drafter must propose at least one depth (block_size >= 2), got {depth}")
+    k = min(budget, vocab) if not problems else 1
+    if max_candidates is not None:
+        if not isinstance(max_candidates, int) or max_candidates < 1:
+            problems.append(f"candidates per depth must be a positive integer, got {max_candidates!r}")
+        else:
+            k = min(k, max_candidates)
+    if problems:
+        raise ValueError("invalid tree parameters: " + "; ".join(problems))
+    return k
+
+
+def _beam_step(beam_scores, cand_scores, budget: int, k: int):
+    """Extend each kept node [B, W] by k candidates [B, k]; keep the best `budget` in lex order.
+
+    Returns (scores [B, budget], parent slot [B, budget], rank [B, budget]).
+    """
+    b, w = beam_scores.shape
+    flat = (beam_scores[:, :, None] + cand_scores[:, None, :]).reshape(b, w * k)
+    width = min(budget, w * k)
+    _, pick = jax.lax.top_k(flat, width)  # ties: lower flat index = lex-smaller path
+    pick = jnp.sort(pick, axis=-1)  # store the beam in lexicographic order
+    scores = jnp.take_along_axis(flat, pick, axis=-1)
+    parent, rank = pick // k, pick % k
+    if width < budget:
+        pad = budget - width
+        scores = jnp.pad(scores, ((0, 0), (0, pad)), constant_values=NEG)
+        parent = jnp.pad(parent, ((0, 0), (0, pad)))
+        rank = jnp.pad(rank, ((0, 0), (0, pad)))
+    return scores, parent, rank
+
+
+def build_tree(logq: jax.Array, root_tokens: jax.Array, start: jax.Array, budget: int, max_candidates=None) -> Tree:
+    """logq [B, D, V]: log-probs of the D draft depths; root_tokens, start [B]. Static budget.
+
+    Returns a Tree of budget + 1 slots (root first, then nodes by depth, each depth in lex order).
+    """
+    b, depth, vocab = logq.shape
+    k = validate_budget(budget, depth, vocab, max_candidates)
+    logq = logq.astype(jnp.float32)
+    top_val, top_tok = jax.lax.top_k(logq, k)  # [B, D, k], ties -> smaller token id first
+    # Depth by depth: beams in lexicographic order, padded to width `budget` with -inf.
+    scores, parents, ranks = [], [], []
+    beam = jnp.zeros((b, 1), jnp.float32)
+    for d in range(depth):
+        beam, parent, rank = _beam_step(beam, top_val[:, d], budget, k)
+        scores.append(beam)
+        parents.append(parent)
+        ranks.append(rank)
+    all_scores = jnp.concatenate(scores, axis=1)  # [B, D*budget], flat order = (depth, lex)
+    _, chosen = jax.lax.top_k(all_scores, budget)
+    chosen = jnp.sort(chosen, axis=-1)  # topological: by depth, then lex
+    chosen_scores = jnp.take_along_axis(all_scores, chosen, axis=-1)
+    valid_nodes = chosen_scores > NEG
+    node_depth = chosen // budget  # 0-based depth index (tree depth - 1)
+    node_slot = chosen % budget
+    # Final index of every (depth, slot) beam entry that was chosen (0 = root for "depth -1").
+    final_index = jnp.zeros((b, depth * budget), jnp.int32)
+    final_index = jax.vmap(lambda f, c: f.at[c].set(jnp.arange(1, budget + 1, dtype=jnp.int32)))(final_index, chosen)
+    parent_slot = jnp.take_along_axis(jnp.concatenate(parents, axis=1), chosen, axis=-1)
+    rank = jnp.take_along_axis(jnp.concatenate(ranks, axis=1), chosen, axis=-1)
+    parent_flat = (node_depth - 1) * budget + parent_slot
+    parent_index = jnp.where(node_depth == 0, 0, jnp.take_along_axis(final_index, jnp.maximum(parent_flat, 0), axis=-1))
+    tokens = jnp.take_along_axis(top_tok.reshape(b, depth * k), node_depth * k + rank, axis=-1)
+    all_tokens = jnp.concatenate([root_tokens[:, None], tokens], axis=1)
+    all_parents = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), parent_index], axis=1)
+    all_valid = jnp.concatenate([jnp.ones((b, 1), bool), valid_nodes], axis=1)
+    return make_tree(all_tokens, all_parents, all_valid, start, max_depth=depth)
+
+
+def build_chain(logq: jax.Array, root_tokens: jax.Array, start: jax.Array) -> Tree:
+    """Linear DFlash: the argmax of every depth, as a chain tree of D + 1 slots."""
+    draft = jnp.argmax(logq, axis=-1).astype(jnp.int32)
+    return chain_tree(jnp.concatenate([root_tokens[:, None].astype(jnp.int32), draft], axis=1), start)

@@ -1,0 +1,103 @@
+"""The draft tree every layer's tree entry point reads, and its derived geometry.
+
+A tree has N = budget + 1 slots per sequence in topological order: slot 0 is the root (the
+bonus token, already chosen by the target), every other valid slot has its parent at a lower
+index. Padding slots (valid = False) are children of nothing: they see only themselves and are
+never anyone's ancestor, so they cannot disturb real nodes.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+WORD = 32
+
+
+class Tree(NamedTuple):
+    tokens: jax.Array  # [B, N] int32; slot 0 = root
+    parents: jax.Array  # [B, N] int32; -1 for the root and for padding
+    depths: jax.Array  # [B, N] int32; root 0, padding 0
+    positions: jax.Array  # [B, N] int32; committed length + depth
+    valid: jax.Array  # [B, N] bool
+    ancestor_bits: jax.Array  # [B, N, ceil(N/32)] uint32: bit j of node i set iff j is i or an ancestor
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[1]
+
+
+def ancestor_bits_from_parents(parents: jax.Array, max_depth: int) -> jax.Array:
+    """Bitsets of ancestors-or-self from parent pointers, on device ([B, N] -> [B, N, W])."""
+    b, n = parents.shape
+    words = -(-n // WORD)
+    idx = jnp.arange(n)
+    own = jnp.zeros((n, words), jnp.uint32).at[idx, idx // WORD].set(jnp.left_shift(jnp.uint32(1), (idx % WORD).astype(jnp.uint32)))
+    own = jnp.broadcast_to(own, (b, n, words))
+    bits = own
+    safe_parent = jnp.maximum(parents, 0)
+    has_parent = (parents >= 0)[..., None]
+    for _ in range(max_depth):
+        inherited = jnp.take_along_axis(bits, safe_parent[..., None], axis=1)
+        bits = own | jnp.where(has_parent, inherited, jnp.uint32(0))
+    return bits
+
+
+def bits_to_dense(bits: jax.Array, n: int) -> jax.Array:
+    """[B, N, W] uint32 -> [B, N, N] bool visibility (j visible to i)."""
+    j = jnp.arange(n)
+    word = jnp.take(bits, j // WORD, axis=-1)
+    return (jnp.right_shift(word, (j % WORD).astype(jnp.uint32)) & 1).astype(bool)
+
+
+def make_tree(tokens, parents, valid, start, max_depth: int) -> Tree:
+    """Assemble a Tree from tokens / parents / valid [B, N] and committed lengths start [B]."""
+    parents = jnp.where(valid, parents, -1).astype(jnp.int32)
+    depths = jnp.zeros(parents.shape, jnp.int32)
+    safe_parent = jnp.maximum(parents, 0)
+    for _ in range(max_depth):
+        depths = jnp.where(parents >= 0, jnp.take_along_axis(depths, safe_parent, axis=1) + 1, 0)
+    return Tree(
+        tokens=tokens.astype(jnp.int32),
+        parents=parents,
+        depths=depths,
+        positions=start[:, None].astype(jnp.int32) + depths,
+        valid=valid,
+        ancestor_bits=ancestor_bits_from_parents(parents, max_depth),
+    )
+
+
+def chain_tree(tokens: jax.Array, start: jax.Array) -> Tree:
+    """A chain: root = tokens[:, 0], node i's parent is i - 1 (linear DFlash as a tree)."""
+    b, n = tokens.shape
+    parents = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32) - 1, (b, n))
+    return make_tree(tokens, parents, jnp.ones((b, n), bool), start, max_depth=n - 1)
+
+
+class TreeGeometry(NamedTuple):
+    """What the XLA (reference) tree layers read; derived from a Tree inside jit."""
+
+    positions: jax.Array  # [B, N]
+    visible: jax.Array  # [B, N, N] bool, ancestor-or-self
+    conv_src: jax.Array  # [B, N, K]: m-th ancestor of each node as an index into concat(window, nodes)
+
+
+def geometry(tree: Tree, conv_kernel: int) -> TreeGeometry:
+    """Dense visibility and the conv gather indices.
+
+    conv_src[b, i, m] indexes concat(conv window [K-1], tree inputs [N]) along time: the m-th
+    ancestor of node i (m = 0 is i itself) if it is in the tree, else the window column that
+    precedes the root by the overshoot (newest column first).
+    """
+    n = tree.size
+    visible = bits_to_dense(tree.ancestor_bits, n)
+    k1 = conv_kernel - 1
+    cols = []
+    cur = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), tree.parents.shape)
+    for m in range(conv_kernel):
+        in_tree = m <= tree.depths
+        cols.append(jnp.where(in_tree, k1 + cur, k1 - (m - tree.depths)))
+        cur = jnp.maximum(jnp.take_along_axis(tree.parents, cur, axis=1), 0)
+    return TreeGeometry(tree.positions, visible, jnp.stack(cols, axis=-1))

@@ -1,0 +1,123 @@
+"""DDTree construction equals a plain-Python best-first heap, ties included."""
+
+import heapq
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from ddtree_jax.spec.build import build_chain, build_tree
+from ddtree_jax.tree import bits_to_dense
+
+D, V = 5, 24
+
+
+def heap_reference(logq: np.ndarray, budget: int):
+    """Best-first heap over (-score, depth, rank path); returns {token path: score}."""
+    depth, vocab = logq.shape
+    k = min(budget, vocab)
+    ranked = [np.lexsort((np.arange(vocab), -logq[d]))[:k] for d in range(depth)]
+
+    def score(rp):
+        s = np.float32(0)
+        for d, r in enumerate(rp):
+            s = np.float32(s + np.float32(logq[d, ranked[d][r]]))
+        return s
+
+    heap = [(-score((0,)), 1, (0,))]
+    out = {}
+    while heap and len(out) < budget:
+        neg, d, rp = heapq.heappop(heap)
+        out[tuple(int(ranked[i][r]) for i, r in enumerate(rp))] = -neg
+        if rp[-1] + 1 < k:
+            sib = rp[:-1] + (rp[-1] + 1,)
+            heapq.heappush(heap, (-score(sib), d, sib))
+        if d < depth:
+            child = rp + (0,)
+            heapq.heappush(heap, (-score(child), d + 1, child))
+    return out
+
+
+def tree_paths(tree, b):
+    tokens = np.asarray(tree.tokens[b])
+    parents = np.asarray(tree.parents[b])
+    valid = np.asarray(tree.valid[b])
+    paths = {}
+    for i in range(1, len(tokens)):
+        if not valid[i]:
+            continue
+        path, j = [], i
+        while j > 0:
+            path.append(int(tokens[j]))
+            j = parents[j]
+        paths[tuple(path[::-1])] = i
+    return paths
+
+
+def draw_logq(seed, quantized):
+    rng = np.random.default_rng(seed)
+    if quantized:  # few distinct values -> many exact ties in scores
+        logits = rng.integers(0, 4, size=(2, D, V)).astype(np.float32)
+    else:
+        logits = rng.normal(size=(2, D, V)).astype(np.float32) * 3
+    logq = jax.nn.log_softmax(jnp.asarray(logits), axis=-1)
+    if quantized:  # make log-probs exactly representable so sums tie exactly
+        logq = jnp.round(logq * 4) / 4 - 0.25
+    return np.asarray(logq)
+
+
+_jit_build = jax.jit(build_tree, static_argnames=("budget", "max_candidates"))
+
+
+def check_against_heap(logq, budget):
+    start = jnp.array([5, 9], jnp.int32)
+    tree = _jit_build(jnp.asarray(logq), jnp.array([3, 4], jnp.int32), start, budget=budget)
+    for b in range(2):
+        ref = heap_reference(logq[b], budget)
+        got = tree_paths(tree, b)
+        assert set(got) == set(ref), f"budget {budget}: tree differs from the heap reference"
+        parents = np.asarray(tree.parents[b])
+        depths = np.asarray(tree.depths[b])
+        valid = np.asarray(tree.valid[b])
+        assert parents[0] == -1 and depths[0] == 0 and valid[0]
+        for i in np.nonzero(valid)[0][1:]:
+            assert 0 <= parents[i] < i  # topological order
+            assert depths[i] == depths[parents[i]] + 1
+        np.testing.assert_array_equal(np.asarray(tree.positions[b]), int(start[b]) + depths)
+        vis = np.asarray(bits_to_dense(tree.ancestor_bits, tree.size))[b]
+        for i in range(tree.size):
+            anc, j = {i}, i
+            while valid[i] and parents[j] >= 0:
+                j = parents[j]
+                anc.add(j)
+            assert set(np.nonzero(vis[i])[0]) == anc
+
+
+@given(seed=st.integers(0, 2**31 - 1), quantized=st.booleans(), budget=st.sampled_from([1, 2, 7, 16, 33, 64]))
+@settings(max_examples=30)
+def test_tree_matches_heap(seed, quantized, budget):
+    check_against_heap(draw_logq(seed, quantized), budget)
+
+
+@pytest.mark.parametrize("budget", [1, 100, 256, 512])
+def test_tree_matches_heap_large_budgets(budget):
+    for quantized in (False, True):
+        check_against_heap(draw_logq(budget, quantized), budget)
+
+
+def test_budget_validation():
+    logq = jnp.zeros((1, 3, 8))
+    for bad in (0, -1, 2000, 1.5):
+        with pytest.raises(ValueError, match="budget"):
+            build_tree(logq, jnp.zeros((1,), jnp.int32), jnp.zeros((1,), jnp.int32), budget=bad)
+    with pytest.raises(ValueError, match="candidates"):
+        build_tree(logq, jnp.zeros((1,), jnp.int32), jnp.zeros((1,), jnp.int32), budget=4, max_candidates=0)
+
+
+def test_chain_is_argmax_path():
+    logq = draw_logq(1, False)
+    tree = build_chain(jnp.asarray(logq), jnp.array([3, 4]), jnp.array([0, 0]))
+    np.testing.assert_array_equal(np.asarray(tree.tokens[:, 1:]), logq.argmax(-1))
+    np.testing.assert_array_equal(np.asarray(tree.depths[0]), np.arange(D + 1))
