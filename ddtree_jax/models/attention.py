@@ -6,6 +6,8 @@ K/V into the cache and attends causally over everything up to each query's posit
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -26,19 +28,34 @@ def write_kv(cache: KVCache, k_new: jax.Array, v_new: jax.Array, start: jax.Arra
     return KVCache(jax.vmap(put)(cache.k, k_new, start), jax.vmap(put)(cache.v, v_new, start))
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, scale: float) -> jax.Array:
-    """Grouped-query attention.
+class KVPending(NamedTuple):
+    """What an attention layer's commit needs from a tree pass: the tree nodes' K/V [B, N, kv, hd]."""
 
-    q [B, T, nh, hd]; k, v [B, kv, S, hd]; visible [B, T, S] bool. Softmax in float32, the
-    weighted sum in the value dtype (as HF's eager attention). Returns [B, T, nh, hd].
+    k: jax.Array
+    v: jax.Array
+
+
+def attend(q: jax.Array, parts, scale: float) -> jax.Array:
+    """Grouped-query attention over one or more key/value parts with one joint softmax.
+
+    q [B, T, nh, hd]; parts: sequence of (k, v [B, kv, S_p, hd], visible [B, T, S_p] bool).
+    Several parts let the tree pass read the committed cache and the tree's own K/V without
+    copying the cache. Softmax in float32, the weighted sum in the value dtype (as HF's eager
+    attention). Returns [B, T, nh, hd].
     """
     b, t, nh, hd = q.shape
-    kv = k.shape[1]
+    kv = parts[0][0].shape[1]
     qg = q.reshape(b, t, kv, nh // kv, hd)
-    scores = jnp.einsum("btkgd,bksd->bkgts", qg, k.astype(q.dtype)).astype(jnp.float32) * scale
-    scores = jnp.where(visible[:, None, None], scores, NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bksd->btkgd", probs, v)
+    scores = []
+    for k, _, visible in parts:
+        s = jnp.einsum("btkgd,bksd->bkgts", qg, k.astype(q.dtype)).astype(jnp.float32) * scale
+        scores.append(jnp.where(visible[:, None, None], s, NEG_INF))
+    probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
+    out, offset = 0.0, 0
+    for (_, v, _), s in zip(parts, scores):
+        p = probs[..., offset : offset + s.shape[-1]].astype(v.dtype)
+        out = out + jnp.einsum("bkgts,bksd->btkgd", p, v)
+        offset += s.shape[-1]
     return out.reshape(b, t, nh, hd).astype(q.dtype)
 
 
@@ -88,5 +105,25 @@ class Attention(nnx.Module):
         cache = write_kv(cache, k, v, start)
         key_pos = jnp.arange(cache.capacity, dtype=jnp.int32)
         visible = key_pos[None, None, :] <= positions[:, :, None]
-        attn = attend(q, cache.k, cache.v, visible, self.cfg.head_dim**-0.5)
+        attn = attend(q, [(cache.k, cache.v, visible)], self.cfg.head_dim**-0.5)
         return self.output(attn, gate), cache
+
+    # ---- speculative entry points -------------------------------------------------------
+    def tree(self, x, cache: KVCache, start, positions, visible) -> tuple[jax.Array, KVPending]:
+        """Outputs of N tree nodes x [B, N, H] at `positions`; node i sees the committed cache
+        (< start) and the nodes in visible[b, i] (its ancestors and itself). Writes nothing."""
+        q, k, v, gate = self.project(x, positions)
+        key_pos = jnp.arange(cache.capacity, dtype=jnp.int32)
+        committed = jnp.broadcast_to(key_pos[None, None, :] < start[:, None, None], (*positions.shape, cache.capacity))
+        tree_k, tree_v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+        attn = attend(q, [(cache.k, cache.v, committed), (tree_k, tree_v, visible)], self.cfg.head_dim**-0.5)
+        return self.output(attn, gate), KVPending(k, v)
+
+    @staticmethod
+    def commit(pending: KVPending, path, count, cache: KVCache, start) -> KVCache:
+        """Write the K/V of the accepted nodes (path [B, P], first count[b] real) contiguously at start.
+
+        Entries past count land beyond the new length: masked until later writes replace them.
+        """
+        take = lambda a: jnp.take_along_axis(a, path[:, :, None, None], axis=1)
+        return write_kv(cache, take(pending.k), take(pending.v), start)

@@ -104,3 +104,19 @@ def chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
     state, o = jax.lax.scan(body, state, tuple(map(split, (q, k, v, g, beta))))
     o = jnp.moveaxis(o, 0, 2).reshape(b, h, nc * chunk, -1)
     return o[:, :, :t], state
+
+
+def path_state(k, v, g, beta, state):
+    """Commit scan: the state after feeding P tokens in order (k [B,H,P,dk], v [B,H,P,dv],
+    g, beta [B,H,P]); tokens with g = beta = 0 are skipped. Same arithmetic as `recurrent_step`,
+    so a committed state equals the state of sequential decoding."""
+
+    def body(s, xs):
+        kt, vt, gt, bt = xs
+        s = s * jnp.exp(gt)[..., None, None]
+        u = bt[..., None] * (vt - _mm("bhkv,bhk->bhv", s, kt))
+        return s + kt[..., :, None] * u[..., None, :], None
+
+    xs = tuple(jnp.moveaxis(a, 2, 0) for a in (k, v, g, beta))
+    state, _ = jax.lax.scan(body, state, xs)
+    return state

@@ -7,6 +7,8 @@ both are pure functions of (params, inputs, RecurrentCache).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -16,6 +18,16 @@ from ddtree_jax.config import TargetConfig
 from ddtree_jax.models import delta_rule
 from ddtree_jax.models.conv import causal_conv, next_window
 from ddtree_jax.models.layers import GatedRMSNorm, Linear
+
+
+class RecurrentPending(NamedTuple):
+    """Per-node inputs a GDN commit needs to replay an accepted path (never per-node states)."""
+
+    conv_in: jax.Array  # [B, N, conv_dim] conv inputs of every node
+    k: jax.Array  # [B, H, N, dk]
+    v: jax.Array  # [B, H, N, dv]
+    g: jax.Array  # [B, H, N]
+    beta: jax.Array  # [B, H, N]
 
 
 def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
@@ -91,3 +103,41 @@ class GatedDeltaNet(nnx.Module):
             o, state = delta_rule.recurrent(q, k, v, g, beta, cache.state)
         new_cache = RecurrentCache(conv=next_window(mixed, cache.conv, n_valid), state=state)
         return self.output(o, z, x.dtype), new_cache
+
+    # ---- speculative entry points -------------------------------------------------------
+    def tree(self, x, cache: RecurrentCache, visible, conv_src=None) -> tuple[jax.Array, RecurrentPending]:
+        """Outputs of N nodes x [B, N, H], each from its own root-to-node path. Writes nothing.
+
+        visible [B, N, N]: ancestor-or-self. conv_src [B, N, K] (tree.geometry) gathers each
+        node's conv window from its ancestors and the committed window; None means a chain
+        (node i's parent is i - 1: linear DFlash), computed with the plain causal forms.
+        """
+        mixed, z, beta, g = self.project(x)
+        w = self.conv_weight[...]
+        if conv_src is None:
+            conv = causal_conv(mixed, cache.conv, w)
+        else:
+            seq = jnp.concatenate([cache.conv.astype(w.dtype), mixed.astype(w.dtype)], axis=1)
+            taps = jnp.take_along_axis(seq[:, :, None, :], conv_src[..., None], axis=1)  # [B,N,K,D]
+            kernel = w.shape[0]
+            conv = sum(taps[:, :, m] * w[kernel - 1 - m] for m in range(kernel))
+        q, k, v = self.heads(jax.nn.silu(conv).astype(x.dtype))
+        beta, g = jnp.swapaxes(beta, 1, 2), jnp.swapaxes(g, 1, 2)
+        if conv_src is None:
+            path_g = jnp.cumsum(g, axis=-1)
+        else:
+            path_g = jnp.einsum("bij,bhj->bhi", visible.astype(jnp.float32), g, precision=delta_rule.HIGHEST)
+        o, _ = delta_rule.block(q, k, v, path_g, beta, cache.state, visible)
+        return self.output(o, z, x.dtype), RecurrentPending(mixed, k, v, g, beta)
+
+    @staticmethod
+    def commit(pending: RecurrentPending, path, count, cache: RecurrentCache) -> RecurrentCache:
+        """State after the accepted path (path [B, P], first count[b] real): a scan from the
+        committed state over the path's nodes, and the conv window slid over their inputs."""
+        p = path.shape[1]
+        on = (jnp.arange(p)[None, :] < count[:, None])[:, None, :]
+        take = lambda a: jnp.take_along_axis(a, path[:, None, :, None], axis=2)
+        take1 = lambda a: jnp.where(on, jnp.take_along_axis(a, path[:, None, :], axis=2), 0.0)
+        state = delta_rule.path_state(take(pending.k), take(pending.v), take1(pending.g), take1(pending.beta), cache.state)
+        conv_in = jnp.take_along_axis(pending.conv_in, path[:, :, None], axis=1)
+        return RecurrentCache(conv=next_window(conv_in, cache.conv, count), state=state)

@@ -1,0 +1,45 @@
+"""tree_verify: one target forward over [root] + draft nodes, then the acceptance walk.
+
+Pure: it reads the committed cache and returns what was accepted plus the per-layer pending
+work that `commit` needs; no committed state is written here.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from ddtree_jax.cache import TargetCache
+from ddtree_jax.spec.accept import accept
+from ddtree_jax.spec.sampling import Sampling, choose
+from ddtree_jax.tree import Tree
+
+
+class VerifyResult(NamedTuple):
+    path: jax.Array  # [B, P] accepted node indices, root first (padded by repeating the last)
+    count: jax.Array  # [B] nodes to commit (root + accepted)
+    bonus: jax.Array  # [B] next root token
+    features: jax.Array | None  # [B, P, F] target features of the accepted nodes (drafter context)
+    pending: tuple  # per-layer inputs of commit (tree K/V, recurrent inputs): never per-node states
+
+
+def tree_verify(model, cache: TargetCache, tree: Tree | None, tokens: jax.Array, sampling: Sampling, key,
+                *, max_depth: int, hidden_ids=()) -> VerifyResult:
+    """Verify tokens [B, N] laid out as `tree` (None = a chain, linear DFlash).
+
+    max_depth (static) bounds the accepted path length: P = max_depth + 1.
+    """
+    h, feats, pending = model.verify(tokens, cache, tree, hidden_ids=hidden_ids)
+    logits = model.logits(h)
+    post = choose(logits, sampling, key)
+    if tree is None:
+        b, n = tokens.shape
+        parents = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32) - 1, (b, n))
+        shape = Tree(tokens, parents, jnp.zeros_like(parents), jnp.zeros_like(parents), jnp.ones((b, n), bool), None)
+    else:
+        shape = tree
+    acc = accept(shape, post, max_depth)
+    acc_feats = None if feats is None else jnp.take_along_axis(feats, acc.path[:, :, None], axis=1)
+    return VerifyResult(acc.path, acc.count, acc.bonus, acc_feats, pending)
