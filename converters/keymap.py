@@ -92,24 +92,36 @@ def map_checkpoint(
     dtype=None,
     source: str = "checkpoint",
     on_tensor: Callable[[str], None] | None = None,
+    unavailable: Iterable[str] = (),
 ) -> dict[str, np.ndarray]:
     """Map every tensor to a flat {path: array}; raise CheckpointError listing all problems.
 
     expected: path -> (shape, dtype) of every parameter the model needs.
     load(name) reads one tensor lazily (so checkpoints stream, one tensor in memory at a time).
+    unavailable: names the checkpoint lists but cannot provide (e.g. in a missing shard), already
+    reported by the caller; the parameters they would fill are not reported as missing again.
     """
     problems: list[str] = []
     out: dict[str, np.ndarray] = {}
+    # Paths a present-but-unusable tensor was meant for: already reported, so not "missing" too.
+    reported: set[str] = set()
+
+    def strip(name: str) -> str:
+        for prefix in strip_prefixes:
+            if name.startswith(prefix):
+                return name[len(prefix) :]
+        return name
+
+    for name in unavailable:
+        rule = next((r for r in rules if r.match(strip(name))), None)
+        if rule is not None:
+            reported.add(rule.match(strip(name)).expand(rule.dest))
     for name in names:
         if on_tensor is not None:
             on_tensor(name)
         if any(re.fullmatch(p, name) for p in ignore):
             continue
-        short = name
-        for prefix in strip_prefixes:
-            if name.startswith(prefix):
-                short = name[len(prefix) :]
-                break
+        short = strip(name)
         rule = next((r for r in rules if r.match(short)), None)
         if rule is None:
             problems.append(f"unexpected tensor '{name}'")
@@ -120,6 +132,7 @@ def map_checkpoint(
             value = rule.transform(value) if rule.transform else value
         except ValueError as e:
             problems.append(f"tensor '{name}': {e}")
+            reported.add(dest)  # for a multi-output rule, covers every path under dest
             continue
         parts = value.items() if isinstance(value, dict) else [("", value)]
         for suffix, arr in parts:
@@ -132,12 +145,15 @@ def map_checkpoint(
                 problems.append(
                     f"tensor '{name}' has shape {tuple(arr.shape)} but '{path}' needs {tuple(shape)}"
                 )
+                reported.add(path)
                 continue
             if path in out:
                 problems.append(f"tensor '{name}' duplicates '{path}'")
                 continue
             out[path] = np.asarray(arr).astype(dtype or want_dtype)
-    missing = sorted(set(expected) - set(out))
+    missing = sorted(
+        p for p in set(expected) - set(out) if not any(p == r or p.startswith(r + "/") for r in reported)
+    )
     problems.extend(f"missing tensor for '{p}'" for p in missing)
     if problems:
         raise CheckpointError(problems, source)

@@ -34,6 +34,7 @@ def target_params_from_tensors(
     dtype=None,
     source: str = "checkpoint",
     on_tensor: Callable[[str], None] | None = None,
+    unavailable: Iterable[str] = (),
 ):
     """Map HF tensors onto the target model; returns (graphdef, params) ready for decode.*."""
     graphdef, abstract = abstract_target(cfg, dtype)
@@ -46,7 +47,12 @@ def target_params_from_tensors(
         ignore=qwen3.ignored_for(cfg),
         source=source,
         on_tensor=on_tensor,
+        unavailable=unavailable,
     )
     params = jax.tree_util.tree_map(lambda x: x, abstract)
-    nnx.replace_by_pure_dict(params, unflatten_paths({k: jnp.asarray(v) for k, v in flat.items()}))
+    # Pop while converting so host memory peaks near one copy of the weights, not two.
+    arrays = {}
+    for key in list(flat):
+        arrays[key] = jnp.asarray(flat.pop(key))
+    nnx.replace_by_pure_dict(params, unflatten_paths(arrays))
     return graphdef, params
