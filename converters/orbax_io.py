@@ -1,0 +1,68 @@
+"""Orbax save / restore of the target's params pytree.
+
+On disk the params are a pure nested dict with string keys ('layers' -> '0' -> ...): nnx uses
+integer keys for list entries, which do not survive a round trip through Orbax's tree metadata.
+Restoring goes against the abstract target (`abstract_target(cfg, dtype)`) as a dict of
+jax.ShapeDtypeStruct, so shapes are checked and Orbax casts to the requested dtype.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from converters.keymap import CheckpointError, flatten_paths, unflatten_paths
+from converters.params import abstract_target
+from ddtree_jax.config import TargetConfig
+
+
+def _string_keyed(tree) -> dict:
+    """nnx pure dict (int keys for list entries) -> nested dict with only string keys."""
+    out: dict = {}
+    for path, leaf in flatten_paths(tree).items():
+        node = out
+        parts = path.split("/")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = leaf
+    return out
+
+
+def save_params(path: str | os.PathLike, params) -> None:
+    """Write an nnx.State (or pure dict) of arrays to a new Orbax directory at `path`."""
+    tree = _string_keyed(nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params)
+    checkpointer = ocp.StandardCheckpointer()
+    try:
+        checkpointer.save(os.path.abspath(os.fspath(path)), tree)
+        checkpointer.wait_until_finished()
+    finally:
+        checkpointer.close()  # also waits for any background commit before the caller cleans up
+
+
+def restore_params(path: str | os.PathLike, cfg: TargetConfig, dtype=None, *, device=None):
+    """Read params written by save_params; returns (graphdef, params) ready for decode.*.
+
+    dtype: the dtype to materialise (default cfg.dtype); Orbax casts from the stored dtype.
+    """
+    graphdef, abstract = abstract_target(cfg, dtype)
+    sharding = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
+    target = _string_keyed(
+        jax.tree_util.tree_map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), nnx.to_pure_dict(abstract)
+        )
+    )
+    checkpointer = ocp.StandardCheckpointer()
+    try:
+        restored = checkpointer.restore(os.path.abspath(os.fspath(path)), target)
+    except ValueError as e:
+        raise CheckpointError(
+            [f"stored params do not match the model described by config.json: {e}"], os.fspath(path)
+        ) from None
+    finally:
+        checkpointer.close()
+    params = jax.tree_util.tree_map(lambda x: x, abstract)
+    nnx.replace_by_pure_dict(params, unflatten_paths(flatten_paths(restored)))
+    return graphdef, params
