@@ -1,0 +1,137 @@
+"""End-to-end speculative generation: lossless greedy output, exact committed state, drafter context.
+
+DFlash linear and DDTree must reproduce plain greedy decoding token for token on hybrid and
+attention-only targets, with a random drafter (almost nothing accepted) and with the target's
+own continuation with injected errors (long accepts and rejects at every depth).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from ddtree_jax import decode
+from ddtree_jax.cache import KVCache, init_target_cache
+from ddtree_jax.spec.generate import generate
+from tests.scripted_proposers import RecordingProposer, ScriptedProposer
+from tests.tiny_models import ATTENTION_ONLY, HYBRID, make_target
+
+B, T, NEW, BLOCK = 2, 12, 128, 6
+MODELS = {"qwen3_5": make_target(HYBRID, seed=3), "qwen3": make_target(ATTENTION_ONLY, seed=4)}
+
+
+def prompts(cfg, seed=0):
+    rng = np.random.default_rng(seed)
+    prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, T)), jnp.int32)
+    return prompt, jnp.asarray([T, T - 5], jnp.int32)
+
+
+def greedy_table(name):
+    """Prompt + plain greedy continuation (the AR reference), as absolute-position tables."""
+    cfg, gd, params = MODELS[name]
+    prompt, lens = prompts(cfg)
+    ref = generate(gd, params, prompt, lens, mode="ar", max_new_tokens=NEW + BLOCK + 2)
+    table = np.zeros((B, T + NEW + 2 * BLOCK + 4), np.int32)
+    for b in range(B):
+        n = int(lens[b])
+        table[b, :n] = np.asarray(prompt[b, :n])
+        table[b, n : n + ref.tokens.shape[1]] = np.asarray(ref.tokens[b])
+    return jnp.asarray(table), np.asarray(ref.tokens[:, :NEW])
+
+
+TABLES = {}
+
+
+def reference(name):
+    if name not in TABLES:
+        TABLES[name] = greedy_table(name)
+    return TABLES[name]
+
+
+def test_ar_generate_matches_greedy_decode_loop():
+    cfg, gd, params = MODELS["qwen3_5"]
+    prompt, lens = prompts(cfg)
+    res = generate(gd, params, prompt, lens, mode="ar", max_new_tokens=40)
+    for b in range(B):
+        n = int(lens[b])
+        cache = init_target_cache(cfg, 1, 64)
+        pre = decode.prefill(gd, params, cache, prompt[b : b + 1, :n], jnp.array([n]))
+        toks, _, _ = decode.greedy_decode(gd, params, pre.cache, pre.logits, 40)  # first token from prefill
+        np.testing.assert_array_equal(np.asarray(res.tokens[b]), np.asarray(toks[0]))
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3"])
+@pytest.mark.parametrize("mode,budget", [("dflash", 0), ("ddtree", 12)])
+@pytest.mark.parametrize("drafter", ["oracle_with_errors", "random"])
+def test_greedy_speculative_equals_plain_greedy(name, mode, budget, drafter):
+    cfg, gd, params = MODELS[name]
+    table, ref = reference(name)
+    prompt, lens = prompts(cfg)
+    error_rate, runner_up = (0.2, True) if drafter == "oracle_with_errors" else (1.0, False)
+    proposer = ScriptedProposer(BLOCK, cfg.vocab_size, error_rate, seed=11, runner_up=runner_up)
+    res = generate(gd, params, prompt, lens, proposer=proposer, drafter_params=table, mode=mode,
+                   budget=budget or 1, max_new_tokens=NEW)
+    np.testing.assert_array_equal(np.asarray(res.tokens), ref)
+    emitted = np.asarray(res.num_tokens).sum()
+    mean_accept = emitted / np.asarray(res.steps).sum()
+    if drafter == "oracle_with_errors":
+        assert mean_accept > 2.5, f"scripted oracle should accept long runs, got {mean_accept:.2f}"
+        hist = np.asarray(res.accepted_hist)
+        if mode == "dflash":  # a reject at every depth, and full blocks
+            assert np.all(hist[1 : BLOCK + 1] > 0), f"need rejects at every depth and full accepts: {hist}"
+        else:
+            assert hist[BLOCK] > 0 and hist[1:BLOCK].sum() > 0, f"need rejects and full accepts: {hist}"
+    else:
+        assert mean_accept < 1.5
+
+
+@pytest.mark.parametrize("mode", ["dflash", "ddtree"])
+def test_final_committed_state_equals_sequential_prefill(mode):
+    """After 100+ steps of accepts and rejects, the caches equal a plain run of the committed tokens."""
+    cfg, gd, params = MODELS["qwen3_5"]
+    table, ref = reference("qwen3_5")
+    prompt, lens = prompts(cfg)
+    proposer = ScriptedProposer(BLOCK, cfg.vocab_size, 0.2, seed=5)
+    res = generate(gd, params, prompt, lens, proposer=proposer, drafter_params=table, mode=mode,
+                   budget=10, max_new_tokens=NEW)
+    lengths = np.asarray(res.cache.lengths)
+    # Sequential reference: the same prompt prefill, then the emitted tokens decoded one by one.
+    cache = decode.prefill(gd, params, init_target_cache(cfg, B, res.cache.capacity), prompt, lens).cache
+    for t in range(int(lengths.max() - np.asarray(lens).min())):
+        pos = np.asarray(lens) + t
+        active = jnp.asarray(pos < lengths)
+        tok = jnp.asarray(np.asarray(table)[np.arange(B), np.minimum(pos, table.shape[1] - 1)], jnp.int32)
+        cache = decode.decode_step(gd, params, cache, tok, active).cache
+    np.testing.assert_array_equal(np.asarray(cache.lengths), lengths)
+    worst = 0.0
+    for got, want in zip(res.cache.layers, cache.layers):
+        for b in range(B):
+            if isinstance(want, KVCache):
+                pairs = [(got.k[b, :, : lengths[b]], want.k[b, :, : lengths[b]]), (got.v[b, :, : lengths[b]], want.v[b, :, : lengths[b]])]
+            else:
+                pairs = [(got.state[b], want.state[b]), (got.conv[b], want.conv[b])]
+            for x, y in pairs:
+                worst = max(worst, float(np.abs(np.asarray(x) - np.asarray(y)).max()))
+    assert worst <= 1e-5, f"committed state drifted from sequential decoding: max abs diff {worst:.2e}"
+
+
+@pytest.mark.parametrize("mode", ["dflash", "ddtree"])
+def test_drafter_receives_features_of_accepted_nodes(mode):
+    """The features given to the drafter at every committed position are the target's features of
+    the committed token there (not the first rows of the tree)."""
+    cfg, gd, params = MODELS["qwen3_5"]
+    table, _ = reference("qwen3_5")
+    prompt, lens = prompts(cfg)
+    proposer = RecordingProposer(ScriptedProposer(BLOCK, cfg.vocab_size, 0.3, seed=9), feature_dim=2 * cfg.hidden_size)
+    new = 48
+    res = generate(gd, params, prompt, lens, proposer=proposer, drafter_params=table, mode=mode, budget=10,
+                   max_new_tokens=new, capacity=T + new + BLOCK + 1)
+    lengths = np.asarray(res.cache.lengths)
+    recorded = np.asarray(res.drafter_state.features)
+    for b in range(B):
+        committed = jnp.asarray(table[b, : lengths[b]])[None]
+        pre = decode.prefill(gd, params, init_target_cache(cfg, 1, 256), committed, jnp.asarray([lengths[b]]),
+                             hidden_ids=proposer.hidden_ids, all_logits=True)
+        np.testing.assert_allclose(recorded[b, : lengths[b]], pre.features[0], atol=2e-5, rtol=1e-5)
+        assert not np.any(recorded[b, lengths[b] :]), "features written past the committed length"
