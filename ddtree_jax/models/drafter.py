@@ -202,6 +202,16 @@ class DrafterModel(nnx.Module):
         return self.norm(x)
 
 
+    def draft(self, target, bonus: jax.Array, cache: DrafterCache, block_size: int | None = None) -> jax.Array:
+        """Draft logits float32 [B, Bs-1, V] for block positions 1..Bs-1 after the bonus tokens [B],
+        with the target model's embedding and lm_head. The cache is not modified."""
+        dcfg = self.cfg
+        embeds = target.embed_tokens(make_block(dcfg, bonus, block_size))
+        if dcfg.input_embedding_scale != 1.0:
+            embeds = embeds * jnp.asarray(dcfg.input_embedding_scale, embeds.dtype)
+        return logits_from_hidden(dcfg, target, self(embeds, cache)[:, 1:])
+
+
 # ---- pure entry points (graphdef static, as ddtree_jax/decode.py) -------------------
 
 
@@ -254,11 +264,4 @@ def draft_logits(graphdef, params, dcache: DrafterCache, target_graphdef, target
     context and applies the target's lm_head (or tied embedding). The cache is not modified.
     """
     model = nnx.merge(graphdef, params)
-    target = nnx.merge(target_graphdef, target_params)
-    dcfg = model.cfg
-    tokens = make_block(dcfg, bonus, block_size)
-    embeds = target.embed_tokens(tokens)
-    if dcfg.input_embedding_scale != 1.0:
-        embeds = embeds * jnp.asarray(dcfg.input_embedding_scale, embeds.dtype)
-    hidden = model(embeds, dcache)
-    return logits_from_hidden(dcfg, target, hidden[:, 1:])
+    return model.draft(nnx.merge(target_graphdef, target_params), bonus, dcache, block_size)

@@ -1,0 +1,37 @@
+"""The DFlash drafter as a Proposer for the generation loop."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+from flax import nnx
+
+from ddtree_jax.drafter_config import DrafterConfig
+from ddtree_jax.models.drafter import DrafterCache, init_drafter_cache
+
+
+@dataclasses.dataclass(frozen=True)
+class DFlashProposer:
+    """Static description of a DFlash drafter (its graphdef and config); params travel separately."""
+
+    graphdef: nnx.GraphDef
+    cfg: DrafterConfig
+
+    @property
+    def block_size(self) -> int:
+        return self.cfg.block_size
+
+    @property
+    def hidden_ids(self) -> tuple[int, ...]:
+        return self.cfg.target_hidden_ids
+
+    def init_state(self, params, batch: int, capacity: int) -> DrafterCache:
+        return init_drafter_cache(self.cfg, batch, capacity)
+
+    def extend(self, params, state: DrafterCache, features, n_valid) -> DrafterCache:
+        return nnx.merge(self.graphdef, params).extend(state, features, n_valid)
+
+    def propose(self, params, state: DrafterCache, target, bonus, start):
+        logits = nnx.merge(self.graphdef, params).draft(target, bonus, state)
+        return jax.nn.log_softmax(logits, axis=-1)
