@@ -135,3 +135,45 @@ def test_drafter_receives_features_of_accepted_nodes(mode):
                              hidden_ids=proposer.hidden_ids, all_logits=True)
         np.testing.assert_allclose(recorded[b, : lengths[b]], pre.features[0], atol=2e-5, rtol=1e-5)
         assert not np.any(recorded[b, lengths[b] :]), "features written past the committed length"
+
+
+def test_generation_is_one_device_loop_without_host_callbacks_or_recompiles():
+    """The whole generation is one jitted while_loop (no callbacks), and streaming in chunks of
+    steps reuses one compilation whatever the chunk size."""
+    from ddtree_jax.spec import generate as g
+
+    cfg, gd, params = MODELS["qwen3_5"]
+    table, ref = reference("qwen3_5")
+    prompt, lens = prompts(cfg)
+    proposer = ScriptedProposer(BLOCK, cfg.vocab_size, 0.2, seed=5)
+    jaxpr = jax.make_jaxpr(
+        lambda p, t: g.generate(gd, params, p, lens, proposer=proposer, drafter_params=t, mode="ddtree",
+                                budget=8, max_new_tokens=32)
+    )(prompt, table)
+    text = str(jaxpr)
+    assert "while[" in text
+    assert "callback" not in text, "host callback inside the decode loop"
+    spec = g.GenSpec("ddtree", 8, None, NEW, g.Sampling(), 0, proposer)
+    state = g.start(gd, params, table, prompt, lens, None, jax.random.PRNGKey(0), spec)
+    before = g.advance._cache_size()
+    chunks = []
+    for steps in (1, 3, 7, 1000):
+        state = g.advance(gd, params, table, state, None, jnp.int32(steps), spec)
+        chunks.append(int(state.i))
+    assert g.advance._cache_size() <= before + 1, "advance recompiled between chunks"
+    assert chunks[:3] == [1, 4, 11]
+    np.testing.assert_array_equal(np.asarray(state.out), ref)
+
+
+def test_bad_generation_settings_are_rejected():
+    cfg, gd, params = MODELS["qwen3_5"]
+    prompt, lens = prompts(cfg)
+    proposer = ScriptedProposer(BLOCK, cfg.vocab_size, 0.2)
+    with pytest.raises(ValueError, match="budget"):
+        generate(gd, params, prompt, lens, proposer=proposer, mode="ddtree", budget=0)
+    with pytest.raises(ValueError, match="mode"):
+        generate(gd, params, prompt, lens, proposer=proposer, mode="beam")
+    with pytest.raises(ValueError, match="needs a drafter"):
+        generate(gd, params, prompt, lens, mode="dflash")
+    with pytest.raises(ValueError, match="capacity"):
+        generate(gd, params, prompt, lens, mode="ar", max_new_tokens=50, capacity=20)

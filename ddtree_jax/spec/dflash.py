@@ -7,7 +7,7 @@ import dataclasses
 import jax
 from flax import nnx
 
-from ddtree_jax.drafter_config import DrafterConfig
+from ddtree_jax.drafter_config import DrafterConfig, validate_against_target
 from ddtree_jax.models.drafter import DrafterCache, init_drafter_cache
 
 
@@ -25,6 +25,10 @@ class DFlashProposer:
     @property
     def hidden_ids(self) -> tuple[int, ...]:
         return self.cfg.target_hidden_ids
+
+    def check_target(self, target_cfg) -> None:
+        """Refuse a target this drafter was not built for (layer ids, hidden size, vocab, mask id)."""
+        validate_against_target(self.cfg, target_cfg)
 
     def init_state(self, params, batch: int, capacity: int) -> DrafterCache:
         return init_drafter_cache(self.cfg, batch, capacity)

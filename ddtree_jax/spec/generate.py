@@ -1,14 +1,20 @@
-"""Generation on device: prefill, then one lax.while_loop of steps with no host round trip.
+"""Generation on device: prefill, then a lax.while_loop of steps with no host round trip.
 
 Modes: "ar" (one target token per step), "dflash" (a chain of block_size - 1 drafts verified
 causally), "ddtree" (a tree of `budget` drafts). Each speculative step is
-    propose -> build (chain or tree) -> tree_verify -> commit (target + drafter) -> emit,
+    propose -> build (chain or tree) -> tree_verify -> emit -> commit (target + drafter)
 and emits 1 + accepted tokens per sequence. Output is lossless w.r.t. plain decoding of the
 target under the same `Sampling`.
+
+`generate` is the whole thing in one jitted call. `start` + `advance` split it so a caller can
+stream: `advance` runs up to `max_steps` steps on device per call (one host sync per chunk of
+steps, never per step). The phase functions (`propose`, `build`, `verify`, `commit_and_emit`)
+are the loop body's parts, exposed so the benchmark can time them separately.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, NamedTuple
 
@@ -19,9 +25,40 @@ from flax import nnx
 from ddtree_jax.cache import TargetCache, init_target_cache
 from ddtree_jax.spec.build import build_chain, build_tree, validate_budget
 from ddtree_jax.spec.sampling import Sampling, choose
-from ddtree_jax.spec.verify import tree_verify
+from ddtree_jax.spec.verify import VerifyResult, tree_verify
+from ddtree_jax.tree import Tree
 
 MODES = ("ar", "dflash", "ddtree")
+
+
+@dataclasses.dataclass(frozen=True)
+class GenSpec:
+    """Static settings of one compiled generation (part of the jit cache key)."""
+
+    mode: str = "ddtree"
+    budget: int = 64
+    candidates: int | None = None  # per-depth candidate count for DDTree (default min(budget, V))
+    max_new_tokens: int = 128
+    sampling: Sampling = Sampling()
+    capacity: int = 0  # KV slots; 0 = prompt + max_new + block + 1
+    proposer: Any = None
+
+    @property
+    def block(self) -> int:
+        return 1 if self.mode == "ar" else self.proposer.block_size
+
+    def validate(self, vocab: int) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if self.mode != "ar":
+            if self.proposer is None:
+                raise ValueError(f"mode {self.mode!r} needs a drafter (proposer)")
+            if self.proposer.block_size < 2:
+                raise ValueError(f"drafter block_size must be >= 2, got {self.proposer.block_size}")
+        if self.mode == "ddtree":
+            validate_budget(self.budget, self.block - 1, vocab, self.candidates)
 
 
 class GenerationResult(NamedTuple):
@@ -33,16 +70,20 @@ class GenerationResult(NamedTuple):
     drafter_state: Any  # the proposer's final state (None for "ar")
 
 
-class _Loop(NamedTuple):
+class LoopState(NamedTuple):
     cache: TargetCache
     dstate: Any
-    bonus: jax.Array
-    out: jax.Array
-    n_out: jax.Array
-    done: jax.Array
-    steps: jax.Array
-    hist: jax.Array
-    i: jax.Array
+    bonus: jax.Array  # [B] next root token (emitted, not yet in the cache)
+    out: jax.Array  # [B, max_new_tokens]
+    n_out: jax.Array  # [B]
+    done: jax.Array  # [B] bool
+    steps: jax.Array  # [B]
+    hist: jax.Array  # [block + 1]
+    i: jax.Array  # step counter (keys fold it in)
+    key: jax.Array
+
+    def result(self) -> GenerationResult:
+        return GenerationResult(self.out, self.n_out, self.steps, self.hist, self.cache, self.dstate)
 
 
 def required_capacity(prompt_len: int, max_new_tokens: int, block_size: int) -> int:
@@ -66,83 +107,126 @@ def _emit(out, n_out, done, new_tokens, n_new, eos_ids, max_new):
     return out, n_out, done
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("graphdef", "proposer", "mode", "budget", "max_new_tokens", "sampling", "capacity"),
-)
-def generate(graphdef, params, prompt, prompt_lens, *, proposer=None, drafter_params=None, mode: str = "ddtree",
-             budget: int = 64, max_new_tokens: int = 128, sampling: Sampling = Sampling(), eos_ids=None, key=None,
-             capacity: int | None = None) -> GenerationResult:
-    """Generate for right-padded prompts [B, T] with prompt_lens [B] real tokens.
+# ---- the phases of one speculative step ------------------------------------------------
+def propose(model, drafter_params, s: LoopState, spec: GenSpec) -> jax.Array:
+    return spec.proposer.propose(drafter_params, s.dstate, model, s.bonus, s.cache.lengths)
 
-    Everything after the arguments runs on device inside this one jitted function.
-    """
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    model = nnx.merge(graphdef, params)
+
+def build(logq: jax.Array, s: LoopState, spec: GenSpec) -> Tree:
+    if spec.mode == "dflash":
+        return build_chain(logq, s.bonus, s.cache.lengths)
+    return build_tree(logq, s.bonus, s.cache.lengths, spec.budget, spec.candidates)
+
+
+def verify(model, s: LoopState, tree: Tree, spec: GenSpec, key) -> VerifyResult:
+    shape = None if spec.mode == "dflash" else tree
+    return tree_verify(model, s.cache, shape, tree.tokens, spec.sampling, key, max_depth=spec.block - 1,
+                       hidden_ids=spec.proposer.hidden_ids)
+
+
+def commit_and_emit(model, drafter_params, s: LoopState, tree: Tree, res: VerifyResult, eos_ids, spec: GenSpec):
+    """Emit the accepted draft tokens then the new bonus; commit what was emitted."""
+    b = tree.tokens.shape[0]
+    path_tokens = jnp.take_along_axis(tree.tokens, res.path, axis=1)
+    emitted = jnp.concatenate([path_tokens[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)
+    emitted = jax.vmap(lambda e, c, x: e.at[c - 1].set(x))(emitted, res.count, res.bonus)
+    out, n_out, done = _emit(s.out, s.n_out, s.done, emitted, res.count, eos_ids, spec.max_new_tokens)
+    # Commit root + the accepted nodes actually emitted (fewer when EOS / max_new cut the step),
+    # so the cache always holds exactly the prompt and every emitted token but the last.
+    count = n_out - s.n_out
+    cache = model.commit(res.pending, res.path, count, s.cache)
+    dstate = spec.proposer.extend(drafter_params, s.dstate, res.features, count)
+    return s._replace(cache=cache, dstate=dstate, bonus=res.bonus, out=out, n_out=n_out, done=done), count
+
+
+def _ar_step(model, s: LoopState, eos_ids, spec: GenSpec, key):
+    h, _, cache = model(s.bonus[:, None], s.cache, (~s.done).astype(jnp.int32), chunked=False)
+    nxt = choose(model.logits(h[:, 0]), spec.sampling, key)
+    b = nxt.shape[0]
+    out, n_out, done = _emit(s.out, s.n_out, s.done, nxt[:, None], jnp.ones((b,), jnp.int32), eos_ids,
+                             spec.max_new_tokens)
+    return s._replace(cache=cache, bonus=nxt, out=out, n_out=n_out, done=done), n_out - s.n_out
+
+
+def _step(model, drafter_params, s: LoopState, eos_ids, spec: GenSpec) -> LoopState:
+    key = jax.random.fold_in(s.key, s.i)
+    active = ~s.done
+    if spec.mode == "ar":
+        new, n_new = _ar_step(model, s, eos_ids, spec, key)
+    else:
+        logq = propose(model, drafter_params, s, spec)
+        tree = build(logq, s, spec)
+        res = verify(model, s, tree, spec, key)
+        new, n_new = commit_and_emit(model, drafter_params, s, tree, res, eos_ids, spec)
+    hist = s.hist.at[jnp.where(active, n_new, spec.block + 1)].add(1, mode="drop")
+    return new._replace(steps=s.steps + active, hist=hist, i=s.i + 1)
+
+
+# ---- entry points ---------------------------------------------------------------------
+def _start(model, drafter_params, prompt, prompt_lens, eos_ids, key, spec: GenSpec) -> LoopState:
     cfg = model.cfg
+    spec.validate(cfg.vocab_size)
     b, t = prompt.shape
-    block = 1 if mode == "ar" else proposer.block_size
-    depth = block - 1
-    if mode == "ddtree":
-        validate_budget(budget, depth, cfg.vocab_size)
-    capacity = capacity or required_capacity(t, max_new_tokens, block)
-    eos_ids = jnp.zeros((0,), jnp.int32) if eos_ids is None else jnp.asarray(eos_ids, jnp.int32)
-    key = jax.random.PRNGKey(0) if key is None else key
-    hidden_ids = () if mode == "ar" else proposer.hidden_ids
-
+    capacity = spec.capacity or required_capacity(t, spec.max_new_tokens, spec.block)
+    if capacity < required_capacity(t, spec.max_new_tokens, spec.block):
+        raise ValueError(
+            f"cache capacity {capacity} is too small for a prompt of {t} tokens plus {spec.max_new_tokens} new "
+            f"tokens (needs {required_capacity(t, spec.max_new_tokens, spec.block)})"
+        )
+    if spec.mode != "ar" and hasattr(spec.proposer, "check_target"):
+        spec.proposer.check_target(cfg)
+    hidden_ids = () if spec.mode == "ar" else spec.proposer.hidden_ids
+    prompt_lens = prompt_lens.astype(jnp.int32)
     cache = init_target_cache(cfg, b, capacity)
     h, feats, cache = model(prompt, cache, prompt_lens, chunked=True, hidden_ids=hidden_ids)
     last = jnp.take_along_axis(h, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
     prefill_key, key = jax.random.split(key)
-    bonus = choose(model.logits(last), sampling, prefill_key)
+    bonus = choose(model.logits(last), spec.sampling, prefill_key)
     dstate = None
-    if mode != "ar":
-        dstate = proposer.init_state(drafter_params, b, capacity)
-        dstate = proposer.extend(drafter_params, dstate, feats, prompt_lens)
-    out = jnp.full((b, max_new_tokens), -1, jnp.int32)
+    if spec.mode != "ar":
+        dstate = spec.proposer.init_state(drafter_params, b, capacity)
+        dstate = spec.proposer.extend(drafter_params, dstate, feats, prompt_lens)
+    out = jnp.full((b, spec.max_new_tokens), -1, jnp.int32)
     out, n_out, done = _emit(out, jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool), bonus[:, None],
-                             jnp.ones((b,), jnp.int32), eos_ids, max_new_tokens)
+                             jnp.ones((b,), jnp.int32), eos_ids, spec.max_new_tokens)
+    return LoopState(cache, dstate, bonus, out, n_out, done, jnp.zeros((b,), jnp.int32),
+                     jnp.zeros((spec.block + 1,), jnp.int32), jnp.int32(0), key)
 
-    def ar_step(s: _Loop, step_key):
-        h, _, cache = model(s.bonus[:, None], s.cache, (~s.done).astype(jnp.int32), chunked=False)
-        nxt = choose(model.logits(h[:, 0]), sampling, step_key)
-        out, n_out, done = _emit(s.out, s.n_out, s.done, nxt[:, None], jnp.ones((b,), jnp.int32), eos_ids, max_new_tokens)
-        return cache, s.dstate, nxt, out, n_out, done, (n_out - s.n_out)
 
-    def spec_step(s: _Loop, step_key):
-        start = s.cache.lengths
-        logq = proposer.propose(drafter_params, s.dstate, model, s.bonus, start)
-        if mode == "dflash":
-            tree = build_chain(logq, s.bonus, start)
-            res = tree_verify(model, s.cache, None, tree.tokens, sampling, step_key, max_depth=depth, hidden_ids=hidden_ids)
-        else:
-            tree = build_tree(logq, s.bonus, start, budget)
-            res = tree_verify(model, s.cache, tree, tree.tokens, sampling, step_key, max_depth=depth, hidden_ids=hidden_ids)
-        # Emitted this step: the accepted draft tokens, then the new bonus (res.count tokens).
-        path_tokens = jnp.take_along_axis(tree.tokens, res.path, axis=1)
-        emitted = jnp.concatenate([path_tokens[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)
-        emitted = jax.vmap(lambda e, c, x: e.at[c - 1].set(x))(emitted, res.count, res.bonus)
-        out, n_out, done = _emit(s.out, s.n_out, s.done, emitted, res.count, eos_ids, max_new_tokens)
-        # Commit root + the accepted nodes actually emitted (fewer when EOS / max_new cut the step),
-        # so the cache always holds exactly the prompt and every emitted token but the last.
-        count = n_out - s.n_out
-        cache = model.commit(res.pending, res.path, count, s.cache)
-        dstate = proposer.extend(drafter_params, s.dstate, res.features, count)
-        return cache, dstate, res.bonus, out, n_out, done, count
+def _advance(model, drafter_params, s: LoopState, eos_ids, spec: GenSpec, max_steps) -> LoopState:
+    stop_at = s.i + max_steps
+    cond = lambda st: ~jnp.all(st.done) & (st.i < stop_at)
+    return jax.lax.while_loop(cond, lambda st: _step(model, drafter_params, st, eos_ids, spec), s)
 
-    step_fn = ar_step if mode == "ar" else spec_step
 
-    def cond(s: _Loop):
-        return ~jnp.all(s.done)
+def _eos(eos_ids):
+    return jnp.zeros((0,), jnp.int32) if eos_ids is None else jnp.asarray(eos_ids, jnp.int32)
 
-    def body(s: _Loop):
-        active = ~s.done
-        cache, dstate, bonus, out, n_out, done, n_new = step_fn(s, jax.random.fold_in(key, s.i))
-        hist = s.hist.at[jnp.where(active, n_new, block + 1)].add(1, mode="drop")
-        return _Loop(cache, dstate, bonus, out, n_out, done, s.steps + active, hist, s.i + 1)
 
-    init = _Loop(cache, dstate, bonus, out, n_out, done, jnp.zeros((b,), jnp.int32),
-                 jnp.zeros((block + 1,), jnp.int32), jnp.int32(0))
-    final = jax.lax.while_loop(cond, body, init)
-    return GenerationResult(final.out, final.n_out, final.steps, final.hist, final.cache, final.dstate)
+@functools.partial(jax.jit, static_argnames=("graphdef", "spec"))
+def start(graphdef, params, drafter_params, prompt, prompt_lens, eos_ids, key, spec: GenSpec) -> LoopState:
+    """Prefill and the first token (the prefill's own choice)."""
+    return _start(nnx.merge(graphdef, params), drafter_params, prompt, prompt_lens, _eos(eos_ids), key, spec)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "spec"), donate_argnames=("state",))
+def advance(graphdef, params, drafter_params, state: LoopState, eos_ids, max_steps, spec: GenSpec) -> LoopState:
+    """Up to max_steps more steps (a traced value: no recompilation when it changes)."""
+    return _advance(nnx.merge(graphdef, params), drafter_params, state, _eos(eos_ids), spec, max_steps)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("graphdef", "proposer", "mode", "budget", "candidates", "max_new_tokens", "sampling", "capacity"),
+)
+def generate(graphdef, params, prompt, prompt_lens, *, proposer=None, drafter_params=None, mode: str = "ddtree",
+             budget: int = 64, candidates: int | None = None, max_new_tokens: int = 128,
+             sampling: Sampling = Sampling(), eos_ids=None, key=None, capacity: int | None = None) -> GenerationResult:
+    """Generate for right-padded prompts [B, T] with prompt_lens [B] real tokens: one jitted call,
+    prefill plus one on-device while_loop until every sequence stopped."""
+    spec = GenSpec(mode, budget, candidates, max_new_tokens, sampling, capacity or 0, proposer)
+    model = nnx.merge(graphdef, params)
+    key = jax.random.PRNGKey(0) if key is None else key
+    eos_ids = _eos(eos_ids)
+    s = _start(model, drafter_params, prompt, prompt_lens, eos_ids, key, spec)
+    return _advance(model, drafter_params, s, eos_ids, spec, jnp.int32(2**30)).result()
