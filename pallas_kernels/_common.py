@@ -1,0 +1,94 @@
+"""Small helpers shared by the Triton-lowered Pallas kernels.
+
+Version notes (checked against the jax sources):
+- jax 0.10.2 moved masked `load` / `store` and `dot` into `jax.experimental.pallas.triton`
+  (`pl.dot` is a deprecated alias there; `pl.load` / `pl.store` are gone). The Triton module
+  has `load(ref, *, mask, other)` / `store(ref, val, *, mask)` taking a ref view
+  (`ref.at[idx]`). Older releases only have `pl.load(ref, idx, ...)`. `load` / `store` below
+  pick whichever exists, so the kernels run on 0.10.2 (CPU interpret) and 0.11.2 (GPU).
+- Matmuls go through `lax.dot_general` with an explicit precision: the Triton lowering maps
+  DEFAULT / HIGH to TF32 for float32 operands and HIGHEST to IEEE.
+- Interpret mode applies a load's mask only when `other` is given, so every masked load
+  here passes `other`; loads must use either only slices / scalars or only integer arrays
+  (interpret mode rejects a mix).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+try:  # jax >= 0.10: masked load/store live in the Triton module
+    from jax.experimental.pallas import triton as pltriton
+except ImportError:  # pragma: no cover - very old jax
+    pltriton = None
+
+IMPLS = ("xla", "pallas", "pallas_interpret")
+LOG2E = 1.4426950408889634
+NEG = -1e30  # finite "minus infinity": exp2(NEG - m) == 0 and NEG - NEG never makes NaN
+
+
+def load(ref, idx, *, mask=None, other=None):
+    """Masked load of ref[idx] (idx: a tuple of slices / pl.ds / scalars, or integer arrays)."""
+    if pltriton is not None and hasattr(pltriton, "load"):
+        return pltriton.load(ref.at[idx], mask=mask, other=other)
+    return pl.load(ref, idx, mask=mask, other=other)  # pragma: no cover
+
+
+def store(ref, idx, val, *, mask=None):
+    if pltriton is not None and hasattr(pltriton, "store"):
+        return pltriton.store(ref.at[idx], val, mask=mask)
+    return pl.store(ref, idx, val, mask=mask)  # pragma: no cover
+
+
+def compiler_params(num_warps: int, num_stages: int):
+    return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def dot(a, b, *, trans_b: bool = False, precision=None):
+    """2-D a @ b (or a @ b.T) with float32 accumulation."""
+    contract_b = 1 if trans_b else 0
+    return lax.dot_general(
+        a,
+        b,
+        (((1,), (contract_b,)), ((), ())),
+        precision=precision,
+        preferred_element_type=jnp.float32,
+    )
+
+
+def dot_precision(dtype):
+    """IEEE float32 matmuls for float32 inputs (no TF32); the native path for 16-bit inputs."""
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
+
+
+def next_pow2(x: int) -> int:
+    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def check_impl(impl: str) -> None:
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+
+
+def is_pow2(x: int) -> bool:
+    return x > 0 and (x & (x - 1)) == 0
+
+
+def log2_ceil(x: int) -> int:
+    return 0 if x <= 1 else math.ceil(math.log2(x))
+
+
+def as_int32_bits(bits: jax.Array) -> jax.Array:
+    """uint32 bitsets viewed as int32 (same bits): signed types are the safest in kernels."""
+    if bits.dtype == jnp.int32:
+        return bits
+    return lax.bitcast_convert_type(bits.astype(jnp.uint32), jnp.int32)

@@ -1,0 +1,104 @@
+"""Ancestor bitsets: the doubling reference and the Pallas kernel (interpret mode) against
+ddtree_jax.tree.ancestor_bits_from_parents and a per-node Python walk."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from ddtree_jax.tree import ancestor_bits_from_parents, bits_to_dense
+from pallas_kernels.tree_mask import ancestor_bits
+
+KINDS = ("chain", "star", "random", "padded", "forest", "deep_then_wide")
+
+
+def make_parents(seed, b, n, kind):
+    rng = np.random.default_rng(seed)
+    par = np.full((b, n), -1, np.int32)
+    for bb in range(b):
+        valid = n if kind != "padded" else int(rng.integers(1, n + 1))
+        for i in range(1, valid):
+            if kind == "chain":
+                par[bb, i] = i - 1
+            elif kind == "star":
+                par[bb, i] = 0
+            elif kind == "forest":
+                par[bb, i] = rng.integers(-1, i)
+            elif kind == "deep_then_wide":
+                par[bb, i] = i - 1 if i < n // 2 else rng.integers(0, i)
+            else:
+                par[bb, i] = rng.integers(0, i)
+    return par
+
+
+def walk(par):
+    """Dense ancestor-or-self sets by following parent pointers in Python."""
+    b, n = par.shape
+    vis = np.zeros((b, n, n), bool)
+    for bb in range(b):
+        for i in range(n):
+            j = i
+            while j >= 0:
+                vis[bb, i, j] = True
+                j = par[bb, j]
+    return vis
+
+
+@functools.lru_cache(maxsize=None)
+def fn(impl, max_depth=None):
+    return jax.jit(lambda p: ancestor_bits(p, impl=impl, max_depth=max_depth))
+
+
+def check(par):
+    b, n = par.shape
+    want = np.asarray(ancestor_bits_from_parents(jnp.asarray(par), max(n - 1, 0)))
+    assert want.dtype == np.uint32 and want.shape == (b, n, -(-n // 32))
+    for impl in ("xla", "pallas_interpret"):
+        got = np.asarray(fn(impl)(jnp.asarray(par)))
+        assert got.dtype == np.uint32 and got.shape == want.shape, impl
+        np.testing.assert_array_equal(got, want, err_msg=impl)
+    np.testing.assert_array_equal(np.asarray(bits_to_dense(jnp.asarray(want), n)), walk(par))
+
+
+@pytest.mark.parametrize("n", [1, 16, 33, 64])
+@settings(max_examples=4)
+@given(seed=st.integers(0, 2**31), kind=st.sampled_from(KINDS))
+def test_bits_match_tree_module(n, seed, kind):
+    check(make_parents(seed, 3, n, kind))
+
+
+def test_large_tree_two_kinds():
+    """N = 129: five words, an odd padding of rows and words, depth 128 (eight doublings)."""
+    check(make_parents(7, 2, 129, "chain"))
+    check(make_parents(8, 2, 129, "random"))
+
+
+def test_max_depth_bound():
+    """With a known depth bound fewer doubling steps give the same bits."""
+    par = make_parents(3, 2, 40, "random")
+    depth = 0
+    for bb in range(2):
+        for i in range(40):
+            d, j = 0, i
+            while par[bb, j] >= 0:
+                j, d = par[bb, j], d + 1
+            depth = max(depth, d)
+    want = np.asarray(ancestor_bits_from_parents(jnp.asarray(par), 39))
+    for impl in ("xla", "pallas_interpret"):
+        np.testing.assert_array_equal(np.asarray(fn(impl, depth)(jnp.asarray(par))), want)
+
+
+def test_out_of_range_parent_is_root():
+    par = np.array([[-1, 0, 7, 1]], np.int32)  # node 2 points past N: treated as a root
+    want = walk(np.array([[-1, 0, -1, 1]], np.int32))
+    for impl in ("xla", "pallas_interpret"):
+        got = fn(impl)(jnp.asarray(par))
+        np.testing.assert_array_equal(np.asarray(bits_to_dense(got, 4)), want)
+
+
+def test_rejects_bad_impl():
+    with pytest.raises(ValueError):
+        ancestor_bits(jnp.zeros((1, 4), jnp.int32), impl="triton")
