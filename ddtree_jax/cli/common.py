@@ -1,0 +1,58 @@
+"""Shared CLI plumbing: argument types, one-line errors, loading an engine with clear messages."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def die(message: str, code: int = 2):
+    """Print `prog: error: message` (no traceback) and exit."""
+    prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "ddtree"
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    raise SystemExit(code)
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def parse_ids(text: str) -> tuple[int, ...]:
+    try:
+        ids = tuple(int(x) for x in text.replace(" ", "").split(",") if x != "")
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids like 1,2,3, got {text!r}") from None
+    if not ids or any(i < 0 for i in ids):
+        raise argparse.ArgumentTypeError(f"expected non-negative token ids like 1,2,3, got {text!r}")
+    return ids
+
+
+def load_engine(target, drafter, dtype=None, max_context=None):
+    """Engine from CLI paths (demo pair when target is None), with every load error as one line."""
+    from converters.keymap import CheckpointError
+    from ddtree_jax.config import ConfigError
+    from ddtree_jax.demo import demo_paths
+    from ddtree_jax.engine import Engine
+
+    if target is None:
+        try:
+            target, default_drafter = demo_paths()
+        except FileNotFoundError as e:
+            die(str(e))
+        drafter = drafter or default_drafter
+    for name, path in (("target", target), ("drafter", drafter)):
+        if path is not None and not os.path.isdir(path):
+            die(f"{name} checkpoint directory {path} does not exist")
+    try:
+        return Engine.load(target, drafter, dtype=dtype, max_context=max_context)
+    except (ConfigError, CheckpointError) as e:
+        die(str(e))
+    except (FileNotFoundError, ValueError) as e:
+        die(str(e))

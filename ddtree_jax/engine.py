@@ -1,0 +1,225 @@
+"""User-facing API: load a target (+ DFlash drafter, + tokenizer) and generate.
+
+    engine = Engine.load("ckpt/target", drafter="ckpt/drafter")
+    [out] = engine.generate(["def fib(n):"], mode="ddtree", budget=64, max_new_tokens=128)
+    print(out.text, out.stats.acceptance_length, out.stats.tokens_per_second)
+
+Prompts of one call run as one batch, right-padded into a shape bucket (powers of two), so each
+bucket compiles once; the decode loop runs on device, and streaming syncs with the host once per
+chunk of steps, never per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ddtree_jax.config import TargetConfig
+from ddtree_jax.spec import generate as gen
+from ddtree_jax.spec.sampling import Sampling
+
+MIN_BUCKET = 16
+
+
+def bucket(n: int, minimum: int = MIN_BUCKET) -> int:
+    """Smallest power of two >= max(n, minimum): the padded size that shares one compilation."""
+    size = minimum
+    while size < n:
+        size *= 2
+    return size
+
+
+@dataclasses.dataclass
+class Stats:
+    num_tokens: int  # generated tokens (including the one chosen at prefill)
+    steps: int  # target verify/decode passes after prefill
+    acceptance_length: float  # tokens emitted per step after prefill: (num_tokens - 1) / steps
+    seconds: float  # wall time of the generation after compilation (prefill included)
+    tokens_per_second: float
+    step_ms: float  # mean wall time per step (all rows of the batch share steps)
+    accepted_hist: list[int]  # steps by number of tokens emitted (batch total)
+
+
+@dataclasses.dataclass
+class Completion:
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str  # "stop" (EOS / stop token) or "length"
+    stats: Stats
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class Engine:
+    """A loaded target, optionally a DFlash drafter and a tokenizer; `generate` is the one API."""
+
+    def __init__(self, cfg: TargetConfig, graphdef, params, *, proposer=None, drafter_params=None, tokenizer=None,
+                 max_context: int | None = None):
+        self.cfg = cfg
+        self.graphdef = graphdef
+        self.params = params
+        self.proposer = proposer
+        self.drafter_params = drafter_params
+        self.tokenizer = tokenizer
+        self.max_context = max_context or cfg.max_position_embeddings
+        if proposer is not None:
+            proposer.check_target(cfg)
+
+    # ---- loading -------------------------------------------------------------------------
+    @classmethod
+    def load(cls, target: str | os.PathLike, drafter: str | os.PathLike | None = None, *, dtype=None,
+             max_context: int | None = None, progress: bool = False) -> "Engine":
+        from converters.dflash import load_drafter
+        from converters.load import load_target
+        from ddtree_jax.spec.dflash import DFlashProposer
+
+        cfg, graphdef, params = load_target(target, dtype, progress=progress)
+        proposer = dparams = None
+        if drafter is not None:
+            dcfg, dgraph, dparams = load_drafter(drafter, dtype=cfg.dtype)
+            proposer = DFlashProposer(dgraph, dcfg)
+        return cls(cfg, graphdef, params, proposer=proposer, drafter_params=dparams,
+                   tokenizer=load_tokenizer(target), max_context=max_context)
+
+    # ---- text <-> ids ------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this target directory has no tokenizer.json: pass token ids instead of text")
+        return self.tokenizer.encode(text).ids
+
+    def decode(self, ids: Sequence[int]) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode(list(ids))
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return tuple(self.cfg.eos_token_ids)
+
+    # ---- generation ----------------------------------------------------------------------
+    def spec(self, mode: str, *, budget: int, candidates: int | None, max_new_tokens: int, sampling: Sampling,
+             prompt_bucket: int) -> gen.GenSpec:
+        if mode != "ar" and self.proposer is None:
+            raise ValueError(f"mode {mode!r} needs a drafter: load one with --drafter / Engine.load(drafter=...)")
+        block = 1 if mode == "ar" else self.proposer.block_size
+        need = gen.required_capacity(prompt_bucket, max_new_tokens, block)
+        spec = gen.GenSpec(mode, budget, candidates, max_new_tokens, sampling, bucket(need, 64),
+                           None if mode == "ar" else self.proposer)
+        spec.validate(self.cfg.vocab_size)
+        return spec
+
+    def generate(self, prompts: Sequence[str | Sequence[int]], *, mode: str = "ddtree", budget: int = 64,
+                 candidates: int | None = None, max_new_tokens: int = 128, sampling: Sampling = Sampling(),
+                 seed: int = 0, stop_token_ids: Sequence[int] = (), stream: Callable[[int, list[int]], None] | None = None,
+                 stream_every: int = 4) -> list[Completion]:
+        """Generate for a batch of prompts (text or token ids); one Completion per prompt.
+
+        stream(row, new_token_ids) is called after every `stream_every` device steps with the tokens
+        committed since the last call.
+        """
+        if not prompts:
+            raise ValueError("no prompts given")
+        ids = [self.encode(p) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
+        for i, p in enumerate(ids):
+            if not p:
+                raise ValueError(f"prompt {i} is empty")
+            bad = [t for t in p if not 0 <= t < self.cfg.vocab_size]
+            if bad:
+                raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {self.cfg.vocab_size}): {bad[:5]}")
+            if len(p) + max_new_tokens > self.max_context:
+                raise ValueError(
+                    f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it needs "
+                    f"{len(p) + max_new_tokens} positions but the context limit is {self.max_context}"
+                )
+        b = bucket(len(ids), 1)
+        t = bucket(max(len(p) for p in ids))
+        prompt = np.zeros((b, t), np.int32)
+        lens = np.ones((b,), np.int32)  # padding rows: a 1-token dummy prompt, discarded
+        for i, p in enumerate(ids):
+            prompt[i, : len(p)] = p
+            lens[i] = len(p)
+        spec = self.spec(mode, budget=budget, candidates=candidates, max_new_tokens=max_new_tokens,
+                         sampling=sampling, prompt_bucket=t)
+        eos = jnp.asarray(sorted(set(self.stop_ids) | set(int(x) for x in stop_token_ids)), jnp.int32)
+        args = (jnp.asarray(prompt), jnp.asarray(lens), eos, jax.random.PRNGKey(seed))
+        state = self._run(spec, args, stream, stream_every, len(ids))
+        return self._completions(ids, state, spec, eos)
+
+    def _run(self, spec, args, stream, stream_every, n_rows):
+        prompt, lens, eos, key = args
+        dparams = self.drafter_params
+        # Compile before timing (one compilation per bucket; later calls hit the cache).
+        gen.start.lower(self.graphdef, self.params, dparams, prompt, lens, eos, key, spec).compile()
+        t0 = time.perf_counter()
+        state = gen.start(self.graphdef, self.params, dparams, prompt, lens, eos, key, spec)
+        steps = jnp.int32(stream_every if stream else 2**30)
+        if stream:
+            sent = [0] * n_rows
+            self._stream(state, stream, sent, n_rows)
+        while True:
+            state = gen.advance(self.graphdef, self.params, dparams, state, eos, steps, spec)
+            done = bool(jnp.all(state.done))  # one host sync per chunk of steps
+            if stream:
+                self._stream(state, stream, sent, n_rows)
+            if done:
+                break
+        jax.block_until_ready(state.out)
+        self._seconds = time.perf_counter() - t0
+        return state
+
+    @staticmethod
+    def _stream(state, stream, sent, n_rows):
+        out = np.asarray(state.out)
+        n_out = np.asarray(state.n_out)
+        for r in range(n_rows):
+            if n_out[r] > sent[r]:
+                stream(r, out[r, sent[r] : n_out[r]].tolist())
+                sent[r] = int(n_out[r])
+
+    def _completions(self, ids, state, spec, eos) -> list[Completion]:
+        out = np.asarray(state.out)
+        n_out = np.asarray(state.n_out)
+        steps = np.asarray(state.steps)
+        hist = np.asarray(state.hist).tolist()
+        eos_set = set(np.asarray(eos).tolist())
+        seconds = self._seconds
+        total_steps = int(steps[: len(ids)].max()) if len(ids) else 0
+        res = []
+        for r, p in enumerate(ids):
+            toks = out[r, : n_out[r]].tolist()
+            finish = "stop" if toks and toks[-1] in eos_set else "length"
+            n, s = len(toks), int(steps[r])
+            stats = Stats(
+                num_tokens=n,
+                steps=s,
+                acceptance_length=(n - 1) / s if s else float(n),
+                seconds=seconds,
+                tokens_per_second=n / seconds if seconds > 0 else float("nan"),
+                step_ms=1000 * seconds / max(total_steps, 1),
+                accepted_hist=hist,
+            )
+            res.append(Completion(p, toks, self.decode(toks), finish, stats))
+        return res
+
+
+def load_tokenizer(target_dir: str | os.PathLike):
+    """tokenizers.Tokenizer from target_dir/tokenizer.json, or None when the directory has none."""
+    path = os.path.join(os.fspath(target_dir), "tokenizer.json")
+    if not os.path.isfile(path):
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(path)
+
+
+def completion_json(c: Completion, mode: str) -> str:
+    d = c.to_json()
+    d["mode"] = mode
+    return json.dumps(d)

@@ -1,0 +1,122 @@
+"""ddtree-generate end to end on tiny checkpoints: same greedy text in every mode, streaming,
+and one clear error for every bad input."""
+
+import io
+import json
+import os
+
+import pytest
+
+from ddtree_jax.cli import generate as cli
+from tests.cli_fixtures import write_drafter, write_target
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    target = write_target(str(root / "target"))
+    drafter = write_drafter(str(root / "drafter"))
+    bad = write_drafter(str(root / "bad_drafter"), hidden_size=32, head_dim=8)
+    return target, drafter, bad
+
+
+def run(capsys, *argv):
+    code = cli.main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_all_modes_give_identical_greedy_text(ckpts, capsys):
+    target, drafter, _ = ckpts
+    outs = {}
+    for mode in ("ar", "dflash", "ddtree"):
+        code, out, err = run(capsys, "--target", target, "--drafter", drafter, "--prompt", "def f(x):",
+                             "--mode", mode, "--max-new-tokens", "40", "--budget", "16", "--json")
+        assert code == 0, err
+        outs[mode] = json.loads(out)
+        assert outs[mode]["mode"] == mode and len(outs[mode]["token_ids"]) >= 1
+        assert outs[mode]["stats"]["steps"] >= 1
+    assert outs["ar"]["token_ids"] == outs["dflash"]["token_ids"] == outs["ddtree"]["token_ids"]
+    assert outs["ar"]["text"] == outs["ddtree"]["text"]
+
+
+def test_streaming_prints_text_and_stats(ckpts, capsys):
+    target, drafter, _ = ckpts
+    code, out, err = run(capsys, "--target", target, "--drafter", drafter, "--prompt", "x = ", "--max-new-tokens",
+                         "24", "--compare-ar")
+    assert code == 0
+    assert out.startswith("x = ")
+    assert "tok/s" in err and "acceptance length" in err and "ms/step" in err
+    assert "identical to plain decoding: yes" in err
+
+
+def test_stream_callback_is_called_in_chunks(ckpts):
+    from ddtree_jax.engine import Engine
+
+    target, drafter, _ = ckpts
+    engine = Engine.load(target, drafter)
+    seen = []
+    [c] = engine.generate(["a = 1\n"], mode="ddtree", budget=8, max_new_tokens=30, stream=lambda r, ids: seen.append(ids),
+                          stream_every=1)
+    assert len(seen) > 2, "tokens should arrive in several chunks"
+    assert sum(seen, []) == c.token_ids
+
+
+def test_prompt_from_stdin_and_ids(ckpts, capsys, monkeypatch):
+    target, drafter, _ = ckpts
+    monkeypatch.setattr(cli.sys, "stdin", io.StringIO("import os\n"))
+    code, out, _ = run(capsys, "--target", target, "--mode", "ar", "--max-new-tokens", "5", "--json")
+    assert code == 0 and json.loads(out)["prompt_ids"][:3] == [75, 79, 82]  # 'i', 'm', 'p'
+    code, out, _ = run(capsys, "--target", target, "--mode", "ar", "--prompt-ids", "5,6,7", "--max-new-tokens", "5", "--json")
+    assert code == 0 and json.loads(out)["prompt_ids"] == [5, 6, 7]
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--target", "/nonexistent/dir", "--prompt", "x"], "does not exist"),
+        (["--prompt", "x", "--max-new-tokens", "0"], "positive integer"),
+        (["--prompt", "x", "--budget", "-3"], "positive integer"),
+        (["--prompt", "x", "--budget", "5000"], "budget"),
+        (["--prompt", "x", "--temperature", "-1"], "temperature"),
+        (["--prompt", "x", "--top-p", "0"], "top_p"),
+        (["--prompt", "x", "--prompt-ids", "1,2"], "only one of"),
+        (["--prompt-ids", "1,x"], "token ids"),
+        (["--prompt-ids", "1,999"], "outside the vocabulary"),
+        (["--prompt", "x" * 40, "--max-context", "32"], "context limit"),
+        (["--mode", "ddtree", "--prompt", "x", "--no-drafter"], "needs a drafter"),
+        (["--prompt", "x", "--mode", "beam"], "invalid choice"),
+    ],
+)
+def test_bad_input_gives_one_clear_error(ckpts, capsys, argv, message):
+    target, drafter, _ = ckpts
+    argv = list(argv)
+    if "--target" not in argv:
+        argv = ["--target", target] + argv
+    if "--no-drafter" in argv:
+        argv.remove("--no-drafter")
+    elif "--drafter" not in argv:
+        argv += ["--drafter", drafter]
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code != 0
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert "Traceback" not in err
+
+
+def test_mismatched_drafter_is_refused(ckpts, capsys):
+    target, _, bad = ckpts
+    with pytest.raises(SystemExit):
+        cli.main(["--target", target, "--drafter", bad, "--prompt", "x"])
+    err = capsys.readouterr().err
+    assert "hidden" in err
+
+
+def test_help_explains_usage(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--target", "--drafter", "--mode", "--budget", "--prompt-ids", "--json", "--temperature"):
+        assert flag in out
