@@ -120,3 +120,24 @@ def test_help_explains_usage(capsys):
     out = capsys.readouterr().out
     for flag in ("--target", "--drafter", "--mode", "--budget", "--prompt-ids", "--json", "--temperature"):
         assert flag in out
+
+
+@pytest.mark.slow
+def test_bench_writes_json_png_and_table(ckpts, tmp_path, capsys):
+    from ddtree_jax.cli import bench as bench_cli
+
+    target, drafter, _ = ckpts
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def f(x):\nimport os\\nimport sys\n")
+    code = bench_cli.main(["--target", target, "--drafter", drafter, "--prompts", str(prompts), "--budgets", "4,8",
+                           "--max-new-tokens", "16", "--phase-repeats", "2", "--out", str(tmp_path / "out")])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    report = json.loads((tmp_path / "out" / "bench.json").read_text())
+    runs = {(r["mode"], r["budget"]): r for r in report["results"]}
+    assert set(runs) == {("ar", None), ("dflash", None), ("ddtree", 4), ("ddtree", 8)}
+    for r in runs.values():
+        assert r["outputs_match_ar"] is True and r["tokens"] > 0 and r["tokens_per_second"] > 0
+    assert set(runs[("ddtree", 8)]["phases_ms"]) == {"draft", "build", "verify", "commit"}
+    assert (tmp_path / "out" / "bench.png").stat().st_size > 1000
+    assert "ddtree" in captured.out and "verify" in captured.out

@@ -1,0 +1,194 @@
+"""Side-by-side measurement of AR, DFlash linear and DDTree on one engine and prompt set.
+
+For every (mode, budget): end-to-end tokens/s and acceptance length over the prompts (after
+compilation), the histogram of tokens per step, and the time of one step split into its
+phases (draft / tree build / verify / commit), each phase jitted on its own and timed by the
+median of repeats on a real mid-generation state. Peak device memory where the backend
+reports it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import statistics
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ddtree_jax.engine import Engine, bucket
+from ddtree_jax.spec import generate as gen
+from ddtree_jax.spec.sampling import Sampling
+
+
+@dataclasses.dataclass
+class RunResult:
+    mode: str
+    budget: int | None
+    prompts: int
+    tokens: int
+    seconds: float
+    tokens_per_second: float
+    acceptance_length: float  # mean over prompts of tokens per step after prefill
+    accepted_hist: list[int]
+    step_ms: float  # end-to-end wall time per step
+    phases_ms: dict[str, float]  # one step, phase by phase (median of repeats)
+    peak_memory_bytes: int | None
+    outputs_match_ar: bool | None = None
+    speedup_vs_ar: float | None = None
+
+
+def peak_memory() -> int | None:
+    stats = jax.local_devices()[0].memory_stats()
+    return None if not stats else int(stats.get("peak_bytes_in_use", 0)) or None
+
+
+def _median_ms(fn: Callable[[], object], repeats: int) -> float:
+    jax.block_until_ready(fn())  # warm-up (and compile)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(1000 * (time.perf_counter() - t0))
+    return statistics.median(times)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "spec"))
+def _propose(graphdef, params, dparams, s, spec):
+    return gen.propose(nnx.merge(graphdef, params), dparams, s, spec)
+
+
+@functools.partial(jax.jit, static_argnames=("spec",))
+def _build(logq, s, spec):
+    return gen.build(logq, s, spec)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "spec"))
+def _verify(graphdef, params, s, tree, spec, key):
+    return gen.verify(nnx.merge(graphdef, params), s, tree, spec, key)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "spec"))
+def _commit(graphdef, params, dparams, s, tree, res, eos, spec):
+    return gen.commit_and_emit(nnx.merge(graphdef, params), dparams, s, tree, res, eos, spec)[0]
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "spec"))
+def _ar_step(graphdef, params, s, eos, spec, key):
+    return gen._ar_step(nnx.merge(graphdef, params), s, eos, spec, key)[0]
+
+
+def phase_times(engine: Engine, prompt_ids: Sequence[int], spec: gen.GenSpec, repeats: int = 10,
+                warm_steps: int = 4) -> dict[str, float]:
+    """Median ms of each phase of one step, on the state reached after a few real steps."""
+    t = bucket(len(prompt_ids))
+    prompt = np.zeros((1, t), np.int32)
+    prompt[0, : len(prompt_ids)] = prompt_ids
+    eos = jnp.zeros((0,), jnp.int32)
+    key = jax.random.PRNGKey(0)
+    g, p, dp = engine.graphdef, engine.params, engine.drafter_params
+    s = gen.start(g, p, dp, jnp.asarray(prompt), jnp.asarray([len(prompt_ids)], jnp.int32), eos, key, spec)
+    s = gen.advance(g, p, dp, s, eos, jnp.int32(warm_steps), spec)
+    s = s._replace(done=jnp.zeros_like(s.done), out=jnp.full_like(s.out, -1), n_out=jnp.zeros_like(s.n_out))
+    if spec.mode == "ar":
+        return {"step": _median_ms(lambda: _ar_step(g, p, s, eos, spec, key), repeats)}
+    logq = _propose(g, p, dp, s, spec)
+    tree = _build(logq, s, spec)
+    res = _verify(g, p, s, tree, spec, key)
+    return {
+        "draft": _median_ms(lambda: _propose(g, p, dp, s, spec), repeats),
+        "build": _median_ms(lambda: _build(logq, s, spec), repeats),
+        "verify": _median_ms(lambda: _verify(g, p, s, tree, spec, key), repeats),
+        "commit": _median_ms(lambda: _commit(g, p, dp, s, tree, res, eos, spec), repeats),
+    }
+
+
+def run_mode(engine: Engine, prompts: Sequence[Sequence[int]], mode: str, budget: int | None, *, max_new_tokens: int,
+             batch: int, sampling: Sampling = Sampling(), phase_repeats: int = 10) -> tuple[RunResult, list[list[int]]]:
+    """Generate for every prompt (in batches), twice per batch: the first call compiles and is
+    not timed."""
+    outputs, seconds, step_ms, accept, hist = [], 0.0, [], [], None
+    kwargs = dict(mode=mode, budget=budget or 1, max_new_tokens=max_new_tokens, sampling=sampling)
+    for i in range(0, len(prompts), batch):
+        chunk = [list(p) for p in prompts[i : i + batch]]
+        engine.generate(chunk, **kwargs)  # compile + warm
+        res = engine.generate(chunk, **kwargs)
+        seconds += res[0].stats.seconds
+        step_ms.append(res[0].stats.step_ms)
+        for c in res:
+            outputs.append(c.token_ids)
+            accept.append(c.stats.acceptance_length)
+        h = np.asarray(res[0].stats.accepted_hist)
+        hist = h if hist is None else hist + h
+    tokens = sum(len(o) for o in outputs)
+    spec = engine.spec(mode, budget=budget or 1, candidates=None, max_new_tokens=max_new_tokens, sampling=sampling,
+                       prompt_bucket=bucket(len(prompts[0])))
+    phases = phase_times(engine, list(prompts[0]), spec, repeats=phase_repeats)
+    result = RunResult(
+        mode=mode, budget=budget if mode == "ddtree" else None, prompts=len(prompts), tokens=tokens, seconds=seconds,
+        tokens_per_second=tokens / seconds if seconds else float("nan"),
+        acceptance_length=float(np.mean(accept)), accepted_hist=hist.tolist(),
+        step_ms=float(np.mean(step_ms)),
+        phases_ms=phases, peak_memory_bytes=peak_memory(),
+    )
+    return result, outputs
+
+
+def compare(results: list[RunResult], outputs: dict, ar_key=("ar", None)) -> None:
+    """Fill speedup_vs_ar and outputs_match_ar against the AR run (greedy runs must match)."""
+    base = next((r for r in results if r.mode == "ar"), None)
+    for r in results:
+        if base is not None:
+            r.speedup_vs_ar = r.tokens_per_second / base.tokens_per_second
+            r.outputs_match_ar = outputs[(r.mode, r.budget)] == outputs[ar_key]
+
+
+def table(results: list[RunResult]) -> str:
+    head = f"{'mode':7} {'budget':>6} {'tok/s':>9} {'speedup':>7} {'accept':>6} {'ms/step':>8} " \
+           f"{'draft':>7} {'build':>7} {'verify':>7} {'commit':>7} {'same':>5}"
+    lines = [head, "-" * len(head)]
+    for r in results:
+        ph = r.phases_ms
+        cols = [ph.get(k, ph.get("step") if k == "verify" else None) for k in ("draft", "build", "verify", "commit")]
+        fmt = lambda x: f"{x:7.2f}" if x is not None else f"{'-':>7}"
+        lines.append(
+            f"{r.mode:7} {r.budget if r.budget is not None else '-':>6} {r.tokens_per_second:9.1f} "
+            f"{(r.speedup_vs_ar or float('nan')):7.2f} {r.acceptance_length:6.2f} {r.step_ms:8.2f} "
+            + " ".join(fmt(c) for c in cols)
+            + f" {('yes' if r.outputs_match_ar else 'NO') if r.outputs_match_ar is not None else '-':>5}"
+        )
+    return "\n".join(lines)
+
+
+def plot(results: list[RunResult], path: str) -> None:
+    """Speedup over AR and acceptance length vs budget (DDTree line; DFlash and AR as references)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tree = sorted((r for r in results if r.mode == "ddtree"), key=lambda r: r.budget)
+    lin = next((r for r in results if r.mode == "dflash"), None)
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    if tree:
+        budgets = [r.budget for r in tree]
+        a1.plot(budgets, [r.speedup_vs_ar or float("nan") for r in tree], "o-", label="DDTree")
+        a2.plot(budgets, [r.acceptance_length for r in tree], "o-", label="DDTree")
+        a1.set_xscale("log", base=2)
+        a2.set_xscale("log", base=2)
+    if lin is not None:
+        a1.axhline(lin.speedup_vs_ar or float("nan"), color="C1", ls="--", label="DFlash linear")
+        a2.axhline(lin.acceptance_length, color="C1", ls="--", label="DFlash linear")
+    a1.axhline(1.0, color="gray", ls=":", label="plain decoding")
+    a2.axhline(1.0, color="gray", ls=":", label="plain decoding")
+    a1.set(xlabel="budget (tree nodes)", ylabel="speedup vs plain decoding (tok/s)")
+    a2.set(xlabel="budget (tree nodes)", ylabel="acceptance length (tokens / step)")
+    a1.legend()
+    a2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,134 @@
+"""ddtree-bench: AR, DFlash linear and DDTree side by side on a prompt set, sweeping budgets."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import sys
+
+from ddtree_jax.cli.common import die, positive_int
+
+EPILOG = """\
+examples:
+  ddtree-bench --prompts prompts.txt --out results/                 # the embedded demo pair
+  ddtree-bench --target T --drafter D --prompts p.jsonl --budgets 16,64,256 --max-new-tokens 256
+
+Prompts: a text file with one prompt per line ("\\n" inside a line is a newline), or JSONL with
+{"prompt": "..."} or {"prompt_ids": [...]} per line. Writes bench.json and bench.png in --out.
+"""
+
+
+def budgets(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated budgets like 16,64,256, got {text!r}") from None
+    if not values or any(v < 1 or v > 1024 for v in values):
+        raise argparse.ArgumentTypeError(f"budgets must be in [1, 1024], got {text!r}")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ddtree-bench", description=__doc__, epilog=EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default=None, help="target directory (default: the embedded demo pair)")
+    p.add_argument("--drafter", default=None, help="DFlash drafter directory")
+    p.add_argument("--prompts", required=True, help="prompt file (text lines or JSONL)")
+    p.add_argument("--limit", type=positive_int, default=None, help="use only the first N prompts")
+    p.add_argument("--modes", default="ar,dflash,ddtree", help="comma-separated modes (default ar,dflash,ddtree)")
+    p.add_argument("--budgets", type=budgets, default=(16, 32, 64, 128, 256), help="DDTree budgets to sweep")
+    p.add_argument("--max-new-tokens", type=positive_int, default=128)
+    p.add_argument("--batch", type=positive_int, default=1, help="prompts per batch (default 1)")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None)
+    p.add_argument("--phase-repeats", type=positive_int, default=10, help="repeats for per-phase timing medians")
+    p.add_argument("--out", default="bench_out", help="output directory for bench.json and bench.png")
+    return p
+
+
+def read_prompts(path: str, engine) -> list[list[int]]:
+    if not os.path.isfile(path):
+        die(f"prompt file {path} does not exist")
+    prompts = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            line = line.rstrip("\n")
+            if not line.strip():
+                continue
+            if line.lstrip().startswith("{"):
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    die(f"{path}:{n}: invalid JSON ({e})")
+                if "prompt_ids" in obj:
+                    prompts.append([int(t) for t in obj["prompt_ids"]])
+                    continue
+                line = obj.get("prompt", "")
+            else:
+                line = line.replace("\\n", "\n")
+            try:
+                prompts.append(engine.encode(line))
+            except ValueError as e:
+                die(f"{path}:{n}: {e}")
+    if not prompts:
+        die(f"no prompts in {path}")
+    return prompts
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in ("ar", "dflash", "ddtree")]
+    if bad:
+        die(f"unknown mode(s) {bad}: choose from ar, dflash, ddtree")
+    from tqdm.auto import tqdm
+
+    from ddtree_jax import bench
+    from ddtree_jax.cli.common import load_engine
+
+    engine = load_engine(args.target, args.drafter, args.dtype)
+    if engine.proposer is None and any(m != "ar" for m in modes):
+        die("dflash / ddtree modes need a drafter (--drafter DIR)")
+    prompts = read_prompts(args.prompts, engine)[: args.limit]
+    runs = [(m, None) for m in modes if m != "ddtree"] + [("ddtree", b) for b in args.budgets if "ddtree" in modes]
+    if "ar" not in modes:
+        runs.insert(0, ("ar", None))  # the reference for speedups and output identity
+    results, outputs = [], {}
+    try:
+        for mode, budget in tqdm(runs, desc="ddtree-bench", unit="run"):
+            r, outs = bench.run_mode(engine, prompts, mode, budget, max_new_tokens=args.max_new_tokens,
+                                     batch=args.batch, phase_repeats=args.phase_repeats)
+            results.append(r)
+            outputs[(mode, r.budget)] = outs
+    except ValueError as e:
+        die(str(e))
+    bench.compare(results, outputs)
+    os.makedirs(args.out, exist_ok=True)
+    report = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(["ddtree-bench"] + (argv if argv is not None else sys.argv[1:])),
+        "device": str(__import__("jax").devices()[0].device_kind),
+        "backend": __import__("jax").default_backend(),
+        "host": platform.node(),
+        "target": args.target or "embedded demo", "drafter": args.drafter or "embedded demo",
+        "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "batch": args.batch,
+        "results": [dataclasses.asdict(r) for r in results],
+    }
+    with open(os.path.join(args.out, "bench.json"), "w") as f:
+        json.dump(report, f, indent=2)
+    png = os.path.join(args.out, "bench.png")
+    bench.plot(results, png)
+    print(bench.table(results))
+    print(f"wrote {os.path.join(args.out, 'bench.json')} and {png}", file=sys.stderr)
+    mismatched = [f"{r.mode}/{r.budget}" for r in results if r.outputs_match_ar is False]
+    if mismatched:
+        print(f"WARNING: outputs differ from plain decoding for {mismatched}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
