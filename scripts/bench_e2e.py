@@ -1,0 +1,265 @@
+"""End-to-end step benchmark at real model size (run on the H200; random weights, on device).
+
+Target: Qwen3.6-27B-shaped hybrid (hidden 5120, 64 layers, full attention every 4th, 24 q / 4 kv
+heads of 256, GDN 16 k / 48 v heads of 128, conv 4, FFN 17408, vocab 248320, bf16) and a 5-layer
+DFlash drafter of the same width. The caches are filled with random K/V and recurrent states at
+a 4k context (no 4k prefill to compile), then we time, by the median of repeats:
+  - the plain decode step (one token per sequence), against the HBM roofline: bytes that must
+    be read per step (weights, KV, recurrent + conv state) / the best read rate measured in the
+    same run (a large bf16 reduction and a large bf16 GEMV);
+  - one DDTree step (draft + tree build + verify + commit) at budget 64, whole and by phase;
+  - N steps inside one on-device while_loop (no host sync per step) vs N single-step calls;
+  - batch 1 and 8; peak device memory.
+Writes JSON (--out) and prints a table last.
+
+    PYTHONPATH=. python3 scripts/bench_e2e.py --out $OUT/e2e.json           # on the H200
+    PYTHONPATH=. python3 scripts/bench_e2e.py --smoke                       # tiny shapes, any device
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ddtree_jax.cache import KVCache, RecurrentCache, TargetCache
+from ddtree_jax.config import TargetConfig
+from ddtree_jax.drafter_config import DrafterConfig
+from ddtree_jax.models.drafter import DrafterCache, DrafterModel
+from ddtree_jax.models.target import TargetModel
+from ddtree_jax.spec import generate as gen
+from ddtree_jax.spec.dflash import DFlashProposer
+from ddtree_jax.spec.sampling import Sampling
+
+QWEN36_27B = dict(
+    model_type="qwen3_5_text", vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+    num_attention_heads=24, num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48,
+    linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+    rms_norm_eps=1e-6, tie_word_embeddings=False, dtype="bfloat16", max_position_embeddings=262144,
+)
+SMOKE = dict(QWEN36_27B, vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
+             linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32)
+
+
+def drafter_config(tcfg: TargetConfig, layers: int, heads: int, kv: int, head_dim: int, block: int) -> DrafterConfig:
+    return DrafterConfig.from_hf_dict({
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": tcfg.hidden_size,
+        "intermediate_size": tcfg.intermediate_size, "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": kv, "head_dim": head_dim, "rope_theta": 1e7, "rms_norm_eps": 1e-6,
+        "vocab_size": tcfg.vocab_size, "num_target_layers": tcfg.num_layers, "block_size": block, "dtype": "bfloat16",
+        "dflash_config": {"mask_token_id": tcfg.vocab_size - 1},
+    })
+
+
+def random_params(abstract, seed: int):
+    """Random bf16 weights created on device leaf by leaf (std ~ fan_in^-1/2; norms ~0/1)."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+    leaves = []
+    for i, (path, leaf) in enumerate(flat):
+        name = jax.tree_util.keystr(path)
+        key = jax.random.PRNGKey(seed * 100003 + i)
+        shape, dtype = leaf.shape, leaf.dtype
+        if "A_log" in name or "dt_bias" in name:
+            leaves.append(jax.random.uniform(key, shape, jnp.float32, -1, 1).astype(dtype))
+        elif "norm" in name:
+            leaves.append((1.0 + 0.1 * jax.random.normal(key, shape, jnp.float32)).astype(dtype))
+        else:
+            std = (shape[0] if len(shape) == 2 and "embedding" not in name else 1) ** -0.5
+            leaves.append(_normal(key, shape, dtype, std))
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "dtype"))
+def _normal(key, shape, dtype, std):
+    return (jax.random.normal(key, shape, jnp.float32) * std).astype(dtype)
+
+
+def filled_caches(cfg: TargetConfig, dcfg: DrafterConfig, batch: int, context: int, capacity: int, seed: int):
+    """Target and drafter caches holding `context` committed tokens of random state per row
+    (batch > 1: lengths spread over [context/2, context])."""
+    key = jax.random.PRNGKey(seed)
+    lengths = jnp.asarray(np.linspace(context, context // 2, batch).astype(np.int32)) if batch > 1 else jnp.asarray([context], jnp.int32)
+    layers = []
+    for i, kind in enumerate(cfg.layer_types):
+        k1, k2 = jax.random.split(jax.random.fold_in(key, i))
+        if kind == "attention":
+            shape = (batch, cfg.num_kv_heads, capacity, cfg.head_dim)
+            layers.append(KVCache(_normal(k1, shape, jnp.bfloat16, 1.0), _normal(k2, shape, jnp.bfloat16, 1.0)))
+        else:
+            layers.append(RecurrentCache(
+                _normal(k1, (batch, cfg.conv_kernel - 1, cfg.gdn_conv_dim), jnp.bfloat16, 1.0),
+                _normal(k2, (batch, cfg.gdn_num_v_heads, cfg.gdn_k_head_dim, cfg.gdn_v_head_dim), jnp.float32, 0.05)))
+    dlayers = []
+    for i in range(dcfg.num_layers):
+        k1, k2 = jax.random.split(jax.random.fold_in(key, 1000 + i))
+        shape = (batch, dcfg.num_kv_heads, capacity, dcfg.head_dim)
+        dlayers.append(KVCache(_normal(k1, shape, jnp.bfloat16, 1.0), _normal(k2, shape, jnp.bfloat16, 1.0)))
+    return TargetCache(tuple(layers), lengths), DrafterCache(tuple(dlayers), lengths)
+
+
+def nbytes(tree) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree))
+
+
+def median_ms(fn, repeats: int) -> float:
+    jax.block_until_ready(fn())
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(1000 * (time.perf_counter() - t0))
+    return statistics.median(times)
+
+
+def measure_bandwidth(gib: float) -> dict:
+    """Best read rate: a bf16 reduction over `gib` GiB and a bf16 GEMV of the same size."""
+    n = int(gib * 2**30 / 2)
+    cols = 8192
+    rows = n // cols
+    x = _normal(jax.random.PRNGKey(1), (rows, cols), jnp.bfloat16, 1.0)
+    v = _normal(jax.random.PRNGKey(2), (cols,), jnp.bfloat16, 1.0)
+    reduce = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
+    gemv = jax.jit(lambda a, b: a @ b)
+    bytes_ = rows * cols * 2
+    t_red = median_ms(lambda: reduce(x), 20)
+    t_gemv = median_ms(lambda: gemv(x, v), 20)
+    out = {"bytes": bytes_, "reduce_ms": t_red, "gemv_ms": t_gemv,
+           "reduce_GBps": bytes_ / t_red / 1e6, "gemv_GBps": bytes_ / t_gemv / 1e6}
+    out["best_GBps"] = max(out["reduce_GBps"], out["gemv_GBps"])
+    del x
+    return out
+
+
+def decode_bytes(cfg: TargetConfig, params, cache: TargetCache) -> int:
+    """Bytes a decode step must read: every weight but the embedding table (one row), the K/V up to
+    each row's length, and the recurrent + conv state (read and written)."""
+    weights = nbytes(params) - cfg.vocab_size * cfg.hidden_size * 2 * (0 if cfg.tie_word_embeddings else 1)
+    lengths = np.asarray(cache.lengths)
+    kv = sum(2 * int(lengths.sum()) * layer.k.shape[1] * layer.k.shape[3] * layer.k.dtype.itemsize
+             for layer in cache.layers if isinstance(layer, KVCache))
+    rec = sum(2 * (nbytes(layer.state) + nbytes(layer.conv)) for layer in cache.layers if isinstance(layer, RecurrentCache))
+    return int(weights + kv + rec)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU or GPU) to check the script")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--budget", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--loop-steps", type=int, default=16)
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "e2e.json"))
+    args = ap.parse_args(argv)
+
+    report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "command": " ".join(["scripts/bench_e2e.py"] + (argv if argv is not None else sys.argv[1:])),
+              "device": jax.devices()[0].device_kind, "jax": jax.__version__, "runs": []}
+
+    def save():
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+
+    raw = SMOKE if args.smoke else QWEN36_27B
+    cfg = TargetConfig.from_hf_dict(raw)
+    context = 64 if args.smoke else args.context
+    dcfg = drafter_config(cfg, 5, 4 if args.smoke else 32, 2 if args.smoke else 8, 32 if args.smoke else 128, 16)
+    print(f"[bench] device {report['device']}, jax {jax.__version__}", flush=True)
+    report["bandwidth"] = measure_bandwidth(0.05 if args.smoke else 4.0)
+    print(f"[bench] HBM read rate: {report['bandwidth']['best_GBps']:.0f} GB/s", flush=True)
+    save()
+
+    t0 = time.time()
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: TargetModel(cfg, rngs=nnx.Rngs(0))))
+    params = random_params(abstract, 0)
+    dgraph, dabstract = nnx.split(nnx.eval_shape(lambda: DrafterModel(dcfg, rngs=nnx.Rngs(0))))
+    dparams = random_params(dabstract, 1)
+    jax.block_until_ready((params, dparams))
+    report["target_params_GB"] = nbytes(params) / 1e9
+    report["drafter_params_GB"] = nbytes(dparams) / 1e9
+    print(f"[bench] weights on device in {time.time() - t0:.1f} s: target {report['target_params_GB']:.1f} GB, "
+          f"drafter {report['drafter_params_GB']:.2f} GB", flush=True)
+    proposer = DFlashProposer(dgraph, dcfg)
+    eos = jnp.zeros((0,), jnp.int32)
+    key = jax.random.PRNGKey(0)
+
+    @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=())
+    def one_step(params, dparams, s, spec):
+        return gen._step(nnx.merge(graphdef, params), dparams, s, eos, spec)
+
+    @functools.partial(jax.jit, static_argnames=("spec",))
+    def n_steps(params, dparams, s, n, spec):
+        return gen._advance(nnx.merge(graphdef, params), dparams, s, eos, spec, n)
+
+    for batch in [int(b) for b in args.batches.split(",")]:
+        capacity = context + 64
+        cache, dcache = filled_caches(cfg, dcfg, batch, context, capacity, seed=batch)
+        row = {"batch": batch, "context": context, "lengths": np.asarray(cache.lengths).tolist()}
+        max_new = 10**6
+        state = gen.LoopState(cache, dcache, jnp.zeros((batch,), jnp.int32) + 7, jnp.zeros((batch, 8), jnp.int32),
+                              jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), bool), jnp.zeros((batch,), jnp.int32),
+                              jnp.zeros((17,), jnp.int32), jnp.int32(0), key)
+        for mode in ("ar", "ddtree"):
+            spec = gen.GenSpec(mode, args.budget, None, max_new, Sampling(), capacity, None if mode == "ar" else proposer)
+            s = state if mode == "ddtree" else state._replace(dstate=None, hist=jnp.zeros((2,), jnp.int32))
+            t_c = time.time()
+            ms = median_ms(lambda: one_step(params, dparams, s, spec), args.repeats)
+            row[f"{mode}_step_ms"] = ms
+            row[f"{mode}_compile_and_warm_s"] = time.time() - t_c
+            n = args.loop_steps
+            loop_ms = median_ms(lambda: n_steps(params, dparams, s, jnp.int32(n), spec), 3) / n
+            row[f"{mode}_loop_step_ms"] = loop_ms
+            print(f"[bench] batch {batch} {mode}: {ms:.2f} ms/step (single), {loop_ms:.2f} ms/step in a "
+                  f"{n}-step on-device loop", flush=True)
+            save()
+        bytes_ = decode_bytes(cfg, params, cache)
+        row["decode_bytes"] = bytes_
+        row["roofline_ms"] = bytes_ / (report["bandwidth"]["best_GBps"] * 1e6)
+        row["decode_fraction_of_roofline"] = row["roofline_ms"] / row["ar_step_ms"]
+        row["ddtree_over_decode"] = row["ddtree_step_ms"] / row["ar_step_ms"]
+        # Phase split of the DDTree step.
+        from ddtree_jax import bench as B
+
+        spec = gen.GenSpec("ddtree", args.budget, None, max_new, Sampling(), capacity, proposer)
+        logq = B._propose(graphdef, params, dparams, state, spec)
+        tree = B._build(logq, state, spec)
+        res = B._verify(graphdef, params, state, tree, spec, key)
+        row["phases_ms"] = {
+            "draft": median_ms(lambda: B._propose(graphdef, params, dparams, state, spec), args.repeats),
+            "build": median_ms(lambda: B._build(logq, state, spec), args.repeats),
+            "verify": median_ms(lambda: B._verify(graphdef, params, state, tree, spec, key), args.repeats),
+            "commit": median_ms(lambda: B._commit(graphdef, params, dparams, state, tree, res, eos, spec), args.repeats),
+        }
+        stats = jax.local_devices()[0].memory_stats() or {}
+        row["peak_memory_GB"] = stats.get("peak_bytes_in_use", 0) / 1e9 or None
+        report["runs"].append(row)
+        save()
+        del cache, dcache, state
+
+    print("\nbatch  decode_ms  roofline_ms  %roofline  ddtree_ms  ratio  loop_ar  loop_tree  draft  build  verify  commit  peakGB")
+    for r in report["runs"]:
+        p = r["phases_ms"]
+        print(f"{r['batch']:5d}  {r['ar_step_ms']:9.2f}  {r['roofline_ms']:11.2f}  {100 * r['decode_fraction_of_roofline']:8.1f}%"
+              f"  {r['ddtree_step_ms']:9.2f}  {r['ddtree_over_decode']:5.2f}  {r['ar_loop_step_ms']:7.2f}  "
+              f"{r['ddtree_loop_step_ms']:9.2f}  {p['draft']:5.2f}  {p['build']:5.2f}  {p['verify']:6.2f}  "
+              f"{p['commit']:6.2f}  {r['peak_memory_GB'] or float('nan'):6.1f}")
+    print(f"HBM read rate {report['bandwidth']['best_GBps']:.0f} GB/s; wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
