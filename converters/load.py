@@ -24,6 +24,7 @@ import tempfile
 import time
 from typing import Callable
 
+import jax
 import jax.numpy as jnp
 
 from converters import orbax_io
@@ -35,6 +36,7 @@ from ddtree_jax.config import DTYPES, ConfigError, TargetConfig
 log = logging.getLogger(__name__)
 
 FORMAT_NAME = "ddtree-jax-target"
+DRAFTER_FORMAT_NAME = "ddtree-jax-drafter"
 FORMAT_VERSION = 1
 MANIFEST_FILE = "ddtree_manifest.json"
 MARKER_FILE = "CONVERSION_COMPLETE"
@@ -50,6 +52,10 @@ __all__ = [
     "IncompleteConversionError",
     "checkpoint_kind",
     "convert_target",
+    "convert_checkpoint",
+    "convert_drafter",
+    "is_drafter_dir",
+    "load_drafter",
     "load_target",
     "resolve_dtype",
 ]
@@ -95,7 +101,7 @@ def _read_manifest(path: str) -> dict:
             manifest = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise IncompleteConversionError(f"{path}: unreadable {MANIFEST_FILE} ({e}); convert the model again") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
+    if not isinstance(manifest, dict) or manifest.get("format") not in (FORMAT_NAME, DRAFTER_FORMAT_NAME):
         raise IncompleteConversionError(f"{path}: {MANIFEST_FILE} is not a {FORMAT_NAME} manifest")
     version = manifest.get("format_version")
     if not isinstance(version, int) or version > FORMAT_VERSION:
@@ -155,6 +161,8 @@ def load_target(
 
 def _load_converted(path: str, dtype):
     manifest = _read_manifest(path)
+    if manifest.get("format") == DRAFTER_FORMAT_NAME:
+        raise ValueError(f"{path} is a converted DFlash drafter, not a target (pass it as the drafter)")
     _, cfg = _read_config(path)
     stored = manifest.get("dtype", cfg.dtype)
     want = resolve_dtype(dtype) if dtype is not None else resolve_dtype(stored)
@@ -216,6 +224,21 @@ def convert_target(
     deleted). Atomic: nothing appears at dst unless the whole conversion succeeded.
     """
     src, dst = os.fspath(src), os.path.abspath(os.fspath(dst))
+    _check_destination(dst, overwrite)
+    _require_dir(src)
+    if checkpoint_kind(src) == CONVERTED:
+        raise ValueError(f"{src} is already a converted checkpoint; load it with load_target() directly")
+    raw_cfg, cfg = _read_config(src)
+    want = resolve_dtype(dtype, cfg)
+
+    def read(progress_flag):
+        _, params, count = _load_hf(src, cfg, want, progress=progress_flag, on_tensor=on_tensor, desc="converting")
+        return params, count
+
+    return _write_converted(src, dst, raw_cfg, FORMAT_NAME, cfg.model_type, want, read, progress)
+
+
+def _check_destination(dst: str, overwrite: bool) -> None:
     if os.path.lexists(dst):
         if not overwrite:
             raise FileExistsError(f"{dst} already exists; pass --force (overwrite=True) to replace it")
@@ -224,34 +247,32 @@ def convert_target(
                 f"{dst} exists and is not a ddtree-jax converted checkpoint; refusing to delete it even with "
                 "--force (choose another destination or remove it yourself)"
             )
-    _require_dir(src)
-    if checkpoint_kind(src) == CONVERTED:
-        raise ValueError(f"{src} is already a converted checkpoint; load it with load_target() directly")
-    raw_cfg, cfg = _read_config(src)
-    want = resolve_dtype(dtype, cfg)
 
+
+def _write_converted(src: str, dst: str, raw_cfg: dict, fmt: str, model_type: str, dtype: str, read, progress) -> str:
+    """Atomically write config + manifest + Orbax params (from read(progress) -> (params, count)) at dst."""
     parent = os.path.dirname(dst)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=os.path.basename(dst) + ".tmp-", dir=parent)
     try:
         start = time.time()
         manifest = {
-            "format": FORMAT_NAME,
+            "format": fmt,
             "format_version": FORMAT_VERSION,
-            "dtype": want,
-            "model_type": cfg.model_type,
+            "dtype": dtype,
+            "model_type": model_type,
             "source": os.path.abspath(src),
             "created_unix": int(start),
         }
         # The manifest goes first so a leftover temp directory is recognisable as an incomplete conversion.
         _write_json(os.path.join(tmp, MANIFEST_FILE), manifest)
         _write_json(os.path.join(tmp, CONFIG_FILE), raw_cfg)
-        _, params, count = _load_hf(src, cfg, want, progress=progress, on_tensor=on_tensor, desc="converting")
+        params, count = read(progress)
         orbax_io.save_params(os.path.join(tmp, PARAMS_DIR), params)
         manifest["num_source_tensors"] = count
         _write_json(os.path.join(tmp, MANIFEST_FILE), manifest)
         with open(os.path.join(tmp, MARKER_FILE), "w") as f:  # written last
-            f.write(f"{FORMAT_NAME} v{FORMAT_VERSION} complete in {time.time() - start:.1f} s\n")
+            f.write(f"{fmt} v{FORMAT_VERSION} complete in {time.time() - start:.1f} s\n")
             f.flush()
             os.fsync(f.fileno())
         _move_into_place(tmp, dst)
@@ -259,6 +280,67 @@ def convert_target(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return dst
+
+
+# ---- DFlash drafters ----------------------------------------------------------------------
+def is_drafter_dir(path: str | os.PathLike) -> bool:
+    """True when path/config.json describes a DFlash drafter (architectures or dflash_config)."""
+    cfg_path = os.path.join(os.fspath(path), CONFIG_FILE)
+    try:
+        with open(cfg_path) as f:
+            raw = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return False
+    archs = raw.get("architectures") or []
+    return isinstance(raw, dict) and ("dflash_config" in raw or any("DFlash" in str(a) for a in archs))
+
+
+def convert_drafter(src, dst, dtype=None, overwrite: bool = False, progress: bool = True) -> str:
+    """Convert a z-lab DFlash drafter directory into a converted (Orbax) directory at dst (atomic)."""
+    from converters import dflash
+
+    src, dst = os.fspath(src), os.path.abspath(os.fspath(dst))
+    _check_destination(dst, overwrite)
+    _require_dir(src)
+    if checkpoint_kind(src) == CONVERTED:
+        raise ValueError(f"{src} is already a converted checkpoint; load it with load_drafter() directly")
+    with open(os.path.join(src, CONFIG_FILE)) as f:
+        raw_cfg = json.load(f)
+
+    def read(progress_flag):
+        _, _, params = dflash.load_drafter(src, dtype=dtype)
+        return params, len(jax.tree_util.tree_leaves(params))
+
+    dcfg = dflash.DrafterConfig.from_hf_dict(raw_cfg, source=os.path.join(src, CONFIG_FILE))
+    want = resolve_dtype(dtype) if dtype is not None else dcfg.dtype
+    return _write_converted(src, dst, raw_cfg, DRAFTER_FORMAT_NAME, "dflash", want, read, progress)
+
+
+def load_drafter(path, dtype=None):
+    """(dcfg, graphdef, params) of a DFlash drafter from a z-lab HF directory or a converted one."""
+    from converters import dflash
+
+    path = os.fspath(path)
+    if checkpoint_kind(path) == HF:
+        return dflash.load_drafter(path, dtype=dtype)
+    manifest = _read_manifest(path)
+    if manifest.get("format") != DRAFTER_FORMAT_NAME:
+        raise ValueError(f"{path} is a converted target, not a drafter")
+    with open(os.path.join(path, CONFIG_FILE)) as f:
+        raw = json.load(f)
+    dcfg = dflash.DrafterConfig.from_hf_dict(raw, source=os.path.join(path, CONFIG_FILE))
+    want = resolve_dtype(dtype) if dtype is not None else resolve_dtype(manifest.get("dtype", dcfg.dtype))
+    dcfg = dcfg.replace(dtype=want)
+    graphdef, abstract = dflash.abstract_drafter(dcfg, want)
+    params = orbax_io.restore_tree(os.path.join(path, PARAMS_DIR), abstract)
+    return dcfg, graphdef, params
+
+
+def convert_checkpoint(src, dst, dtype=None, overwrite: bool = False, progress: bool = True) -> tuple[str, str]:
+    """Convert a target or a DFlash drafter (told apart by config.json); returns (kind, dst)."""
+    if os.path.isdir(os.fspath(src)) and is_drafter_dir(src):
+        return "drafter", convert_drafter(src, dst, dtype, overwrite, progress)
+    return "target", convert_target(src, dst, dtype, overwrite, progress)
 
 
 def _write_json(path: str, obj) -> None:

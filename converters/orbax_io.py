@@ -48,6 +48,11 @@ def restore_params(path: str | os.PathLike, cfg: TargetConfig, dtype=None, *, de
     dtype: the dtype to materialise (default cfg.dtype); Orbax casts from the stored dtype.
     """
     graphdef, abstract = abstract_target(cfg, dtype)
+    return graphdef, restore_tree(path, abstract, device=device)
+
+
+def restore_tree(path: str | os.PathLike, abstract, *, device=None):
+    """Restore an nnx.State of the same structure as `abstract` (shapes and dtypes checked / cast)."""
     sharding = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
     target = _string_keyed(
         jax.tree_util.tree_map(
@@ -65,4 +70,4 @@ def restore_params(path: str | os.PathLike, cfg: TargetConfig, dtype=None, *, de
         checkpointer.close()
     params = jax.tree_util.tree_map(lambda x: x, abstract)
     nnx.replace_by_pure_dict(params, unflatten_paths(flatten_paths(restored)))
-    return graphdef, params
+    return params

@@ -78,8 +78,7 @@ class Engine:
     @classmethod
     def load(cls, target: str | os.PathLike, drafter: str | os.PathLike | None = None, *, dtype=None,
              max_context: int | None = None, progress: bool = False) -> "Engine":
-        from converters.dflash import load_drafter
-        from converters.load import load_target
+        from converters.load import load_drafter, load_target
         from ddtree_jax.spec.dflash import DFlashProposer
 
         cfg, graphdef, params = load_target(target, dtype, progress=progress)

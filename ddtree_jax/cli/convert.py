@@ -10,7 +10,8 @@ Convert a Hugging Face model directory (config.json + model.safetensors, or a sh
 model.safetensors.index.json with its shard files) into a ddtree-jax checkpoint directory
 (config.json + Orbax params) that load_target() restores quickly.
 
-Supported model types: qwen3, qwen3_5_text, qwen3_5 (text part), qwen3_next (dense).
+Supported model types: qwen3, qwen3_5_text, qwen3_5 (text part), qwen3_next (dense), and
+z-lab DFlash drafters (DFlashDraftModel), told apart by config.json.
 PyTorch .bin / pytorch_model weights are not supported: re-save them as safetensors first.
 The conversion is atomic: DST appears only once everything has been written.
 """
@@ -58,12 +59,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # Imported after argument parsing so `--help` answers at once.
     from converters.keymap import CheckpointError
-    from converters.load import IncompleteConversionError, convert_target
+    from converters.load import IncompleteConversionError, convert_checkpoint
     from ddtree_jax.config import ConfigError
 
     dtype = DTYPE_CHOICES[args.dtype] if args.dtype else None
     try:
-        dst = convert_target(args.src, args.dst, dtype=dtype, overwrite=args.force, progress=not args.quiet)
+        kind, dst = convert_checkpoint(args.src, args.dst, dtype=dtype, overwrite=args.force, progress=not args.quiet)
     except (ConfigError, CheckpointError, IncompleteConversionError, OSError, ValueError) as e:
         # Bad input: the message says what is wrong (every problem for config / checkpoint errors).
         print(f"ddtree-convert: error: {e}", file=sys.stderr)
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("ddtree-convert: interrupted; nothing was written to DST", file=sys.stderr)
         return 130
-    print(f"converted {args.src} -> {dst}")
+    print(f"converted {kind} {args.src} -> {dst}")
     return 0
 
 
