@@ -102,18 +102,31 @@ class Config:
     num_stages: int
 
 
-def _default_tiles(hd: int):
-    """(max block_r, block_k, num_warps, num_stages) per head_dim.
+def _max_block_r(hd: int) -> int:
+    """Largest row block: the float32 accumulator is block_r x hd (64 x 256 = 64 KiB at hd 256,
+    128 registers per thread with 4 warps)."""
+    return 128 if hd <= 128 else 64
 
-    The float32 accumulator is block_r x hd: 64 x 256 (64 KiB) at hd 256 keeps it at 64
-    registers per thread with 8 warps, the K and V blocks 64 x 256 bf16 (2 x 32 KiB per stage)
-    in shared memory. scripts/gpu_tree_attention.py --sweep measures the alternatives.
+
+def _default_tiles(hd: int, block_r: int, itemsize: int):
+    """(block_k, num_warps, num_stages) for a row block; scripts/gpu_tree_attention.py sweeps them.
+
+    Shared memory: each pipeline stage holds a K and a V block (2 x block_k x hd x itemsize, 64 KiB
+    for 64 x 256 bf16) next to the q block; keep the stages within ~160 KiB minus q (H100/H200
+    have 227 KiB per block), dropping a stage first, then halving block_k.
     """
-    if hd <= 64:
-        return 128, 64, 4, 2
-    if hd <= 128:
-        return 128, 64, 8, 2
-    return 64, 64, 8, 2
+    warps = 4 if block_r <= 64 else 8
+    stages = 3
+    bk = 64
+    budget = 160 * 1024 - block_r * hd * itemsize
+    while stages * 2 * bk * hd * itemsize > budget:
+        if stages > 2:
+            stages -= 1
+        elif bk > 16:
+            bk //= 2
+        else:
+            break
+    return bk, warps, stages
 
 
 def _choose_block_r(rows: int, max_block_r: int) -> int:
@@ -143,13 +156,14 @@ def _choose_splits(programs: int, capacity: int, block_k: int, num_sms: int, min
     return best
 
 
-def choose_config(batch, n_nodes, kv_heads, group, head_dim, capacity, *, block_r=None, block_k=None,
+def choose_config(batch, n_nodes, kv_heads, group, head_dim, capacity, *, itemsize=2, block_r=None, block_k=None,
                   block_t=None, num_splits=None, num_warps=None, num_stages=None, num_sms=H200_SMS) -> Config:
-    max_br, bk, nw, ns = _default_tiles(head_dim)
+    """Tiles and split count for one call (explicit arguments override the choice)."""
     rows = n_nodes * group
-    br = block_r or _choose_block_r(rows, max_br)
+    br = block_r or _choose_block_r(rows, _max_block_r(head_dim))
+    bk, nw, ns = _default_tiles(head_dim, br, itemsize)
     bk = block_k or bk
-    bt = block_t or max(16, min(64, next_pow2(n_nodes)))
+    bt = block_t or max(16, min(64, bk, next_pow2(n_nodes)))  # tree K/V blocks share the stages' memory
     for name, v in (("block_r", br), ("block_k", bk), ("block_t", bt)):
         if not is_pow2(v) or v < 16:
             raise ValueError(f"{name} must be a power of two >= 16, got {v}")
@@ -272,7 +286,7 @@ def tree_attention_pallas(q, k_cache, v_cache, lengths, k_tree, v_tree, ancestor
     words = ancestor_bits.shape[-1]
     if ancestor_bits.shape[:2] != (b, n) or words * 32 < n:
         raise ValueError(f"ancestor_bits must be [{b}, {n}, >= {cdiv(n, 32)}], got {ancestor_bits.shape}")
-    cfg = choose_config(b, n, kv, group, hd, cap, **tuning)
+    cfg = choose_config(b, n, kv, group, hd, cap, itemsize=jnp.dtype(q.dtype).itemsize, **tuning)
     rows = n * group
     rb = cdiv(rows, cfg.block_r)
     rows_pad = rb * cfg.block_r
