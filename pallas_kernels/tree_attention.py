@@ -195,7 +195,9 @@ def _online_update(carry, s2, mask, v, prec, guard):
 
 
 def _kernel(len_ref, q_ref, k_ref, v_ref, kt_ref, vt_ref, bits_ref, o_ref, m_ref, l_ref, *,
-            scale2, group, n_nodes, n_words, cfg: Config, prec):
+            scale2, group, n_nodes, n_words, cfg: Config, prec, row_gather):
+    """row_gather: q_ref is [N, group, hd] and bits_ref [N, W] (rows gathered in the kernel);
+    otherwise q_ref is [R_pad, hd] and bits_ref [R_pad, W], already in row order (XLA prologue)."""
     rb, split = pl.program_id(0), pl.program_id(1)
     br, bk, bt, n_splits = cfg.block_r, cfg.block_k, cfg.block_t, cfg.num_splits
     hd = q_ref.shape[-1]
@@ -207,7 +209,10 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, kt_ref, vt_ref, bits_ref, o_ref, m_ref
     head = r % group
     d = jnp.arange(hd, dtype=jnp.int32)
     row_mask = jnp.broadcast_to(row_ok[:, None], (br, hd))
-    q = load(q_ref, (node[:, None], head[:, None], d[None, :]), mask=row_mask, other=0)
+    if row_gather:
+        q = load(q_ref, (node[:, None], head[:, None], d[None, :]), mask=row_mask, other=0)
+    else:
+        q = load(q_ref, (pl.ds(rb * br, br), slice(None)), mask=row_mask, other=0)
 
     carry = (jnp.zeros((br, hd), jnp.float32), jnp.full((br,), NEG, jnp.float32), jnp.zeros((br,), jnp.float32))
 
@@ -247,7 +252,11 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, kt_ref, vt_ref, bits_ref, o_ref, m_ref
         word = jnp.zeros((br, bt), jnp.int32)
         for c in range(words_per_block):
             w = w0 + c
-            wc = load(bits_ref, (node, jnp.minimum(w, n_words - 1)), mask=row_ok & (w < n_words), other=0)
+            w_safe = jnp.minimum(w, n_words - 1)
+            if row_gather:
+                wc = load(bits_ref, (node, w_safe), mask=row_ok & (w < n_words), other=0)
+            else:
+                wc = load(bits_ref, (pl.ds(rb * br, br), w_safe), mask=row_ok & (w < n_words), other=0)
             word = jnp.where((slot == c)[None, :], wc[:, None], word)
         visible = ((word >> shift[None, :]) & 1) == 1
         mask = visible & key_ok[None, :] & row_ok[:, None]
@@ -273,7 +282,7 @@ def _combine(o, m, l, rows):
 
 
 def tree_attention_pallas(q, k_cache, v_cache, lengths, k_tree, v_tree, ancestor_bits, *, scale,
-                          interpret=False, partial_dtype=None, **tuning):
+                          interpret=False, partial_dtype=None, row_gather=True, **tuning):
     b, n, nh, hd = q.shape
     _, kv, cap, _ = k_cache.shape
     if nh % kv:
@@ -299,20 +308,30 @@ def tree_attention_pallas(q, k_cache, v_cache, lengths, k_tree, v_tree, ancestor
 
     kernel = functools.partial(
         _kernel, scale2=float(scale) * LOG2E, group=group, n_nodes=n, n_words=words, cfg=cfg,
-        prec=dot_precision(dtype),
+        prec=dot_precision(dtype), row_gather=row_gather,
     )
+    if row_gather:  # rows gathered in the kernel from q [B, N, kv, group, hd] and bits [B, N, W]
+        q_in = q.reshape(b, n, kv, group, hd)
+        q_spec = pl.BlockSpec((None, n, None, group, hd), lambda r, sp, h, bb: (bb, 0, h, 0, 0))
+        bits_spec = pl.BlockSpec((None, n, words), lambda r, sp, h, bb: (bb, 0, 0))
+    else:  # fallback: an XLA prologue lays the rows out ([B, kv, R_pad, hd], bits [B, R_pad, W])
+        q_in = q.reshape(b, n, kv, group, hd).transpose(0, 2, 1, 3, 4).reshape(b, kv, rows, hd)
+        q_in = jnp.pad(q_in, ((0, 0), (0, 0), (0, rows_pad - rows), (0, 0)))
+        bits = jnp.pad(jnp.repeat(bits, group, axis=1), ((0, 0), (0, rows_pad - rows), (0, 0)))
+        q_spec = pl.BlockSpec((None, None, rows_pad, hd), lambda r, sp, h, bb: (bb, h, 0, 0))
+        bits_spec = pl.BlockSpec((None, rows_pad, words), lambda r, sp, h, bb: (bb, 0, 0))
     grid = (rb, s, kv, b)
     o, m, l = pl.pallas_call(
         kernel,
         grid=grid,
         in_specs=[
             pl.BlockSpec((None,), lambda r, sp, h, bb: (bb,)),
-            pl.BlockSpec((None, n, None, group, hd), lambda r, sp, h, bb: (bb, 0, h, 0, 0)),
+            q_spec,
             pl.BlockSpec((None, None, cap, hd), lambda r, sp, h, bb: (bb, h, 0, 0)),
             pl.BlockSpec((None, None, cap, hd), lambda r, sp, h, bb: (bb, h, 0, 0)),
             pl.BlockSpec((None, n, None, hd), lambda r, sp, h, bb: (bb, 0, h, 0)),
             pl.BlockSpec((None, n, None, hd), lambda r, sp, h, bb: (bb, 0, h, 0)),
-            pl.BlockSpec((None, n, words), lambda r, sp, h, bb: (bb, 0, 0)),
+            bits_spec,
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, cfg.block_r, hd), lambda r, sp, h, bb: (bb, h, sp, r, 0)),
@@ -327,8 +346,7 @@ def tree_attention_pallas(q, k_cache, v_cache, lengths, k_tree, v_tree, ancestor
         compiler_params=compiler_params(cfg.num_warps, cfg.num_stages),
         interpret=interpret,
         name="tree_attention",
-    )(lengths, q.reshape(b, n, kv, group, hd), k_cache.astype(dtype), v_cache.astype(dtype),
-      k_tree.astype(dtype), v_tree.astype(dtype), bits)
+    )(lengths, q_in, k_cache, v_cache, k_tree, v_tree, bits)
     out = _combine(o, m, l, rows)  # [B, kv, N * group, hd]
     out = out.reshape(b, kv, n, group, hd).transpose(0, 2, 1, 3, 4)
     return out.reshape(b, n, nh, hd).astype(dtype)
@@ -336,7 +354,7 @@ def tree_attention_pallas(q, k_cache, v_cache, lengths, k_tree, v_tree, ancestor
 
 def tree_attention(q, k_cache, v_cache, lengths, k_tree, v_tree, ancestor_bits, *, scale, impl="xla",
                    block_r=None, block_k=None, block_t=None, num_splits=None, num_warps=None,
-                   num_stages=None, num_sms=H200_SMS, partial_dtype=None):
+                   num_stages=None, num_sms=H200_SMS, partial_dtype=None, row_gather=True):
     """Attention of N tree nodes over the committed cache (< lengths[b]) and their tree ancestors.
 
     q [B, N, nh, hd]; k_cache, v_cache [B, kv, capacity, hd]; lengths [B] int32;
@@ -344,16 +362,20 @@ def tree_attention(q, k_cache, v_cache, lengths, k_tree, v_tree, ancestor_bits, 
     iff j is i or an ancestor). Returns [B, N, nh, hd] in q.dtype.
     impl: "xla" (pure-jnp reference), "pallas" (Triton kernel), "pallas_interpret" (the same
     kernel through Pallas' interpreter, CPU). Tuning arguments apply to the Pallas kernel only
-    (None = chosen from the shapes, see choose_config). Jit-compatible; call it under jax.jit.
+    (None = chosen from the shapes, see choose_config). row_gather=False lays the query rows and
+    their bit rows out with a small XLA prologue instead of gathering them in the kernel (a
+    fallback should a Triton build reject the gather loads). Jit-compatible; call under jax.jit.
     """
     check_impl(impl)
     if impl == "xla":
         return tree_attention_xla(q, k_cache, v_cache, lengths, k_tree, v_tree, ancestor_bits, scale=scale)
-    if k_cache.dtype != q.dtype or k_tree.dtype != q.dtype:
-        # the kernel reads the cache in q's dtype; a mismatch would copy the cache
-        raise ValueError(f"q, cache and tree K/V must share a dtype, got {q.dtype}, {k_cache.dtype}, {k_tree.dtype}")
+    dtypes = {x.dtype for x in (q, k_cache, v_cache, k_tree, v_tree)}
+    if len(dtypes) != 1:
+        # the kernel reads everything in q's dtype; converting would copy the cache
+        raise ValueError(f"q, cache and tree K/V must share a dtype, got {sorted(map(str, dtypes))}")
     return tree_attention_pallas(
         q, k_cache, v_cache, lengths, k_tree, v_tree, ancestor_bits, scale=scale,
-        interpret=impl == "pallas_interpret", partial_dtype=partial_dtype, block_r=block_r, block_k=block_k,
+        interpret=impl == "pallas_interpret", partial_dtype=partial_dtype, row_gather=row_gather,
+        block_r=block_r, block_k=block_k,
         block_t=block_t, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages, num_sms=num_sms,
     )

@@ -98,7 +98,7 @@ lengths_st = lambda b, cap: st.lists(st.integers(0, cap), min_size=b, max_size=b
 B1, N1, KV1, G1, HD1, CAP1 = 3, 7, 2, 2, 32, 50
 
 
-@settings(max_examples=12)
+@settings(max_examples=10)
 @given(seed=st.integers(0, 2**31), lengths=lengths_st(B1, CAP1), kind=st.sampled_from(KINDS + ("mixed",)))
 def test_fp32_splits_and_lengths(seed, lengths, kind):
     inputs = make_inputs(seed, B1, N1, KV1, G1, HD1, CAP1, lengths, kind, jnp.float32)
@@ -135,7 +135,7 @@ def test_fp32_tree_block_32():
 
 
 # ---- bfloat16 (bf16 partials), default configuration chosen from the shapes -----------------
-@settings(max_examples=6)
+@settings(max_examples=4)
 @given(seed=st.integers(0, 2**31), lengths=lengths_st(2, 96), kind=st.sampled_from(KINDS + ("mixed",)))
 def test_bf16_default_config(seed, lengths, kind):
     inputs = make_inputs(seed, 2, 12, 2, 2, 32, 96, lengths, kind, jnp.bfloat16)
@@ -150,9 +150,9 @@ def test_bf16_matches_xla_bf16():
 
 
 # ---- the reference is the model's attention ---------------------------------------------
-@settings(max_examples=10)
+@settings(max_examples=8)
 @given(seed=st.integers(0, 2**31), lengths=lengths_st(2, 24), kind=st.sampled_from(KINDS + ("mixed",)),
-       group=st.sampled_from([1, 2, 3]))
+       group=st.sampled_from([1, 3]))
 def test_reference_equals_attend(seed, lengths, kind, group):
     b, n, kv, hd, cap = 2, 9, 2, 16, 24
     q, kc, vc, lens, kt, vt, bits = make_inputs(seed, b, n, kv, group, hd, cap, lengths, kind, jnp.float32)
@@ -185,6 +185,14 @@ def test_rejects_bad_arguments():
     q, kc, vc, lens, kt, vt, bits = inputs
     with pytest.raises(ValueError):
         tree_attention(q, kc.astype(jnp.bfloat16), vc, lens, kt, vt, bits, scale=0.25, impl="pallas_interpret")
+
+
+def test_row_layout_fallback():
+    """row_gather=False (rows laid out by an XLA prologue) gives the same result."""
+    inputs = make_inputs(11, B1, N1, KV1, G1, HD1, CAP1, [50, 0, 23], "mixed", jnp.float32)
+    a = check(inputs, 1e-5, block_k=16, block_r=16, block_t=16, num_splits=3)
+    b = check(inputs, 1e-5, block_k=16, block_r=16, block_t=16, num_splits=3, row_gather=False)
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
 
 
 def test_zz_error_summary():
