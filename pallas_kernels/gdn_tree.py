@@ -1,0 +1,299 @@
+"""Tree verification for one Gated DeltaNet layer: every node's output from the committed state,
+without a per-node state anywhere (Pallas / Triton kernel + its pure-jnp reference).
+
+Per value head (S0 = committed state [dk, dv], nodes in topological order, M = ancestor-or-self):
+    G_i   = sum_{j <= i} g_j                                        (path sums, from the bits)
+    D_ij  = exp(G_i - G_j) if j <= i else 0                         (mask BEFORE exp)
+    A_ij  = beta_i D_ij (k_i . k_j)  for strict ancestors j
+    (I + A) U = beta (V - exp(G) K S0)
+    O     = exp(G) Q S0 + ((Q K^T) * D) U
+
+Kernel (one program per (batch, value head, dv tile)): rows are cut into blocks of C nodes.
+Block r first builds its mask tiles M_rs (s <= r) from the 32-bit ancestor words, then its
+path sums and depths; the right-hand side and the S0 part of the output come from the state
+tile (read from HBM once; its dk chunks are re-read from cache per row block); the solved
+U_s of earlier blocks are subtracted block by block (blocked forward substitution, A_rs and
+(Q K^T * D)_rs rebuilt on the fly from k/q tiles); the
+diagonal block is solved level by level (depth t = popcount - 1): the rows of depth t are
+final once every shallower row was subtracted, so one C x C x dv_tile matmul per depth level
+present in the block. Every U_s stays on chip (register values); outputs are written once.
+The dv split makes programs independent (the solve is column-wise), which fills the SMs at
+batch 1 (48 heads x 2..4 tiles).
+
+impl="xla" is the reference (dense visibility + delta_rule.block), "pallas" the Triton kernel,
+"pallas_interpret" the same kernel run by the Pallas interpreter (CPU tests).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from ddtree_jax.models import delta_rule
+from ddtree_jax.tree import WORD, bits_to_dense
+
+try:  # the Triton compiler params; present in jax 0.10 - 0.12
+    from jax.experimental.pallas import triton as pltriton
+except ImportError:  # pragma: no cover
+    pltriton = None
+
+IMPLS = ("xla", "pallas", "pallas_interpret")
+PRECISIONS = ("ieee", "tf32x3", "tf32", "bf16x3")
+
+
+def _pow2(x: int, lo: int = 16) -> int:
+    return max(lo, 1 << (max(int(x), 1) - 1).bit_length())
+
+
+def _expand_heads(x, h):
+    """[B, Hk, ...] -> [B, H, ...]: value head j reads key head j // (H // Hk)."""
+    hk = x.shape[1]
+    if hk == h:
+        return x
+    if h % hk:
+        raise ValueError(f"{h} value heads do not divide into {hk} key heads")
+    return jnp.repeat(x, h // hk, axis=1)
+
+
+def visibility(ancestor_bits, n: int):
+    """[B, N, W] uint32 -> [B, N, N] bool ancestor-or-self (self forced, as the kernel does)."""
+    return bits_to_dense(ancestor_bits, n) | jnp.eye(n, dtype=bool)
+
+
+def reference(q, k, v, g, beta, state, ancestor_bits):
+    """Pure-jnp tree verify with the kernel's signature (float32, HIGHEST matmuls)."""
+    h, n = v.shape[1], v.shape[2]
+    f32 = lambda a: jnp.asarray(a, jnp.float32)
+    q, k = f32(_expand_heads(q, h)), f32(_expand_heads(k, h))
+    visible = visibility(ancestor_bits, n)
+    path_g = jnp.einsum("bij,bhj->bhi", visible.astype(jnp.float32), f32(g), precision=delta_rule.HIGHEST)
+    o, _ = delta_rule.block(q, k, f32(v), path_g, f32(beta), f32(state), visible)
+    return o
+
+
+# ------------------------------------------------------------------------------------------
+# Kernel
+# ------------------------------------------------------------------------------------------
+def _dot(a, b, precision, trans_b=False):
+    dims = (((1,), (1 if trans_b else 0,)), ((), ()))
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+
+
+def _fp32_precision(name: str, interpret: bool):
+    if interpret:  # the CPU interpreter: exact float32
+        return lax.Precision.HIGHEST
+    return {
+        "ieee": lax.Precision.HIGHEST,
+        "tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
+        "tf32": lax.Precision.DEFAULT,
+        "bf16x3": lax.DotAlgorithmPreset.BF16_BF16_F32_X3,
+    }[name]
+
+
+def _tree_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, bits_ref, o_ref, *, n, c, bk, p_in, p32):
+    nb, dk = n // c, q_ref.shape[-1]
+    f32 = jnp.float32
+    row = lax.broadcasted_iota(jnp.int32, (c, c), 0)
+    col = lax.broadcasted_iota(jnp.int32, (c, c), 1)
+    eye = row == col
+    g_blk = [g_ref[pl.ds(s * c, c)] for s in range(nb)]
+    kchunks = [pl.ds(i * bk, bk) for i in range(dk // bk)]
+
+    def mask(r, s):
+        """M_rs [c, c] bool: column node s*c + j is an ancestor-or-self of row node r*c + i."""
+        if c <= WORD:  # the block's columns sit in one word
+            word = bits_ref[pl.ds(((s * c) // WORD) * n + r * c, c)]
+            bits = jnp.right_shift(word[:, None], col + (s * c) % WORD) & 1
+        else:  # c // 32 words side by side
+            lane, which = col & (WORD - 1), jnp.right_shift(col, 5)
+            bits = None
+            for w in range(c // WORD):
+                word = bits_ref[pl.ds((s * c // WORD + w) * n + r * c, c)]
+                part = jnp.right_shift(word[:, None], lane) & 1
+                bits = part if bits is None else jnp.where(which == w, part, bits)
+        m = bits == 1
+        return (m | eye) if s == r else m
+
+    def gram(rows_a, rows_b):
+        """(K_a K_b^T, Q_a K_b^T) [c, c], contracted over dk in chunks of bk."""
+        kk = qk = None
+        for kc in kchunks:
+            k_b = k_ref[rows_b, kc]
+            kk_c = _dot(k_ref[rows_a, kc], k_b, p_in, trans_b=True)
+            qk_c = _dot(q_ref[rows_a, kc], k_b, p_in, trans_b=True)
+            kk, qk = (kk_c, qk_c) if kk is None else (kk + kk_c, qk + qk_c)
+        return kk, qk
+
+    big_g, big_u = [], []
+    for r in range(nb):
+        rows = pl.ds(r * c, c)
+        g_r, depth = 0.0, -1  # path sums and depths of the block's rows (popcount - 1)
+        for s in range(r + 1):
+            m = mask(r, s)
+            g_r = g_r + jnp.sum(jnp.where(m, g_blk[s][None, :], 0.0), axis=1)
+            depth = depth + jnp.sum(m.astype(jnp.int32), axis=1)
+        beta_r = beta_ref[rows]
+        eg = jnp.exp(g_r)
+        ks = qs = None  # K_r S0 and Q_r S0, contracted over dk in chunks (state chunks reloaded)
+        for kc in kchunks:
+            s_c = s_ref[kc, :].astype(f32)
+            ks_c = _dot(k_ref[rows, kc].astype(f32), s_c, p32)
+            qs_c = _dot(q_ref[rows, kc].astype(f32), s_c, p32)
+            ks, qs = (ks_c, qs_c) if ks is None else (ks + ks_c, qs + qs_c)
+        rhs = beta_r[:, None] * (v_ref[rows, :].astype(f32) - eg[:, None] * ks)
+        o = eg[:, None] * qs
+        for s in range(r + 1):
+            # Mask BEFORE exp: non-ancestor pairs can carry large positive exponents.
+            decay = jnp.exp(jnp.where(mask(r, s), g_r[:, None] - (g_r if s == r else big_g[s])[None, :], -jnp.inf))
+            kk, qk = gram(rows, pl.ds(s * c, c))
+            if s < r:
+                rhs = rhs - _dot(beta_r[:, None] * kk * decay, big_u[s], p32)
+                o = o + _dot(qk * decay, big_u[s], p32)
+            else:
+                a = jnp.where(eye, 0.0, beta_r[:, None] * kk * decay)
+
+                def level(t, x, a=a, depth=depth):
+                    # rows of depth t are final: remove their contribution from deeper rows
+                    return x - _dot(a, jnp.where((depth == t)[:, None], x, 0.0), p32)
+
+                u = lax.fori_loop(jnp.min(depth), jnp.max(depth), level, rhs)
+                o = o + _dot(qk * decay, u, p32)
+        o_ref[rows, :] = o.astype(o_ref.dtype)
+        big_g.append(g_r)
+        big_u.append(u)
+
+
+def default_blocks(n_pad: int, dk_pad: int, dv_pad: int, programs: int = 1):
+    """(block_n, block_dv, block_k, num_warps) by padded tree size and B * H.
+
+    Chosen from offline Triton 3.6 compiles for sm_90 (registers / spills, see
+    docs/kernels_gdn.md) at dk = dv = 128: every U_s stays in registers, so the dv tile
+    shrinks as N grows; the kernel is latency-bound (one small matmul per depth level), so
+    at small B * H a smaller dv tile buys more programs in flight, at large B * H a wider tile
+    avoids recomputing K K^T / Q K^T per tile. scripts/gpu_gdn.py sweeps the alternatives.
+    """
+    block_n = min(n_pad, 64)
+    block_k = min(dk_pad, 128)
+    num_warps = 4 if block_n <= 32 else 8
+    if n_pad <= 64:
+        block_dv = 128 if programs >= 256 else 64
+    elif n_pad <= 128:
+        block_dv = 64
+    else:
+        block_dv = 32
+    return block_n, min(block_dv, dv_pad), block_k, num_warps
+
+
+def _pallas(q, k, v, g, beta, state, ancestor_bits, *, interpret, block_n, block_dv, block_k, num_warps,
+            num_stages, precision, out_dtype):
+    b, h, n, dv = v.shape
+    hk, dk = q.shape[1], q.shape[3]
+    if h % hk:
+        raise ValueError(f"{h} value heads do not divide into {hk} key heads")
+    rep = h // hk
+    n_pad, dk_pad, dv_pad = _pow2(n), _pow2(dk), _pow2(dv)
+    bn, bdv, bk, nw = default_blocks(n_pad, dk_pad, dv_pad, b * h)
+    bn = min(n_pad, block_n or bn)
+    bdv = min(dv_pad, block_dv or bdv)
+    bk = min(dk_pad, block_k or bk)
+    nw = num_warps or nw
+    for name, val in (("block_n", bn), ("block_dv", bdv), ("block_k", bk)):
+        if val < 16 or val & (val - 1):
+            raise ValueError(f"{name}={val} must be a power of two >= 16")
+    words = max(1, n_pad // WORD)
+
+    def pad(a, axis, to, value=0):
+        widths = [(0, 0)] * a.ndim
+        widths[axis] = (0, to - a.shape[axis])
+        return a if to == a.shape[axis] else jnp.pad(a, widths, constant_values=value)
+
+    in_dtype = jnp.promote_types(q.dtype, k.dtype)
+    if in_dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+        in_dtype = jnp.float32
+    q = pad(pad(q.astype(in_dtype), 2, n_pad), 3, dk_pad)
+    k = pad(pad(k.astype(in_dtype), 2, n_pad), 3, dk_pad)
+    v = pad(pad(v, 2, n_pad), 3, dv_pad)
+    g = pad(g.astype(jnp.float32), 2, n_pad)
+    beta = pad(beta.astype(jnp.float32), 2, n_pad)
+    state = pad(pad(state.astype(jnp.float32), 2, dk_pad), 3, dv_pad)
+    bits = lax.bitcast_convert_type(ancestor_bits.astype(jnp.uint32), jnp.int32)
+    bits = pad(pad(bits[:, :, :words], 1, n_pad), 2, words)  # padding rows: kernel forces self
+    bits = jnp.swapaxes(bits, 1, 2).reshape(b, words * n_pad)  # word-major: [w * n_pad + row]
+
+    if precision is None:  # bf16 models: TF32 errors stay below the bf16 rounding of o
+        precision = "tf32x3" if in_dtype == jnp.float32 else "tf32"
+    p32 = _fp32_precision(precision, interpret)
+    p_in = p32 if in_dtype == jnp.float32 else None
+    kernel = functools.partial(_tree_kernel, n=n_pad, c=bn, bk=bk, p_in=p_in, p32=p32)
+    qk_spec = pl.BlockSpec((None, None, n_pad, dk_pad), lambda i, j, t: (i, j // rep, 0, 0))
+    vec_spec = pl.BlockSpec((None, None, n_pad), lambda i, j, t: (i, j, 0))
+    tile_spec = lambda rows: pl.BlockSpec((None, None, rows, bdv), lambda i, j, t: (i, j, 0, t))
+    params = {}
+    if pltriton is not None and not interpret:
+        params["compiler_params"] = pltriton.CompilerParams(num_warps=nw, num_stages=num_stages)
+    o = pl.pallas_call(
+        kernel,
+        grid=(b, h, dv_pad // bdv),
+        in_specs=[
+            qk_spec,
+            qk_spec,
+            tile_spec(n_pad),
+            vec_spec,
+            vec_spec,
+            tile_spec(dk_pad),
+            pl.BlockSpec((None, words * n_pad), lambda i, j, t: (i, 0)),
+        ],
+        out_specs=tile_spec(n_pad),
+        out_shape=jax.ShapeDtypeStruct((b, h, n_pad, dv_pad), out_dtype),
+        interpret=interpret,
+        name="gdn_tree_verify",
+        **params,
+    )(q, k, v, g, beta, state, bits)
+    return o[:, :, :n, :dv]
+
+
+def gdn_tree_verify(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    state,
+    ancestor_bits,
+    *,
+    impl: str = "xla",
+    block_n: int | None = None,
+    block_dv: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int = 1,
+    precision: str | None = None,
+    out_dtype=jnp.float32,
+):
+    """Outputs o [B, H, N, dv] of all N tree nodes of one GDN layer, from the state before the step.
+
+    q, k [B, Hk, N, dk] (q l2-normed and scaled, k l2-normed; Hk divides H, value head j reads
+    key head j // (H // Hk)); v [B, H, N, dv]; g, beta [B, H, N] float32 per node (not path
+    sums); state [B, H, dk, dv] float32; ancestor_bits [B, N, W] uint32 (bit j of node i set iff
+    j is i or an ancestor; self is forced). Inputs bf16 or float32; math in float32.
+    Pallas options: block_n (nodes per row block, power of two >= 16), block_dv (dv tile, one
+    program each), block_k (dk chunk of every contraction over dk), num_warps / num_stages
+    (Triton), precision of the float32 matmuls on GPU: "tf32x3" (~fp32, the default for float32
+    inputs), "ieee" (exact, CUDA cores), "tf32" (default for bf16 inputs: its ~5e-4 relative
+    error is below the bf16 rounding the layer applies to o), "bf16x3". The interpreter is exact.
+    """
+    if impl == "xla":
+        return reference(q, k, v, g, beta, state, ancestor_bits).astype(out_dtype)
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if precision is not None and precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    return _pallas(
+        q, k, v, g, beta, state, ancestor_bits,
+        interpret=impl == "pallas_interpret", block_n=block_n, block_dv=block_dv, block_k=block_k,
+        num_warps=num_warps, num_stages=num_stages, precision=precision, out_dtype=out_dtype,
+    )

@@ -1,0 +1,236 @@
+"""gdn_tree_verify: the Pallas kernel (interpreted on CPU) against the jnp reference, and the
+reference against a float64 per-path sequential oracle.
+
+Shapes are fixed per configuration so one compilation serves every hypothesis example. The
+interpreter fills outputs with NaN before the kernel runs, so an unwritten output fails the
+NaN checks (poisoned outputs).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from ddtree_jax.tree import ancestor_bits_from_parents
+from pallas_kernels.gdn_tree import gdn_tree_verify
+
+B, HK, H = 2, 2, 4  # two value heads per key head
+SHAPES = ("random", "chain", "star", "deep", "bushy", "two_chains")
+
+
+# ---- trees and inputs ----------------------------------------------------------------------
+def make_parents(kind, n, rng):
+    """Parent array of an n-node tree in topological order (parent[i] < i, root = 0)."""
+    parents = [-1]
+    for i in range(1, n):
+        if kind == "chain":
+            p = i - 1
+        elif kind == "star":
+            p = 0
+        elif kind == "deep":
+            p = i - 1 if rng.random() < 0.8 else int(rng.integers(0, i))
+        elif kind == "bushy":
+            p = int(rng.integers(max(0, i - 4), i))
+        elif kind == "two_chains":
+            p = 0 if i <= 2 else i - 2
+        else:
+            p = int(rng.integers(0, i))
+        parents.append(p)
+    return parents
+
+
+def ancestors(parents, i):
+    path = []
+    while i >= 0:
+        path.append(i)
+        i = parents[i]
+    return path[::-1]
+
+
+def pack_bits(parents, n_slots, zero_padding_rows=False):
+    """[n_slots, ceil(n_slots/32)] uint32 ancestor-or-self words; slots past the tree are padding
+    that sees only itself (or nothing at all: the kernel then forces self)."""
+    words = np.zeros((n_slots, -(-n_slots // 32)), np.uint32)
+    for i in range(n_slots):
+        members = ancestors(parents, i) if i < len(parents) else ([] if zero_padding_rows else [i])
+        for j in members:
+            words[i, j // 32] |= np.uint32(1 << (j % 32))
+    return words
+
+
+def draw_inputs(seed, n, dk, dv, hk=HK, h=H, g_scale=2.0):
+    rng = np.random.default_rng(seed)
+    unit = lambda a: a / np.linalg.norm(a, axis=-1, keepdims=True)
+    q = unit(rng.normal(size=(B, hk, n, dk))) * dk**-0.5
+    k = unit(rng.normal(size=(B, hk, n, dk)))
+    v = rng.normal(size=(B, h, n, dv))
+    g = -rng.uniform(0.01, g_scale, size=(B, h, n))
+    beta = rng.uniform(0.05, 1.0, size=(B, h, n))
+    state = rng.normal(size=(B, h, dk, dv))
+    return q, k, v, g, beta, state
+
+
+def tree_case(seed, kind, n_nodes, n_slots, zero_padding_rows=False):
+    rng = np.random.default_rng(seed + 1)
+    trees = [make_parents(kind, n_nodes, rng) for _ in range(B)]
+    bits = np.stack([pack_bits(p, n_slots, zero_padding_rows) for p in trees])
+    return trees, jnp.asarray(bits)
+
+
+def oracle(q, k, v, g, beta, state, path, rep):
+    """float64 recurrence over one root->node path; returns the last node's output."""
+    s = np.array(state, np.float64)
+    kh = lambda a, i: np.repeat(a[:, :, i], rep, axis=1)
+    for i in path:
+        s = s * np.exp(g[..., i])[..., None, None]
+        mem = np.einsum("bhkv,bhk->bhv", s, kh(k, i))
+        u = beta[..., i][..., None] * (v[:, :, i] - mem)
+        s = s + kh(k, i)[..., :, None] * u[..., None, :]
+    return np.einsum("bhkv,bhk->bhv", s, kh(q, path[-1]))
+
+
+def assert_close(out, ref, tol):
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    assert not np.isnan(out).any(), "NaN in output (unwritten or masked after exp)"
+    assert np.abs(ref).max() > 0
+    err = np.abs(out - ref).max() / max(1.0, np.abs(ref).max())
+    assert err <= tol, f"relative error {err:.3g} > {tol:.3g}"
+
+
+f32 = lambda *xs: [jnp.asarray(x, jnp.float32) for x in xs]
+
+
+@functools.cache
+def kernel(**kw):
+    return jax.jit(functools.partial(gdn_tree_verify, impl="pallas_interpret", **kw))
+
+
+@functools.cache
+def ref_fn():
+    return jax.jit(functools.partial(gdn_tree_verify, impl="xla"))
+
+
+# ---- the kernel against the reference --------------------------------------------------------
+N64, DK, DV = 64, 16, 32
+
+
+@settings(max_examples=12)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    kind=st.sampled_from(SHAPES),
+    n=st.integers(1, N64),
+    zero_pad=st.booleans(),
+)
+def test_kernel_matches_reference_multi_block(seed, kind, n, zero_pad):
+    """64 slots in 4 row blocks of 16 (blocked substitution across blocks, 2 bit words, the
+    16-bit half-word offsets) and 2 dv tiles; trees of every shape with padding slots."""
+    _, bits = tree_case(seed, kind, n, N64, zero_pad)
+    args = (*f32(*draw_inputs(seed, N64, DK, DV)), bits)
+    out = kernel(block_n=16, block_dv=16)(*args)
+    assert_close(out, ref_fn()(*args), 1e-5)
+
+
+@settings(max_examples=4)
+@given(seed=st.integers(0, 2**31 - 1), kind=st.sampled_from(SHAPES))
+def test_kernel_matches_reference_wide_blocks(seed, kind):
+    """128 slots in 2 row blocks of 64: each mask tile spans two 32-bit words; dk chunked."""
+    _, bits = tree_case(seed, kind, 128, 128)
+    args = (*f32(*draw_inputs(seed, 128, 32, 16)), bits)
+    out = kernel(block_n=64, block_dv=16, block_k=16)(*args)
+    assert_close(out, ref_fn()(*args), 1e-5)
+
+
+@settings(max_examples=5)
+@given(seed=st.integers(0, 2**31 - 1), kind=st.sampled_from(SHAPES), n=st.integers(1, 32))
+def test_kernel_bf16_inputs(seed, kind, n):
+    """bf16 q, k, v (float32 math inside): both sides see the same rounded inputs."""
+    _, bits = tree_case(seed, kind, n, 32)
+    q, k, v, g, beta, state = draw_inputs(seed, 32, DK, DV)
+    bf = lambda a: jnp.asarray(a, jnp.bfloat16)
+    args = (bf(q), bf(k), bf(v), *f32(g, beta, state), bits)
+    out = kernel()(*args)
+    assert out.dtype == jnp.float32
+    assert_close(out, ref_fn()(*args), 1e-5)
+    out16 = kernel(out_dtype=jnp.bfloat16)(*args)
+    assert out16.dtype == jnp.bfloat16
+    assert_close(out16, ref_fn()(*args), 1e-2)
+
+
+@settings(max_examples=4)
+@given(seed=st.integers(0, 2**31 - 1), kind=st.sampled_from(SHAPES), n=st.integers(1, 23))
+def test_kernel_pads_odd_shapes(seed, kind, n):
+    """N = 23, dk = 12, dv = 20 and no head grouping: padded to 32 / 16 / 32 inside."""
+    _, bits = tree_case(seed, kind, n, 23)
+    args = (*f32(*draw_inputs(seed, 23, 12, 20, hk=H)), bits)
+    out = kernel()(*args)
+    assert out.shape == (B, H, 23, 20)
+    assert_close(out, ref_fn()(*args), 1e-5)
+
+
+def test_single_node_and_all_padding():
+    q, k, v, g, beta, state = f32(*draw_inputs(3, 16, DK, DV))
+    for parents in ([-1], [-1, 0]):
+        bits = jnp.asarray(np.stack([pack_bits(parents, 16)] * B))
+        out = kernel()(q, k, v, g, beta, state, bits)
+        assert_close(out, ref_fn()(q, k, v, g, beta, state, bits), 1e-5)
+    # A lone node is one recurrent step from the committed state.
+    bits = jnp.asarray(np.stack([pack_bits([-1], 16)] * B))
+    out = np.asarray(kernel()(q, k, v, g, beta, state, bits))
+    one = oracle(*map(np.asarray, (q, k, v, g, beta, state)), [0], H // HK)
+    np.testing.assert_allclose(out[:, :, 0], one, rtol=1e-5, atol=1e-5)
+
+
+def test_strong_decay_needs_mask_before_exp():
+    """g down to -40 per node: non-ancestor exponents G_i - G_j reach +1000s (exp overflows),
+    so masking after exp would give inf * 0 = NaN."""
+    rng = np.random.default_rng(7)
+    n = N64
+    parents = make_parents("two_chains", n, rng)
+    bits = jnp.asarray(np.stack([pack_bits(parents, n)] * B))
+    q, k, v, g, beta, state = draw_inputs(7, n, DK, DV, g_scale=40.0)
+    args = (*f32(q, k, v, g, beta, state), bits)
+    out = kernel(block_n=16, block_dv=16)(*args)
+    ref = ref_fn()(*args)
+    assert_close(out, ref, 1e-5)
+    for i in (1, 2, 17, n - 1):
+        np.testing.assert_allclose(
+            np.asarray(out)[:, :, i], oracle(q, k, v, g, beta, state, ancestors(parents, i), H // HK), rtol=1e-4, atol=1e-6
+        )
+
+
+def test_bits_from_tree_module():
+    """The kernel reads Tree.ancestor_bits as built on device by ddtree_jax.tree."""
+    rng = np.random.default_rng(11)
+    parents = np.array([make_parents("random", 40, rng) + [-1] * 24 for _ in range(B)], np.int32)
+    bits = ancestor_bits_from_parents(jnp.asarray(parents), max_depth=39)
+    args = (*f32(*draw_inputs(11, N64, DK, DV)), bits)
+    assert_close(kernel(block_n=16, block_dv=16)(*args), ref_fn()(*args), 1e-5)
+
+
+# ---- the reference against the float64 per-path oracle ---------------------------------------
+N_ORACLE = 24
+
+
+@settings(max_examples=10)
+@given(seed=st.integers(0, 2**31 - 1), kind=st.sampled_from(SHAPES), n=st.integers(1, N_ORACLE))
+def test_reference_equals_each_path_run_sequentially(seed, kind, n):
+    trees, bits = tree_case(seed, kind, n, N_ORACLE)
+    q, k, v, g, beta, state = draw_inputs(seed, N_ORACLE, DK, DV)
+    out = np.asarray(ref_fn()(*f32(q, k, v, g, beta, state), bits))
+    for i in range(n):
+        for b in range(B):
+            path = ancestors(trees[b], i)
+            sl = lambda a: a[b : b + 1]
+            want = oracle(*map(sl, (q, k, v, g, beta, state)), path, H // HK)
+            np.testing.assert_allclose(out[b : b + 1, :, i], want, rtol=1e-5, atol=1e-5)
+
+
+def test_impl_switch_validation():
+    args = (*f32(*draw_inputs(0, 16, DK, DV)), jnp.asarray(np.stack([pack_bits([-1], 16)] * B)))
+    with pytest.raises(ValueError):
+        gdn_tree_verify(*args, impl="cuda")
+    with pytest.raises(ValueError):
+        gdn_tree_verify(*args, impl="pallas_interpret", block_n=8)
