@@ -210,14 +210,20 @@ def _parse_target(raw: Mapping[str, Any], source: str) -> TargetConfig:
         raise ConfigError(
             [f"unknown model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"], source
         )
+    if model_type in MAMBA_MODEL_TYPES:
+        return _parse_mamba_family(raw, model_type, source)
     outer = raw
     if model_type == "qwen3_5":
         text = raw.get("text_config")
         if not isinstance(text, Mapping):
             raise ConfigError(["model_type 'qwen3_5' needs a 'text_config' object"], source)
         # Fields the composite config keeps at top level (dtype, tie) are defaults for the text part.
-        merged = {k: outer[k] for k in ("dtype", "torch_dtype", "tie_word_embeddings") if k in outer}
+        merged = {k: outer[k] for k in ("dtype", "torch_dtype") if k in outer}
         merged.update(text)
+        # Qwen3_5ForConditionalGeneration ties lm_head by the TOP-LEVEL flag; text_config keeps its
+        # own (ignored) copy, which save_pretrained always writes.
+        if "tie_word_embeddings" in outer:
+            merged["tie_word_embeddings"] = outer["tie_word_embeddings"]
         raw = merged
     r = _Reader(raw, problems)
     hidden = r.positive_int("hidden_size")
