@@ -236,7 +236,10 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, kt_ref, vt_ref, bits_ref, o_ref, m_ref
     carry = lax.fori_loop(0, n_blocks, cache_step, carry)
 
     # ---- tree keys, on the last split only: visibility from the ancestor bitsets ----
-    n_tree_blocks = jnp.where(split == n_splits - 1, cdiv(n_nodes, bt), 0).astype(jnp.int32)
+    # 1 on the last split, else 0, in integer arithmetic: a bool-derived bound lowered to an i1 loop
+    # bound in Triton ("scf.for ... have same type" on the H200).
+    is_last = 1 - jnp.minimum(jnp.int32(n_splits - 1) - split.astype(jnp.int32), 1)
+    n_tree_blocks = is_last * jnp.int32(cdiv(n_nodes, bt))
     tcol = jnp.arange(bt, dtype=jnp.int32)
     words_per_block = max(1, bt // 32)
 
