@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from converters import qwen3
+from converters import mamba, qwen3
 from converters.keymap import flatten_paths, map_checkpoint, unflatten_paths
 from ddtree_jax.config import TargetConfig
 from ddtree_jax.models.target import TargetModel
@@ -26,6 +26,11 @@ def expected_shapes(abstract_params) -> dict[str, tuple[tuple[int, ...], object]
     return {k: (tuple(v.shape), np.dtype(v.dtype)) for k, v in flat.items()}
 
 
+def family_for(cfg: TargetConfig):
+    """The key-map module of the config's model family (rules_for / prefixes_for / ignored_for)."""
+    return mamba if cfg.model_type in mamba.MODEL_TYPES else qwen3
+
+
 def target_params_from_tensors(
     cfg: TargetConfig,
     names: Iterable[str],
@@ -38,13 +43,16 @@ def target_params_from_tensors(
 ):
     """Map HF tensors onto the target model; returns (graphdef, params) ready for decode.*."""
     graphdef, abstract = abstract_target(cfg, dtype)
+    family = family_for(cfg)
+    if cfg.model_type == "nemotron_h":
+        names, load, on_tensor = mamba.fuse_experts(cfg, names, load, on_tensor)
     flat = map_checkpoint(
         names,
         load,
-        qwen3.rules_for(cfg),
+        family.rules_for(cfg),
         expected_shapes(abstract),
-        strip_prefixes=qwen3.prefixes_for(cfg),
-        ignore=qwen3.ignored_for(cfg),
+        strip_prefixes=family.prefixes_for(cfg),
+        ignore=family.ignored_for(cfg),
         source=source,
         on_tensor=on_tensor,
         unavailable=unavailable,

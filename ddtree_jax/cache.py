@@ -12,7 +12,7 @@ from typing import NamedTuple, Union
 import jax
 import jax.numpy as jnp
 
-from ddtree_jax.config import ATTENTION, TargetConfig
+from ddtree_jax.config import ATTENTION, FFN_KINDS, GDN, MAMBA2, TargetConfig
 
 
 class KVCache(NamedTuple):
@@ -27,17 +27,19 @@ class KVCache(NamedTuple):
 
 
 class RecurrentCache(NamedTuple):
-    """State of one recurrent mixer (Gated DeltaNet now, Mamba2 later).
+    """State of one recurrent mixer (Gated DeltaNet or Mamba2).
 
     conv:  the last K-1 inputs of the short causal conv, oldest first: [batch, K-1, conv_dim].
-    state: the recurrent state, always float32: GDN [batch, v_heads, dk, dv].
+    state: the recurrent state, always float32: GDN [batch, v_heads, dk, dv];
+           Mamba2 [batch, heads, head_dim, state_size].
     """
 
     conv: jax.Array
     state: jax.Array
 
 
-LayerCache = Union[KVCache, RecurrentCache]
+# None: a block without any state (NemotronH "mlp" / "moe" blocks).
+LayerCache = Union[KVCache, RecurrentCache, None]
 
 
 class TargetCache(NamedTuple):
@@ -64,7 +66,19 @@ def init_target_cache(cfg: TargetConfig, batch: int, capacity: int, dtype=None) 
         if kind == ATTENTION:
             shape = (batch, cfg.num_kv_heads, capacity, cfg.head_dim)
             layers.append(KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)))
+        elif kind in FFN_KINDS:
+            layers.append(None)
+        elif kind == MAMBA2:
+            layers.append(
+                RecurrentCache(
+                    conv=jnp.zeros((batch, cfg.conv_kernel - 1, cfg.mamba_conv_dim), dtype),
+                    state=jnp.zeros(
+                        (batch, cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.mamba_state_size), jnp.float32
+                    ),
+                )
+            )
         else:
+            assert kind == GDN, kind
             layers.append(
                 RecurrentCache(
                     conv=jnp.zeros((batch, cfg.conv_kernel - 1, cfg.gdn_conv_dim), dtype),

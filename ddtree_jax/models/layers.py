@@ -35,11 +35,15 @@ def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
 
 
 class RMSNorm(nnx.Module):
-    """RMSNorm over the last axis; `zero_centered` gives out = norm(x) * (1 + w) (Qwen3.5)."""
+    """RMSNorm over the last axis; `zero_centered` gives out = norm(x) * (1 + w) (Qwen3.5);
+    `weight_fp32` scales in float32 before casting back (NemotronH)."""
 
-    def __init__(self, dim: int, eps: float, *, zero_centered: bool, dtype="float32", rngs: nnx.Rngs):
+    def __init__(
+        self, dim: int, eps: float, *, zero_centered: bool, dtype="float32", rngs: nnx.Rngs, weight_fp32: bool = False
+    ):
         self.eps = eps
         self.zero_centered = zero_centered
+        self.weight_fp32 = weight_fp32
         self.weight = nnx.Param(jnp.zeros((dim,), dtype) if zero_centered else jnp.ones((dim,), dtype))
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -47,6 +51,8 @@ class RMSNorm(nnx.Module):
         w = self.weight[...].astype(jnp.float32)
         if self.zero_centered:
             return (normed * (1.0 + w)).astype(x.dtype)
+        if self.weight_fp32:
+            return (w * normed).astype(x.dtype)
         # Plain Qwen3 / Llama order: cast to the input dtype first, then scale.
         return w.astype(x.dtype) * normed.astype(x.dtype)
 
@@ -67,13 +73,30 @@ class GatedRMSNorm(nnx.Module):
 class SwiGLU(nnx.Module):
     """down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, hidden: int, inter: int, *, dtype="float32", rngs: nnx.Rngs):
-        self.gate_proj = Linear(hidden, inter, dtype=dtype, rngs=rngs)
-        self.up_proj = Linear(hidden, inter, dtype=dtype, rngs=rngs)
-        self.down_proj = Linear(inter, hidden, dtype=dtype, rngs=rngs)
+    def __init__(self, hidden: int, inter: int, *, dtype="float32", rngs: nnx.Rngs, bias: bool = False):
+        self.gate_proj = Linear(hidden, inter, bias=bias, dtype=dtype, rngs=rngs)
+        self.up_proj = Linear(hidden, inter, bias=bias, dtype=dtype, rngs=rngs)
+        self.down_proj = Linear(inter, hidden, bias=bias, dtype=dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def relu2(x: jax.Array) -> jax.Array:
+    """Squared ReLU (HF "relu2")."""
+    r = jax.nn.relu(x)
+    return r * r
+
+
+class Relu2MLP(nnx.Module):
+    """down(relu(up(x))^2): the NemotronH MLP (no gate)."""
+
+    def __init__(self, hidden: int, inter: int, *, dtype="float32", rngs: nnx.Rngs, bias: bool = False):
+        self.up_proj = Linear(hidden, inter, bias=bias, dtype=dtype, rngs=rngs)
+        self.down_proj = Linear(inter, hidden, bias=bias, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(relu2(self.up_proj(x)))
 
 
 class Embedding(nnx.Module):

@@ -1,4 +1,10 @@
-"""The hybrid target stack (Qwen3 / Qwen3.5 / Qwen3-Next), driven by the config's layer pattern.
+"""The hybrid target stack, driven by the config's layer pattern: Qwen3 / Qwen3.5 / Qwen3-Next
+(attention + Gated DeltaNet), Bamba (attention + Mamba2), NemotronH (one mixer per block:
+Mamba2, attention, relu^2 MLP or MoE) and Mamba2ForCausalLM (pure Mamba2).
+
+Every token mixer (attention, GDN, Mamba2) offers the same entry points (append, tree, commit),
+so `verify` / `commit` below drive any pattern generically. Blocks without a cache (NemotronH
+"mlp" / "moe") have layer cache None and pending None.
 
 Layers are a Python list run unrolled under jit: a lax.scan over stacked layer weights ran
 2.8x slower on the H200 (shared/specs/jax_gpu_notes.md).
@@ -11,55 +17,131 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ddtree_jax.cache import TargetCache
-from ddtree_jax.config import ATTENTION, TargetConfig
+from ddtree_jax.config import ATTENTION, GDN, MAMBA2, MLP, MOE, TargetConfig
 from ddtree_jax.tree import Tree, geometry
 from ddtree_jax.models.attention import Attention
 from ddtree_jax.models.gdn import GatedDeltaNet
-from ddtree_jax.models.layers import Embedding, Linear, RMSNorm, SwiGLU
+from ddtree_jax.models.layers import Embedding, Linear, RMSNorm, Relu2MLP, SwiGLU, apply_rope, rope_cos_sin
+from ddtree_jax.models.mamba2 import Mamba2Mixer
+from ddtree_jax.models.moe import NemotronMoE
+
+
+class PlainAttention(Attention):
+    """Attention without q/k norms or output gate (Bamba, NemotronH); RoPE only if rotary_dim > 0.
+    Reuses Attention's append / tree / commit entry points through `project`."""
+
+    def __init__(self, cfg: TargetConfig, *, dtype, rngs: nnx.Rngs):
+        self.cfg = cfg
+        h, nh, kv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = Linear(h, nh * hd, bias=bias, dtype=dtype, rngs=rngs)
+        self.k_proj = Linear(h, kv * hd, bias=bias, dtype=dtype, rngs=rngs)
+        self.v_proj = Linear(h, kv * hd, bias=bias, dtype=dtype, rngs=rngs)
+        self.o_proj = Linear(nh * hd, h, bias=bias, dtype=dtype, rngs=rngs)
+
+    def project(self, x: jax.Array, positions: jax.Array):
+        cfg = self.cfg
+        b, t, _ = x.shape
+        q = self.q_proj(x).reshape(b, t, cfg.num_heads, cfg.head_dim)
+        k = self.k_proj(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        v = self.v_proj(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.rotary_dim:
+            cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return q, k, v, None
+
+
+def _ffn(cfg: TargetConfig, inter: int, *, dtype, rngs):
+    if cfg.mlp_kind == "relu2":
+        return Relu2MLP(cfg.hidden_size, inter, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
+    return SwiGLU(cfg.hidden_size, inter, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
 
 
 class DecoderLayer(nnx.Module):
-    """x += mixer(input_layernorm(x)); x += mlp(post_attention_layernorm(x))."""
+    """x += mixer(input_layernorm(x)); then, if cfg.block_ffn, x += mlp(post_attention_layernorm(x)).
+
+    The mixer is attention (`self_attn`), Gated DeltaNet (`linear_attn`), Mamba2 (`mamba`), or, in
+    one-mixer-per-block models (NemotronH), a relu^2 MLP (`mlp`) or a MoE (`moe`) without a cache.
+    """
 
     def __init__(self, cfg: TargetConfig, kind: str, *, dtype, rngs: nnx.Rngs):
         self.kind = kind
-        zc, eps = cfg.norm_zero_centered, cfg.rms_norm_eps
-        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, zero_centered=zc, dtype=dtype, rngs=rngs)
+        self.block_ffn = cfg.block_ffn
+        self.residual_in_fp32 = cfg.residual_in_fp32
+        zc, eps, w32 = cfg.norm_zero_centered, cfg.rms_norm_eps, cfg.norm_weight_fp32
+        norm = lambda: RMSNorm(cfg.hidden_size, eps, zero_centered=zc, dtype=dtype, rngs=rngs, weight_fp32=w32)
+        self.input_layernorm = norm()
         if kind == ATTENTION:
-            self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs)
-        else:
+            plain = not cfg.qk_norm and not cfg.attn_output_gate
+            self.self_attn = (PlainAttention if plain else Attention)(cfg, dtype=dtype, rngs=rngs)
+        elif kind == GDN:
             self.linear_attn = GatedDeltaNet(cfg, dtype=dtype, rngs=rngs)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, zero_centered=zc, dtype=dtype, rngs=rngs)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs)
+        elif kind == MAMBA2:
+            self.mamba = Mamba2Mixer(cfg, dtype=dtype, rngs=rngs)
+        elif kind == MOE:
+            self.moe = NemotronMoE(cfg, dtype=dtype, rngs=rngs)
+        elif kind != MLP:
+            raise ValueError(f"unknown layer kind {kind!r}")
+        if kind == MLP and cfg.block_ffn:
+            raise ValueError("an 'mlp' mixer block needs block_ffn=False")
+        if cfg.block_ffn:
+            self.post_attention_layernorm = norm()
+        if cfg.block_ffn or kind == MLP:
+            self.mlp = _ffn(cfg, cfg.intermediate_size, dtype=dtype, rngs=rngs)
 
     def mixer(self):
-        return self.self_attn if self.kind == ATTENTION else self.linear_attn
+        return getattr(self, {ATTENTION: "self_attn", GDN: "linear_attn", MAMBA2: "mamba", MOE: "moe", MLP: "mlp"}[self.kind])
+
+    def _pre(self, x):
+        """(residual, normed input) as HF: the norm reads x in the params dtype; Mamba2ForCausalLM
+        keeps the residual stream in float32."""
+        w = self.input_layernorm.weight[...]
+        residual = x.astype(jnp.float32) if self.residual_in_fp32 else x
+        return residual, self.input_layernorm(x.astype(w.dtype) if self.residual_in_fp32 else x)
+
+    def _post(self, residual, h):
+        x = residual + h
+        if self.block_ffn:
+            x = x + self.mlp(self.post_attention_layernorm(x))
+        return x
+
+    def _stateless(self, h):
+        return self.mlp(h) if self.kind == MLP else self.moe(h)
 
     def __call__(self, x, layer_cache, start, n_valid, *, chunked: bool):
-        h = self.input_layernorm(x)
+        residual, h = self._pre(x)
         if self.kind == ATTENTION:
             h, layer_cache = self.self_attn(h, layer_cache, start)
-        else:
+        elif self.kind == GDN:
             h, layer_cache = self.linear_attn(h, layer_cache, n_valid, chunked=chunked)
-        x = x + h
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, layer_cache
+        elif self.kind == MAMBA2:
+            h, layer_cache = self.mamba(h, layer_cache, n_valid, chunked=chunked)
+        else:
+            h = self._stateless(h)
+        return self._post(residual, h), layer_cache
 
     def tree(self, x, layer_cache, start, positions, visible, conv_src):
         """Tree (or chain, conv_src=None) pass of this layer; returns (x, pending). Writes nothing."""
-        h = self.input_layernorm(x)
+        residual, h = self._pre(x)
+        pending = None
         if self.kind == ATTENTION:
             h, pending = self.self_attn.tree(h, layer_cache, start, positions, visible)
-        else:
+        elif self.kind == GDN:
             h, pending = self.linear_attn.tree(h, layer_cache, visible, conv_src)
-        x = x + h
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, pending
+        elif self.kind == MAMBA2:
+            h, pending = self.mamba.tree(h, layer_cache, visible, conv_src)
+        else:
+            h = self._stateless(h)
+        return self._post(residual, h), pending
 
     def commit(self, pending, path, count, layer_cache, start):
         if self.kind == ATTENTION:
             return self.self_attn.commit(pending, path, count, layer_cache, start)
-        return self.linear_attn.commit(pending, path, count, layer_cache)
+        if self.kind == GDN:
+            return self.linear_attn.commit(pending, path, count, layer_cache)
+        if self.kind == MAMBA2:
+            return self.mamba.commit(pending, path, count, layer_cache)
+        return layer_cache
 
 
 class TargetModel(nnx.Module):
@@ -68,10 +150,15 @@ class TargetModel(nnx.Module):
         dtype = jnp.dtype(dtype or cfg.dtype)
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
         self.layers = nnx.List([DecoderLayer(cfg, kind, dtype=dtype, rngs=rngs) for kind in cfg.layer_types])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered=cfg.norm_zero_centered, dtype=dtype, rngs=rngs)
+        self.norm = RMSNorm(
+            cfg.hidden_size, cfg.rms_norm_eps, zero_centered=cfg.norm_zero_centered, dtype=dtype, rngs=rngs,
+            weight_fp32=cfg.norm_weight_fp32,
+        )
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype, rngs=rngs)
 
     def logits(self, h: jax.Array) -> jax.Array:
+        if self.cfg.residual_in_fp32:  # HF Mamba2: the float32 stream meets the head in the params dtype
+            h = h.astype(self.embed_tokens.embedding[...].dtype)
         out = self.embed_tokens.attend(h) if self.lm_head is None else self.lm_head(h)
         return out.astype(jnp.float32)
 

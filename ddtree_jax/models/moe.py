@@ -1,0 +1,77 @@
+"""NemotronH mixture-of-experts block (HF NemotronHMoE + NemotronHTopkRouter).
+
+    logits = x_f32 @ W_router_f32 ;  s = sigmoid(logits)
+    choice = s + e_score_correction_bias
+    group score = sum of the top-2 `choice` in each of n_group groups; keep the topk_group best
+    groups; top_k experts by `choice` among the kept ones; weights = s at those experts
+    (NOT choice), / (sum + 1e-20) if norm_topk_prob, * routed_scaling_factor
+    out = sum_k w_k down_k(relu(up_k(x'))^2)  (x' = fc1_latent(x) if latent, then fc2_latent(out))
+        + shared_experts(x)                                        (relu^2 MLP, no gate)
+
+Experts are computed densely (every expert on every token, combined with a [T, E] weight matrix
+that is zero off the chosen experts): exact and simple; fine for the tiny test models and
+short verify blocks, wasteful for large prefill batches of big checkpoints (a grouped-matmul
+path is left for later).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ddtree_jax.config import TargetConfig
+from ddtree_jax.models.layers import Linear, Relu2MLP, _init, relu2
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def route(logits_f32, bias, *, top_k, n_group, topk_group, norm, scale):
+    """Router logits [..., E] (float32) -> dense combine weights [..., E] (float32)."""
+    e = logits_f32.shape[-1]
+    scores = jax.nn.sigmoid(logits_f32)
+    choice = scores + bias
+    grouped = choice.reshape(*choice.shape[:-1], n_group, e // n_group)
+    group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [..., n_group]
+    _, group_idx = jax.lax.top_k(group_scores, topk_group)
+    group_mask = jnp.sum(jax.nn.one_hot(group_idx, n_group, dtype=jnp.float32), axis=-2) > 0
+    expert_mask = jnp.repeat(group_mask, e // n_group, axis=-1)
+    masked = jnp.where(expert_mask, choice, -jnp.inf)
+    _, idx = jax.lax.top_k(masked, top_k)  # [..., k]
+    weights = jnp.take_along_axis(scores, idx, axis=-1)
+    if norm:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    weights = weights * scale
+    return jnp.sum(jax.nn.one_hot(idx, e, dtype=jnp.float32) * weights[..., None], axis=-2)
+
+
+class NemotronMoE(nnx.Module):
+    def __init__(self, cfg: TargetConfig, *, dtype, rngs: nnx.Rngs):
+        self.cfg = cfg
+        h, e, inter = cfg.hidden_size, cfg.moe_num_experts, cfg.moe_intermediate_size
+        d = cfg.moe_latent_size or h
+        self.router = nnx.Param(_init(rngs, (h, e), jnp.float32, h**-0.5))  # kept in float32 (HF keeps it fp32)
+        self.correction_bias = nnx.Param(jnp.zeros((e,), jnp.float32))
+        self.up_proj = nnx.Param(_init(rngs, (e, d, inter), dtype, d**-0.5))  # [E, in, out]
+        self.down_proj = nnx.Param(_init(rngs, (e, inter, d), dtype, inter**-0.5))
+        self.shared_experts = Relu2MLP(h, cfg.moe_shared_intermediate_size, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
+        if cfg.moe_latent_size:
+            self.fc1_latent_proj = Linear(h, d, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
+            self.fc2_latent_proj = Linear(d, h, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
+        else:
+            self.fc1_latent_proj = self.fc2_latent_proj = None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        logits = jnp.einsum("...h,he->...e", x.astype(jnp.float32), self.router[...].astype(jnp.float32), precision=HIGHEST)
+        combine = route(
+            logits, self.correction_bias[...].astype(jnp.float32), top_k=cfg.moe_top_k, n_group=cfg.moe_n_group,
+            topk_group=cfg.moe_topk_group, norm=cfg.moe_norm_topk_prob, scale=cfg.moe_routed_scaling_factor,
+        )
+        xe = x if self.fc1_latent_proj is None else self.fc1_latent_proj(x)
+        hidden = relu2(jnp.einsum("...d,edi->...ei", xe, self.up_proj[...]))
+        out = jnp.einsum("...ei,eid->...ed", hidden, self.down_proj[...])
+        routed = jnp.einsum("...ed,...e->...d", out.astype(jnp.float32), combine).astype(x.dtype)
+        if self.fc2_latent_proj is not None:
+            routed = self.fc2_latent_proj(routed)
+        return routed + self.shared_experts(x)

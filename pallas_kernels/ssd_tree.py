@@ -1,0 +1,305 @@
+"""Tree verification and path commit for one Mamba2 (SSD) layer: Pallas / Triton kernels next
+to their pure-jnp references (ddtree_jax/models/ssd.py), chosen with `impl=`.
+
+Per head h (scalar decay a = dt * A_h, group g = h // (H / G); nodes in topological order,
+M = ancestor-or-self from the 32-bit ancestor words, committed state h0 [P, Ns]):
+    Acs_i = sum_{j in M_i} a_j                                           (path sums)
+    y_i   = exp(Acs_i) C_i . h0 + sum_{j in M_i} exp(Acs_i - Acs_j) (C_i . B_j) dt_j x_j + D_h x_i
+    commit: h <- h exp(a_t) + dt_t x_t B_t^T along the accepted path (t < count)
+
+Verify kernel: one program per (batch, head, head_dim tile). Rows are cut into blocks of C nodes;
+block r builds its mask tiles M_rs (s <= r: ancestors precede their descendants) from the
+ancestor words, its path sums, then
+    y_r = exp(Acs_r) (C_r h0^T) + D x_r + sum_{s <= r} [(C_r B_s^T) * exp(mask(Acs_r - Acs_s)) * dt_s] x_s
+with the mask applied BEFORE exp (non-ancestor exponents can be large and positive). The state
+tile is read once per program; nothing per node is ever materialised beyond [C, C] tiles.
+Commit kernel: one program per (batch, head, head_dim tile); the state tile stays on chip for
+the whole path (read once, written once) while the path's rows (gathered by XLA: P <= 16-32 rows)
+are applied with exactly the arithmetic of ssd.step, so a commit equals sequential decoding.
+
+impl="xla": the reference; "pallas": the Triton-lowered kernel (GPU); "pallas_interpret": the
+same kernel run by the Pallas interpreter (CPU tests). Kernel constraints: head_dim and state
+size powers of two (>= 16 for the verify kernel's matmuls); N is padded to a power of two.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from ddtree_jax.models import ssd
+from ddtree_jax.tree import WORD, bits_to_dense
+
+try:  # Triton compiler params; present in jax 0.10 - 0.12
+    from jax.experimental.pallas import triton as pltriton
+except ImportError:  # pragma: no cover
+    pltriton = None
+
+IMPLS = ("xla", "pallas", "pallas_interpret")
+PRECISIONS = ("ieee", "tf32x3", "tf32", "bf16x3")
+
+
+def _pow2(x: int, lo: int = 16) -> int:
+    return max(lo, 1 << (max(int(x), 1) - 1).bit_length())
+
+
+def _is_pow2(x: int) -> bool:
+    return x > 0 and not x & (x - 1)
+
+
+def _precision(name: str, interpret: bool):
+    if interpret:  # the CPU interpreter: exact float32
+        return lax.Precision.HIGHEST
+    return {
+        "ieee": lax.Precision.HIGHEST,
+        "tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
+        "tf32": lax.Precision.DEFAULT,
+        "bf16x3": lax.DotAlgorithmPreset.BF16_BF16_F32_X3,
+    }[name]
+
+
+def _dot(a, b, precision, trans_b=False):
+    dims = (((1,), (1 if trans_b else 0,)), ((), ()))
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+
+
+def _check(impl, precision=None):
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if precision is not None and precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+
+
+def _pad(a, axis, to, value=0):
+    if a.shape[axis] == to:
+        return a
+    widths = [(0, 0)] * a.ndim
+    widths[axis] = (0, to - a.shape[axis])
+    return jnp.pad(a, widths, constant_values=value)
+
+
+# ------------------------------------------------------------------------------------------------
+# references (the model's own math)
+# ------------------------------------------------------------------------------------------------
+def visibility(ancestor_bits, n: int):
+    """[B, N, W] uint32 -> [B, N, N] bool ancestor-or-self (self forced, as the kernel does)."""
+    return bits_to_dense(ancestor_bits, n) | jnp.eye(n, dtype=bool)
+
+
+def verify_reference(x, dt, A, B, C, D, state, ancestor_bits):
+    f32 = lambda a: jnp.asarray(a, jnp.float32)
+    visible = visibility(ancestor_bits, x.shape[1])
+    acs = ssd.path_sums(f32(dt), f32(A), visible)
+    return ssd.block(f32(x), f32(dt), f32(A), f32(B), f32(C), f32(D), f32(state), visible, acs)
+
+
+def _gather_path(x, dt, B, path, count):
+    """Rows of the accepted path (x [B, P, H, Hd], dt [B, P, H] zero from count on, B [B, P, G, Ns])."""
+    n, p = x.shape[1], path.shape[1]
+    path = jnp.clip(path.astype(jnp.int32), 0, n - 1)
+    on = jnp.arange(p)[None, :] < count[:, None]
+    take = lambda a: jnp.take_along_axis(a, path.reshape(*path.shape, *([1] * (a.ndim - 2))), axis=1)
+    return take(x).astype(jnp.float32), jnp.where(on[..., None], take(dt).astype(jnp.float32), 0.0), take(B).astype(jnp.float32)
+
+
+def commit_reference(x, dt, A, B, state, path, count):
+    xp, dtp, bp = _gather_path(x, dt, B, path, count)
+    return ssd.path_state(xp, dtp, jnp.asarray(A, jnp.float32), bp, jnp.asarray(state, jnp.float32))
+
+
+# ------------------------------------------------------------------------------------------------
+# tree verify kernel
+# ------------------------------------------------------------------------------------------------
+def _verify_kernel(x_ref, dt_ref, a_ref, b_ref, c_ref, d_ref, s_ref, bits_ref, y_ref, *, n, c, prec):
+    nb = n // c
+    f32 = jnp.float32
+    row = lax.broadcasted_iota(jnp.int32, (c, c), 0)
+    col = lax.broadcasted_iota(jnp.int32, (c, c), 1)
+    eye = row == col
+
+    def mask(r, s):
+        """M_rs [c, c]: column node s*c + j is an ancestor-or-self of row node r*c + i."""
+        if c <= WORD:  # the block's columns sit in one word
+            word = bits_ref[pl.ds(((s * c) // WORD) * n + r * c, c)]
+            m = (jnp.right_shift(word[:, None], col + (s * c) % WORD) & 1) == 1
+        else:  # c // 32 words side by side
+            lane, which = col & (WORD - 1), jnp.right_shift(col, 5)
+            bits = None
+            for w in range(c // WORD):
+                word = bits_ref[pl.ds((s * c // WORD + w) * n + r * c, c)]
+                part = jnp.right_shift(word[:, None], lane) & 1
+                bits = part if bits is None else jnp.where(which == w, part, bits)
+            m = bits == 1
+        return (m | eye) if s == r else m
+
+    state = s_ref[...].astype(f32)  # [bp, Ns], read once
+    dvec = d_ref[...].astype(f32)  # [bp] = D_h
+    a_blk = [a_ref[pl.ds(s * c, c)] for s in range(nb)]
+    dt_blk = [dt_ref[pl.ds(s * c, c)] for s in range(nb)]
+    acs_blk = []
+    for r in range(nb):
+        rows = pl.ds(r * c, c)
+        masks = [mask(r, s) for s in range(r + 1)]
+        acs = 0.0
+        for s, m in enumerate(masks):
+            acs = acs + jnp.sum(jnp.where(m, a_blk[s][None, :], 0.0), axis=1)
+        c_r = c_ref[rows, :].astype(f32)
+        y = jnp.exp(acs)[:, None] * _dot(c_r, state, prec, trans_b=True) + dvec[None, :] * x_ref[rows, :].astype(f32)
+        for s, m in enumerate(masks):
+            acs_s = acs if s == r else acs_blk[s]
+            decay = jnp.exp(jnp.where(m, acs[:, None] - acs_s[None, :], -jnp.inf))  # mask BEFORE exp
+            cb = _dot(c_r, b_ref[pl.ds(s * c, c), :].astype(f32), prec, trans_b=True)
+            y = y + _dot(cb * decay * dt_blk[s][None, :], x_ref[pl.ds(s * c, c), :].astype(f32), prec)
+        y_ref[rows, :] = y.astype(y_ref.dtype)
+        acs_blk.append(acs)
+
+
+def _verify_pallas(x, dt, A, B, C, D, state, ancestor_bits, *, interpret, block_n, block_p, num_warps, num_stages,
+                   precision, out_dtype):
+    b, n, h, hd = x.shape
+    g, ns = B.shape[2], B.shape[3]
+    if h % g:
+        raise ValueError(f"{h} heads do not divide into {g} groups")
+    rep = h // g
+    for name, val in (("head_dim", hd), ("state size", ns)):
+        if not _is_pow2(val) or (val < 16 and not interpret):
+            raise ValueError(f"{name}={val} must be a power of two (>= 16 on GPU) for the Pallas SSD kernel")
+    n_pad = _pow2(n)
+    bn = min(n_pad, block_n or (32 if n_pad <= 64 else 64))
+    bp = min(hd, block_p or min(hd, 64))
+    if not _is_pow2(bn) or bn < 16 or not _is_pow2(bp) or hd % bp:
+        raise ValueError(f"block_n={bn} must be a power of two >= 16 and block_p={bp} a power of two dividing {hd}")
+    words = max(1, n_pad // WORD)
+    f32 = jnp.float32
+    dtf = _pad(dt.astype(f32), 1, n_pad)  # padding nodes: dt = 0
+    a = dtf * A.astype(f32)[None, None, :]
+    x = _pad(x, 1, n_pad)
+    B, C = _pad(B, 1, n_pad), _pad(C, 1, n_pad)
+    d = jnp.broadcast_to(D.astype(f32)[:, None], (h, hd))
+    bits = lax.bitcast_convert_type(ancestor_bits.astype(jnp.uint32), jnp.int32)
+    bits = _pad(_pad(bits[:, :, :words], 1, n_pad), 2, words)  # padding rows: the kernel forces self
+    bits = jnp.swapaxes(bits, 1, 2).reshape(b, words * n_pad)  # word-major: [w * n_pad + row]
+    prec = _precision(precision or "tf32x3", interpret)
+    params = {}
+    if pltriton is not None and not interpret:
+        params["compiler_params"] = pltriton.CompilerParams(num_warps=num_warps or 4, num_stages=num_stages)
+    node_tile = pl.BlockSpec((None, n_pad, None, bp), lambda i, j, t: (i, 0, j, t))
+    per_node = pl.BlockSpec((None, n_pad, None), lambda i, j, t: (i, 0, j))
+    grouped = pl.BlockSpec((None, n_pad, None, ns), lambda i, j, t: (i, 0, j // rep, 0))
+    y = pl.pallas_call(
+        functools.partial(_verify_kernel, n=n_pad, c=bn, prec=prec),
+        grid=(b, h, hd // bp),
+        in_specs=[
+            node_tile,
+            per_node,
+            per_node,
+            grouped,
+            grouped,
+            pl.BlockSpec((None, bp), lambda i, j, t: (j, t)),
+            pl.BlockSpec((None, None, bp, ns), lambda i, j, t: (i, j, t, 0)),
+            pl.BlockSpec((None, words * n_pad), lambda i, j, t: (i, 0)),
+        ],
+        out_specs=node_tile,
+        out_shape=jax.ShapeDtypeStruct((b, n_pad, h, hd), out_dtype),
+        interpret=interpret,
+        name="ssd_tree_verify",
+        **params,
+    )(x, dtf, a, B, C, d, state.astype(f32), bits)
+    return y[:, :n]
+
+
+def ssd_tree_verify(x, dt, A, B, C, D, state, ancestor_bits, *, impl: str = "xla", block_n: int | None = None,
+                    block_p: int | None = None, num_warps: int | None = None, num_stages: int = 1,
+                    precision: str | None = None, out_dtype=jnp.float32):
+    """Outputs y [B, N, H, Hd] of all N tree nodes of one Mamba2 layer (before the gate / norm).
+
+    x [B, N, H, Hd] SSM inputs (after conv + silu); dt [B, N, H] float32 per node (softplus'ed and
+    clipped; 0 for padding nodes); A [H] (= -exp(A_log)); B, C [B, N, G, Ns] (head h reads group
+    h // (H / G)); D [H]; state [B, H, Hd, Ns] float32 (the committed state); ancestor_bits
+    [B, N, W] uint32 (bit j of node i set iff j is i or an ancestor; self is forced).
+    Pallas options: block_n (nodes per row block, power of two >= 16), block_p (head_dim tile, one
+    program each), num_warps / num_stages (Triton), precision of the float32 matmuls on GPU:
+    "tf32x3" (default, ~fp32), "ieee" (exact), "tf32", "bf16x3". The interpreter is exact.
+    """
+    _check(impl, precision)
+    if impl == "xla":
+        return verify_reference(x, dt, A, B, C, D, state, ancestor_bits).astype(out_dtype)
+    return _verify_pallas(
+        x, dt, A, B, C, D, state, ancestor_bits, interpret=impl == "pallas_interpret", block_n=block_n,
+        block_p=block_p, num_warps=num_warps, num_stages=num_stages, precision=precision, out_dtype=out_dtype,
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# path commit kernel
+# ------------------------------------------------------------------------------------------------
+def _commit_kernel(x_ref, dt_ref, a_ref, b_ref, s_ref, o_ref, *, p):
+    f32 = jnp.float32
+    s = s_ref[...].astype(f32)  # [bp, Ns] stays on chip for the whole path
+    for t in range(p):  # P <= 16-32 accepted nodes: unrolled; steps past count have dt = a = 0
+        xt = dt_ref[t] * x_ref[t, :].astype(f32)  # [bp]
+        s = s * jnp.exp(a_ref[t]) + xt[:, None] * b_ref[t, :].astype(f32)[None, :]
+    o_ref[...] = s
+
+
+def _commit_pallas(x, dt, A, B, state, path, count, *, interpret, block_p, num_warps, num_stages):
+    b, n, h, hd = x.shape
+    g, ns = B.shape[2], B.shape[3]
+    if h % g:
+        raise ValueError(f"{h} heads do not divide into {g} groups")
+    rep = h // g
+    for name, val in (("head_dim", hd), ("state size", ns)):
+        if not _is_pow2(val):
+            raise ValueError(f"{name}={val} must be a power of two for the Pallas SSD commit")
+    bp = min(hd, block_p or 16)
+    if not _is_pow2(bp) or hd % bp:
+        raise ValueError(f"block_p={bp} must be a power of two dividing head_dim={hd}")
+    xp, dtp, bm = _gather_path(x, dt, B, path, count)  # [B, P, ...]: a few rows, gathered by XLA
+    p = path.shape[1]
+    p_pad = _pow2(p, lo=1)
+    xp, dtp, bm = _pad(xp, 1, p_pad), _pad(dtp, 1, p_pad), _pad(bm, 1, p_pad)
+    a = dtp * jnp.asarray(A, jnp.float32)[None, None, :]  # the same product as ssd.step's dt * A
+    params = {}
+    if pltriton is not None and not interpret:
+        params["compiler_params"] = pltriton.CompilerParams(num_warps=num_warps or 2, num_stages=num_stages)
+    per_node = pl.BlockSpec((None, p_pad, None), lambda i, j, t: (i, 0, j))
+    tile = pl.BlockSpec((None, None, bp, ns), lambda i, j, t: (i, j, t, 0))
+    return pl.pallas_call(
+        functools.partial(_commit_kernel, p=p_pad),
+        grid=(b, h, hd // bp),
+        in_specs=[
+            pl.BlockSpec((None, p_pad, None, bp), lambda i, j, t: (i, 0, j, t)),
+            per_node,
+            per_node,
+            pl.BlockSpec((None, p_pad, None, ns), lambda i, j, t: (i, 0, j // rep, 0)),
+            tile,
+        ],
+        out_specs=tile,
+        out_shape=jax.ShapeDtypeStruct(state.shape, jnp.float32),
+        interpret=interpret,
+        name="ssd_path_commit",
+        **params,
+    )(xp, dtp, a, bm, state.astype(jnp.float32))
+
+
+def ssd_path_commit(x, dt, A, B, state, path, count, *, impl: str = "xla", block_p: int | None = None,
+                    num_warps: int | None = None, num_stages: int = 1):
+    """New state [B, H, Hd, Ns] float32: `state` advanced along path[b, :count[b]].
+
+    x [B, N, H, Hd], dt [B, N, H], B [B, N, G, Ns]: the tree's per-node inputs (Mamba2Pending);
+    A [H]; state [B, H, Hd, Ns] float32; path [B, P] node indices (root first; entries at or
+    beyond count are ignored); count [B] in 0..P. The recurrence runs in float32 with the
+    arithmetic of ssd.step, so the result equals sequential decoding of the accepted tokens.
+    Pallas options: block_p (head_dim tile per program, default 16), num_warps, num_stages.
+    """
+    _check(impl)
+    if impl == "xla":
+        return commit_reference(x, dt, A, B, state, path, count)
+    return _commit_pallas(
+        x, dt, A, B, state, path, count, interpret=impl == "pallas_interpret", block_p=block_p,
+        num_warps=num_warps, num_stages=num_stages,
+    )

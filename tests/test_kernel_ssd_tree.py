@@ -1,0 +1,131 @@
+"""ssd_tree_verify / ssd_path_commit: the Pallas kernels (interpreted on CPU) against the jnp
+references (ddtree_jax/models/ssd.py, itself checked against a float64 per-path oracle in
+tests/test_mamba_tree.py).
+
+Shapes are fixed per configuration so one compilation serves every hypothesis example; N is not
+a power of two (padding inside the kernel wrapper) and trees carry padding slots. Two
+configurations: several 16-node row blocks (cross-block ancestors, one ancestor word per tile)
+and one 64-node block (two ancestor words per tile). The interpreter fills outputs with NaN
+before the kernel runs, so an unwritten output fails the finiteness checks.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from ddtree_jax.tree import make_tree
+from pallas_kernels.ssd_tree import ssd_path_commit, ssd_tree_verify
+
+B, H, G, HD, NS = 2, 4, 2, 16, 16
+CONFIGS = {"blocks16": dict(n=37, block_n=16, block_p=8), "block64": dict(n=40, block_n=64, block_p=None)}
+
+
+def draw(seed, n):
+    rng = np.random.default_rng(seed)
+    f = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)
+    x, bm, cm, d, s0 = f(B, n, H, HD), f(B, n, G, NS), f(B, n, G, NS), f(H), f(B, H, HD, NS)
+    dt = jnp.asarray(rng.uniform(0.01, 1.5, (B, n, H)), jnp.float32)
+    a = -jnp.asarray(rng.uniform(0.1, 3.0, (H,)), jnp.float32)  # deep paths: large positive non-ancestor exponents
+    return rng, x, dt, a, bm, cm, d, s0
+
+
+def random_tree(rng, n, kind):
+    """parents [B, n] (topological), valid [B, n]: each row a tree of a random size + padding slots."""
+    parents = np.full((B, n), -1)
+    valid = np.zeros((B, n), bool)
+    for b in range(B):
+        size = int(rng.integers(n // 2, n + 1))
+        for i in range(1, size):
+            parents[b, i] = {"chain": i - 1, "star": 0}.get(kind, int(rng.integers(max(0, i - 5), i)))
+        valid[b, :size] = True
+    return jnp.asarray(parents, jnp.int32), jnp.asarray(valid)
+
+
+@functools.partial(jax.jit, static_argnames=("impl", "block_n", "block_p"))
+def verify(x, dt, a, bm, cm, d, s0, parents, valid, *, impl, block_n=None, block_p=None):
+    n = x.shape[1]
+    tree = make_tree(jnp.zeros(parents.shape, jnp.int32), parents, valid, jnp.zeros((B,), jnp.int32), max_depth=n - 1)
+    dt = jnp.where(valid[..., None], dt, 0.0)
+    return ssd_tree_verify(x, dt, a, bm, cm, d, s0, tree.ancestor_bits, impl=impl, block_n=block_n, block_p=block_p)
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+@given(seed=st.integers(0, 2**31 - 1), kind=st.sampled_from(["random", "chain", "star"]))
+@settings(max_examples=4)
+def test_tree_verify_kernel_matches_reference(config, seed, kind):
+    c = CONFIGS[config]
+    rng, x, dt, a, bm, cm, d, s0 = draw(seed, c["n"])
+    parents, valid = random_tree(rng, c["n"], kind)
+    want = verify(x, dt, a, bm, cm, d, s0, parents, valid, impl="xla")
+    got = verify(x, dt, a, bm, cm, d, s0, parents, valid, impl="pallas_interpret", block_n=c["block_n"],
+                 block_p=c["block_p"])
+    got, want = np.asarray(got), np.asarray(want)
+    assert np.all(np.isfinite(got))
+    scale = max(1.0, float(np.abs(want).max()))
+    assert float(np.abs(got - want).max()) <= 2e-5 * scale
+
+
+@functools.partial(jax.jit, static_argnames=("impl",))
+def commit(x, dt, a, bm, s0, path, count, *, impl):
+    return ssd_path_commit(x, dt, a, bm, s0, path, count, impl=impl)
+
+
+@given(seed=st.integers(0, 2**31 - 1))
+@settings(max_examples=6)
+def test_path_commit_kernel_matches_reference(seed):
+    n, p = 21, 12  # P not a power of two either
+    rng, x, dt, a, bm, _, _, s0 = draw(seed, n)
+    path = jnp.asarray(np.sort(rng.integers(0, n, (B, p)), axis=1), jnp.int32)
+    count = jnp.asarray(rng.integers(0, p + 1, B), jnp.int32)
+    want = commit(x, dt, a, bm, s0, path, count, impl="xla")
+    got = np.asarray(commit(x, dt, a, bm, s0, path, count, impl="pallas_interpret"))
+    assert np.all(np.isfinite(got))
+    np.testing.assert_allclose(got, np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
+def test_bad_arguments():
+    _, x, dt, a, bm, cm, d, s0 = draw(0, 8)
+    bits = jnp.ones((B, 8, 1), jnp.uint32)
+    with pytest.raises(ValueError, match="impl must be one of"):
+        ssd_tree_verify(x, dt, a, bm, cm, d, s0, bits, impl="triton")
+    with pytest.raises(ValueError, match="head_dim=12 must be a power of two"):
+        ssd_tree_verify(x[..., :12], dt, a, bm, cm, d, s0[:, :, :12], bits, impl="pallas_interpret")
+    with pytest.raises(ValueError, match="block_p=3"):
+        ssd_path_commit(x, dt, a, bm, s0, jnp.zeros((B, 2), jnp.int32), jnp.ones((B,), jnp.int32),
+                        impl="pallas_interpret", block_p=3)
+
+
+def test_mamba2_mixer_tree_and_commit_with_the_kernels():
+    """The Mamba2 mixer's impl switch: tree outputs and committed states through the interpreted
+    kernels equal the XLA path (random tree with padding, ragged accepted paths)."""
+    from flax import nnx
+
+    from ddtree_jax.cache import init_target_cache
+    from ddtree_jax.tree import geometry
+    from tests.hf_mamba_models import make_jax_target
+
+    cfg, gd, params = make_jax_target("mamba2", seed=4)
+    mixer = nnx.merge(gd, params).layers[0].mamba
+    n = 13
+    rng = np.random.default_rng(0)
+    parents, valid = random_tree(rng, n, "random")
+    tree = make_tree(jnp.zeros((B, n), jnp.int32), parents, valid, jnp.asarray([3, 5], jnp.int32), max_depth=n - 1)
+    geo = geometry(tree, cfg.conv_kernel)
+    cache = init_target_cache(cfg, B, 16).layers[0]
+    cache = cache._replace(conv=jnp.asarray(rng.normal(size=cache.conv.shape), jnp.float32),
+                           state=jnp.asarray(rng.normal(size=cache.state.shape), jnp.float32))
+    x = jnp.asarray(rng.normal(size=(B, n, cfg.hidden_size)), jnp.float32)
+    y_ref, pending = mixer.tree(x, cache, geo.visible, geo.conv_src)
+    y_pl, _ = mixer.tree(x, cache, geo.visible, geo.conv_src, bits=tree.ancestor_bits, impl="pallas_interpret")
+    np.testing.assert_allclose(np.asarray(y_pl), np.asarray(y_ref), rtol=2e-5, atol=2e-5)
+    path = jnp.asarray([[0, 1, 2, 2], [0, 3, 3, 3]], jnp.int32)
+    path = jnp.minimum(path, jnp.sum(valid, axis=1, keepdims=True) - 1)
+    count = jnp.asarray([3, 2], jnp.int32)
+    ref = mixer.commit(pending, path, count, cache)
+    got = mixer.commit(pending, path, count, cache, impl="pallas_interpret")
+    np.testing.assert_allclose(np.asarray(got.state), np.asarray(ref.state), rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(got.conv), np.asarray(ref.conv))
