@@ -81,7 +81,9 @@ class TreeGeometry(NamedTuple):
 
     positions: jax.Array  # [B, N]
     visible: jax.Array  # [B, N, N] bool, ancestor-or-self
-    conv_src: jax.Array  # [B, N, K]: m-th ancestor of each node as an index into concat(window, nodes)
+    conv_src: jax.Array | None  # [B, N, K]: m-th ancestor of each node as an index into concat(window, nodes);
+    #                             None for a chain (the plain causal conv applies)
+    bits: jax.Array  # [B, N, W] uint32 ancestor bitsets (what the Pallas kernels read)
 
 
 def geometry(tree: Tree, conv_kernel: int) -> TreeGeometry:
@@ -100,4 +102,13 @@ def geometry(tree: Tree, conv_kernel: int) -> TreeGeometry:
         in_tree = m <= tree.depths
         cols.append(jnp.where(in_tree, k1 + cur, k1 - (m - tree.depths)))
         cur = jnp.maximum(jnp.take_along_axis(tree.parents, cur, axis=1), 0)
-    return TreeGeometry(tree.positions, visible, jnp.stack(cols, axis=-1))
+    return TreeGeometry(tree.positions, visible, jnp.stack(cols, axis=-1), tree.ancestor_bits)
+
+
+def chain_geometry(start: jax.Array, n: int) -> TreeGeometry:
+    """Geometry of a chain of n tokens after `start` (linear DFlash): causal visibility."""
+    b = start.shape[0]
+    parents = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32) - 1, (b, n))
+    positions = start[:, None].astype(jnp.int32) + jnp.arange(n, dtype=jnp.int32)[None]
+    visible = jnp.broadcast_to(jnp.tril(jnp.ones((n, n), bool)), (b, n, n))
+    return TreeGeometry(positions, visible, None, ancestor_bits_from_parents(parents, n - 1))

@@ -162,6 +162,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--loop-steps", type=int, default=16)
+    ap.add_argument("--kernels", default=None,
+                    help="tree kernels for the DDTree step: xla | pallas | pallas_interpret (default: fastest for the backend)")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "e2e.json"))
     args = ap.parse_args(argv)
 
@@ -197,6 +199,9 @@ def main(argv=None) -> int:
     print(f"[bench] weights on device in {time.time() - t0:.1f} s: target {report['target_params_GB']:.1f} GB, "
           f"drafter {report['drafter_params_GB']:.2f} GB", flush=True)
     proposer = DFlashProposer(dgraph, dcfg)
+    kernels = args.kernels or gen.default_kernels()
+    report["kernels"] = kernels
+    print(f"[bench] tree kernels: {kernels}", flush=True)
     eos = jnp.zeros((0,), jnp.int32)
     key = jax.random.PRNGKey(0)
 
@@ -213,7 +218,8 @@ def main(argv=None) -> int:
                               jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), bool), jnp.zeros((batch,), jnp.int32),
                               jnp.zeros((17,), jnp.int32), jnp.int32(0), key)
         for mode in ("ar", "ddtree"):
-            spec = gen.GenSpec(mode, args.budget, None, max_new, Sampling(), capacity, None if mode == "ar" else proposer)
+            spec = gen.GenSpec(mode, args.budget, None, max_new, Sampling(), capacity, None if mode == "ar" else proposer,
+                               kernels)
             s = state if mode == "ddtree" else state._replace(dstate=None, hist=jnp.zeros((2,), jnp.int32))
             # One compiled on-device loop per mode; the step count is traced, so a single step and
             # a run of n steps share the compilation.
@@ -246,7 +252,7 @@ def main(argv=None) -> int:
             del cache, dcache, state
             continue
 
-        spec = gen.GenSpec("ddtree", args.budget, None, max_new, Sampling(), capacity, proposer)
+        spec = gen.GenSpec("ddtree", args.budget, None, max_new, Sampling(), capacity, proposer, kernels)
         row["phases_ms"] = B.phase_times_at(graphdef, params, dparams, state, spec, key, repeats=args.repeats)
         print(f"[bench] batch {batch} ddtree phases (ms, in-loop): {row['phases_ms']}", flush=True)
         stats = jax.local_devices()[0].memory_stats() or {}

@@ -109,10 +109,19 @@ class Attention(nnx.Module):
         return self.output(attn, gate), cache
 
     # ---- speculative entry points -------------------------------------------------------
-    def tree(self, x, cache: KVCache, start, positions, visible) -> tuple[jax.Array, KVPending]:
+    def tree(self, x, cache: KVCache, start, positions, visible, bits=None, impl: str = "xla"
+             ) -> tuple[jax.Array, KVPending]:
         """Outputs of N tree nodes x [B, N, H] at `positions`; node i sees the committed cache
-        (< start) and the nodes in visible[b, i] (its ancestors and itself). Writes nothing."""
+        (< start) and the nodes in visible[b, i] (its ancestors and itself). Writes nothing.
+
+        impl "pallas" / "pallas_interpret" use the fused tree-attention kernel, which reads the
+        compact ancestor `bits` [B, N, W] instead of the dense `visible`."""
         q, k, v, gate = self.project(x, positions)
+        if impl != "xla":
+            from pallas_kernels.tree_attention import tree_attention
+
+            attn = tree_attention(q, cache.k, cache.v, start, k, v, bits, scale=self.cfg.head_dim**-0.5, impl=impl)
+            return self.output(attn, gate), KVPending(k, v)
         key_pos = jnp.arange(cache.capacity, dtype=jnp.int32)
         committed = jnp.broadcast_to(key_pos[None, None, :] < start[:, None, None], (*positions.shape, cache.capacity))
         tree_k, tree_v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)

@@ -105,12 +105,15 @@ class GatedDeltaNet(nnx.Module):
         return self.output(o, z, x.dtype), new_cache
 
     # ---- speculative entry points -------------------------------------------------------
-    def tree(self, x, cache: RecurrentCache, visible, conv_src=None) -> tuple[jax.Array, RecurrentPending]:
+    def tree(self, x, cache: RecurrentCache, visible, conv_src=None, bits=None, impl: str = "xla"
+             ) -> tuple[jax.Array, RecurrentPending]:
         """Outputs of N nodes x [B, N, H], each from its own root-to-node path. Writes nothing.
 
         visible [B, N, N]: ancestor-or-self. conv_src [B, N, K] (tree.geometry) gathers each
         node's conv window from its ancestors and the committed window; None means a chain
         (node i's parent is i - 1: linear DFlash), computed with the plain causal forms.
+        impl "pallas" / "pallas_interpret" run tree nodes through the fused tree delta-rule kernel
+        (path sums from the ancestor `bits`, no per-node state anywhere).
         """
         mixed, z, beta, g = self.project(x)
         w = self.conv_weight[...]
@@ -123,6 +126,11 @@ class GatedDeltaNet(nnx.Module):
             conv = sum(taps[:, :, m] * w[kernel - 1 - m] for m in range(kernel))
         q, k, v = self.heads(jax.nn.silu(conv).astype(x.dtype))
         beta, g = jnp.swapaxes(beta, 1, 2), jnp.swapaxes(g, 1, 2)
+        if conv_src is not None and impl != "xla":
+            from pallas_kernels.gdn_tree import gdn_tree_verify
+
+            o = gdn_tree_verify(q, k, v, g, beta, cache.state, bits, impl=impl)
+            return self.output(o, z, x.dtype), RecurrentPending(mixed, k, v, g, beta)
         if conv_src is None:
             path_g = jnp.cumsum(g, axis=-1)
         else:
@@ -131,13 +139,20 @@ class GatedDeltaNet(nnx.Module):
         return self.output(o, z, x.dtype), RecurrentPending(mixed, k, v, g, beta)
 
     @staticmethod
-    def commit(pending: RecurrentPending, path, count, cache: RecurrentCache) -> RecurrentCache:
+    def commit(pending: RecurrentPending, path, count, cache: RecurrentCache, impl: str = "xla") -> RecurrentCache:
         """State after the accepted path (path [B, P], first count[b] real): a scan from the
-        committed state over the path's nodes, and the conv window slid over their inputs."""
+        committed state over the path's nodes, and the conv window slid over their inputs.
+        impl "pallas" / "pallas_interpret": the fused path-commit kernel (one launch, all heads)."""
+        conv_in = jnp.take_along_axis(pending.conv_in, path[:, :, None], axis=1)
+        window = next_window(conv_in, cache.conv, count)
+        if impl != "xla":
+            from pallas_kernels.gdn_commit import gdn_path_commit
+
+            state = gdn_path_commit(pending.k, pending.v, pending.g, pending.beta, cache.state, path, count, impl=impl)
+            return RecurrentCache(conv=window, state=state)
         p = path.shape[1]
         on = (jnp.arange(p)[None, :] < count[:, None])[:, None, :]
         take = lambda a: jnp.take_along_axis(a, path[:, None, :, None], axis=2)
         take1 = lambda a: jnp.where(on, jnp.take_along_axis(a, path[:, None, :], axis=2), 0.0)
         state = delta_rule.path_state(take(pending.k), take(pending.v), take1(pending.g), take1(pending.beta), cache.state)
-        conv_in = jnp.take_along_axis(pending.conv_in, path[:, :, None], axis=1)
-        return RecurrentCache(conv=next_window(conv_in, cache.conv, count), state=state)
+        return RecurrentCache(conv=window, state=state)

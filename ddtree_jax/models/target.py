@@ -18,7 +18,7 @@ from flax import nnx
 
 from ddtree_jax.cache import TargetCache
 from ddtree_jax.config import ATTENTION, GDN, MAMBA2, MLP, MOE, TargetConfig
-from ddtree_jax.tree import Tree, geometry
+from ddtree_jax.tree import Tree, TreeGeometry, chain_geometry, geometry
 from ddtree_jax.models.attention import Attention
 from ddtree_jax.models.gdn import GatedDeltaNet
 from ddtree_jax.models.layers import Embedding, Linear, RMSNorm, Relu2MLP, SwiGLU, apply_rope, rope_cos_sin
@@ -120,27 +120,28 @@ class DecoderLayer(nnx.Module):
             h = self._stateless(h)
         return self._post(residual, h), layer_cache
 
-    def tree(self, x, layer_cache, start, positions, visible, conv_src):
-        """Tree (or chain, conv_src=None) pass of this layer; returns (x, pending). Writes nothing."""
+    def tree(self, x, layer_cache, start, geo: TreeGeometry, impl: str = "xla"):
+        """Tree (or chain: geo.conv_src None) pass of this layer; returns (x, pending). Writes nothing.
+        impl selects the kernels of the attention / GDN / Mamba2 tree entry points ("xla" = reference)."""
         residual, h = self._pre(x)
         pending = None
         if self.kind == ATTENTION:
-            h, pending = self.self_attn.tree(h, layer_cache, start, positions, visible)
+            h, pending = self.self_attn.tree(h, layer_cache, start, geo.positions, geo.visible, geo.bits, impl)
         elif self.kind == GDN:
-            h, pending = self.linear_attn.tree(h, layer_cache, visible, conv_src)
+            h, pending = self.linear_attn.tree(h, layer_cache, geo.visible, geo.conv_src, geo.bits, impl)
         elif self.kind == MAMBA2:
-            h, pending = self.mamba.tree(h, layer_cache, visible, conv_src)
+            h, pending = self.mamba.tree(h, layer_cache, geo.visible, geo.conv_src, geo.bits, impl)
         else:
             h = self._stateless(h)
         return self._post(residual, h), pending
 
-    def commit(self, pending, path, count, layer_cache, start):
+    def commit(self, pending, path, count, layer_cache, start, impl: str = "xla"):
         if self.kind == ATTENTION:
             return self.self_attn.commit(pending, path, count, layer_cache, start)
         if self.kind == GDN:
-            return self.linear_attn.commit(pending, path, count, layer_cache)
+            return self.linear_attn.commit(pending, path, count, layer_cache, impl)
         if self.kind == MAMBA2:
-            return self.mamba.commit(pending, path, count, layer_cache)
+            return self.mamba.commit(pending, path, count, layer_cache, impl)
         return layer_cache
 
 
@@ -176,30 +177,27 @@ class TargetModel(nnx.Module):
         features = jnp.concatenate([saved[i] for i in hidden_ids], axis=-1) if hidden_ids else None
         return x, features, tuple(outs)
 
-    def verify(self, tokens: jax.Array, cache: TargetCache, tree: Tree | None, *, hidden_ids=()):
+    def verify(self, tokens: jax.Array, cache: TargetCache, tree: Tree | None, *, hidden_ids=(), impl: str = "xla"):
         """One forward over draft nodes without touching the committed state.
 
         tokens [B, N]; tree None means a chain at positions lengths + t (linear DFlash, plain causal
         forms); otherwise every node sees the committed prefix and its own ancestors only.
+        impl: "xla" (reference) or "pallas" / "pallas_interpret" (fused tree kernels).
         Returns (final hidden [B,N,H], features, per-layer pending for `commit`).
         """
         start = cache.lengths
-        n = tokens.shape[1]
         if tree is None:
-            positions = start[:, None] + jnp.arange(n, dtype=jnp.int32)[None]
-            visible = jnp.broadcast_to(jnp.tril(jnp.ones((n, n), bool)), (tokens.shape[0], n, n))
-            conv_src = None
+            geo = chain_geometry(start, tokens.shape[1])
         else:
             geo = geometry(tree, self.cfg.conv_kernel)
-            positions, visible, conv_src = geo.positions, geo.visible, geo.conv_src
-        step = lambda i, layer, x: layer.tree(x, cache.layers[i], start, positions, visible, conv_src)
+        step = lambda i, layer, x: layer.tree(x, cache.layers[i], start, geo, impl)
         return self._run(self.embed_tokens(tokens), step, hidden_ids)
 
-    def commit(self, pending, path: jax.Array, count: jax.Array, cache: TargetCache) -> TargetCache:
+    def commit(self, pending, path: jax.Array, count: jax.Array, cache: TargetCache, impl: str = "xla") -> TargetCache:
         """Commit the accepted nodes path [B, P] (first count[b] real, root first) after the prefix."""
         start = cache.lengths
         layers = tuple(
-            layer.commit(p, path, count, c, start) for layer, p, c in zip(self.layers, pending, cache.layers)
+            layer.commit(p, path, count, c, start, impl) for layer, p, c in zip(self.layers, pending, cache.layers)
         )
         return TargetCache(layers, start + count.astype(jnp.int32))
 

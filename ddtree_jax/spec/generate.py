@@ -29,6 +29,13 @@ from ddtree_jax.spec.verify import VerifyResult, tree_verify
 from ddtree_jax.tree import Tree
 
 MODES = ("ar", "dflash", "ddtree")
+KERNELS = ("xla", "pallas", "pallas_interpret")
+
+
+def default_kernels() -> str:
+    """The fastest correct tree kernels for the backend: Pallas on GPU, the XLA reference elsewhere
+    (Pallas runs on CPU only in interpret mode, which is for tests)."""
+    return "pallas" if jax.default_backend() == "gpu" else "xla"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +49,7 @@ class GenSpec:
     sampling: Sampling = Sampling()
     capacity: int = 0  # KV slots; 0 = prompt + max_new + block + 1
     proposer: Any = None
+    kernels: str = "xla"  # tree verify / commit kernels: "xla" (reference), "pallas", "pallas_interpret"
 
     @property
     def block(self) -> int:
@@ -50,6 +58,8 @@ class GenSpec:
     def validate(self, vocab: int) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.kernels not in KERNELS:
+            raise ValueError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
         if self.mode != "ar":
@@ -121,7 +131,7 @@ def build(logq: jax.Array, s: LoopState, spec: GenSpec) -> Tree:
 def verify(model, s: LoopState, tree: Tree, spec: GenSpec, key) -> VerifyResult:
     shape = None if spec.mode == "dflash" else tree
     return tree_verify(model, s.cache, shape, tree.tokens, spec.sampling, key, max_depth=spec.block - 1,
-                       hidden_ids=spec.proposer.hidden_ids)
+                       hidden_ids=spec.proposer.hidden_ids, impl=spec.kernels)
 
 
 def commit_and_emit(model, drafter_params, s: LoopState, tree: Tree, res: VerifyResult, eos_ids, spec: GenSpec):
@@ -134,7 +144,7 @@ def commit_and_emit(model, drafter_params, s: LoopState, tree: Tree, res: Verify
     # Commit root + the accepted nodes actually emitted (fewer when EOS / max_new cut the step),
     # so the cache always holds exactly the prompt and every emitted token but the last.
     count = n_out - s.n_out
-    cache = model.commit(res.pending, res.path, count, s.cache)
+    cache = model.commit(res.pending, res.path, count, s.cache, spec.kernels)
     dstate = spec.proposer.extend(drafter_params, s.dstate, res.features, count)
     return s._replace(cache=cache, dstate=dstate, bonus=res.bonus, out=out, n_out=n_out, done=done), count
 
@@ -217,14 +227,16 @@ def advance(graphdef, params, drafter_params, state: LoopState, eos_ids, max_ste
 
 @functools.partial(
     jax.jit,
-    static_argnames=("graphdef", "proposer", "mode", "budget", "candidates", "max_new_tokens", "sampling", "capacity"),
+    static_argnames=("graphdef", "proposer", "mode", "budget", "candidates", "max_new_tokens", "sampling", "capacity",
+                     "kernels"),
 )
 def generate(graphdef, params, prompt, prompt_lens, *, proposer=None, drafter_params=None, mode: str = "ddtree",
              budget: int = 64, candidates: int | None = None, max_new_tokens: int = 128,
-             sampling: Sampling = Sampling(), eos_ids=None, key=None, capacity: int | None = None) -> GenerationResult:
+             sampling: Sampling = Sampling(), eos_ids=None, key=None, capacity: int | None = None,
+             kernels: str = "xla") -> GenerationResult:
     """Generate for right-padded prompts [B, T] with prompt_lens [B] real tokens: one jitted call,
     prefill plus one on-device while_loop until every sequence stopped."""
-    spec = GenSpec(mode, budget, candidates, max_new_tokens, sampling, capacity or 0, proposer)
+    spec = GenSpec(mode, budget, candidates, max_new_tokens, sampling, capacity or 0, proposer, kernels)
     model = nnx.merge(graphdef, params)
     key = jax.random.PRNGKey(0) if key is None else key
     eos_ids = _eos(eos_ids)

@@ -26,12 +26,13 @@ class VerifyResult(NamedTuple):
 
 
 def tree_verify(model, cache: TargetCache, tree: Tree | None, tokens: jax.Array, sampling: Sampling, key,
-                *, max_depth: int, hidden_ids=()) -> VerifyResult:
+                *, max_depth: int, hidden_ids=(), impl: str = "xla") -> VerifyResult:
     """Verify tokens [B, N] laid out as `tree` (None = a chain, linear DFlash).
 
-    max_depth (static) bounds the accepted path length: P = max_depth + 1.
+    max_depth (static) bounds the accepted path length: P = max_depth + 1. impl picks the tree
+    kernels ("xla" reference, "pallas", "pallas_interpret").
     """
-    h, feats, pending = model.verify(tokens, cache, tree, hidden_ids=hidden_ids)
+    h, feats, pending = model.verify(tokens, cache, tree, hidden_ids=hidden_ids, impl=impl)
     logits = model.logits(h)
     post = choose(logits, sampling, key)
     if tree is None:
