@@ -63,7 +63,7 @@ class Engine:
     """A loaded target, optionally a DFlash drafter and a tokenizer; `generate` is the one API."""
 
     def __init__(self, cfg: TargetConfig, graphdef, params, *, proposer=None, drafter_params=None, tokenizer=None,
-                 max_context: int | None = None):
+                 max_context: int | None = None, kernels: str | None = None):
         self.cfg = cfg
         self.graphdef = graphdef
         self.params = params
@@ -71,13 +71,17 @@ class Engine:
         self.drafter_params = drafter_params
         self.tokenizer = tokenizer
         self.max_context = max_context or cfg.max_position_embeddings
+        # Tree kernels: Pallas on GPU, the XLA reference elsewhere, unless asked otherwise.
+        self.kernels = kernels or gen.default_kernels()
+        if self.kernels not in gen.KERNELS:
+            raise ValueError(f"kernels must be one of {gen.KERNELS}, got {self.kernels!r}")
         if proposer is not None:
             proposer.check_target(cfg)
 
     # ---- loading -------------------------------------------------------------------------
     @classmethod
     def load(cls, target: str | os.PathLike, drafter: str | os.PathLike | None = None, *, dtype=None,
-             max_context: int | None = None, progress: bool = False) -> "Engine":
+             max_context: int | None = None, progress: bool = False, kernels: str | None = None) -> "Engine":
         from converters.load import load_drafter, load_target
         from ddtree_jax.spec.dflash import DFlashProposer
 
@@ -87,7 +91,7 @@ class Engine:
             dcfg, dgraph, dparams = load_drafter(drafter, dtype=cfg.dtype)
             proposer = DFlashProposer(dgraph, dcfg)
         return cls(cfg, graphdef, params, proposer=proposer, drafter_params=dparams,
-                   tokenizer=load_tokenizer(target), max_context=max_context)
+                   tokenizer=load_tokenizer(target), max_context=max_context, kernels=kernels)
 
     # ---- text <-> ids ------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
@@ -110,7 +114,7 @@ class Engine:
         block = 1 if mode == "ar" else self.proposer.block_size
         need = gen.required_capacity(prompt_bucket, max_new_tokens, block)
         spec = gen.GenSpec(mode, budget, candidates, max_new_tokens, sampling, bucket(need, 64),
-                           None if mode == "ar" else self.proposer)
+                           None if mode == "ar" else self.proposer, self.kernels)
         spec.validate(self.cfg.vocab_size)
         return spec
 

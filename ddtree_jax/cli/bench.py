@@ -44,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--batch", type=positive_int, default=1, help="prompts per batch (default 1)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None)
+    p.add_argument("--kernels", choices=["xla", "pallas", "pallas_interpret"], default=None,
+                     help="tree verify / commit kernels (default: pallas on GPU, xla on CPU)")
     p.add_argument("--phase-repeats", type=positive_int, default=10, help="repeats for per-phase timing medians")
     p.add_argument("--out", default="bench_out", help="output directory for bench.json and bench.png")
     return p
@@ -89,7 +91,7 @@ def main(argv=None) -> int:
     from ddtree_jax import bench
     from ddtree_jax.cli.common import load_engine
 
-    engine = load_engine(args.target, args.drafter, args.dtype)
+    engine = load_engine(args.target, args.drafter, args.dtype, kernels=args.kernels)
     if engine.proposer is None and any(m != "ar" for m in modes):
         die("dflash / ddtree modes need a drafter (--drafter DIR)")
     prompts = read_prompts(args.prompts, engine)[: args.limit]

@@ -34,7 +34,7 @@ def parse_ids(text: str) -> tuple[int, ...]:
     return ids
 
 
-def load_engine(target, drafter, dtype=None, max_context=None):
+def load_engine(target, drafter, dtype=None, max_context=None, kernels=None):
     """Engine from CLI paths (demo pair when target is None), with every load error as one line."""
     from converters.keymap import CheckpointError
     from ddtree_jax.config import ConfigError
@@ -51,7 +51,7 @@ def load_engine(target, drafter, dtype=None, max_context=None):
         if path is not None and not os.path.isdir(path):
             die(f"{name} checkpoint directory {path} does not exist")
     try:
-        return Engine.load(target, drafter, dtype=dtype, max_context=max_context)
+        return Engine.load(target, drafter, dtype=dtype, max_context=max_context, kernels=kernels)
     except (ConfigError, CheckpointError) as e:
         die(str(e))
     except (FileNotFoundError, ValueError) as e:
