@@ -40,6 +40,9 @@ class RunResult:
     peak_memory_bytes: int | None
     outputs_match_ar: bool | None = None
     speedup_vs_ar: float | None = None
+    # For rows that differ from AR: (row, first differing token, AR top-2 logit gap there / logit scale).
+    divergences: list | None = None
+    divergences_are_ties: bool | None = None
 
 
 def peak_memory() -> int | None:
@@ -167,13 +170,45 @@ def run_mode(engine: Engine, prompts: Sequence[Sequence[int]], mode: str, budget
     return result, outputs
 
 
-def compare(results: list[RunResult], outputs: dict, ar_key=("ar", None)) -> None:
-    """Fill speedup_vs_ar and outputs_match_ar against the AR run (greedy runs must match)."""
+TIE_TOLERANCE = {"float32": 1e-3, "bfloat16": 3e-2, "float16": 3e-2}
+
+
+def top2_gap(engine: Engine, tokens: Sequence[int]) -> float:
+    """(top-1 - top-2) logit after `tokens`, relative to max(1, max |logit|): a near tie is a point
+    where batch-size-dependent rounding may legitimately flip a greedy choice."""
+    from ddtree_jax import decode
+    from ddtree_jax.cache import init_target_cache
+
+    n = len(tokens)
+    out = decode.prefill(engine.graphdef, engine.params, init_target_cache(engine.cfg, 1, bucket(n, 64)),
+                         jnp.asarray([tokens], jnp.int32), jnp.asarray([n], jnp.int32))
+    logits = np.sort(np.asarray(out.logits[0]))[::-1]
+    return float((logits[0] - logits[1]) / max(1.0, np.abs(logits).max()))
+
+
+def compare(results: list[RunResult], outputs: dict, ar_key=("ar", None), engine: Engine | None = None,
+            prompts: Sequence[Sequence[int]] | None = None) -> None:
+    """Fill speedup_vs_ar and outputs_match_ar against the AR run (greedy runs must match). With the
+    engine and prompts, explain every divergence: where it starts and how close AR's top two
+    logits are there (ties within the dtype's rounding are numerics, anything else is a bug)."""
     base = next((r for r in results if r.mode == "ar"), None)
     for r in results:
-        if base is not None:
-            r.speedup_vs_ar = r.tokens_per_second / base.tokens_per_second
-            r.outputs_match_ar = outputs[(r.mode, r.budget)] == outputs[ar_key]
+        if base is None:
+            continue
+        r.speedup_vs_ar = r.tokens_per_second / base.tokens_per_second
+        ours, ref = outputs[(r.mode, r.budget)], outputs[ar_key]
+        r.outputs_match_ar = ours == ref
+        if r.outputs_match_ar or engine is None or prompts is None:
+            continue
+        r.divergences = []
+        for row, (a, b) in enumerate(zip(ref, ours)):
+            k = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+            if k is None and len(a) == len(b):
+                continue
+            k = min(len(a), len(b)) if k is None else k
+            r.divergences.append((row, k, top2_gap(engine, list(prompts[row]) + list(a[:k]))))
+        tol = TIE_TOLERANCE.get(engine.cfg.dtype, 1e-3)
+        r.divergences_are_ties = all(gap < tol for _, _, gap in r.divergences)
 
 
 def table(results: list[RunResult]) -> str:
@@ -188,9 +223,17 @@ def table(results: list[RunResult]) -> str:
             f"{r.mode:7} {r.budget if r.budget is not None else '-':>6} {r.tokens_per_second:9.1f} "
             f"{(r.speedup_vs_ar or float('nan')):7.2f} {r.acceptance_length:6.2f} {r.step_ms:8.2f} "
             + " ".join(fmt(c) for c in cols)
-            + f" {('yes' if r.outputs_match_ar else 'NO') if r.outputs_match_ar is not None else '-':>5}"
+            + f" {_same(r):>5}"
         )
     return "\n".join(lines)
+
+
+def _same(r: RunResult) -> str:
+    if r.outputs_match_ar is None:
+        return "-"
+    if r.outputs_match_ar:
+        return "yes"
+    return "tie" if r.divergences_are_ties else "NO"
 
 
 def plot(results: list[RunResult], path: str) -> None:

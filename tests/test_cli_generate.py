@@ -141,3 +141,26 @@ def test_bench_writes_json_png_and_table(ckpts, tmp_path, capsys):
     assert set(runs[("ddtree", 8)]["phases_ms"]) == {"draft", "build", "verify", "commit"}
     assert (tmp_path / "out" / "bench.png").stat().st_size > 1000
     assert "ddtree" in captured.out and "verify" in captured.out
+
+
+def test_bench_explains_divergences(ckpts):
+    """A run that departs from AR is reported with where it departs and how close AR's top two
+    logits are there; only a gap within the dtype's rounding counts as a tie."""
+    from ddtree_jax import bench
+    from ddtree_jax.engine import Engine
+
+    target, drafter, _ = ckpts
+    engine = Engine.load(target, drafter)
+    prompt = [5, 6, 7, 8]
+    [ref] = engine.generate([prompt], mode="ar", max_new_tokens=6)
+    other = list(ref.token_ids)
+    other[3] = (other[3] + 1) % 128
+    r_ar = bench.RunResult("ar", None, 1, 6, 1.0, 6.0, 1.0, [], 1.0, {}, None)
+    r_bad = bench.RunResult("ddtree", 8, 1, 6, 1.0, 6.0, 1.0, [], 1.0, {}, None)
+    bench.compare([r_ar, r_bad], {("ar", None): [ref.token_ids], ("ddtree", 8): [other]}, engine=engine,
+                  prompts=[prompt])
+    assert r_bad.outputs_match_ar is False
+    [(row, k, gap)] = r_bad.divergences
+    assert (row, k) == (0, 3) and gap > 0
+    assert r_bad.divergences_are_ties == (gap < bench.TIE_TOLERANCE["float32"])
+    assert bench._same(r_bad) in ("tie", "NO")

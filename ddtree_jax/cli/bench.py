@@ -107,7 +107,7 @@ def main(argv=None) -> int:
             outputs[(mode, r.budget)] = outs
     except ValueError as e:
         die(str(e))
-    bench.compare(results, outputs)
+    bench.compare(results, outputs, engine=engine, prompts=prompts)
     os.makedirs(args.out, exist_ok=True)
     report = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -125,9 +125,13 @@ def main(argv=None) -> int:
     bench.plot(results, png)
     print(bench.table(results))
     print(f"wrote {os.path.join(args.out, 'bench.json')} and {png}", file=sys.stderr)
-    mismatched = [f"{r.mode}/{r.budget}" for r in results if r.outputs_match_ar is False]
-    if mismatched:
-        print(f"WARNING: outputs differ from plain decoding for {mismatched}", file=sys.stderr)
+    ties = [f"{r.mode}/{r.budget}" for r in results if r.outputs_match_ar is False and r.divergences_are_ties]
+    bugs = [f"{r.mode}/{r.budget}" for r in results if r.outputs_match_ar is False and not r.divergences_are_ties]
+    if ties:
+        print(f"note: {ties} part from plain decoding only at near-ties of the target's top two logits "
+              f"(within {engine.cfg.dtype} rounding; see 'divergences' in bench.json)", file=sys.stderr)
+    if bugs:
+        print(f"ERROR: outputs differ from plain decoding away from any near-tie for {bugs}", file=sys.stderr)
         return 1
     return 0
 
