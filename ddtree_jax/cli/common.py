@@ -47,6 +47,11 @@ def load_engine(target, drafter, dtype=None, max_context=None, kernels=None):
         except FileNotFoundError as e:
             die(str(e))
         drafter = drafter or default_drafter
+        if dtype is None:
+            import jax
+
+            # The demo is stored in bf16; XLA:CPU runs bf16 matmuls slowly, so upcast (exactly) there.
+            dtype = "fp32" if jax.default_backend() == "cpu" else None
     for name, path in (("target", target), ("drafter", drafter)):
         if path is not None and not os.path.isdir(path):
             die(f"{name} checkpoint directory {path} does not exist")

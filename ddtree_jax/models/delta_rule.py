@@ -25,6 +25,25 @@ def _mm(spec: str, *xs):
     return jnp.einsum(spec, *xs, precision=HIGHEST)
 
 
+def unit_lower_solve(a, rhs):
+    """Solve (I + a) u = rhs for strictly lower-triangular a [..., N, N], rhs [..., N, dv].
+
+    On the CPU by forward substitution in a fori_loop (XLA:CPU's triangular_solve took 44 ms for
+    4 x 65 x 65 systems, 100x the work); elsewhere the library triangular solve. Same algorithm,
+    same exactness."""
+    if jax.default_backend() != "cpu":
+        system = a + jnp.eye(a.shape[-1], dtype=a.dtype)
+        return jax.lax.linalg.triangular_solve(system, rhs, left_side=True, lower=True, unit_diagonal=True)
+
+    def body(i, u):
+        row_a = jax.lax.dynamic_index_in_dim(a, i, axis=a.ndim - 2, keepdims=False)  # [..., N]
+        row_r = jax.lax.dynamic_index_in_dim(rhs, i, axis=rhs.ndim - 2, keepdims=False)  # [..., dv]
+        row = row_r - jnp.einsum("...j,...jv->...v", row_a, u, precision=HIGHEST)
+        return jax.lax.dynamic_update_index_in_dim(u, row, i, axis=u.ndim - 2)
+
+    return jax.lax.fori_loop(0, a.shape[-1], body, jnp.zeros_like(rhs))
+
+
 def recurrent_step(q, k, v, g, beta, state):
     """One token. q, k [B,H,dk] (q scaled), v [B,H,dv], g, beta [B,H], state [B,H,dk,dv]."""
     state = state * jnp.exp(g)[..., None, None]
@@ -65,8 +84,7 @@ def block(q, k, v, path_g, beta, state, visible):
     a = beta[..., :, None] * _mm("bhik,bhjk->bhij", k, k) * strict
     exp_g = jnp.exp(path_g)[..., None]
     rhs = beta[..., None] * (v - exp_g * _mm("bhnk,bhkv->bhnv", k, state))
-    system = a + eye.astype(a.dtype)
-    u = jax.lax.linalg.triangular_solve(system, rhs, left_side=True, lower=True, unit_diagonal=True)
+    u = unit_lower_solve(a, rhs)
     o = exp_g * _mm("bhnk,bhkv->bhnv", q, state) + _mm("bhij,bhjv->bhiv", _mm("bhik,bhjk->bhij", q, k) * decay, u)
     return o, u
 
