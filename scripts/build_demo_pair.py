@@ -80,7 +80,7 @@ def settings_for(args):
         tset = TrainSettings(seq_len=512, batch_size=64, peak_lr=3e-3, warmup_steps=100, max_steps=args.target_steps,
                              log_every=100, eval_windows=128, seed=args.seed, seconds=args.target_minutes * 60,
                              reserve_seconds=15.0)
-        dset = DrafterSettings(seq_len=512, batch_size=32, anchors_per_seq=64, peak_lr=2e-3, warmup_steps=100,
+        dset = DrafterSettings(seq_len=512, batch_size=32, anchors_per_seq=128, peak_lr=3e-3, warmup_steps=100,
                                max_steps=args.drafter_steps, log_every=100, eval_windows=64, seed=args.seed,
                                seconds=args.drafter_minutes * 60, reserve_seconds=12.0)
     for key in ("corpus_mb", "vocab", "compute_dtype", "prompts", "prompt_len", "max_new"):
@@ -169,7 +169,10 @@ def evaluate(out_dir: str, prompts, budgets, max_new: int, dtype: str, deadline:
 
     t_warm = time.time()
     warm = {}
-    with concurrent.futures.ThreadPoolExecutor(max_workers=len(runs)) as pool:
+    # Parallel compiles on accelerators only: on a CPU backend the runs would execute side by side
+    # too, and jaxlib 0.10's CPU LAPACK kernels can deadlock when several run at once.
+    workers = len(runs) if jax.default_backend() != "cpu" else 1
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
         futures = {name: pool.submit(call, mode, budget) for name, mode, budget in runs}
         for name, fut in futures.items():
             try:
@@ -177,7 +180,7 @@ def evaluate(out_dir: str, prompts, budgets, max_new: int, dtype: str, deadline:
             except Exception as e:  # noqa: BLE001 - keep the other modes' results
                 warm[name] = e
                 log(f"[eval] {name} failed: {e!r}")
-    log(f"[eval] compiled and ran {len(runs)} modes in {time.time() - t_warm:.1f} s (parallel compiles)")
+    log(f"[eval] compiled and ran {len(runs)} modes in {time.time() - t_warm:.1f} s ({workers} thread(s))")
     ref = np.asarray(warm["ar"][0].tokens) if not isinstance(warm.get("ar"), Exception) else None
     rows = {}
     for name, mode, budget in runs:

@@ -32,7 +32,7 @@ from ddtree_jax.training.drafter_trainer import (
     train_logits,
 )
 from ddtree_jax.training.export import export_drafter, export_target, hf_name_for
-from ddtree_jax.training.target_trainer import TOY_TARGET_SHAPE, init_target, target_hf_config
+from ddtree_jax.training.target_trainer import TOY_TARGET_SHAPE, init_target, lm_loss, target_hf_config
 from tests.tiny_models import random_params
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -202,6 +202,23 @@ def test_exported_target_runs_in_transformers(tmp_path):
     h, _, _ = jax.jit(lambda x: model(x, init_target_cache(tcfg.replace(dtype="float32"), 1, 20),
                                       jnp.full((1,), 20, jnp.int32), chunked=True))(jnp.asarray(tokens, jnp.int32))
     np.testing.assert_allclose(np.asarray(model.logits(h)), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_chunked_training_gradient_matches_recurrent_form():
+    """The GPU training path (chunked GDN) is differentiable and has the recurrent form's gradient.
+    One GDN layer and a tiny batch: CPU training elsewhere uses the recurrent form because of a
+    jaxlib 0.10 CPU LAPACK deadlock (`default_gdn_chunked`)."""
+    shape = dict(TOY_TARGET_SHAPE, num_hidden_layers=2, full_attention_interval=2)
+    tcfg = TargetConfig.from_hf_dict(target_hf_config(96, 0, **shape))
+    tg, tp = init_target(tcfg, 0)
+    tp = random_params(tp, 7, zero_centered_norms=True)
+    tokens = jnp.asarray(np.random.default_rng(3).integers(2, 96, (2, 65)), jnp.int32)
+    grad = lambda chunked: jax.jit(jax.value_and_grad(
+        lambda p: lm_loss(p, tg, tcfg, tokens, "float32", chunked)))(tp)
+    (l_c, g_c), (l_r, g_r) = grad(True), grad(False)
+    np.testing.assert_allclose(float(l_c), float(l_r), rtol=1e-5)
+    for a, b in zip(jax.tree_util.tree_leaves(g_c), jax.tree_util.tree_leaves(g_r)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-3, atol=2e-5)
 
 
 # ---- the drafter's training forward ------------------------------------------------------------

@@ -41,6 +41,7 @@ from ddtree_jax.training.target_trainer import (
     apply_updates,
     cast_tree,
     count_params,
+    default_gdn_chunked,
     eval_windows,
     make_optimizer,
     run_budgeted,
@@ -93,9 +94,9 @@ def drafter_hf_config(tcfg: TargetConfig, mask_token_id: int, *, block_size: int
 
 @dataclasses.dataclass(frozen=True)
 class DrafterSettings(TrainSettings):
-    peak_lr: float = 2e-3
+    peak_lr: float = 3e-3
     batch_size: int = 32
-    anchors_per_seq: int = 64
+    anchors_per_seq: int = 128
     gamma: float = 7.0
     seconds: float = 180.0
 
@@ -182,7 +183,8 @@ def target_features(target, tcfg: TargetConfig, tokens: jax.Array, hidden_ids: t
     """Target features [B, T, K*H] of every position (fresh cache, chunked GDN), no gradient."""
     b, t = tokens.shape
     cache = init_target_cache(tcfg.replace(dtype=jnp.dtype(dtype).name), b, t)
-    _, feats, _ = target(tokens, cache, jnp.full((b,), t, jnp.int32), chunked=True, hidden_ids=hidden_ids)
+    _, feats, _ = target(tokens, cache, jnp.full((b,), t, jnp.int32), chunked=default_gdn_chunked(),
+                         hidden_ids=hidden_ids)
     return jax.lax.stop_gradient(feats)
 
 

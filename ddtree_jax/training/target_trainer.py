@@ -2,7 +2,8 @@
 
 The training forward is the project's own `TargetModel.__call__` on a fresh cache per batch
 (chunked GDN form, causal attention over the batch's own tokens), so the trained weights run
-unchanged in every decoding path. Mixed precision: float32 master params and AdamW state,
+unchanged in every decoding path. (On jaxlib < 0.11 CPU the token-by-token GDN form is used
+instead: see `default_gdn_chunked`.) Mixed precision: float32 master params and AdamW state,
 the forward/backward in `compute_dtype` (bfloat16 by default; the GDN recurrence itself always
 runs in float32). One jitted step (compiled once) samples a batch of random windows from the
 token array held on the device, so the host only dispatches steps.
@@ -207,20 +208,43 @@ def init_target(cfg: TargetConfig, seed: int):
     return graphdef, jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-def lm_row_losses(params, graphdef, cfg: TargetConfig, tokens: jax.Array, compute_dtype) -> jax.Array:
+def default_gdn_chunked() -> bool:
+    """Chunked GDN form for training, except on jaxlib < 0.11 CPU.
+
+    jaxlib 0.10.x CPU LAPACK kernels (the chunked form's triangular solves) fan their batch out
+    to XLA:CPU's intra-op pool and block on it; when the backward pass runs as many solves
+    concurrently as the pool has threads, the process deadlocks (seen here on 2 cores; jaxlib
+    0.11.1+ builds compile that path out). There the token-by-token form (the same function,
+    no LAPACK) is used instead. GPUs always use the chunked form.
+    """
+    if jax.default_backend() != "cpu":
+        return True
+    try:
+        import jaxlib
+
+        major, minor = (int(x) for x in jaxlib.__version__.split(".")[:2])
+    except Exception:  # noqa: BLE001 - unknown version: be safe
+        return False
+    return (major, minor) >= (0, 11)
+
+
+def lm_row_losses(params, graphdef, cfg: TargetConfig, tokens: jax.Array, compute_dtype,
+                  chunked: bool | None = None) -> jax.Array:
     """Per-row mean next-token cross entropy [B] over tokens [B, T+1], with TargetModel's
-    cached forward on a fresh cache (chunked GDN)."""
+    cached forward on a fresh cache (chunked GDN unless `default_gdn_chunked` says otherwise)."""
+    chunked = default_gdn_chunked() if chunked is None else chunked
     model = nnx.merge(graphdef, cast_tree(params, compute_dtype))
     x, y = tokens[:, :-1], tokens[:, 1:]
     b, t = x.shape
     cache = init_target_cache(cfg.replace(dtype=jnp.dtype(compute_dtype).name), b, t)
-    h, _, _ = model(x, cache, jnp.full((b,), t, jnp.int32), chunked=True)
+    h, _, _ = model(x, cache, jnp.full((b,), t, jnp.int32), chunked=chunked)
     logits = model.logits(h)
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(axis=-1)
 
 
-def lm_loss(params, graphdef, cfg: TargetConfig, tokens: jax.Array, compute_dtype) -> jax.Array:
-    return lm_row_losses(params, graphdef, cfg, tokens, compute_dtype).mean()
+def lm_loss(params, graphdef, cfg: TargetConfig, tokens: jax.Array, compute_dtype,
+            chunked: bool | None = None) -> jax.Array:
+    return lm_row_losses(params, graphdef, cfg, tokens, compute_dtype, chunked).mean()
 
 
 def make_target_steps(graphdef, cfg: TargetConfig, s: TrainSettings, tx):
@@ -316,7 +340,7 @@ def train_target(cfg: TargetConfig, train_tokens: np.ndarray, heldout_tokens: np
         raise ValueError(f"training set of {data.shape[0]} tokens is shorter than one window of {s.seq_len + 1}")
     windows = eval_windows(heldout_tokens, s.seq_len + 1, s.eval_windows)
     log(f"[target] {count_params(params):,} params, {len(train_tokens):,} train tokens, "
-        f"{len(windows)} held-out windows of {s.seq_len + 1}")
+        f"{len(windows)} held-out windows of {s.seq_len + 1}, GDN {'chunked' if default_gdn_chunked() else 'recurrent'} form")
 
     def step(state, key, lr):
         p, o = state
@@ -334,6 +358,7 @@ def train_target(cfg: TargetConfig, train_tokens: np.ndarray, heldout_tokens: np
         heldout_loss=heldout,
         heldout_ppl=math.exp(min(heldout, 50.0)),
         heldout_windows=int(len(windows)),
+        gdn_form="chunked" if default_gdn_chunked() else "recurrent",
         eval_s=round(time.time() - t_eval, 2),
         settings=dataclasses.asdict(s),
     )
