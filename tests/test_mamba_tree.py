@@ -8,8 +8,6 @@ Random trees (chains, stars, deep, wide, single node, full, with padding) and ra
 paths inside fixed padded shapes, so one compilation serves every example.
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,104 +15,20 @@ import pytest
 from flax import nnx
 from hypothesis import given, settings, strategies as st
 
-from ddtree_jax import decode
-from ddtree_jax.cache import KVCache, RecurrentCache, init_target_cache
 from ddtree_jax.models import ssd
 from ddtree_jax.tree import make_tree
 from tests.hf_mamba_models import make_jax_target
 
-B, PROMPT, N, CAP = 2, 9, 12, 40
+from tests.tree_harness import (
+    B, N, assert_same_committed_state, chain_logits, commit, committed_cache as _committed, pad_tree,
+    path_to, sequential, tree_logits, tree_shapes,
+)
+
 MODELS = {name: make_jax_target(name, seed=s) for name, s in (("nemotron_h", 1), ("bamba", 2), ("mamba2", 3))}
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def tree_logits(graphdef, params, cache, tokens, parents, valid):
-    model = nnx.merge(graphdef, params)
-    tree = make_tree(tokens, parents, valid, cache.lengths, max_depth=N - 1)
-    h, _, pending = model.verify(tokens, cache, tree)
-    return model.logits(h), pending
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def chain_logits(graphdef, params, cache, tokens):
-    model = nnx.merge(graphdef, params)
-    h, _, pending = model.verify(tokens, cache, None)
-    return model.logits(h), pending
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def commit(graphdef, params, pending, path, count, cache):
-    return nnx.merge(graphdef, params).commit(pending, path, count, cache)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def sequential(graphdef, params, cache, tokens, count):
-    """Decode tokens [B, P] one by one (rows stop after count[b]); logits after each token."""
-    model = nnx.merge(graphdef, params)
-
-    def body(cache, xs):
-        tok, t = xs
-        h, _, cache = model(tok[:, None], cache, (t < count).astype(jnp.int32), chunked=False)
-        return cache, model.logits(h[:, 0])
-
-    cache, logits = jax.lax.scan(body, cache, (tokens.T, jnp.arange(tokens.shape[1])))
-    return cache, jnp.swapaxes(logits, 0, 1)
-
-
 def committed_cache(name, seed):
-    cfg, gd, params = MODELS[name]
-    rng = np.random.default_rng(seed)
-    prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, PROMPT)), jnp.int32)
-    n_valid = jnp.asarray(rng.integers(1, PROMPT + 1, B), jnp.int32)  # different lengths per row
-    return decode.prefill(gd, params, init_target_cache(cfg, B, CAP), prompt, n_valid).cache
-
-
-@st.composite
-def tree_shapes(draw):
-    kind = draw(st.sampled_from(["random", "chain", "star", "deep", "wide", "single", "full"]))
-    n = {"single": 1, "full": N}.get(kind, draw(st.integers(2, N)))
-    if kind in ("chain", "deep"):
-        parents = [-1] + list(range(n - 1))
-    elif kind == "star":
-        parents = [-1] + [0] * (n - 1)
-    elif kind == "wide":
-        parents = [-1] + [min(i // 4, i - 1) if i > 1 else 0 for i in range(1, n)]
-    else:
-        parents = [-1] + [draw(st.integers(max(0, i - 3), i - 1)) for i in range(1, n)]
-    return parents
-
-
-def path_to(parents, node):
-    path = [node]
-    while parents[path[-1]] >= 0:
-        path.append(parents[path[-1]])
-    return path[::-1]
-
-
-def pad_tree(parents_rows, rng, vocab):
-    tokens = rng.integers(0, vocab, (B, N))
-    parents = np.full((B, N), -1)
-    valid = np.zeros((B, N), bool)
-    for b, p in enumerate(parents_rows):
-        parents[b, : len(p)] = p
-        valid[b, : len(p)] = True
-    return jnp.asarray(tokens, jnp.int32), jnp.asarray(parents, jnp.int32), jnp.asarray(valid)
-
-
-def assert_same_committed_state(got, ref, tol=1e-5):
-    np.testing.assert_array_equal(got.lengths, ref.lengths)
-    lengths = np.asarray(ref.lengths)
-    for layer_got, layer_ref in zip(got.layers, ref.layers):
-        if layer_ref is None:
-            assert layer_got is None
-        elif isinstance(layer_ref, KVCache):
-            for b, n in enumerate(lengths):
-                np.testing.assert_allclose(layer_got.k[b, :, :n], layer_ref.k[b, :, :n], rtol=tol, atol=tol)
-                np.testing.assert_allclose(layer_got.v[b, :, :n], layer_ref.v[b, :, :n], rtol=tol, atol=tol)
-        else:
-            assert isinstance(layer_ref, RecurrentCache) and layer_got.state.dtype == jnp.float32
-            assert float(jnp.max(jnp.abs(layer_got.state - layer_ref.state))) <= tol
-            assert float(jnp.max(jnp.abs(layer_got.conv - layer_ref.conv))) <= tol
+    return _committed(MODELS[name], seed)
 
 
 @pytest.mark.parametrize("name", list(MODELS))
