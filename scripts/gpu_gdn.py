@@ -57,6 +57,8 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.45")  # leave room fo
 
 import numpy as np  # noqa: E402
 
+from gpu_bench_common import err_str, fmt, time_torch  # noqa: E402
+
 T0 = time.time()
 L2_BYTES = 50 * 2**20
 HK, HV, DK, DV = 16, 48, 128, 128  # Qwen3.6-27B GDN layer
@@ -65,11 +67,6 @@ MAX_DEPTH = 15  # DFlash block size 16
 
 def log(*a):
     print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
-
-
-def err_str(e: BaseException) -> str:
-    s = f"{type(e).__name__}: {e}"
-    return s if len(s) < 500 else s[:500] + " ..."
 
 
 def elapsed():
@@ -212,65 +209,6 @@ def time_jax(f, arg_sets, est_s, *, carry=None, round_s=0.01, rounds=7, on_gpu=T
     outs = run(arg_sets)
     info = {"iters": iters, "rotations": nrot, "rounds": rounds, "first_call_s": round(compile_s, 2)}
     return statistics.median(times), info, outs[0]
-
-
-def time_torch(fns, *, round_s=0.01, rounds=7):
-    """Median seconds per call over rotated zero-argument callables (CUDA graph when possible)."""
-    import torch
-
-    nrot = len(fns)
-    if not torch.cuda.is_available():  # --cpu-smoke: exercise the path only
-        ts = []
-        for _ in range(2):
-            t = time.perf_counter()
-            for f in fns:
-                f()
-            ts.append((time.perf_counter() - t) / nrot)
-        return statistics.median(ts), {"mode": "cpu wall clock"}
-    for f in fns:
-        f()
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    for f in fns:
-        f()
-    e1.record()
-    torch.cuda.synchronize()
-    est = e0.elapsed_time(e1) / 1e3 / nrot
-    iters = max(1, min(100, math.ceil(round_s / max(est * nrot, 1e-7))))
-    mode = "cuda graph"
-    try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for f in fns:
-                f()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(iters):
-                for f in fns:
-                    f()
-        run = graph.replay
-        run()
-    except Exception as e:
-        mode = f"eager ({err_str(e)[:100]})"
-
-        def run():
-            for _ in range(iters):
-                for f in fns:
-                    f()
-
-        run()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        e0.record()
-        run()
-        e1.record()
-        torch.cuda.synchronize()
-        times.append(e0.elapsed_time(e1) / 1e3 / (iters * nrot))
-    return statistics.median(times), {"iters": iters, "rotations": nrot, "rounds": rounds, "mode": mode}
 
 
 def rotations_for(nbytes, cap=16):
@@ -757,10 +695,6 @@ def commit_benchmark(cfg, result, hbm):
 # ---------------------------------------------------------------------------------------------
 # report
 # ---------------------------------------------------------------------------------------------
-def fmt(x, spec=".1f"):
-    return "-" if x is None else (format(x, spec) if isinstance(x, (int, float)) else str(x))
-
-
 def print_tables(result):
     print("\n=== correctness ===")
     for r in result["correctness"]:

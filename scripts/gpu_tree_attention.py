@@ -44,6 +44,9 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")  # leave room for
 
 import numpy as np  # noqa: E402
 
+from gpu_bench_common import err_str, fmt  # noqa: E402
+from gpu_bench_common import time_torch as _time_torch  # noqa: E402
+
 T_START = time.time()
 L2_BYTES = 50 * 2**20
 NQ, NKV, HD = 24, 4, 256  # Qwen3.6-27B attention layer
@@ -52,11 +55,6 @@ BASE_TUNING = {}  # merged into every kernel call; {"row_gather": False} if the 
 
 def log(*a):
     print(f"[{time.time() - T_START:6.1f}s]", *a, flush=True)
-
-
-def err_str(e: BaseException) -> str:
-    s = f"{type(e).__name__}: {e}"
-    return s if len(s) < 600 else s[:600] + " ..."
 
 
 # ---------------------------------------------------------------------------------------------
@@ -136,66 +134,9 @@ def time_jax(f, arg_sets, est_s, *, round_s=0.005, rounds=7, on_gpu=True):
 
 def time_torch(fns, *, round_s=0.005, rounds=7):
     """Median seconds per call over rotated zero-argument callables (CUDA graph when possible)."""
-    import torch
-
-    nrot = len(fns)
-    if not torch.cuda.is_available():  # --cpu-smoke: wall clock, just to exercise the code path
-        ts = []
-        for _ in range(2):
-            t0 = time.perf_counter()
-            for f in fns:
-                f()
-            ts.append((time.perf_counter() - t0) / nrot)
-        return statistics.median(ts), {"mode": "cpu wall clock"}
-    for f in fns:
-        f()
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    for f in fns:
-        f()
-    e1.record()
-    torch.cuda.synchronize()
-    est = e0.elapsed_time(e1) / 1e3 / nrot
-    iters = max(1, min(200, math.ceil(round_s / max(est * nrot, 1e-7))))
-    mode = "graph"
-    try:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for f in fns:
-                f()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(iters):
-                for f in fns:
-                    f()
-        run = graph.replay
-        run()
-    except Exception as e:
-        mode = f"eager ({err_str(e)[:120]})"
-
-        def run():
-            for _ in range(iters):
-                for f in fns:
-                    f()
-
-        run()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        e0.record()
-        run()
-        e1.record()
-        torch.cuda.synchronize()
-        times.append(e0.elapsed_time(e1) / 1e3 / (iters * nrot))
-    return statistics.median(times), {"iters": iters, "rotations": nrot, "rounds": rounds, "mode": mode}
+    return _time_torch(fns, round_s=round_s, rounds=rounds, max_iters=200)
 
 
-# ---------------------------------------------------------------------------------------------
-# problem instances
-# ---------------------------------------------------------------------------------------------
 def batch_lengths(b, cap):
     """Batch 1: the full cache. Batch > 1: different lengths, the longest = capacity."""
     if b == 1:
@@ -671,10 +612,6 @@ def bench_mask(on_gpu):
 # ---------------------------------------------------------------------------------------------
 # report
 # ---------------------------------------------------------------------------------------------
-def fmt(x, spec=".1f"):
-    return "-" if x is None else format(x, spec)
-
-
 def print_tables(result):
     bw = result.get("bandwidth", {})
     print()
