@@ -70,6 +70,21 @@ def next_pow2(x: int) -> int:
     return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
 
 
+def pow2_at_least(x: int, lo: int = 16) -> int:
+    """Smallest power of two >= x and >= lo (padded block sizes: tl.dot needs >= 16)."""
+    return max(lo, next_pow2(max(int(x), 1)))
+
+
+def expand_heads(x, h: int):
+    """[B, Hk, ...] -> [B, H, ...]: value head j reads key head j // (H // Hk)."""
+    hk = x.shape[1]
+    if hk == h:
+        return x
+    if h % hk:
+        raise ValueError(f"{h} value heads do not divide into {hk} key heads")
+    return jnp.repeat(x, h // hk, axis=1)
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

@@ -30,16 +30,9 @@ try:
 except ImportError:  # pragma: no cover
     pltriton = None
 
-IMPLS = ("xla", "pallas", "pallas_interpret")
+from pallas_kernels._common import check_impl, expand_heads  # noqa: E402
 
 
-def _expand_heads(x, h):
-    hk = x.shape[1]
-    if hk == h:
-        return x
-    if h % hk:
-        raise ValueError(f"{h} value heads do not divide into {hk} key heads")
-    return jnp.repeat(x, h // hk, axis=1)
 
 
 def reference(k, v, g, beta, state, path, count):
@@ -51,7 +44,7 @@ def reference(k, v, g, beta, state, path, count):
     f32 = lambda a: jnp.asarray(a, jnp.float32)
     take = lambda a: jnp.take_along_axis(f32(a), path[:, None, :, None], axis=2)
     take1 = lambda a: jnp.where(on, jnp.take_along_axis(f32(a), path[:, None, :], axis=2), 0.0)
-    k = _expand_heads(k, h)
+    k = expand_heads(k, h)
     return delta_rule.path_state(take(k), take(v), take1(g), take1(beta), f32(state))
 
 
@@ -135,8 +128,7 @@ def gdn_path_commit(
     """
     if impl == "xla":
         return reference(k, v, g, beta, state, path, count)
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    check_impl(impl)
     return _pallas(
         k, v, g, beta, state, path, count, interpret=impl == "pallas_interpret",
         block_dv=block_dv, num_warps=num_warps, num_stages=num_stages,

@@ -41,22 +41,11 @@ try:  # the Triton compiler params; present in jax 0.10 - 0.12
 except ImportError:  # pragma: no cover
     pltriton = None
 
-IMPLS = ("xla", "pallas", "pallas_interpret")
+from pallas_kernels._common import check_impl, expand_heads, pow2_at_least  # noqa: E402
+
 PRECISIONS = ("ieee", "tf32x3", "tf32", "bf16x3")
 
 
-def _pow2(x: int, lo: int = 16) -> int:
-    return max(lo, 1 << (max(int(x), 1) - 1).bit_length())
-
-
-def _expand_heads(x, h):
-    """[B, Hk, ...] -> [B, H, ...]: value head j reads key head j // (H // Hk)."""
-    hk = x.shape[1]
-    if hk == h:
-        return x
-    if h % hk:
-        raise ValueError(f"{h} value heads do not divide into {hk} key heads")
-    return jnp.repeat(x, h // hk, axis=1)
 
 
 def visibility(ancestor_bits, n: int):
@@ -68,7 +57,7 @@ def reference(q, k, v, g, beta, state, ancestor_bits):
     """Pure-jnp tree verify with the kernel's signature (float32, HIGHEST matmuls)."""
     h, n = v.shape[1], v.shape[2]
     f32 = lambda a: jnp.asarray(a, jnp.float32)
-    q, k = f32(_expand_heads(q, h)), f32(_expand_heads(k, h))
+    q, k = f32(expand_heads(q, h)), f32(expand_heads(k, h))
     visible = visibility(ancestor_bits, n)
     path_g = jnp.einsum("bij,bhj->bhi", visible.astype(jnp.float32), f32(g), precision=delta_rule.HIGHEST)
     o, _ = delta_rule.block(q, k, f32(v), path_g, f32(beta), f32(state), visible)
@@ -195,7 +184,7 @@ def _pallas(q, k, v, g, beta, state, ancestor_bits, *, interpret, block_n, block
     if h % hk:
         raise ValueError(f"{h} value heads do not divide into {hk} key heads")
     rep = h // hk
-    n_pad, dk_pad, dv_pad = _pow2(n), _pow2(dk), _pow2(dv)
+    n_pad, dk_pad, dv_pad = pow2_at_least(n), pow2_at_least(dk), pow2_at_least(dv)
     bn, bdv, bk, nw = default_blocks(n_pad, dk_pad, dv_pad, b * h)
     bn = min(n_pad, block_n or bn)
     bdv = min(dv_pad, block_dv or bdv)
@@ -288,8 +277,7 @@ def gdn_tree_verify(
     """
     if impl == "xla":
         return reference(q, k, v, g, beta, state, ancestor_bits).astype(out_dtype)
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    check_impl(impl)
     if precision is not None and precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     return _pallas(

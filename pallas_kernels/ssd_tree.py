@@ -39,16 +39,11 @@ try:  # Triton compiler params; present in jax 0.10 - 0.12
 except ImportError:  # pragma: no cover
     pltriton = None
 
-IMPLS = ("xla", "pallas", "pallas_interpret")
+from pallas_kernels._common import check_impl, is_pow2, pow2_at_least  # noqa: E402
+
 PRECISIONS = ("ieee", "tf32x3", "tf32", "bf16x3")
 
 
-def _pow2(x: int, lo: int = 16) -> int:
-    return max(lo, 1 << (max(int(x), 1) - 1).bit_length())
-
-
-def _is_pow2(x: int) -> bool:
-    return x > 0 and not x & (x - 1)
 
 
 def _precision(name: str, interpret: bool):
@@ -68,8 +63,7 @@ def _dot(a, b, precision, trans_b=False):
 
 
 def _check(impl, precision=None):
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    check_impl(impl)
     if precision is not None and precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
 
@@ -166,12 +160,12 @@ def _verify_pallas(x, dt, A, B, C, D, state, ancestor_bits, *, interpret, block_
         raise ValueError(f"{h} heads do not divide into {g} groups")
     rep = h // g
     for name, val in (("head_dim", hd), ("state size", ns)):
-        if not _is_pow2(val) or (val < 16 and not interpret):
+        if not is_pow2(val) or (val < 16 and not interpret):
             raise ValueError(f"{name}={val} must be a power of two (>= 16 on GPU) for the Pallas SSD kernel")
-    n_pad = _pow2(n)
+    n_pad = pow2_at_least(n)
     bn = min(n_pad, block_n or (32 if n_pad <= 64 else 64))
     bp = min(hd, block_p or min(hd, 64))
-    if not _is_pow2(bn) or bn < 16 or not _is_pow2(bp) or hd % bp:
+    if not is_pow2(bn) or bn < 16 or not is_pow2(bp) or hd % bp:
         raise ValueError(f"block_n={bn} must be a power of two >= 16 and block_p={bp} a power of two dividing {hd}")
     words = max(1, n_pad // WORD)
     f32 = jnp.float32
@@ -253,14 +247,14 @@ def _commit_pallas(x, dt, A, B, state, path, count, *, interpret, block_p, num_w
         raise ValueError(f"{h} heads do not divide into {g} groups")
     rep = h // g
     for name, val in (("head_dim", hd), ("state size", ns)):
-        if not _is_pow2(val):
+        if not is_pow2(val):
             raise ValueError(f"{name}={val} must be a power of two for the Pallas SSD commit")
     bp = min(hd, block_p or 16)
-    if not _is_pow2(bp) or hd % bp:
+    if not is_pow2(bp) or hd % bp:
         raise ValueError(f"block_p={bp} must be a power of two dividing head_dim={hd}")
     xp, dtp, bm = _gather_path(x, dt, B, path, count)  # [B, P, ...]: a few rows, gathered by XLA
     p = path.shape[1]
-    p_pad = _pow2(p, lo=1)
+    p_pad = pow2_at_least(p, lo=1)
     xp, dtp, bm = _pad(xp, 1, p_pad), _pad(dtp, 1, p_pad), _pad(bm, 1, p_pad)
     a = dtp * jnp.asarray(A, jnp.float32)[None, None, :]  # the same product as ssd.step's dt * A
     params = {}

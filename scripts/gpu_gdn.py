@@ -538,7 +538,8 @@ def tree_benchmark(cfg, result, hbm, fla_ops):
     import jax.numpy as jnp
     import torch
 
-    from pallas_kernels.gdn_tree import _pow2, default_blocks
+    from pallas_kernels._common import pow2_at_least as _pow2
+    from pallas_kernels.gdn_tree import default_blocks
 
     device = "cuda" if cfg.on_gpu else "cpu"
     rows = result["tree"]
