@@ -1,0 +1,235 @@
+"""Where the time of one decode / DDTree step goes, kernel by kernel (run on the H200).
+
+Same 27B-shaped target, drafter and filled 4k caches as scripts/bench_e2e.py. Each phase (plain
+decode step; DDTree draft, tree build, verify, commit) runs `--inner` times inside one on-device
+loop under `jax.profiler.trace`; the trace's GPU plane is read back with `jax.profiler.ProfileData`
+and every kernel's time is summed by name and by kind (GEMM, Pallas/Triton, fusion, copy, ...).
+A GEMM sweep over the row count M (1 ... 128) at the model's projection shapes shows what a
+verify pass of M tree nodes costs per weight byte.
+
+    PYTHONPATH=. python3 scripts/profile_step.py --out $OUT/profile.json         # on the H200
+    PYTHONPATH=. python3 scripts/profile_step.py --smoke                         # any device
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import datetime
+import glob
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ddtree_jax import bench as B
+from ddtree_jax.config import TargetConfig
+from ddtree_jax.models.drafter import DrafterModel
+from ddtree_jax.models.target import TargetModel
+from ddtree_jax.spec import generate as gen
+from ddtree_jax.spec.dflash import DFlashProposer
+from ddtree_jax.spec.sampling import Sampling
+from scripts.bench_e2e import QWEN36_27B, SMOKE, _normal, drafter_config, filled_caches, random_params
+
+KINDS = (  # first match wins; matched against the lower-cased kernel name
+    ("gemm", ("gemm", "xmma", "cutlass", "cublas", "matmul", "gemv", "dot")),
+    ("pallas/triton", ("pallas", "triton", "tree_attention", "gdn_", "ssd_")),
+    ("reduce", ("reduce", "argmax", "topk", "top_k", "sort")),
+    ("copy/transpose", ("copy", "transpose", "memcpy", "memset", "dynamic_update", "concatenate")),
+    ("gather/scatter", ("gather", "scatter", "dynamic_slice")),
+    ("fusion", ("fusion", "loop_", "input_")),
+)
+
+
+def kind_of(name: str) -> str:
+    low = name.lower()
+    for kind, keys in KINDS:
+        if any(k in low for k in keys):
+            return kind
+    return "other"
+
+
+def gpu_kernels(trace_dir: str) -> list[tuple[str, str, float]]:
+    """(kernel name, hlo_op, duration us) of every event on the GPU planes of the trace."""
+    from jax.profiler import ProfileData
+
+    files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+    out = []
+    for path in files:
+        for plane in ProfileData.from_file(path).planes:
+            if not plane.name.startswith("/device:GPU"):
+                continue
+            for line in plane.lines:
+                if "stream" not in line.name.lower():
+                    continue
+                for ev in line.events:
+                    stats = dict(ev.stats)
+                    out.append((ev.name, str(stats.get("hlo_op", "")), ev.duration_ns / 1e3))
+    return out
+
+
+def profile(fn, iters: int, label: str, top: int) -> dict:
+    """Wall time per call (median of 5) and the kernel breakdown of `iters` traced calls."""
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(1e3 * (time.perf_counter() - t0))
+    d = tempfile.mkdtemp(prefix=f"trace_{label}_")
+    with jax.profiler.trace(d):
+        for _ in range(iters):
+            jax.block_until_ready(fn())
+    events = gpu_kernels(d)
+    by_name = collections.defaultdict(lambda: [0, 0.0])
+    by_kind = collections.defaultdict(float)
+    for name, op, us in events:
+        key = name[:90]
+        by_name[key][0] += 1
+        by_name[key][1] += us
+        by_kind[kind_of(name)] += us
+    total = sum(us for _, _, us in events)
+    rows = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+    return {
+        "wall_ms": statistics.median(times),
+        "gpu_busy_ms": total / 1e3 / iters,
+        "kernels_per_call": len(events) / iters,
+        "by_kind_ms": {k: v / 1e3 / iters for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+        "top": [{"kernel": k, "calls": c / iters, "ms": us / 1e3 / iters} for k, (c, us) in rows],
+    }
+
+
+def gemm_sweep(cfg: TargetConfig, ms_list, repeats: int = 20) -> list[dict]:
+    """Time x[M, K] @ W[K, N] (bf16) over distinct weights (bigger than L2 in all) for each M."""
+    shapes = {
+        "mlp_up": (cfg.hidden_size, cfg.intermediate_size),
+        "mlp_down": (cfg.intermediate_size, cfg.hidden_size),
+        "gdn_qkv": (cfg.hidden_size, cfg.gdn_conv_dim),
+        "lm_head": (cfg.hidden_size, cfg.vocab_size),
+    }
+    out = []
+    for name, (k, n) in shapes.items():
+        label = f"{name} ({k}x{n})"
+        copies = max(1, min(16, int(2e9 // (k * n * 2))))  # up to ~2 GB of weights per call
+        ws = [_normal(jax.random.PRNGKey(10 + i), (k, n), jnp.bfloat16, k**-0.5) for i in range(copies)]
+        f = jax.jit(lambda x, ws: [x @ w for w in ws])
+        for m in ms_list:
+            x = _normal(jax.random.PRNGKey(m), (m, k), jnp.bfloat16, 1.0)
+            jax.block_until_ready(f(x, ws))
+            ts = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                jax.block_until_ready(f(x, ws))
+                ts.append(time.perf_counter() - t0)
+            sec = statistics.median(ts) / copies
+            out.append({"gemm": label, "M": m, "us": sec * 1e6, "GBps": k * n * 2 / sec / 1e9,
+                        "TFLOPs": 2 * m * k * n / sec / 1e12})
+            print(f"[gemm] {label:24s} M={m:4d} {sec * 1e6:8.1f} us {k * n * 2 / sec / 1e9:7.0f} GB/s", flush=True)
+        del ws
+    return out
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    return 1e3 * (time.perf_counter() - t0)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--budget", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--inner", type=int, default=4, help="phase runs per traced call")
+    ap.add_argument("--iters", type=int, default=3, help="traced calls per phase")
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--kernels", default=None)
+    ap.add_argument("--gemm-m", default="1,8,16,32,48,64,65,72,80,96,128", help="'' skips the GEMM sweep")
+    ap.add_argument("--phases", default="step,draft,build,verify,commit")
+    ap.add_argument("--verify-budgets", default="63,79,127",
+                    help="extra budgets whose verify phase is timed (no trace): node count = budget + 1")
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "profile.json"))
+    args = ap.parse_args(argv)
+
+    cfg = TargetConfig.from_hf_dict(SMOKE if args.smoke else QWEN36_27B)
+    dcfg = drafter_config(cfg, 5, 4 if args.smoke else 32, 2 if args.smoke else 8, 32 if args.smoke else 128, 16)
+    context = 64 if args.smoke else args.context
+    report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "command": " ".join(["scripts/profile_step.py"] + (argv if argv is not None else sys.argv[1:])),
+              "device": jax.devices()[0].device_kind, "jax": jax.__version__, "budget": args.budget,
+              "batch": args.batch, "phases": {}}
+
+    def save():
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+
+    if args.gemm_m:
+        report["gemm_sweep"] = gemm_sweep(cfg, [int(m) for m in args.gemm_m.split(",")], 3 if args.smoke else 20)
+        save()
+
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: TargetModel(cfg, rngs=nnx.Rngs(0))))
+    params = random_params(abstract, 0)
+    dgraph, dabstract = nnx.split(nnx.eval_shape(lambda: DrafterModel(dcfg, rngs=nnx.Rngs(0))))
+    dparams = random_params(dabstract, 1)
+    proposer = DFlashProposer(dgraph, dcfg)
+    kernels = args.kernels or gen.default_kernels()
+    report["kernels"] = kernels
+    capacity = context + 64
+    cache, dcache = filled_caches(cfg, dcfg, args.batch, context, capacity, seed=args.batch)
+    b = args.batch
+    key = jax.random.PRNGKey(0)
+    s = gen.LoopState(cache, dcache, jnp.zeros((b,), jnp.int32) + 7, jnp.zeros((b, 8), jnp.int32),
+                      jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool), jnp.zeros((b,), jnp.int32),
+                      jnp.zeros((17,), jnp.int32), jnp.int32(0), key)
+    eos = jnp.zeros((0,), jnp.int32)
+    tree_spec = gen.GenSpec("ddtree", args.budget, None, 10**6, Sampling(), capacity, proposer, kernels)
+    ar_spec = gen.GenSpec("ar", args.budget, None, 10**6, Sampling(), capacity, None, kernels)
+    logq = B._propose(graphdef, params, dparams, s, tree_spec)
+    tree = B._build(logq, s, tree_spec)
+    res = B._verify(graphdef, params, s, tree, tree_spec, key)
+    for phase in args.phases.split(","):
+        spec = ar_spec if phase == "step" else tree_spec
+        st = s._replace(dstate=None, hist=jnp.zeros((2,), jnp.int32)) if phase == "step" else s
+        fn = lambda: B._phase_loop(graphdef, params, dparams, st, logq, tree, res, eos, key, spec, phase, args.inner)
+        t0 = time.time()
+        p = profile(fn, args.iters, phase, args.top)
+        p = {**p, "wall_ms": p["wall_ms"] / args.inner, "gpu_busy_ms": p["gpu_busy_ms"] / args.inner,
+             "kernels_per_call": p["kernels_per_call"] / args.inner,
+             "by_kind_ms": {k: v / args.inner for k, v in p["by_kind_ms"].items()},
+             "top": [{**r, "calls": r["calls"] / args.inner, "ms": r["ms"] / args.inner} for r in p["top"]],
+             "seconds": time.time() - t0}
+        report["phases"][phase] = p
+        save()
+        print(f"\n== {phase}: {p['wall_ms']:.2f} ms wall, {p['gpu_busy_ms']:.2f} ms of kernels, "
+              f"{p['kernels_per_call']:.0f} kernels ({p['seconds']:.0f} s)", flush=True)
+        print("   by kind: " + ", ".join(f"{k} {v:.2f}" for k, v in p["by_kind_ms"].items()))
+        for r in p["top"]:
+            print(f"   {r['ms']:8.3f} ms {r['calls']:6.1f}x  {r['kernel']}")
+    report["verify_by_budget"] = {}
+    for budget in [int(x) for x in args.verify_budgets.split(",") if x]:
+        spec = dataclasses.replace(tree_spec, budget=budget)
+        lq = B._propose(graphdef, params, dparams, s, spec)
+        tr = B._build(lq, s, spec)
+        rs = B._verify(graphdef, params, s, tr, spec, key)
+        fn = lambda: B._phase_loop(graphdef, params, dparams, s, lq, tr, rs, eos, key, spec, "verify", args.inner)
+        jax.block_until_ready(fn())
+        ms = statistics.median(_timed(fn) for _ in range(5)) / args.inner
+        report["verify_by_budget"][budget] = ms
+        save()
+        print(f"[verify] budget {budget} ({budget + 1} nodes): {ms:.2f} ms", flush=True)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
