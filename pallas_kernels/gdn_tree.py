@@ -20,6 +20,15 @@ present in the block. Every U_s stays on chip (register values); outputs are wri
 The dv split makes programs independent (the solve is column-wise), which fills the SMs at
 batch 1 (48 heads x 2..4 tiles).
 
+Root peel: DDTree verifies budget + 1 nodes (root + 2^k drafts: 17, 65, 129 ...), which would pad
+to twice the rows. Node 0 has no ancestors (topological order), so it is solved first as a
+one-node block: u_0 = beta_0 (v_0 - e^{g_0} k_0 S0), o_0 = e^{g_0} q_0 S0 + (q_0 . k_0) u_0,
+and every later row i subtracts its rank-1 part, masked by bit 0 of its ancestor word:
+beta_i (k_i . k_0) e^{G_i - g_0} u_0 from its right-hand side, and adds (q_i . k_0) e^{G_i - g_0}
+u_0 to its output; the other N - 1 nodes run through the blocked solve above with the ancestor
+words shifted by one. Exact for any tree; taken when it halves the padded size (N - 1 a power
+of two) or when asked (`peel_root=True`).
+
 impl="xla" is the reference (dense visibility + delta_rule.block), "pallas" the Triton kernel,
 "pallas_interpret" the same kernel run by the Pallas interpreter (CPU tests).
 """
@@ -83,7 +92,11 @@ def _fp32_precision(name: str, interpret: bool):
     }[name]
 
 
-def _tree_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, bits_ref, o_ref, *, n, c, bk, p_in, p32):
+def _tree_kernel(*refs, n, c, bk, p_in, p32, peel):
+    if peel:
+        q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, bits_ref, q0_ref, k0_ref, v0_ref, gb0_ref, m0_ref, o_ref, o0_ref = refs
+    else:
+        q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, bits_ref, o_ref = refs
     nb, dk = n // c, q_ref.shape[-1]
     f32 = jnp.float32
     row = lax.broadcasted_iota(jnp.int32, (c, c), 0)
@@ -117,6 +130,24 @@ def _tree_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, bits_ref, o_ref, *
             kk, qk = (kk_c, qk_c) if kk is None else (kk + kk_c, qk + qk_c)
         return kk, qk
 
+    if peel:  # node 0 as a one-node block solved first (module docstring: "Root peel")
+        lane16 = lax.broadcasted_iota(jnp.int32, (16,), 0)
+        gb = gb0_ref[...]
+        g0 = jnp.sum(jnp.where(lane16 == 0, gb, 0.0))
+        beta0 = jnp.sum(jnp.where(lane16 == 1, gb, 0.0))
+        k0 = [k0_ref[kc].astype(f32) for kc in kchunks]
+        q0 = [q0_ref[kc].astype(f32) for kc in kchunks]
+        ks0 = qs0 = 0.0
+        qk00 = 0.0
+        for i, kc in enumerate(kchunks):
+            s_c = s_ref[kc, :].astype(f32)
+            ks0 = ks0 + jnp.sum(k0[i][:, None] * s_c, axis=0)
+            qs0 = qs0 + jnp.sum(q0[i][:, None] * s_c, axis=0)
+            qk00 = qk00 + jnp.sum(q0[i] * k0[i])
+        e0 = jnp.exp(g0)
+        u0 = beta0 * (v0_ref[...].astype(f32) - e0 * ks0)
+        o0_ref[...] = (e0 * qs0 + qk00 * u0).astype(o0_ref.dtype)
+
     big_g, big_u = [], []
     for r in range(nb):
         rows = pl.ds(r * c, c)
@@ -125,16 +156,28 @@ def _tree_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, bits_ref, o_ref, *
             m = mask(r, s)
             g_r = g_r + jnp.sum(jnp.where(m, g_blk[s][None, :], 0.0), axis=1)
             depth = depth + jnp.sum(m.astype(jnp.int32), axis=1)
+        if peel:
+            under0 = m0_ref[rows] > 0  # row descends from node 0
+            g_r = g_r + jnp.where(under0, g0, 0.0)
         beta_r = beta_ref[rows]
         eg = jnp.exp(g_r)
         ks = qs = None  # K_r S0 and Q_r S0, contracted over dk in chunks (state chunks reloaded)
-        for kc in kchunks:
+        kk0 = qk0 = 0.0  # K_r k_0 and Q_r k_0 (peel only)
+        for i, kc in enumerate(kchunks):
             s_c = s_ref[kc, :].astype(f32)
-            ks_c = _dot(k_ref[rows, kc].astype(f32), s_c, p32)
-            qs_c = _dot(q_ref[rows, kc].astype(f32), s_c, p32)
+            k_rc, q_rc = k_ref[rows, kc].astype(f32), q_ref[rows, kc].astype(f32)
+            ks_c = _dot(k_rc, s_c, p32)
+            qs_c = _dot(q_rc, s_c, p32)
             ks, qs = (ks_c, qs_c) if ks is None else (ks + ks_c, qs + qs_c)
+            if peel:
+                kk0 = kk0 + jnp.sum(k_rc * k0[i][None, :], axis=1)
+                qk0 = qk0 + jnp.sum(q_rc * k0[i][None, :], axis=1)
         rhs = beta_r[:, None] * (v_ref[rows, :].astype(f32) - eg[:, None] * ks)
         o = eg[:, None] * qs
+        if peel:  # mask before exp, as below
+            d0 = jnp.exp(jnp.where(under0, g_r - g0, -jnp.inf))
+            rhs = rhs - (beta_r * kk0 * d0)[:, None] * u0[None, :]
+            o = o + (qk0 * d0)[:, None] * u0[None, :]
         for s in range(r + 1):
             # Mask BEFORE exp: non-ancestor pairs can carry large positive exponents.
             decay = jnp.exp(jnp.where(mask(r, s), g_r[:, None] - (g_r if s == r else big_g[s])[None, :], -jnp.inf))
@@ -177,13 +220,32 @@ def default_blocks(n_pad: int, dk_pad: int, dv_pad: int, programs: int = 1):
     return block_n, min(block_dv, dv_pad), block_k, num_warps
 
 
+def shift_bits(ancestor_bits):
+    """[B, N, W] uint32 ancestor words of nodes 1.. relative to nodes 1.. (bit j -> bit j - 1):
+    the rows and columns of the tree with node 0 peeled off. Returns (words [B, N-1, W], bit0 [B, N-1])."""
+    words = ancestor_bits.astype(jnp.uint32)
+    nxt = jnp.concatenate([words[..., 1:], jnp.zeros_like(words[..., :1])], axis=-1)
+    shifted = jnp.right_shift(words, jnp.uint32(1)) | jnp.left_shift(nxt, jnp.uint32(WORD - 1))
+    return shifted[:, 1:], (words[:, 1:, 0] & 1).astype(jnp.float32)
+
+
 def _pallas(q, k, v, g, beta, state, ancestor_bits, *, interpret, block_n, block_dv, block_k, num_warps,
-            num_stages, precision, out_dtype):
+            num_stages, precision, out_dtype, peel_root):
     b, h, n, dv = v.shape
     hk, dk = q.shape[1], q.shape[3]
     if h % hk:
         raise ValueError(f"{h} value heads do not divide into {hk} key heads")
     rep = h // hk
+    peel = bool(n > 1 and pow2_at_least(n - 1) < pow2_at_least(n)) if peel_root is None else bool(peel_root)
+    if peel and n < 2:
+        raise ValueError("peel_root needs at least 2 nodes")
+    if peel:  # node 0 goes in through its own refs; nodes 1.. form the blocked tree
+        root = lambda a: a[:, :, 0]
+        q0, k0, v0 = root(q), root(k), root(v)
+        gb0 = jnp.stack([root(g).astype(jnp.float32), root(beta).astype(jnp.float32)], axis=-1)
+        ancestor_bits, m0 = shift_bits(ancestor_bits)
+        q, k, v, g, beta = (a[:, :, 1:] for a in (q, k, v, g, beta))
+        n = n - 1
     n_pad, dk_pad, dv_pad = pow2_at_least(n), pow2_at_least(dk), pow2_at_least(dv)
     bn, bdv, bk, nw = default_blocks(n_pad, dk_pad, dv_pad, b * h)
     bn = min(n_pad, block_n or bn)
@@ -217,31 +279,40 @@ def _pallas(q, k, v, g, beta, state, ancestor_bits, *, interpret, block_n, block
         precision = "tf32x3" if in_dtype == jnp.float32 else "tf32"
     p32 = _fp32_precision(precision, interpret)
     p_in = p32 if in_dtype == jnp.float32 else None
-    kernel = functools.partial(_tree_kernel, n=n_pad, c=bn, bk=bk, p_in=p_in, p32=p32)
+    kernel = functools.partial(_tree_kernel, n=n_pad, c=bn, bk=bk, p_in=p_in, p32=p32, peel=peel)
     qk_spec = pl.BlockSpec((None, None, n_pad, dk_pad), lambda i, j, t: (i, j // rep, 0, 0))
     vec_spec = pl.BlockSpec((None, None, n_pad), lambda i, j, t: (i, j, 0))
     tile_spec = lambda rows: pl.BlockSpec((None, None, rows, bdv), lambda i, j, t: (i, j, 0, t))
+    row_tile_spec = pl.BlockSpec((None, None, bdv), lambda i, j, t: (i, j, t))
+    in_specs = [qk_spec, qk_spec, tile_spec(n_pad), vec_spec, vec_spec, tile_spec(dk_pad),
+                pl.BlockSpec((None, words * n_pad), lambda i, j, t: (i, 0))]
+    args = [q, k, v, g, beta, state, bits]
+    out_specs = tile_spec(n_pad)
+    out_shape = jax.ShapeDtypeStruct((b, h, n_pad, dv_pad), out_dtype)
+    if peel:
+        key_row = pl.BlockSpec((None, None, dk_pad), lambda i, j, t: (i, j // rep, 0))
+        in_specs += [key_row, key_row, row_tile_spec, pl.BlockSpec((None, None, 16), lambda i, j, t: (i, j, 0)),
+                     pl.BlockSpec((None, n_pad), lambda i, j, t: (i, 0))]
+        args += [pad(q0.astype(in_dtype), 2, dk_pad), pad(k0.astype(in_dtype), 2, dk_pad), pad(v0, 2, dv_pad),
+                 pad(gb0, 2, 16), pad(m0, 1, n_pad)]
+        out_specs = [out_specs, row_tile_spec]
+        out_shape = [out_shape, jax.ShapeDtypeStruct((b, h, dv_pad), out_dtype)]
     params = {}
     if pltriton is not None and not interpret:
         params["compiler_params"] = pltriton.CompilerParams(num_warps=nw, num_stages=num_stages)
     o = pl.pallas_call(
         kernel,
         grid=(b, h, dv_pad // bdv),
-        in_specs=[
-            qk_spec,
-            qk_spec,
-            tile_spec(n_pad),
-            vec_spec,
-            vec_spec,
-            tile_spec(dk_pad),
-            pl.BlockSpec((None, words * n_pad), lambda i, j, t: (i, 0)),
-        ],
-        out_specs=tile_spec(n_pad),
-        out_shape=jax.ShapeDtypeStruct((b, h, n_pad, dv_pad), out_dtype),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
         interpret=interpret,
         name="gdn_tree_verify",
         **params,
-    )(q, k, v, g, beta, state, bits)
+    )(*args)
+    if peel:
+        o_rest, o0 = o
+        return jnp.concatenate([o0[:, :, None, :dv], o_rest[:, :, :n, :dv]], axis=2)
     return o[:, :, :n, :dv]
 
 
@@ -262,6 +333,7 @@ def gdn_tree_verify(
     num_stages: int = 1,
     precision: str | None = None,
     out_dtype=jnp.float32,
+    peel_root: bool | None = None,
 ):
     """Outputs o [B, H, N, dv] of all N tree nodes of one GDN layer, from the state before the step.
 
@@ -274,6 +346,8 @@ def gdn_tree_verify(
     (Triton), precision of the float32 matmuls on GPU: "tf32x3" (~fp32, the default for float32
     inputs), "ieee" (exact, CUDA cores), "tf32" (default for bf16 inputs: its ~5e-4 relative
     error is below the bf16 rounding the layer applies to o), "bf16x3". The interpreter is exact.
+    peel_root: solve node 0 on its own first (None: when N - 1 is a power of two, e.g. DDTree's
+    root + 64 drafts, so the other nodes fill 64 rows instead of padding to 128). Exact either way.
     """
     if impl == "xla":
         return reference(q, k, v, g, beta, state, ancestor_bits).astype(out_dtype)
@@ -283,5 +357,5 @@ def gdn_tree_verify(
     return _pallas(
         q, k, v, g, beta, state, ancestor_bits,
         interpret=impl == "pallas_interpret", block_n=block_n, block_dv=block_dv, block_k=block_k,
-        num_warps=num_warps, num_stages=num_stages, precision=precision, out_dtype=out_dtype,
+        num_warps=num_warps, num_stages=num_stages, precision=precision, out_dtype=out_dtype, peel_root=peel_root,
     )

@@ -234,3 +234,48 @@ def test_impl_switch_validation():
         gdn_tree_verify(*args, impl="cuda")
     with pytest.raises(ValueError):
         gdn_tree_verify(*args, impl="pallas_interpret", block_n=8)
+
+
+# ---- root peel: node 0 solved on its own, the rest as an (N - 1)-node blocked tree ------------
+@settings(max_examples=8)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    kind=st.sampled_from(SHAPES),
+    n=st.integers(2, 33),
+    zero_pad=st.booleans(),
+)
+def test_kernel_root_peel_matches_reference(seed, kind, n, zero_pad):
+    """Forced peel on 33 slots (32 left after the root: 2 row blocks of 16, 1 bit word after the
+    shift across the 32-bit boundary); padding slots do not descend from node 0."""
+    _, bits = tree_case(seed, kind, n, 33, zero_pad)
+    args = (*f32(*draw_inputs(seed, 33, DK, DV)), bits)
+    out = kernel(block_n=16, block_dv=16, peel_root=True)(*args)
+    assert out.shape == (B, H, 33, DV)
+    assert_close(out, ref_fn()(*args), 1e-5)
+
+
+@settings(max_examples=3)
+@given(seed=st.integers(0, 2**31 - 1), kind=st.sampled_from(SHAPES))
+def test_kernel_root_peel_auto_at_budget_plus_one(seed, kind):
+    """N = 17 (root + 16 drafts) peels by default (16 rows instead of 32); bf16 inputs."""
+    _, bits = tree_case(seed, kind, 17, 17)
+    q, k, v, g, beta, state = draw_inputs(seed, 17, DK, DV)
+    bf = lambda a: jnp.asarray(a, jnp.bfloat16)
+    args = (bf(q), bf(k), bf(v), *f32(g, beta, state), bits)
+    assert_close(kernel()(*args), ref_fn()(*args), 1e-5)
+    assert_close(kernel(peel_root=False)(*args), ref_fn()(*args), 1e-5)
+
+
+def test_shift_bits_drops_node_zero():
+    from pallas_kernels.gdn_tree import shift_bits
+
+    rng = np.random.default_rng(5)
+    parents = make_parents("random", 70, rng)
+    words = pack_bits(parents, 70)  # 3 words
+    shifted, bit0 = shift_bits(jnp.asarray(words[None]))
+    shifted, bit0 = np.asarray(shifted[0]), np.asarray(bit0[0])
+    for i in range(1, 70):
+        want = {j - 1 for j in ancestors(parents, i) if j > 0}
+        got = {j for j in range(69) if (int(shifted[i - 1, j // 32]) >> (j % 32)) & 1}
+        assert got == want
+        assert bit0[i - 1] == 1.0

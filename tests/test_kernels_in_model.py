@@ -15,7 +15,7 @@ from ddtree_jax.tree import make_tree
 from tests.scripted_proposers import ScriptedProposer
 from tests.tiny_models import HYBRID, make_target
 
-B, N, CAP = 2, 16, 64
+B, N, CAP = 2, 17, 64  # N = root + 16: the GDN kernel peels the root (16 rows, not 32)
 MODEL = make_target(dict(head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16), seed=31, base=HYBRID)
 
 
@@ -73,6 +73,6 @@ def test_generation_with_kernels_equals_plain_greedy():
     ref = generate(gd, params, prompt, lens, mode="ar", max_new_tokens=24)
     table = jnp.zeros((1, 64), jnp.int32).at[0, 8:32].set(ref.tokens[0]).at[0, :8].set(prompt[0])
     proposer = ScriptedProposer(5, cfg.vocab_size, 0.3, seed=3)
-    got = generate(gd, params, prompt, lens, proposer=proposer, drafter_params=table, mode="ddtree", budget=15,
+    got = generate(gd, params, prompt, lens, proposer=proposer, drafter_params=table, mode="ddtree", budget=16,
                    max_new_tokens=24, kernels="pallas_interpret")
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
