@@ -27,7 +27,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from ddtree_jax import bench as B
@@ -40,7 +39,7 @@ from ddtree_jax.spec.sampling import Sampling
 from scripts.bench_e2e import QWEN36_27B, SMOKE, _normal, drafter_config, filled_caches, random_params
 
 KINDS = (  # first match wins; matched against the lower-cased kernel name
-    ("gemm", ("gemm", "xmma", "cutlass", "cublas", "matmul", "gemv", "dot")),
+    ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "matmul", "gemv", "dot")),
     ("pallas/triton", ("pallas", "triton", "tree_attention", "gdn_", "ssd_")),
     ("reduce", ("reduce", "argmax", "topk", "top_k", "sort")),
     ("copy/transpose", ("copy", "transpose", "memcpy", "memset", "dynamic_update", "concatenate")),

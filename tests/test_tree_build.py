@@ -121,3 +121,21 @@ def test_chain_is_argmax_path():
     tree = build_chain(jnp.asarray(logq), jnp.array([3, 4]), jnp.array([0, 0]))
     np.testing.assert_array_equal(np.asarray(tree.tokens[:, 1:]), logq.argmax(-1))
     np.testing.assert_array_equal(np.asarray(tree.depths[0]), np.arange(D + 1))
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 700), k=st.integers(1, 16), levels=st.sampled_from([3, 50, 0]))
+def test_two_stage_top_k_equals_lax_top_k(seed, n, k, levels):
+    """Same values and indices as lax.top_k, ties (quantized values, -inf) to the lower index."""
+    from ddtree_jax.spec.build import top_k
+
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(2, 3, n)).astype(np.float32)
+    if levels:
+        x = np.round(x * levels) / levels
+    x[rng.random(x.shape) < 0.05] = -np.inf
+    k = min(k, n)
+    want_v, want_i = jax.lax.top_k(jnp.asarray(x), k)
+    got_v, got_i = top_k(jnp.asarray(x), k, chunk=64)
+    np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_v))
+    np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))

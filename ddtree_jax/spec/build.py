@@ -20,6 +20,27 @@ from ddtree_jax.tree import Tree, chain_tree, make_tree
 
 NEG = -jnp.inf
 MAX_BUDGET = 1024
+TOPK_CHUNK = 2048  # vocab chunk of the two-stage top-k
+
+
+def top_k(x: jax.Array, k: int, chunk: int = TOPK_CHUNK):
+    """lax.top_k over the last axis (same values, indices and tie rule: equal values, lower index
+    first), in two stages when the axis is long: the top k of each contiguous chunk, then the top
+    k of those candidates, kept in chunk order so the tie rule carries over. On the GPU a sort of
+    a 248k-entry vocabulary row runs as several passes over the row; chunks of 2k sort in one.
+    """
+    n = x.shape[-1]
+    if n <= 4 * chunk or k > chunk // 4:
+        return jax.lax.top_k(x, k)
+    n_chunks = -(-n // chunk)
+    pad = n_chunks * chunk - n
+    xp = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)], constant_values=-jnp.inf) if pad else x
+    xp = xp.reshape(*x.shape[:-1], n_chunks, chunk)
+    val, idx = jax.lax.top_k(xp, k)  # [..., n_chunks, k]
+    idx = idx + (jnp.arange(n_chunks, dtype=idx.dtype) * chunk)[:, None]
+    val, idx = val.reshape(*x.shape[:-1], n_chunks * k), idx.reshape(*x.shape[:-1], n_chunks * k)
+    best, pos = jax.lax.top_k(val, k)  # candidates are in (chunk, rank) order: ties keep lower index
+    return best, jnp.take_along_axis(idx, pos, axis=-1)
 
 
 def validate_budget(budget: int, depth: int, vocab: int, max_candidates: int | None = None) -> int:
@@ -68,7 +89,7 @@ def build_tree(logq: jax.Array, root_tokens: jax.Array, start: jax.Array, budget
     b, depth, vocab = logq.shape
     k = validate_budget(budget, depth, vocab, max_candidates)
     logq = logq.astype(jnp.float32)
-    top_val, top_tok = jax.lax.top_k(logq, k)  # [B, D, k], ties -> smaller token id first
+    top_val, top_tok = top_k(logq, k)  # [B, D, k], ties -> smaller token id first
     # Depth by depth: beams in lexicographic order, padded to width `budget` with -inf.
     scores, parents, ranks = [], [], []
     beam = jnp.zeros((b, 1), jnp.float32)
@@ -83,7 +104,6 @@ def build_tree(logq: jax.Array, root_tokens: jax.Array, start: jax.Array, budget
     chosen_scores = jnp.take_along_axis(all_scores, chosen, axis=-1)
     valid_nodes = chosen_scores > NEG
     node_depth = chosen // budget  # 0-based depth index (tree depth - 1)
-    node_slot = chosen % budget
     # Final index of every (depth, slot) beam entry that was chosen (0 = root for "depth -1").
     final_index = jnp.zeros((b, depth * budget), jnp.int32)
     final_index = jax.vmap(lambda f, c: f.at[c].set(jnp.arange(1, budget + 1, dtype=jnp.int32)))(final_index, chosen)
