@@ -103,22 +103,24 @@ class Config:
 
 
 def _max_block_r(hd: int) -> int:
-    """Largest row block: the float32 accumulator is block_r x hd (64 x 256 = 64 KiB at hd 256,
-    128 registers per thread with 4 warps)."""
-    return 128 if hd <= 128 else 64
+    """Largest row block: the float32 accumulator is block_r x hd, 128 registers per thread at
+    128 x 256 with 8 warps (block_r > 64 gets 8 warps). The H200 tile sweep (2026-11-29,
+    docs/benchmarks.md) put 128 rows x 64 keys x 8 warps first for a 64-node tree at head_dim 256:
+    47.8 us against 63.3 us for 64 rows x 4 warps."""
+    return 128 if hd <= 256 else 64
 
 
 def _default_tiles(hd: int, block_r: int, itemsize: int):
     """(block_k, num_warps, num_stages) for a row block; scripts/gpu_tree_attention.py sweeps them.
 
     Shared memory: each pipeline stage holds a K and a V block (2 x block_k x hd x itemsize, 64 KiB
-    for 64 x 256 bf16) next to the q block; keep the stages within ~160 KiB minus q (H100/H200
+    for 64 x 256 bf16) next to the q block; keep the stages within ~200 KiB minus q (H100/H200
     have 227 KiB per block), dropping a stage first, then halving block_k.
     """
     warps = 4 if block_r <= 64 else 8
     stages = 3
     bk = 64
-    budget = 160 * 1024 - block_r * hd * itemsize
+    budget = 200 * 1024 - block_r * hd * itemsize  # decode (16 rows) keeps 3 stages: 18.1 vs 22.9 us at 8k
     while stages * 2 * bk * hd * itemsize > budget:
         if stages > 2:
             stages -= 1

@@ -170,3 +170,22 @@ def test_ssd_tree_block_and_path_commit_match_per_path_oracle(shapes, seed):
     take = lambda v: np.take_along_axis(v, paths.reshape(b, N, *([1] * (v.ndim - 2))), axis=1)
     got = ssd.path_state(j32(take(x)), j32(np.where(on[..., None], take(dt), 0.0)), j32(a), j32(take(bm)), j32(s0))
     np.testing.assert_allclose(np.asarray(got), np.stack(want_states), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("n, expect_kernel", [(16, True), (17, False)])
+def test_pallas_routes_large_trees_to_the_xla_form(monkeypatch, n, expect_kernel):
+    """impl="pallas" runs the SSD verify kernel up to SSD_KERNEL_MAX_NODES nodes only (measured
+    crossover on the H200); larger trees take the XLA form. Traced on the CPU, never run."""
+    import pallas_kernels.ssd_tree as ssd_tree
+    from ddtree_jax.models.mamba2 import SSD_KERNEL_MAX_NODES
+
+    assert SSD_KERNEL_MAX_NODES == 16
+    called = []
+    monkeypatch.setattr(ssd_tree, "ssd_tree_verify", lambda *a, **k: called.append(1) or ssd_tree.verify_reference(*a[:8]))
+    cfg, gd, params = MODELS["mamba2"]
+    cache = committed_cache("mamba2", 0)
+    tokens = jnp.zeros((B, n), jnp.int32)
+    parents = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32) - 1, (B, n))
+    tree = make_tree(tokens, parents, jnp.ones((B, n), bool), cache.lengths, max_depth=n - 1)
+    jax.eval_shape(lambda p: nnx.merge(gd, p).verify(tokens, cache, tree, impl="pallas"), params)
+    assert bool(called) == expect_kernel

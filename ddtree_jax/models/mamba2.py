@@ -59,6 +59,13 @@ def tree_conv(xs: jax.Array, window: jax.Array, weight: jax.Array, conv_src: jax
     return out if bias is None else out + bias
 
 
+# The SSD tree-verify kernel beat the XLA form on the H200 at 16 nodes (82 vs 94 us, 128 heads x 64,
+# state 128, batch 1) but lost at 64 (405 vs 110 us; docs/benchmarks.md, 2026-11-29): until it is
+# fixed, impl="pallas" verifies larger trees with the XLA form (the path-commit kernel stays: 60 vs
+# 211 us).
+SSD_KERNEL_MAX_NODES = 16
+
+
 class GroupedGatedRMSNorm(nnx.Module):
     """HF MambaRMSNormGated: y * silu(z) in float32, RMS-normalised per group of I / G channels, * w."""
 
@@ -154,7 +161,8 @@ class Mamba2Mixer(nnx.Module):
         node's conv window from its ancestors and the committed window; None means a chain
         (node i's parent is i - 1: linear DFlash), computed with the plain causal forms.
         impl "pallas" / "pallas_interpret": the SSD tree kernel (pallas_kernels/ssd_tree.py), which
-        reads the compact ancestor `bits` [B, N, W] instead of `visible`.
+        reads the compact ancestor `bits` [B, N, W] instead of `visible`; "pallas" only up to
+        SSD_KERNEL_MAX_NODES nodes (see there), "pallas_interpret" (tests) always.
         """
         z, xbc, dt = self.project(x)
         w = self.conv_weight[...]
@@ -164,7 +172,8 @@ class Mamba2Mixer(nnx.Module):
             conv = tree_conv(xbc, cache.conv, w, conv_src, self._conv_bias())
         xs, bm, cm = self.ssm_inputs(conv, x.dtype)
         a, d = self.constants()
-        if conv_src is not None and impl != "xla":
+        use_kernel = impl == "pallas_interpret" or (impl == "pallas" and x.shape[1] <= SSD_KERNEL_MAX_NODES)
+        if conv_src is not None and use_kernel:
             from pallas_kernels.ssd_tree import ssd_tree_verify
 
             y = ssd_tree_verify(xs, dt, a, bm, cm, d, cache.state, bits, impl=impl)
