@@ -41,7 +41,8 @@ def filtered_logits(logits: jax.Array, s: Sampling) -> jax.Array:
     x = logits.astype(jnp.float32) / s.temperature
     vocab = x.shape[-1]
     if s.top_k and s.top_k < vocab:
-        kth = jax.lax.top_k(x, s.top_k)[0][..., -1:]
+        # (the barrier: XLA:CPU re-ran a top-k fused into its consumer; see spec/build.top_k)
+        kth = jax.lax.optimization_barrier(jax.lax.top_k(x, s.top_k)[0])[..., -1:]
         x = jnp.where(x < kth, -jnp.inf, x)
     if s.top_p < 1.0:
         order = jnp.argsort(-x, axis=-1)
@@ -49,8 +50,12 @@ def filtered_logits(logits: jax.Array, s: Sampling) -> jax.Array:
         probs = jax.nn.softmax(sorted_x, axis=-1)
         before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each entry
         drop_sorted = before >= s.top_p  # keep the smallest prefix whose mass reaches top_p
-        drop = jnp.take_along_axis(drop_sorted, jnp.argsort(order, axis=-1), axis=-1)
-        x = jnp.where(drop, -jnp.inf, x)
+        # Back to vocabulary order through the inverse permutation: a scatter, not a second sort.
+        rows = x.reshape(-1, vocab).shape[0]
+        flat_order = order.reshape(rows, vocab)
+        drop = jnp.zeros((rows, vocab), bool).at[jnp.arange(rows)[:, None], flat_order].set(
+            drop_sorted.reshape(rows, vocab), unique_indices=True)
+        x = jnp.where(drop.reshape(x.shape), -jnp.inf, x)
     return x
 
 
