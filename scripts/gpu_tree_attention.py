@@ -674,12 +674,24 @@ def main(argv=None):
     impl = "pallas" if on_gpu else "pallas_interpret"
     quick = args.quick or args.cpu_smoke
 
+    def save():
+        """Write what has been measured so far (atomically): a run cut short by a time limit
+        still leaves its finished sections behind, with status "running"."""
+        if not out_path:
+            return
+        result["wall_s"] = time.time() - T_START
+        os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+        with open(out_path + ".tmp", "w") as fh:
+            json.dump(result, fh, indent=1, default=str)
+        os.replace(out_path + ".tmp", out_path)
+
     try:
         result["bandwidth"] = measure_bandwidth(on_gpu, quick)
     except Exception as e:
         traceback.print_exc()
         result["bandwidth"] = {"error": err_str(e)}
     log("bandwidth", result["bandwidth"])
+    save()
     hbm = result["bandwidth"].get("hbm_GBps") or 3400.0
     tflops = result["bandwidth"].get("matmul_TFLOPs") or 700.0
 
@@ -699,6 +711,7 @@ def main(argv=None):
             traceback.print_exc()
             result["sweep"] = {"error": err_str(e)}
     result["best_tuning"] = best
+    save()
 
     peers = None
     if not args.no_peers:
@@ -732,11 +745,8 @@ def main(argv=None):
                 " compare ours_over_bound, not %HBM, there",
     }
     result["status"] = "done"
-    result["wall_s"] = time.time() - T_START
+    save()
     if out_path:
-        os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-        with open(out_path, "w") as fh:
-            json.dump(result, fh, indent=1, default=str)
         log("wrote", out_path)
     print_tables(result)
     return 0

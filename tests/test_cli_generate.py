@@ -1,6 +1,7 @@
 """ddtree-generate end to end on tiny checkpoints: same greedy text in every mode, streaming,
 and one clear error for every bad input."""
 
+import dataclasses
 import io
 import json
 import os
@@ -134,6 +135,7 @@ def test_bench_writes_json_png_and_table(ckpts, tmp_path, capsys):
     captured = capsys.readouterr()
     assert code == 0, captured.err
     report = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert report["status"] == "complete" and not (tmp_path / "out" / "bench.json.tmp").exists()
     runs = {(r["mode"], r["budget"]): r for r in report["results"]}
     assert set(runs) == {("ar", None), ("dflash", None), ("ddtree", 4), ("ddtree", 8)}
     for r in runs.values():
@@ -141,6 +143,30 @@ def test_bench_writes_json_png_and_table(ckpts, tmp_path, capsys):
     assert set(runs[("ddtree", 8)]["phases_ms"]) == {"draft", "build", "verify", "commit"}
     assert (tmp_path / "out" / "bench.png").stat().st_size > 1000
     assert "ddtree" in captured.out and "verify" in captured.out
+
+
+def test_bench_keeps_finished_runs_when_cut_short(ckpts, tmp_path, monkeypatch):
+    """A bench stopped mid-sweep (time limit, ^C) leaves bench.json with the runs it finished."""
+    from ddtree_jax import bench
+    from ddtree_jax.cli import bench as bench_cli
+
+    done = []
+
+    def fake_run_mode(engine, prompts, mode, budget, **kw):
+        if done:
+            raise KeyboardInterrupt
+        done.append(mode)
+        r = bench.RunResult(**{f.name: None for f in dataclasses.fields(bench.RunResult)})
+        return dataclasses.replace(r, mode=mode, budget=budget), [[1, 2]]
+
+    monkeypatch.setattr(bench, "run_mode", fake_run_mode)
+    target, drafter, _ = ckpts
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def f(x):\n")
+    with pytest.raises(KeyboardInterrupt):
+        bench_cli.main(["--target", target, "--drafter", drafter, "--prompts", str(prompts), "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["status"] == "partial" and [r["mode"] for r in report["results"]] == ["ar"]
 
 
 def test_bench_explains_divergences(ckpts):

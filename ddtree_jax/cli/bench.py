@@ -80,6 +80,13 @@ def read_prompts(path: str, engine) -> list[list[int]]:
     return prompts
 
 
+def write_json(path: str, obj) -> None:
+    """Atomic: readers see the previous file or the new one, never half of one."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, indent=2)
+    os.replace(path + ".tmp", path)
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -99,16 +106,8 @@ def main(argv=None) -> int:
     if "ar" not in modes:
         runs.insert(0, ("ar", None))  # the reference for speedups and output identity
     results, outputs = [], {}
-    try:
-        for mode, budget in tqdm(runs, desc="ddtree-bench", unit="run"):
-            r, outs = bench.run_mode(engine, prompts, mode, budget, max_new_tokens=args.max_new_tokens,
-                                     batch=args.batch, phase_repeats=args.phase_repeats)
-            results.append(r)
-            outputs[(mode, r.budget)] = outs
-    except ValueError as e:
-        die(str(e))
-    bench.compare(results, outputs, engine=engine, prompts=prompts)
     os.makedirs(args.out, exist_ok=True)
+    json_path = os.path.join(args.out, "bench.json")
     report = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(["ddtree-bench"] + (argv if argv is not None else sys.argv[1:])),
@@ -117,10 +116,21 @@ def main(argv=None) -> int:
         "host": platform.node(),
         "target": args.target or "embedded demo", "drafter": args.drafter or "embedded demo",
         "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "batch": args.batch,
-        "results": [dataclasses.asdict(r) for r in results],
+        "status": "partial", "results": [],
     }
-    with open(os.path.join(args.out, "bench.json"), "w") as f:
-        json.dump(report, f, indent=2)
+    try:
+        for mode, budget in tqdm(runs, desc="ddtree-bench", unit="run"):
+            r, outs = bench.run_mode(engine, prompts, mode, budget, max_new_tokens=args.max_new_tokens,
+                                     batch=args.batch, phase_repeats=args.phase_repeats)
+            results.append(r)
+            outputs[(mode, r.budget)] = outs
+            # Each finished run is on disk at once: a run cut short (time limit, ^C) keeps them.
+            write_json(json_path, {**report, "results": [dataclasses.asdict(x) for x in results]})
+    except ValueError as e:
+        die(str(e))
+    bench.compare(results, outputs, engine=engine, prompts=prompts)
+    report.update(status="complete", results=[dataclasses.asdict(r) for r in results])
+    write_json(json_path, report)
     png = os.path.join(args.out, "bench.png")
     bench.plot(results, png)
     print(bench.table(results))
