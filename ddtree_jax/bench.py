@@ -142,7 +142,7 @@ def phase_times_at(graphdef, params, dparams, s: gen.LoopState, spec: gen.GenSpe
 def run_mode(engine: Engine, prompts: Sequence[Sequence[int]], mode: str, budget: int | None, *, max_new_tokens: int,
              batch: int, sampling: Sampling = Sampling(), phase_repeats: int = 10) -> tuple[RunResult, list[list[int]]]:
     """Generate for every prompt (in batches), twice per batch: the first call compiles and is
-    not timed."""
+    not timed. phase_repeats 0 skips the per-phase timing (its compilations dominate short runs)."""
     outputs, seconds, step_ms, accept, hist = [], 0.0, [], [], None
     kwargs = dict(mode=mode, budget=budget or 1, max_new_tokens=max_new_tokens, sampling=sampling)
     for i in range(0, len(prompts), batch):
@@ -159,7 +159,7 @@ def run_mode(engine: Engine, prompts: Sequence[Sequence[int]], mode: str, budget
     tokens = sum(len(o) for o in outputs)
     spec = engine.spec(mode, budget=budget or 1, candidates=None, max_new_tokens=max_new_tokens, sampling=sampling,
                        prompt_bucket=bucket(len(prompts[0])))
-    phases = phase_times(engine, list(prompts[0]), spec, repeats=phase_repeats)
+    phases = phase_times(engine, list(prompts[0]), spec, repeats=phase_repeats) if phase_repeats > 0 else {}
     result = RunResult(
         mode=mode, budget=budget if mode == "ddtree" else None, prompts=len(prompts), tokens=tokens, seconds=seconds,
         tokens_per_second=tokens / seconds if seconds else float("nan"),

@@ -190,3 +190,20 @@ def test_bench_explains_divergences(ckpts):
     assert (row, k) == (0, 3) and gap > 0
     assert r_bad.divergences_are_ties == (gap < bench.TIE_TOLERANCE["float32"])
     assert bench._same(r_bad) in ("tie", "NO")
+
+
+def test_bench_can_skip_the_phase_split(ckpts, capsys):
+    """--phase-repeats 0 skips the per-phase timing (its compilations dominate short GPU runs);
+    the table shows '-' there. Negative values are refused by the parser."""
+    from ddtree_jax import bench
+    from ddtree_jax.cli import bench as bench_cli
+    from ddtree_jax.engine import Engine
+
+    target, drafter, _ = ckpts
+    engine = Engine.load(target, drafter)
+    r, outs = bench.run_mode(engine, [[5, 6, 7, 8]], "ddtree", 4, max_new_tokens=6, batch=1, phase_repeats=0)
+    assert r.phases_ms == {} and len(outs[0]) == 6
+    assert "   -" in bench.table([r])
+    with pytest.raises(SystemExit):
+        bench_cli.build_parser().parse_args(["--prompts", "p", "--phase-repeats", "-1"])
+    assert "integer >= 0" in capsys.readouterr().err

@@ -10,7 +10,7 @@ import os
 import platform
 import sys
 
-from ddtree_jax.cli.common import die, positive_int
+from ddtree_jax.cli.common import die, non_negative_int, positive_int
 
 EPILOG = """\
 examples:
@@ -46,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None)
     p.add_argument("--kernels", choices=["xla", "pallas", "pallas_interpret"], default=None,
                      help="tree verify / commit kernels (default: pallas on GPU, xla on CPU)")
-    p.add_argument("--phase-repeats", type=positive_int, default=10, help="repeats for per-phase timing medians")
+    p.add_argument("--phase-repeats", type=non_negative_int, default=10,
+                   help="repeats for per-phase timing medians; 0 skips the phase split (faster: no extra compiles)")
     p.add_argument("--out", default="bench_out", help="output directory for bench.json and bench.png")
     return p
 

@@ -14,6 +14,16 @@ def die(message: str, code: int = 2):
     raise SystemExit(code)
 
 
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)
