@@ -145,6 +145,10 @@ def main(argv=None) -> int:
           f"acceptance length {s.acceptance_length:.2f} tokens/step | {s.step_ms:.1f} ms/step | "
           f"finish: {c.finish_reason}", file=sys.stderr)
     if same is not None:
+        r = ref.stats
+        print(f"[ar] {r.num_tokens} tokens in {r.seconds:.2f} s = {r.tokens_per_second:.1f} tok/s | "
+              f"{r.step_ms:.1f} ms/step (plain decoding, not streamed) | {mode} / plain speed: "
+              f"{s.tokens_per_second / r.tokens_per_second:.2f}x", file=sys.stderr)
         print(f"[check] output identical to plain decoding: {'yes' if same else 'NO'}", file=sys.stderr)
     return 0
 
