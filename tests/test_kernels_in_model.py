@@ -76,3 +76,35 @@ def test_generation_with_kernels_equals_plain_greedy():
     got = generate(gd, params, prompt, lens, proposer=proposer, drafter_params=table, mode="ddtree", budget=16,
                    max_new_tokens=24, kernels="pallas_interpret")
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
+
+
+def test_bf16_model_feeds_the_gdn_kernel_bf16_and_commits_exactly():
+    """A bf16 model hands the GDN tree kernel bf16 q / k / v (one-pass TF32 on the GPU): node
+    logits stay within bf16 rounding of the XLA path. The first GDN layer's committed state (its
+    inputs are the embeddings on both paths) is replayed from the float32 pending k / v and matches
+    to float32 precision; later layers see bf16-rounded differences of the layers below."""
+    cfg, gd, params = make_target(dict(head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
+                                       dtype="bfloat16"), seed=32, base=HYBRID)
+    rng = np.random.default_rng(4)
+    prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, 10)), jnp.int32)
+    cache = decode.prefill(gd, params, init_target_cache(cfg, B, CAP), prompt, jnp.asarray([10, 7], jnp.int32)).cache
+    parents = np.stack([[-1] + [int(rng.integers(max(0, i - 3), i)) for i in range(1, N)] for _ in range(B)])
+    node, path = N - 1, []
+    while node >= 0:
+        path.append(node)
+        node = parents[0, node]
+    path = path[::-1]
+    paths = np.tile(np.asarray(path + [path[-1]] * (N - len(path)), np.int32), (B, 1))
+    counts = np.full(B, len(path), np.int32)
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, N)), jnp.int32)
+    args = (gd, params, cache, tokens, jnp.asarray(parents, jnp.int32), jnp.ones((B, N), bool), jnp.asarray(paths),
+            jnp.asarray(counts))
+    ref_logits, ref_cache = verify_and_commit(*args, impl="xla")
+    got_logits, got_cache = verify_and_commit(*args, impl="pallas_interpret")
+    scale = float(np.abs(np.asarray(ref_logits)).max())
+    assert float(np.abs(np.asarray(got_logits) - np.asarray(ref_logits)).max()) <= 0.05 * scale
+    recurrent = [(a, r) for a, r in zip(got_cache.layers, ref_cache.layers) if not isinstance(r, KVCache)]
+    assert cfg.layer_types[0] == "gdn"
+    np.testing.assert_allclose(recurrent[0][0].state, recurrent[0][1].state, rtol=1e-5, atol=1e-5)
+    for a, r in recurrent[1:]:
+        assert float(np.abs(np.asarray(a.state) - np.asarray(r.state)).max()) <= 0.02 * float(np.abs(np.asarray(r.state)).max())
