@@ -163,8 +163,15 @@ def _verify_pallas(x, dt, A, B, C, D, state, ancestor_bits, *, interpret, block_
         if not is_pow2(val) or (val < 16 and not interpret):
             raise ValueError(f"{name}={val} must be a power of two (>= 16 on GPU) for the Pallas SSD kernel")
     n_pad = pow2_at_least(n)
-    bn = min(n_pad, block_n or (32 if n_pad <= 64 else 64))
-    bp = min(hd, block_p or min(hd, 64))
+    # Defaults from ptxas (scripts/offline_triton_compile.py ssd, 128 heads x 64, state 128): the
+    # former 32-row blocks x 64-wide tiles x 4 warps at 64 nodes got 32 registers and 8.9 KB of
+    # spill stack per thread (405 us on the H200 vs 110 us for XLA); 64-row blocks x 32-wide tiles
+    # x 8 warps compile to 209 registers and no spills (256 programs). 16 nodes keep the measured
+    # 16 x 64 x 4-warp tiles (255 registers, no spills; 82 us vs XLA's 94 us).
+    small = n_pad <= 16
+    bn = min(n_pad, block_n or (16 if small else 64))
+    bp = min(hd, block_p or (min(hd, 64) if small else min(hd, 32)))
+    warps = num_warps or (4 if small else 8)
     if not is_pow2(bn) or bn < 16 or not is_pow2(bp) or hd % bp:
         raise ValueError(f"block_n={bn} must be a power of two >= 16 and block_p={bp} a power of two dividing {hd}")
     words = max(1, n_pad // WORD)
@@ -177,10 +184,12 @@ def _verify_pallas(x, dt, A, B, C, D, state, ancestor_bits, *, interpret, block_
     bits = lax.bitcast_convert_type(ancestor_bits.astype(jnp.uint32), jnp.int32)
     bits = _pad(_pad(bits[:, :, :words], 1, n_pad), 2, words)  # padding rows: the kernel forces self
     bits = jnp.swapaxes(bits, 1, 2).reshape(b, words * n_pad)  # word-major: [w * n_pad + row]
-    prec = _precision(precision or "tf32x3", interpret)
+    if precision is None:  # 16-bit x / B / C are exact in TF32; the float32 operands' TF32 rounding
+        precision = "tf32x3" if x.dtype == jnp.float32 else "tf32"  # stays below y's bf16 rounding
+    prec = _precision(precision, interpret)
     params = {}
     if pltriton is not None and not interpret:
-        params["compiler_params"] = pltriton.CompilerParams(num_warps=num_warps or 4, num_stages=num_stages)
+        params["compiler_params"] = pltriton.CompilerParams(num_warps=warps, num_stages=num_stages)
     node_tile = pl.BlockSpec((None, n_pad, None, bp), lambda i, j, t: (i, 0, j, t))
     per_node = pl.BlockSpec((None, n_pad, None), lambda i, j, t: (i, 0, j))
     grouped = pl.BlockSpec((None, n_pad, None, ns), lambda i, j, t: (i, 0, j // rep, 0))
@@ -217,7 +226,9 @@ def ssd_tree_verify(x, dt, A, B, C, D, state, ancestor_bits, *, impl: str = "xla
     [B, N, W] uint32 (bit j of node i set iff j is i or an ancestor; self is forced).
     Pallas options: block_n (nodes per row block, power of two >= 16), block_p (head_dim tile, one
     program each), num_warps / num_stages (Triton), precision of the float32 matmuls on GPU:
-    "tf32x3" (default, ~fp32), "ieee" (exact), "tf32", "bf16x3". The interpreter is exact.
+    "tf32x3" (~fp32, the default for float32 x), "tf32" (the default for bf16 / fp16 x: their
+    products are exact in TF32 and the rest stays below y's 16-bit rounding), "ieee" (exact),
+    "bf16x3". The interpreter is exact.
     """
     _check(impl, precision)
     if impl == "xla":

@@ -1,0 +1,142 @@
+"""Compile the Pallas Triton kernels for sm_90 on a machine without a GPU and report registers
+and spills (the first thing to check when a kernel is slow on the H200, at no device time).
+
+jax lowers a pallas_call for "cuda" on the CPU (it assumes sm_90 when no GPU is visible); the
+Triton module it builds is captured from `lower_jaxpr_to_triton_module`, written as TTIR text, and
+compiled by pip's triton (ptxas included) for GPUTarget("cuda", 90, 32); `cuobjdump
+--dump-resource-usage` on the cubin gives registers per thread and the spill stack.
+
+    pip install triton==3.6.0          # the H200 image's version
+    PYTHONPATH=. python3 scripts/offline_triton_compile.py ssd --nodes 64 --out ssd_regs.json
+    PYTHONPATH=. python3 scripts/offline_triton_compile.py gdn --nodes 65
+
+Kernels: "ssd" (pallas_kernels/ssd_tree.py verify, NemotronH-8B-like layer: 128 heads x 64,
+8 groups, state 128) and "gdn" (pallas_kernels/gdn_tree.py, Qwen3.6-27B layer: 16 k / 48 v heads
+of 128). Each sweeps a few block / warp settings and prints one row per setting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+
+def capture_ttir(fn, *args) -> list[tuple[str, str]]:
+    """(kernel name, TTIR text) of every pallas_call in fn(*args) lowered for CUDA."""
+    from jax._src.pallas.triton import lowering
+
+    seen = []
+    original = lowering.lower_jaxpr_to_triton_module
+
+    def spy(*a, **k):
+        result = original(*a, **k)
+        seen.append(result.module.operation.get_asm(enable_debug_info=False))
+        return result
+
+    lowering.lower_jaxpr_to_triton_module = spy
+    try:
+        jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    finally:
+        lowering.lower_jaxpr_to_triton_module = original
+    names = [re.search(r"tt\.func (?:public )?@(\w+)", t) for t in seen]
+    return [(m.group(1) if m else "kernel", t) for m, t in zip(names, seen)]
+
+
+def compile_ttir(ttir: str, num_warps: int, num_stages: int) -> dict:
+    """Registers, spill stack (bytes) and shared memory of the kernel compiled for sm_90."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "kernel.ttir")
+        with open(path, "w") as f:
+            f.write(ttir)
+        compiled = triton.compile(path, target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": num_warps, "num_stages": num_stages})
+        cubin = os.path.join(d, "kernel.cubin")
+        with open(cubin, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+        usage = subprocess.run([tool, "--dump-resource-usage", cubin], capture_output=True, text=True).stdout
+    regs = re.search(r"REG:(\d+)", usage)
+    stack = re.search(r"STACK:(\d+)", usage)
+    return {"regs": int(regs.group(1)) if regs else None, "stack_bytes": int(stack.group(1)) if stack else None,
+            "shared_bytes": compiled.metadata.shared}
+
+
+def ssd_cases(nodes: int):
+    from pallas_kernels.ssd_tree import ssd_tree_verify
+
+    b, h, hd, g, ns = 1, 128, 64, 8, 128
+    shapes = (
+        jax.ShapeDtypeStruct((b, nodes, h, hd), jnp.bfloat16), jax.ShapeDtypeStruct((b, nodes, h), jnp.float32),
+        jax.ShapeDtypeStruct((h,), jnp.float32), jax.ShapeDtypeStruct((b, nodes, g, ns), jnp.bfloat16),
+        jax.ShapeDtypeStruct((b, nodes, g, ns), jnp.bfloat16), jax.ShapeDtypeStruct((h,), jnp.float32),
+        jax.ShapeDtypeStruct((b, h, hd, ns), jnp.float32),
+        jax.ShapeDtypeStruct((b, nodes, max(1, -(-nodes // 32))), jnp.uint32),
+    )
+    for bn in (None, 16, 64):
+        for bp in (None, 32, 16):
+            for warps in (4, 8):
+                for prec in ("tf32x3", "tf32"):
+                    opts = dict(block_n=bn, block_p=bp, num_warps=warps, precision=prec)
+                    yield opts, warps, functools.partial(ssd_tree_verify, impl="pallas", **opts), shapes
+
+
+def gdn_cases(nodes: int):
+    from pallas_kernels.gdn_tree import gdn_tree_verify
+
+    b, hk, h, dk, dv = 1, 16, 48, 128, 128
+    for dtype in (jnp.bfloat16, jnp.float32):
+        shapes = (
+            jax.ShapeDtypeStruct((b, hk, nodes, dk), dtype), jax.ShapeDtypeStruct((b, hk, nodes, dk), dtype),
+            jax.ShapeDtypeStruct((b, h, nodes, dv), dtype), jax.ShapeDtypeStruct((b, h, nodes), jnp.float32),
+            jax.ShapeDtypeStruct((b, h, nodes), jnp.float32), jax.ShapeDtypeStruct((b, h, dk, dv), jnp.float32),
+            jax.ShapeDtypeStruct((b, nodes, max(1, -(-nodes // 32))), jnp.uint32),
+        )
+        for bdv in (None, 32):
+            opts = dict(block_dv=bdv)
+            label = dict(opts, inputs=jnp.dtype(dtype).name)
+            yield label, 8, functools.partial(gdn_tree_verify, impl="pallas", **opts), shapes
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("kernel", choices=("ssd", "gdn"))
+    ap.add_argument("--nodes", type=int, default=64)
+    ap.add_argument("--num-stages", type=int, default=1)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    cases = ssd_cases(args.nodes) if args.kernel == "ssd" else gdn_cases(args.nodes)
+    rows = []
+    for opts, warps, fn, shapes in cases:
+        row = {"kernel": args.kernel, "nodes": args.nodes, **{k: str(v) if v is None else v for k, v in opts.items()}}
+        try:
+            kernels = capture_ttir(fn, *shapes)
+            if not kernels:
+                raise RuntimeError("no pallas_call found")
+            warps = opts.get("num_warps") or warps
+            row.update(compile_ttir(kernels[0][1], warps, args.num_stages))
+        except Exception as e:  # one failing setting never hides the others
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
