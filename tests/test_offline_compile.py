@@ -1,0 +1,36 @@
+"""scripts/offline_triton_compile.py: the Pallas kernels lower for CUDA on a CPU-only machine and
+their Triton module is captured (the register / spill check needs pip's triton and runs only
+where it is installed)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from scripts.offline_triton_compile import capture_ttir, compile_ttir
+
+
+def _ssd_shapes(nodes=16, h=4, hd=16, g=2, ns=16):
+    return (jax.ShapeDtypeStruct((1, nodes, h, hd), jnp.bfloat16), jax.ShapeDtypeStruct((1, nodes, h), jnp.float32),
+            jax.ShapeDtypeStruct((h,), jnp.float32), jax.ShapeDtypeStruct((1, nodes, g, ns), jnp.bfloat16),
+            jax.ShapeDtypeStruct((1, nodes, g, ns), jnp.bfloat16), jax.ShapeDtypeStruct((h,), jnp.float32),
+            jax.ShapeDtypeStruct((1, h, hd, ns), jnp.float32), jax.ShapeDtypeStruct((1, nodes, 1), jnp.uint32))
+
+
+def test_capture_ttir_finds_the_kernel():
+    from pallas_kernels.ssd_tree import ssd_tree_verify
+
+    kernels = capture_ttir(functools.partial(ssd_tree_verify, impl="pallas"), *_ssd_shapes())
+    assert len(kernels) == 1
+    name, ttir = kernels[0]
+    assert "ssd_tree_verify" in name and "tt.func" in ttir and "tt.dot" in ttir
+
+
+def test_compile_reports_registers():
+    pytest.importorskip("triton")
+    from pallas_kernels.ssd_tree import ssd_tree_verify
+
+    [(_, ttir)] = capture_ttir(functools.partial(ssd_tree_verify, impl="pallas"), *_ssd_shapes())
+    res = compile_ttir(ttir, num_warps=4, num_stages=1)
+    assert 0 < res["regs"] <= 255 and res["stack_bytes"] is not None
