@@ -22,6 +22,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from ddtree_jax.tree import WORD
+
 try:  # jax >= 0.10: masked load/store live in the Triton module
     from jax.experimental.pallas import triton as pltriton
 except ImportError:  # pragma: no cover - very old jax
@@ -73,6 +75,16 @@ def next_pow2(x: int) -> int:
 def pow2_at_least(x: int, lo: int = 16) -> int:
     """Smallest power of two >= x and >= lo (padded block sizes: tl.dot needs >= 16)."""
     return max(lo, next_pow2(max(int(x), 1)))
+
+
+def shift_bits(ancestor_bits):
+    """[B, N, W] uint32 ancestor words of nodes 1.. relative to nodes 1.. (bit j -> bit j - 1):
+    the rows and columns of a tree with node 0 peeled off (the tree kernels' root peel).
+    Returns (words [B, N-1, W], bit0 [B, N-1] float32: 1 where the node descends from node 0)."""
+    words = ancestor_bits.astype(jnp.uint32)
+    nxt = jnp.concatenate([words[..., 1:], jnp.zeros_like(words[..., :1])], axis=-1)
+    shifted = jnp.right_shift(words, jnp.uint32(1)) | jnp.left_shift(nxt, jnp.uint32(WORD - 1))
+    return shifted[:, 1:], (words[:, 1:, 0] & 1).astype(jnp.float32)
 
 
 def expand_heads(x, h: int):

@@ -50,7 +50,7 @@ try:  # the Triton compiler params; present in jax 0.10 - 0.12
 except ImportError:  # pragma: no cover
     pltriton = None
 
-from pallas_kernels._common import check_impl, expand_heads, pow2_at_least  # noqa: E402
+from pallas_kernels._common import check_impl, expand_heads, pow2_at_least, shift_bits  # noqa: E402
 
 PRECISIONS = ("ieee", "tf32x3", "tf32", "bf16x3")
 
@@ -218,15 +218,6 @@ def default_blocks(n_pad: int, dk_pad: int, dv_pad: int, programs: int = 1):
     else:
         block_dv = 32
     return block_n, min(block_dv, dv_pad), block_k, num_warps
-
-
-def shift_bits(ancestor_bits):
-    """[B, N, W] uint32 ancestor words of nodes 1.. relative to nodes 1.. (bit j -> bit j - 1):
-    the rows and columns of the tree with node 0 peeled off. Returns (words [B, N-1, W], bit0 [B, N-1])."""
-    words = ancestor_bits.astype(jnp.uint32)
-    nxt = jnp.concatenate([words[..., 1:], jnp.zeros_like(words[..., :1])], axis=-1)
-    shifted = jnp.right_shift(words, jnp.uint32(1)) | jnp.left_shift(nxt, jnp.uint32(WORD - 1))
-    return shifted[:, 1:], (words[:, 1:, 0] & 1).astype(jnp.float32)
 
 
 def _pallas(q, k, v, g, beta, state, ancestor_bits, *, interpret, block_n, block_dv, block_k, num_warps,

@@ -17,6 +17,11 @@ Commit kernel: one program per (batch, head, head_dim tile); the state tile stay
 the whole path (read once, written once) while the path's rows (gathered by XLA: P <= 16-32 rows)
 are applied with exactly the arithmetic of ssd.step, so a commit equals sequential decoding.
 
+Root peel (as in gdn_tree.py): node 0 has no ancestors, so its output comes first from its own
+refs, y_0 = exp(a_0) C_0 . h0 + (D + (C_0 . B_0) dt_0) x_0, and every other row i adds
+exp(Acs_i - a_0) (C_i . B_0) dt_0 x_0 where bit 0 of its ancestor word is set (its path sum
+includes a_0 there); nodes 1.. run through the blocks above with the words shifted by one bit.
+
 impl="xla": the reference; "pallas": the Triton-lowered kernel (GPU); "pallas_interpret": the
 same kernel run by the Pallas interpreter (CPU tests). Kernel constraints: head_dim and state
 size powers of two (>= 16 for the verify kernel's matmuls); N is padded to a power of two.
@@ -39,7 +44,7 @@ try:  # Triton compiler params; present in jax 0.10 - 0.12
 except ImportError:  # pragma: no cover
     pltriton = None
 
-from pallas_kernels._common import check_impl, is_pow2, pow2_at_least  # noqa: E402
+from pallas_kernels._common import check_impl, is_pow2, pow2_at_least, shift_bits  # noqa: E402
 
 PRECISIONS = ("ieee", "tf32x3", "tf32", "bf16x3")
 
@@ -108,7 +113,12 @@ def commit_reference(x, dt, A, B, state, path, count):
 # ------------------------------------------------------------------------------------------------
 # tree verify kernel
 # ------------------------------------------------------------------------------------------------
-def _verify_kernel(x_ref, dt_ref, a_ref, b_ref, c_ref, d_ref, s_ref, bits_ref, y_ref, *, n, c, prec):
+def _verify_kernel(*refs, n, c, prec, peel):
+    if peel:
+        (x_ref, dt_ref, a_ref, b_ref, c_ref, d_ref, s_ref, bits_ref, x0_ref, b0_ref, c0_ref, da0_ref, m0_ref,
+         y_ref, y0_ref) = refs
+    else:
+        x_ref, dt_ref, a_ref, b_ref, c_ref, d_ref, s_ref, bits_ref, y_ref = refs
     nb = n // c
     f32 = jnp.float32
     row = lax.broadcasted_iota(jnp.int32, (c, c), 0)
@@ -132,6 +142,14 @@ def _verify_kernel(x_ref, dt_ref, a_ref, b_ref, c_ref, d_ref, s_ref, bits_ref, y
 
     state = s_ref[...].astype(f32)  # [bp, Ns], read once
     dvec = d_ref[...].astype(f32)  # [bp] = D_h
+    if peel:  # node 0 on its own (module docstring: "Root peel")
+        lane16 = lax.broadcasted_iota(jnp.int32, (16,), 0)
+        da0 = da0_ref[...]
+        dt0 = jnp.sum(jnp.where(lane16 == 0, da0, 0.0))
+        a0 = jnp.sum(jnp.where(lane16 == 1, da0, 0.0))
+        x0, b0, c0 = x0_ref[...].astype(f32), b0_ref[...].astype(f32), c0_ref[...].astype(f32)
+        y0 = jnp.exp(a0) * jnp.sum(c0[None, :] * state, axis=1) + (dvec + jnp.sum(c0 * b0) * dt0) * x0
+        y0_ref[...] = y0.astype(y0_ref.dtype)
     a_blk = [a_ref[pl.ds(s * c, c)] for s in range(nb)]
     dt_blk = [dt_ref[pl.ds(s * c, c)] for s in range(nb)]
     acs_blk = []
@@ -142,7 +160,13 @@ def _verify_kernel(x_ref, dt_ref, a_ref, b_ref, c_ref, d_ref, s_ref, bits_ref, y
         for s, m in enumerate(masks):
             acs = acs + jnp.sum(jnp.where(m, a_blk[s][None, :], 0.0), axis=1)
         c_r = c_ref[rows, :].astype(f32)
+        if peel:
+            under0 = m0_ref[rows] > 0  # row descends from node 0
+            acs = acs + jnp.where(under0, a0, 0.0)
         y = jnp.exp(acs)[:, None] * _dot(c_r, state, prec, trans_b=True) + dvec[None, :] * x_ref[rows, :].astype(f32)
+        if peel:  # node 0's term, masked before exp
+            w0 = jnp.exp(jnp.where(under0, acs - a0, -jnp.inf)) * jnp.sum(c_r * b0[None, :], axis=1) * dt0
+            y = y + w0[:, None] * x0[None, :]
         for s, m in enumerate(masks):
             acs_s = acs if s == r else acs_blk[s]
             decay = jnp.exp(jnp.where(m, acs[:, None] - acs_s[None, :], -jnp.inf))  # mask BEFORE exp
@@ -153,7 +177,7 @@ def _verify_kernel(x_ref, dt_ref, a_ref, b_ref, c_ref, d_ref, s_ref, bits_ref, y
 
 
 def _verify_pallas(x, dt, A, B, C, D, state, ancestor_bits, *, interpret, block_n, block_p, num_warps, num_stages,
-                   precision, out_dtype):
+                   precision, out_dtype, peel_root):
     b, n, h, hd = x.shape
     g, ns = B.shape[2], B.shape[3]
     if h % g:
@@ -162,6 +186,16 @@ def _verify_pallas(x, dt, A, B, C, D, state, ancestor_bits, *, interpret, block_
     for name, val in (("head_dim", hd), ("state size", ns)):
         if not is_pow2(val) or (val < 16 and not interpret):
             raise ValueError(f"{name}={val} must be a power of two (>= 16 on GPU) for the Pallas SSD kernel")
+    peel = bool(n > 1 and pow2_at_least(n - 1) < pow2_at_least(n)) if peel_root is None else bool(peel_root)
+    if peel and n < 2:
+        raise ValueError("peel_root needs at least 2 nodes")
+    if peel:  # node 0 through its own refs; nodes 1.. form the blocked tree
+        x0, b0, c0 = x[:, 0], B[:, 0], C[:, 0]
+        dt0 = dt[:, 0].astype(jnp.float32)
+        da0 = jnp.stack([dt0, dt0 * A.astype(jnp.float32)[None, :]], axis=-1)  # [B, H, 2]: dt, a = dt * A
+        ancestor_bits, m0 = shift_bits(ancestor_bits)
+        x, dt, B, C = x[:, 1:], dt[:, 1:], B[:, 1:], C[:, 1:]
+        n = n - 1
     n_pad = pow2_at_least(n)
     # Defaults from ptxas (scripts/offline_triton_compile.py ssd, 128 heads x 64, state 128): the
     # former 32-row blocks x 64-wide tiles x 4 warps at 64 nodes got 32 registers and 8.9 KB of
@@ -193,31 +227,46 @@ def _verify_pallas(x, dt, A, B, C, D, state, ancestor_bits, *, interpret, block_
     node_tile = pl.BlockSpec((None, n_pad, None, bp), lambda i, j, t: (i, 0, j, t))
     per_node = pl.BlockSpec((None, n_pad, None), lambda i, j, t: (i, 0, j))
     grouped = pl.BlockSpec((None, n_pad, None, ns), lambda i, j, t: (i, 0, j // rep, 0))
+    in_specs = [
+        node_tile,
+        per_node,
+        per_node,
+        grouped,
+        grouped,
+        pl.BlockSpec((None, bp), lambda i, j, t: (j, t)),
+        pl.BlockSpec((None, None, bp, ns), lambda i, j, t: (i, j, t, 0)),
+        pl.BlockSpec((None, words * n_pad), lambda i, j, t: (i, 0)),
+    ]
+    args = [x, dtf, a, B, C, d, state.astype(f32), bits]
+    out_specs = node_tile
+    out_shape = jax.ShapeDtypeStruct((b, n_pad, h, hd), out_dtype)
+    if peel:
+        head_tile = pl.BlockSpec((None, None, bp), lambda i, j, t: (i, j, t))
+        group_row = pl.BlockSpec((None, None, ns), lambda i, j, t: (i, j // rep, 0))
+        in_specs += [head_tile, group_row, group_row, pl.BlockSpec((None, None, 16), lambda i, j, t: (i, j, 0)),
+                     pl.BlockSpec((None, n_pad), lambda i, j, t: (i, 0))]
+        args += [x0, b0, c0, _pad(da0, 2, 16), _pad(m0, 1, n_pad)]
+        out_specs = [out_specs, head_tile]
+        out_shape = [out_shape, jax.ShapeDtypeStruct((b, h, hd), out_dtype)]
     y = pl.pallas_call(
-        functools.partial(_verify_kernel, n=n_pad, c=bn, prec=prec),
+        functools.partial(_verify_kernel, n=n_pad, c=bn, prec=prec, peel=peel),
         grid=(b, h, hd // bp),
-        in_specs=[
-            node_tile,
-            per_node,
-            per_node,
-            grouped,
-            grouped,
-            pl.BlockSpec((None, bp), lambda i, j, t: (j, t)),
-            pl.BlockSpec((None, None, bp, ns), lambda i, j, t: (i, j, t, 0)),
-            pl.BlockSpec((None, words * n_pad), lambda i, j, t: (i, 0)),
-        ],
-        out_specs=node_tile,
-        out_shape=jax.ShapeDtypeStruct((b, n_pad, h, hd), out_dtype),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
         interpret=interpret,
         name="ssd_tree_verify",
         **params,
-    )(x, dtf, a, B, C, d, state.astype(f32), bits)
+    )(*args)
+    if peel:
+        y_rest, y0 = y
+        return jnp.concatenate([y0[:, None], y_rest[:, :n]], axis=1)
     return y[:, :n]
 
 
 def ssd_tree_verify(x, dt, A, B, C, D, state, ancestor_bits, *, impl: str = "xla", block_n: int | None = None,
                     block_p: int | None = None, num_warps: int | None = None, num_stages: int = 1,
-                    precision: str | None = None, out_dtype=jnp.float32):
+                    precision: str | None = None, out_dtype=jnp.float32, peel_root: bool | None = None):
     """Outputs y [B, N, H, Hd] of all N tree nodes of one Mamba2 layer (before the gate / norm).
 
     x [B, N, H, Hd] SSM inputs (after conv + silu); dt [B, N, H] float32 per node (softplus'ed and
@@ -228,7 +277,8 @@ def ssd_tree_verify(x, dt, A, B, C, D, state, ancestor_bits, *, impl: str = "xla
     program each), num_warps / num_stages (Triton), precision of the float32 matmuls on GPU:
     "tf32x3" (~fp32, the default for float32 x), "tf32" (the default for bf16 / fp16 x: their
     products are exact in TF32 and the rest stays below y's 16-bit rounding), "ieee" (exact),
-    "bf16x3". The interpreter is exact.
+    "bf16x3". The interpreter is exact. peel_root: node 0 on its own first (None: when N - 1 is
+    a power of two, e.g. DDTree's root + 64 drafts fill 64 rows instead of 128). Exact either way.
     """
     _check(impl, precision)
     if impl == "xla":
@@ -236,6 +286,7 @@ def ssd_tree_verify(x, dt, A, B, C, D, state, ancestor_bits, *, impl: str = "xla
     return _verify_pallas(
         x, dt, A, B, C, D, state, ancestor_bits, interpret=impl == "pallas_interpret", block_n=block_n,
         block_p=block_p, num_warps=num_warps, num_stages=num_stages, precision=precision, out_dtype=out_dtype,
+        peel_root=peel_root,
     )
 
 

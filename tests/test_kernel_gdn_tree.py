@@ -267,7 +267,7 @@ def test_kernel_root_peel_auto_at_budget_plus_one(seed, kind):
 
 
 def test_shift_bits_drops_node_zero():
-    from pallas_kernels.gdn_tree import shift_bits
+    from pallas_kernels._common import shift_bits
 
     rng = np.random.default_rng(5)
     parents = make_parents("random", 70, rng)

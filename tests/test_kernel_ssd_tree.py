@@ -45,12 +45,13 @@ def random_tree(rng, n, kind):
     return jnp.asarray(parents, jnp.int32), jnp.asarray(valid)
 
 
-@functools.partial(jax.jit, static_argnames=("impl", "block_n", "block_p"))
-def verify(x, dt, a, bm, cm, d, s0, parents, valid, *, impl, block_n=None, block_p=None):
+@functools.partial(jax.jit, static_argnames=("impl", "block_n", "block_p", "peel_root"))
+def verify(x, dt, a, bm, cm, d, s0, parents, valid, *, impl, block_n=None, block_p=None, peel_root=None):
     n = x.shape[1]
     tree = make_tree(jnp.zeros(parents.shape, jnp.int32), parents, valid, jnp.zeros((B,), jnp.int32), max_depth=n - 1)
     dt = jnp.where(valid[..., None], dt, 0.0)
-    return ssd_tree_verify(x, dt, a, bm, cm, d, s0, tree.ancestor_bits, impl=impl, block_n=block_n, block_p=block_p)
+    return ssd_tree_verify(x, dt, a, bm, cm, d, s0, tree.ancestor_bits, impl=impl, block_n=block_n, block_p=block_p,
+                           peel_root=peel_root)
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
@@ -67,6 +68,21 @@ def test_tree_verify_kernel_matches_reference(config, seed, kind):
     assert np.all(np.isfinite(got))
     scale = max(1.0, float(np.abs(want).max()))
     assert float(np.abs(got - want).max()) <= 2e-5 * scale
+
+
+@pytest.mark.parametrize("n, peel_root, block_n", [(33, True, 16), (17, None, None), (21, True, None)])
+@given(seed=st.integers(0, 2**31 - 1), kind=st.sampled_from(["random", "chain", "star"]))
+@settings(max_examples=3)
+def test_tree_verify_kernel_root_peel(n, peel_root, block_n, seed, kind):
+    """Node 0 solved on its own: forced at 33 slots (32 rows in two 16-row blocks) and 21, automatic
+    at 17 (root + 16 drafts fill 16 rows); padding slots do not descend from node 0."""
+    rng, x, dt, a, bm, cm, d, s0 = draw(seed, n)
+    parents, valid = random_tree(rng, n, kind)
+    want = verify(x, dt, a, bm, cm, d, s0, parents, valid, impl="xla")
+    got = verify(x, dt, a, bm, cm, d, s0, parents, valid, impl="pallas_interpret", block_n=block_n, peel_root=peel_root)
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape and np.all(np.isfinite(got))
+    assert float(np.abs(got - want).max()) <= 2e-5 * max(1.0, float(np.abs(want).max()))
 
 
 @functools.partial(jax.jit, static_argnames=("impl",))
