@@ -164,7 +164,7 @@ class TargetConfig:
             return cls.from_hf_dict(json.load(f), source=path)
 
 
-class _Reader:
+class FieldReader:
     """Reads fields from a config dict, remembering every missing or malformed one."""
 
     def __init__(self, raw: Mapping[str, Any], problems: list[str]):
@@ -192,7 +192,7 @@ class _Reader:
         return value
 
 
-def _rope(reader: _Reader, head_dim: int, default_partial: float) -> tuple[int, float]:
+def read_rope(reader: FieldReader, head_dim: int, default_partial: float) -> tuple[int, float]:
     raw = reader.raw
     params = raw.get("rope_parameters") or {}
     scaling = raw.get("rope_scaling") or {}
@@ -215,7 +215,7 @@ def _rope(reader: _Reader, head_dim: int, default_partial: float) -> tuple[int, 
     return rotary_dim, float(theta)
 
 
-def _layer_types(reader: _Reader, num_layers: int) -> tuple[str, ...]:
+def _layer_types(reader: FieldReader, num_layers: int) -> tuple[str, ...]:
     raw_types = reader.raw.get("layer_types")
     if raw_types is None:
         interval = reader.raw.get("full_attention_interval", 4)
@@ -236,7 +236,7 @@ def _layer_types(reader: _Reader, num_layers: int) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _dtype(reader: _Reader) -> str:
+def read_dtype(reader: FieldReader) -> str:
     name = reader.raw.get("dtype", reader.raw.get("torch_dtype", "float32")) or "float32"
     if name not in DTYPES:
         reader.problems.append(f"unsupported dtype '{name}' (supported: float32, bfloat16, float16)")
@@ -244,7 +244,7 @@ def _dtype(reader: _Reader) -> str:
     return DTYPES[name]
 
 
-def _eos(raw: Mapping[str, Any]) -> tuple[int, ...]:
+def read_eos(raw: Mapping[str, Any]) -> tuple[int, ...]:
     eos = raw.get("eos_token_id")
     if eos is None:
         return ()
@@ -275,7 +275,7 @@ def _parse_target(raw: Mapping[str, Any], source: str) -> TargetConfig:
         if "tie_word_embeddings" in outer:
             merged["tie_word_embeddings"] = outer["tie_word_embeddings"]
         raw = merged
-    r = _Reader(raw, problems)
+    r = FieldReader(raw, problems)
     hidden = r.positive_int("hidden_size")
     num_heads = r.positive_int("num_attention_heads")
     num_kv = r.positive_int("num_key_value_heads", num_heads or None)
@@ -285,7 +285,7 @@ def _parse_target(raw: Mapping[str, Any], source: str) -> TargetConfig:
     inter = r.positive_int("intermediate_size")
     eps = float(r.get("rms_norm_eps", 1e-6))
     qwen35_like = model_type in ("qwen3_5_text", "qwen3_5", "qwen3_next")
-    rotary_dim, theta = _rope(r, head_dim, 0.25 if qwen35_like else 1.0)
+    rotary_dim, theta = read_rope(r, head_dim, 0.25 if qwen35_like else 1.0)
     if num_heads and num_kv and num_heads % num_kv:
         problems.append(f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv})")
     fields: dict[str, Any] = {}
@@ -322,7 +322,7 @@ def _parse_target(raw: Mapping[str, Any], source: str) -> TargetConfig:
             problems.append("qwen3 sliding-window attention (use_sliding_window) is not supported")
     if r.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act {raw.get('hidden_act')!r} is not supported (only 'silu')")
-    dtype = _dtype(r)
+    dtype = read_dtype(r)
     if problems:
         raise ConfigError(problems, source)
     return TargetConfig(
@@ -343,7 +343,7 @@ def _parse_target(raw: Mapping[str, Any], source: str) -> TargetConfig:
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         dtype=dtype,
         max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
-        eos_token_ids=_eos(raw) or _eos(outer),
+        eos_token_ids=read_eos(raw) or read_eos(outer),
         bos_token_id=raw.get("bos_token_id"),
         pad_token_id=raw.get("pad_token_id"),
         **fields,

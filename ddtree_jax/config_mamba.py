@@ -15,10 +15,10 @@ from ddtree_jax.config import (
     MOE,
     ConfigError,
     TargetConfig,
-    _dtype,
-    _eos,
-    _Reader,
-    _rope,
+    read_dtype,
+    read_eos,
+    FieldReader,
+    read_rope,
 )
 
 _NEMOTRON_KINDS = {
@@ -34,7 +34,7 @@ _NEMOTRON_ALIASES = {
 }
 
 
-def _flag(r: _Reader, key: str, default: bool) -> bool:
+def _flag(r: FieldReader, key: str, default: bool) -> bool:
     value = r.raw.get(key, default)
     if value is None:
         return default
@@ -55,7 +55,7 @@ def _special_float(value: Any) -> Any:
     return value
 
 
-def _number(r: _Reader, key: str, default: float) -> float:
+def _number(r: FieldReader, key: str, default: float) -> float:
     value = _special_float(r.raw.get(key, default))
     if value is None:
         return default
@@ -65,7 +65,7 @@ def _number(r: _Reader, key: str, default: float) -> float:
     return float(value)
 
 
-def _dt_limit(r: _Reader, key: str) -> tuple[float, float]:
+def _dt_limit(r: FieldReader, key: str) -> tuple[float, float]:
     value = r.raw.get(key)
     if value is None:
         return (0.0, float("inf"))
@@ -80,7 +80,7 @@ def _dt_limit(r: _Reader, key: str) -> tuple[float, float]:
     return (float(value[0]), float(value[1]))
 
 
-def _need(r: _Reader, key: str, allowed: tuple, default=None) -> None:
+def _need(r: FieldReader, key: str, allowed: tuple, default=None) -> None:
     value = r.raw.get(key, default)
     if value not in allowed:
         r.problems.append(f"{key} {value!r} is not supported (only {', '.join(map(repr, allowed))})")
@@ -94,7 +94,7 @@ def _parse_mamba_family(raw: Mapping[str, Any], model_type: str, source: str) ->
         for old, new in _NEMOTRON_ALIASES.items():
             if old in raw and raw[old] is not None:
                 raw[new] = raw.pop(old)
-    r = _Reader(raw, problems)
+    r = FieldReader(raw, problems)
     hidden = r.positive_int("hidden_size")
     vocab = r.positive_int("vocab_size")
     fields: dict[str, Any] = {}
@@ -171,7 +171,7 @@ def _parse_mamba_family(raw: Mapping[str, Any], model_type: str, source: str) ->
         eps = _number(r, "rms_norm_eps", 1e-5)
         tie = _flag(r, "tie_word_embeddings", False)
         if ATTENTION in layer_types:
-            rotary_dim, theta = _rope(r, head_dim, 0.5)  # Bamba: partial_rotary_factor 0.5 unless given
+            rotary_dim, theta = read_rope(r, head_dim, 0.5)  # Bamba: partial_rotary_factor 0.5 unless given
     else:  # nemotron_h
         kinds = raw.get("layers_block_type")
         if kinds is None and isinstance(raw.get("layer_types"), list):
@@ -243,7 +243,7 @@ def _parse_mamba_family(raw: Mapping[str, Any], model_type: str, source: str) ->
             problems.append(f"mamba heads ({nh}) must be a multiple of the mamba n_groups ({g})")
         if not fields.get("mamba_head_dim"):
             problems.append("mamba head dim must be > 0")
-    dtype = _dtype(r)
+    dtype = read_dtype(r)
     if problems:
         raise ConfigError(problems, source)
     return TargetConfig(
@@ -264,7 +264,7 @@ def _parse_mamba_family(raw: Mapping[str, Any], model_type: str, source: str) ->
         tie_word_embeddings=tie,
         dtype=dtype,
         max_position_embeddings=int(raw.get("max_position_embeddings") or 1 << 20),
-        eos_token_ids=_eos(raw),
+        eos_token_ids=read_eos(raw),
         bos_token_id=raw.get("bos_token_id"),
         pad_token_id=raw.get("pad_token_id"),
         **fields,

@@ -28,7 +28,7 @@ import json
 import os
 from typing import Any, Mapping
 
-from ddtree_jax.config import ConfigError, TargetConfig, _dtype, _Reader, _rope
+from ddtree_jax.config import ConfigError, TargetConfig, read_dtype, FieldReader, read_rope
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -199,7 +199,7 @@ def _parse_drafter(raw: Mapping[str, Any], source: str) -> DrafterConfig:
         if _draft_value(raw, dflash, key) is not None:
             problems.append(f"DFlash2 field '{key}' found: DFlash2 drafters are not supported")
 
-    r = _Reader(raw, problems)
+    r = FieldReader(raw, problems)
     hidden = r.positive_int("hidden_size")
     inter = r.positive_int("intermediate_size")
     num_layers = r.positive_int("num_hidden_layers")
@@ -208,12 +208,12 @@ def _parse_drafter(raw: Mapping[str, Any], source: str) -> DrafterConfig:
     head_dim = r.positive_int("head_dim")
     vocab = r.positive_int("vocab_size")
     eps = r.get("rms_norm_eps", 1e-6, kind=(int, float))
-    rotary_dim, theta = _rope(r, head_dim, 1.0)
+    rotary_dim, theta = read_rope(r, head_dim, 1.0)
     if num_heads and num_kv and num_heads % num_kv:
         problems.append(f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv})")
     if r.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act {raw.get('hidden_act')!r} is not supported (only 'silu')")
-    dtype = _dtype(r)
+    dtype = read_dtype(r)
 
     # num_target_layers: needed only for the default target_layer_ids
     ntl = raw.get("num_target_layers")
