@@ -163,7 +163,8 @@ class Engine:
         steps = jnp.int32(stream_every if stream else 2**30)
         lowered = gen.start.lower(self.graphdef, self.params, dparams, prompt, lens, eos, key, spec)
         lowered.compile()
-        state_shape = jax.tree_util.tree_map(lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype), lowered.out_info)
+        state_shape = jax.tree_util.tree_map(lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype), lowered.out_info,
+                                             is_leaf=lambda o: hasattr(o, "shape") and hasattr(o, "dtype"))
         gen.advance.lower(self.graphdef, self.params, dparams, state_shape, eos, steps, spec).compile()
         t0 = time.perf_counter()
         state = gen.start(self.graphdef, self.params, dparams, prompt, lens, eos, key, spec)
