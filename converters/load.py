@@ -31,6 +31,7 @@ from converters import orbax_io
 from converters.keymap import CheckpointError
 from converters.params import target_params_from_tensors
 from converters.safetensors_io import SafetensorsCheckpoint
+from ddtree_jax.atomic import move_into_place
 from ddtree_jax.config import DTYPES, ConfigError, TargetConfig
 
 log = logging.getLogger(__name__)
@@ -275,7 +276,7 @@ def _write_converted(src: str, dst: str, raw_cfg: dict, fmt: str, model_type: st
             f.write(f"{fmt} v{FORMAT_VERSION} complete in {time.time() - start:.1f} s\n")
             f.flush()
             os.fsync(f.fileno())
-        _move_into_place(tmp, dst)
+        move_into_place(tmp, dst)
     except BaseException:  # includes KeyboardInterrupt: never leave a half-written tree behind
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -349,16 +350,3 @@ def _write_json(path: str, obj) -> None:
         f.write("\n")
 
 
-def _move_into_place(tmp: str, dst: str) -> None:
-    if not os.path.lexists(dst):
-        os.rename(tmp, dst)
-        return
-    old = tempfile.mkdtemp(prefix=os.path.basename(dst) + ".old-", dir=os.path.dirname(dst))
-    os.rmdir(old)
-    os.rename(dst, old)
-    try:
-        os.rename(tmp, dst)
-    except BaseException:
-        os.rename(old, dst)  # put the previous conversion back
-        raise
-    shutil.rmtree(old, ignore_errors=True)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
-import json
 import os
 import statistics
 import sys
@@ -32,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ddtree_jax import atomic
 from ddtree_jax.cache import KVCache, RecurrentCache, TargetCache
 from ddtree_jax.config import TargetConfig
 from ddtree_jax.drafter_config import DrafterConfig
@@ -172,9 +172,7 @@ def main(argv=None) -> int:
               "device": jax.devices()[0].device_kind, "jax": jax.__version__, "runs": []}
 
     def save():
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+        atomic.write_json(args.out, report)
 
     raw = SMOKE if args.smoke else QWEN36_27B
     cfg = TargetConfig.from_hf_dict(raw)

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
 import time
 
+from ddtree_jax import atomic
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -100,9 +100,7 @@ def main(argv=None) -> int:
         "ours_tokens_per_s": new / ours_s, "hf_tokens_per_s": new / hf_s, "ratio_ours_over_hf": hf_s / ours_s,
         "greedy_tokens_agree_prefix": agree,
     }
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
+    atomic.write_json(args.out, report)
     print(f"ours {report['ours_tokens_per_s']:.1f} tok/s | HF generate {report['hf_tokens_per_s']:.1f} tok/s | "
           f"ratio {report['ratio_ours_over_hf']:.2f}x | greedy tokens agree for the first {agree}/{new} | {kernels}")
     return 0

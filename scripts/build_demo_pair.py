@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import platform
 import sys
 import time
+
+from ddtree_jax import atomic
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -238,11 +239,7 @@ def format_table(rows: dict) -> str:
 
 
 def write_json(path: str, obj) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, default=str)
-        f.write("\n")
-    os.replace(tmp, path)
+    atomic.write_json(path, obj, indent=1, default=str)
 
 
 def main(argv=None) -> int:

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import json
 import math
 import os
 import statistics
@@ -58,6 +57,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.45")  # leave room fo
 import numpy as np  # noqa: E402
 
 from gpu_bench_common import err_str, fmt, time_torch  # noqa: E402
+from ddtree_jax import atomic  # noqa: E402
 
 T0 = time.time()
 L2_BYTES = 50 * 2**20
@@ -785,8 +785,7 @@ def main(argv=None):
             traceback.print_exc()
     out = args.out or (os.path.join(os.environ["OUT"], "gdn.json") if os.environ.get("OUT") else None)
     if out:
-        with open(out, "w") as f:
-            json.dump(result, f, indent=1, default=str)
+        atomic.write_json(out, result, indent=1, default=str)
         log("wrote", out)
     print_tables(result)
     bad = [r for r in result["correctness"] if not r.get("ok")]

@@ -28,7 +28,6 @@ small kernels (< ~10 us) can be dispatch-bound: compare them with care.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -36,6 +35,8 @@ import time
 import traceback
 
 import numpy as np
+
+from ddtree_jax import atomic
 
 T0 = time.time()
 L2_BYTES = 50 * 2**20
@@ -217,8 +218,7 @@ def main(argv=None):
     print(f"\nchecks: {sum(c['ok'] for c in report['checks'])}/{len(report['checks'])} ok; "
           f"errors: {len(report['errors'])}; {time.time() - T0:.0f} s")
     out = args.out or (os.path.join(os.environ["OUT"], "ssd.json") if os.environ.get("OUT") else "ssd.json")
-    with open(out, "w") as f:
-        json.dump(report, f, indent=1, default=str)
+    atomic.write_json(out, report, indent=1, default=str)
     log("wrote", out)
     return 0 if not report["errors"] and all(c["ok"] for c in report["checks"]) else 1
 

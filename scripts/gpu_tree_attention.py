@@ -32,7 +32,6 @@ peers captured in a CUDA graph (eager fallback) and timed with CUDA events, medi
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
@@ -46,6 +45,7 @@ import numpy as np  # noqa: E402
 
 from gpu_bench_common import err_str, fmt  # noqa: E402
 from gpu_bench_common import time_torch as _time_torch  # noqa: E402
+from ddtree_jax import atomic  # noqa: E402
 
 T_START = time.time()
 L2_BYTES = 50 * 2**20
@@ -668,8 +668,7 @@ def main(argv=None):
         print(msg)
         result["status"] = "skipped: " + msg
         if out_path:
-            with open(out_path, "w") as fh:
-                json.dump(result, fh, indent=1)
+            atomic.write_json(out_path, result, indent=1)
         return 0
     impl = "pallas" if on_gpu else "pallas_interpret"
     quick = args.quick or args.cpu_smoke
@@ -680,10 +679,7 @@ def main(argv=None):
         if not out_path:
             return
         result["wall_s"] = time.time() - T_START
-        os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-        with open(out_path + ".tmp", "w") as fh:
-            json.dump(result, fh, indent=1, default=str)
-        os.replace(out_path + ".tmp", out_path)
+        atomic.write_json(out_path, result, indent=1, default=str)
 
     try:
         result["bandwidth"] = measure_bandwidth(on_gpu, quick)

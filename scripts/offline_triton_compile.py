@@ -30,6 +30,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from ddtree_jax import atomic  # noqa: E402
 
 
 def capture_ttir(fn, *args) -> list[tuple[str, str]]:
@@ -133,8 +134,7 @@ def main(argv=None) -> int:
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+        atomic.write_json(args.out, rows, indent=1)
     return 0
 
 

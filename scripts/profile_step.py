@@ -18,7 +18,6 @@ import collections
 import dataclasses
 import datetime
 import glob
-import json
 import os
 import statistics
 import sys
@@ -29,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ddtree_jax import atomic
 from ddtree_jax import bench as B
 from ddtree_jax.config import TargetConfig
 from ddtree_jax.models.drafter import DrafterModel
@@ -168,9 +168,7 @@ def main(argv=None) -> int:
               "batch": args.batch, "phases": {}}
 
     def save():
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+        atomic.write_json(args.out, report)
 
     if args.gemm_m:
         report["gemm_sweep"] = gemm_sweep(cfg, [int(m) for m in args.gemm_m.split(",")], 3 if args.smoke else 20)

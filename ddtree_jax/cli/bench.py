@@ -10,6 +10,7 @@ import os
 import platform
 import sys
 
+from ddtree_jax import atomic
 from ddtree_jax.cli.common import die, non_negative_int, positive_int
 
 EPILOG = """\
@@ -81,13 +82,6 @@ def read_prompts(path: str, engine) -> list[list[int]]:
     return prompts
 
 
-def write_json(path: str, obj) -> None:
-    """Atomic: readers see the previous file or the new one, never half of one."""
-    with open(path + ".tmp", "w") as f:
-        json.dump(obj, f, indent=2)
-    os.replace(path + ".tmp", path)
-
-
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -126,12 +120,12 @@ def main(argv=None) -> int:
             results.append(r)
             outputs[(mode, r.budget)] = outs
             # Each finished run is on disk at once: a run cut short (time limit, ^C) keeps them.
-            write_json(json_path, {**report, "results": [dataclasses.asdict(x) for x in results]})
+            atomic.write_json(json_path, {**report, "results": [dataclasses.asdict(x) for x in results]})
     except ValueError as e:
         die(str(e))
     bench.compare(results, outputs, engine=engine, prompts=prompts)
     report.update(status="complete", results=[dataclasses.asdict(r) for r in results])
-    write_json(json_path, report)
+    atomic.write_json(json_path, report)
     png = os.path.join(args.out, "bench.png")
     bench.plot(results, png)
     print(bench.table(results))

@@ -30,6 +30,7 @@ from flax import nnx
 from converters import dflash as dflash_rules
 from converters import qwen3 as qwen3_rules
 from converters.keymap import Rule, depthwise_conv, flatten_paths, linear
+from ddtree_jax.atomic import staged_dir
 from ddtree_jax.config import TargetConfig
 
 SAFETENSORS = "model.safetensors"
@@ -121,26 +122,27 @@ def _write_json(path: str, obj) -> None:
 
 
 def export_target(out_dir: str, hf_config: dict, params, *, tokenizer=None, dtype: str = "bfloat16") -> dict:
-    """Write a qwen3_5_text HF directory; returns {file: bytes}."""
+    """Write a qwen3_5_text HF directory (atomically: replaces out_dir once complete); returns {file: bytes}."""
     cfg = TargetConfig.from_hf_dict(hf_config)
     if cfg.model_type != "qwen3_5_text":
         raise ValueError(f"export_target writes qwen3_5_text directories, got {cfg.model_type!r}")
-    os.makedirs(out_dir, exist_ok=True)
     tensors = params_to_hf(params, qwen3_rules.rules_for(cfg), prefix="model.", no_prefix=("lm_head.",), dtype=dtype)
     config = dict(hf_config, dtype=dtype)
-    _write_json(os.path.join(out_dir, CONFIG), config)
-    _write_safetensors(os.path.join(out_dir, SAFETENSORS), tensors)
-    if tokenizer is not None:
-        tokenizer.save(os.path.join(out_dir, TOKENIZER))
+    with staged_dir(out_dir) as tmp:  # out_dir appears (or is replaced) only once complete
+        _write_json(os.path.join(tmp, CONFIG), config)
+        _write_safetensors(os.path.join(tmp, SAFETENSORS), tensors)
+        if tokenizer is not None:
+            tokenizer.save(os.path.join(tmp, TOKENIZER))
     return _sizes(out_dir)
 
 
 def export_drafter(out_dir: str, hf_config: dict, params, *, dtype: str = "bfloat16") -> dict:
-    """Write a z-lab DFlashDraftModel directory (tensor names without `model.`); returns {file: bytes}."""
-    os.makedirs(out_dir, exist_ok=True)
+    """Write a z-lab DFlashDraftModel directory (tensor names without `model.`; atomically, as
+    export_target); returns {file: bytes}."""
     tensors = params_to_hf(params, dflash_rules.RULES, dtype=dtype)
-    _write_json(os.path.join(out_dir, CONFIG), dict(hf_config, dtype=dtype))
-    _write_safetensors(os.path.join(out_dir, SAFETENSORS), tensors)
+    with staged_dir(out_dir) as tmp:
+        _write_json(os.path.join(tmp, CONFIG), dict(hf_config, dtype=dtype))
+        _write_safetensors(os.path.join(tmp, SAFETENSORS), tensors)
     return _sizes(out_dir)
 
 
