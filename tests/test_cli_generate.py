@@ -49,6 +49,31 @@ def test_streaming_prints_text_and_stats(ckpts, capsys):
     assert out.startswith("x = ")
     assert "tok/s" in err and "acceptance length" in err and "ms/step" in err
     assert "identical to plain decoding: yes" in err
+    assert "[ar]" in err and "/ plain speed" in err
+
+
+def test_compare_ar_with_sampling_does_not_claim_a_mismatch(ckpts, capsys):
+    target, drafter, _ = ckpts
+    code, _, err = run(capsys, "--target", target, "--drafter", drafter, "--prompt", "x = ", "--max-new-tokens",
+                       "12", "--temperature", "0.8", "--compare-ar")
+    assert code == 0
+    assert "not expected" in err and "identical to plain decoding" not in err
+
+
+def test_divergence_is_explained_with_the_top_two_gap(ckpts):
+    """A greedy mismatch is reported with where it starts and whether plain decoding's top two
+    logits are a near tie there."""
+    from ddtree_jax.cli.generate import explain_divergence
+    from ddtree_jax.engine import Engine
+
+    target, drafter, _ = ckpts
+    engine = Engine.load(target, drafter)
+    [ref] = engine.generate([[5, 6, 7, 8]], mode="ar", max_new_tokens=6)
+    got = list(ref.token_ids)
+    got[3] = (got[3] + 1) % engine.cfg.vocab_size
+    msg = explain_divergence(engine, [5, 6, 7, 8], got, ref.token_ids)
+    assert msg.startswith("first difference at generated token 3")
+    assert ("near tie within" in msg) != ("NOT a near tie" in msg)
 
 
 def test_stream_callback_is_called_in_chunks(ckpts):
