@@ -8,6 +8,8 @@ Random trees (chains, stars, deep, wide, single node, full, with padding) and ra
 paths inside fixed padded shapes, so one compilation serves every example.
 """
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -187,5 +189,9 @@ def test_pallas_routes_large_trees_to_the_xla_form(monkeypatch, n, expect_kernel
     tokens = jnp.zeros((B, n), jnp.int32)
     parents = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32) - 1, (B, n))
     tree = make_tree(tokens, parents, jnp.ones((B, n), bool), cache.lengths, max_depth=n - 1)
-    jax.eval_shape(lambda p: nnx.merge(gd, p).verify(tokens, cache, tree, impl="pallas"), params)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        jax.eval_shape(lambda p: nnx.merge(gd, p).verify(tokens, cache, tree, impl="pallas"), params)
     assert bool(called) == expect_kernel
+    routed = [w for w in caught if "uses the XLA form" in str(w.message)]
+    assert bool(routed) != expect_kernel  # the route to XLA is announced, never silent

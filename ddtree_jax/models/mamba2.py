@@ -26,6 +26,7 @@ clipped dt, so commits replay exactly the same values.
 
 from __future__ import annotations
 
+import warnings
 from typing import NamedTuple
 
 import jax
@@ -173,6 +174,13 @@ class Mamba2Mixer(nnx.Module):
         xs, bm, cm = self.ssm_inputs(conv, x.dtype)
         a, d = self.constants()
         use_kernel = impl == "pallas_interpret" or (impl == "pallas" and x.shape[1] <= SSD_KERNEL_MAX_NODES)
+        if conv_src is not None and impl == "pallas" and not use_kernel:
+            warnings.warn(
+                f"Mamba2 tree verify of {x.shape[1]} nodes uses the XLA form, not the Pallas SSD kernel: the kernel "
+                f"measured slower above {SSD_KERNEL_MAX_NODES} nodes on the H200 (ddtree_jax/models/mamba2.py, "
+                "SSD_KERNEL_MAX_NODES); the path-commit kernel is still used",
+                stacklevel=2,
+            )
         if conv_src is not None and use_kernel:
             from pallas_kernels.ssd_tree import ssd_tree_verify
 
