@@ -87,6 +87,28 @@ def shift_bits(ancestor_bits):
     return shifted[:, 1:], (words[:, 1:, 0] & 1).astype(jnp.float32)
 
 
+SCALAR_LANES = 16  # per-(batch, head) scalars travel as one 16-wide vector (a Triton block needs >= 16)
+
+
+def pack_scalars(*xs):
+    """[B, H] float32 scalars -> [B, H, 16] (lanes 0, 1, ...; the rest zero) for one BlockSpec."""
+    packed = jnp.stack([jnp.asarray(x, jnp.float32) for x in xs], axis=-1)
+    return jnp.pad(packed, ((0, 0), (0, 0), (0, SCALAR_LANES - len(xs))))
+
+
+def unpack_scalars(ref, count: int):
+    """Inside a kernel: the first `count` scalars of a pack_scalars block."""
+    lanes = lax.broadcasted_iota(jnp.int32, (SCALAR_LANES,), 0)
+    v = ref[...]
+    return [jnp.sum(jnp.where(lanes == i, v, 0.0)) for i in range(count)]
+
+
+def join_root(rest, root, n: int, axis: int):
+    """A root-peeled kernel's outputs -> all nodes: root [..] goes in front of the first n rows of
+    `rest` along the node axis."""
+    return jnp.concatenate([jnp.expand_dims(root, axis), lax.slice_in_dim(rest, 0, n, axis=axis)], axis=axis)
+
+
 def expand_heads(x, h: int):
     """[B, Hk, ...] -> [B, H, ...]: value head j reads key head j // (H // Hk)."""
     hk = x.shape[1]

@@ -50,7 +50,9 @@ try:  # the Triton compiler params; present in jax 0.10 - 0.12
 except ImportError:  # pragma: no cover
     pltriton = None
 
-from pallas_kernels._common import check_impl, expand_heads, pow2_at_least, shift_bits  # noqa: E402
+from pallas_kernels._common import (  # noqa: E402
+    SCALAR_LANES, check_impl, expand_heads, join_root, pack_scalars, pow2_at_least, shift_bits, unpack_scalars,
+)
 
 PRECISIONS = ("ieee", "tf32x3", "tf32", "bf16x3")
 
@@ -131,10 +133,7 @@ def _tree_kernel(*refs, n, c, bk, p_in, p32, peel):
         return kk, qk
 
     if peel:  # node 0 as a one-node block solved first (module docstring: "Root peel")
-        lane16 = lax.broadcasted_iota(jnp.int32, (16,), 0)
-        gb = gb0_ref[...]
-        g0 = jnp.sum(jnp.where(lane16 == 0, gb, 0.0))
-        beta0 = jnp.sum(jnp.where(lane16 == 1, gb, 0.0))
+        g0, beta0 = unpack_scalars(gb0_ref, 2)
         k0 = [k0_ref[kc].astype(f32) for kc in kchunks]
         q0 = [q0_ref[kc].astype(f32) for kc in kchunks]
         ks0 = qs0 = 0.0
@@ -233,7 +232,7 @@ def _pallas(q, k, v, g, beta, state, ancestor_bits, *, interpret, block_n, block
     if peel:  # node 0 goes in through its own refs; nodes 1.. form the blocked tree
         root = lambda a: a[:, :, 0]
         q0, k0, v0 = root(q), root(k), root(v)
-        gb0 = jnp.stack([root(g).astype(jnp.float32), root(beta).astype(jnp.float32)], axis=-1)
+        gb0 = pack_scalars(root(g), root(beta))
         ancestor_bits, m0 = shift_bits(ancestor_bits)
         q, k, v, g, beta = (a[:, :, 1:] for a in (q, k, v, g, beta))
         n = n - 1
@@ -282,10 +281,10 @@ def _pallas(q, k, v, g, beta, state, ancestor_bits, *, interpret, block_n, block
     out_shape = jax.ShapeDtypeStruct((b, h, n_pad, dv_pad), out_dtype)
     if peel:
         key_row = pl.BlockSpec((None, None, dk_pad), lambda i, j, t: (i, j // rep, 0))
-        in_specs += [key_row, key_row, row_tile_spec, pl.BlockSpec((None, None, 16), lambda i, j, t: (i, j, 0)),
+        in_specs += [key_row, key_row, row_tile_spec, pl.BlockSpec((None, None, SCALAR_LANES), lambda i, j, t: (i, j, 0)),
                      pl.BlockSpec((None, n_pad), lambda i, j, t: (i, 0))]
         args += [pad(q0.astype(in_dtype), 2, dk_pad), pad(k0.astype(in_dtype), 2, dk_pad), pad(v0, 2, dv_pad),
-                 pad(gb0, 2, 16), pad(m0, 1, n_pad)]
+                 gb0, pad(m0, 1, n_pad)]
         out_specs = [out_specs, row_tile_spec]
         out_shape = [out_shape, jax.ShapeDtypeStruct((b, h, dv_pad), out_dtype)]
     params = {}
@@ -303,7 +302,7 @@ def _pallas(q, k, v, g, beta, state, ancestor_bits, *, interpret, block_n, block
     )(*args)
     if peel:
         o_rest, o0 = o
-        return jnp.concatenate([o0[:, :, None, :dv], o_rest[:, :, :n, :dv]], axis=2)
+        return join_root(o_rest[..., :dv], o0[..., :dv], n, axis=2)
     return o[:, :, :n, :dv]
 
 

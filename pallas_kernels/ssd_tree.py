@@ -44,7 +44,9 @@ try:  # Triton compiler params; present in jax 0.10 - 0.12
 except ImportError:  # pragma: no cover
     pltriton = None
 
-from pallas_kernels._common import check_impl, is_pow2, pow2_at_least, shift_bits  # noqa: E402
+from pallas_kernels._common import (  # noqa: E402
+    SCALAR_LANES, check_impl, is_pow2, join_root, pack_scalars, pow2_at_least, shift_bits, unpack_scalars,
+)
 
 PRECISIONS = ("ieee", "tf32x3", "tf32", "bf16x3")
 
@@ -143,10 +145,7 @@ def _verify_kernel(*refs, n, c, prec, peel):
     state = s_ref[...].astype(f32)  # [bp, Ns], read once
     dvec = d_ref[...].astype(f32)  # [bp] = D_h
     if peel:  # node 0 on its own (module docstring: "Root peel")
-        lane16 = lax.broadcasted_iota(jnp.int32, (16,), 0)
-        da0 = da0_ref[...]
-        dt0 = jnp.sum(jnp.where(lane16 == 0, da0, 0.0))
-        a0 = jnp.sum(jnp.where(lane16 == 1, da0, 0.0))
+        dt0, a0 = unpack_scalars(da0_ref, 2)
         x0, b0, c0 = x0_ref[...].astype(f32), b0_ref[...].astype(f32), c0_ref[...].astype(f32)
         y0 = jnp.exp(a0) * jnp.sum(c0[None, :] * state, axis=1) + (dvec + jnp.sum(c0 * b0) * dt0) * x0
         y0_ref[...] = y0.astype(y0_ref.dtype)
@@ -192,7 +191,7 @@ def _verify_pallas(x, dt, A, B, C, D, state, ancestor_bits, *, interpret, block_
     if peel:  # node 0 through its own refs; nodes 1.. form the blocked tree
         x0, b0, c0 = x[:, 0], B[:, 0], C[:, 0]
         dt0 = dt[:, 0].astype(jnp.float32)
-        da0 = jnp.stack([dt0, dt0 * A.astype(jnp.float32)[None, :]], axis=-1)  # [B, H, 2]: dt, a = dt * A
+        da0 = pack_scalars(dt0, dt0 * A.astype(jnp.float32)[None, :])  # dt and a = dt * A of node 0
         ancestor_bits, m0 = shift_bits(ancestor_bits)
         x, dt, B, C = x[:, 1:], dt[:, 1:], B[:, 1:], C[:, 1:]
         n = n - 1
@@ -243,9 +242,9 @@ def _verify_pallas(x, dt, A, B, C, D, state, ancestor_bits, *, interpret, block_
     if peel:
         head_tile = pl.BlockSpec((None, None, bp), lambda i, j, t: (i, j, t))
         group_row = pl.BlockSpec((None, None, ns), lambda i, j, t: (i, j // rep, 0))
-        in_specs += [head_tile, group_row, group_row, pl.BlockSpec((None, None, 16), lambda i, j, t: (i, j, 0)),
+        in_specs += [head_tile, group_row, group_row, pl.BlockSpec((None, None, SCALAR_LANES), lambda i, j, t: (i, j, 0)),
                      pl.BlockSpec((None, n_pad), lambda i, j, t: (i, 0))]
-        args += [x0, b0, c0, _pad(da0, 2, 16), _pad(m0, 1, n_pad)]
+        args += [x0, b0, c0, da0, _pad(m0, 1, n_pad)]
         out_specs = [out_specs, head_tile]
         out_shape = [out_shape, jax.ShapeDtypeStruct((b, h, hd), out_dtype)]
     y = pl.pallas_call(
@@ -260,7 +259,7 @@ def _verify_pallas(x, dt, A, B, C, D, state, ancestor_bits, *, interpret, block_
     )(*args)
     if peel:
         y_rest, y0 = y
-        return jnp.concatenate([y0[:, None], y_rest[:, :n]], axis=1)
+        return join_root(y_rest, y0, n, axis=1)
     return y[:, :n]
 
 
