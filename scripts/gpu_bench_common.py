@@ -75,3 +75,46 @@ def time_torch(fns, *, round_s=0.01, rounds=7, max_iters=100):
         torch.cuda.synchronize()
         times.append(e0.elapsed_time(e1) / 1e3 / (iters * nrot))
     return statistics.median(times), {"iters": iters, "rotations": nrot, "rounds": rounds, "mode": mode}
+
+
+def jax_rates(on_gpu, quick, matmul=True):
+    """The device's best read rate measured in jax (a bf16 reduction and a bf16 GEMV over 1-2 GiB;
+    hbm_GBps is the faster of the two) and, with matmul, the bf16 matmul rate (8192^3)."""
+    import jax
+    import jax.numpy as jnp
+
+    res = {}
+    n = (2**30 if not quick else 2**29) if on_gpu else 2**20
+    x = jax.random.normal(jax.random.PRNGKey(1), (n,), jnp.float32).astype(jnp.bfloat16)
+    red = jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32))
+
+    def bench(f, *a, reps=10):
+        jax.block_until_ready(f(*a))
+        ts = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                out = f(*a)
+            jax.block_until_ready(out)
+            ts.append((time.perf_counter() - t0) / reps)
+        return statistics.median(ts)
+
+    t = bench(red, x)
+    res["reduction_GBps"] = 2 * n / t / 1e9
+    del x
+    side = int(math.isqrt(n))
+    w = jax.random.normal(jax.random.PRNGKey(2), (side, side), jnp.float32).astype(jnp.bfloat16)
+    v = jax.random.normal(jax.random.PRNGKey(3), (side,), jnp.float32).astype(jnp.bfloat16)
+    gemv = jax.jit(lambda w, v: jnp.dot(w, v, preferred_element_type=jnp.float32))
+    t = bench(gemv, w, v)
+    res["gemv_GBps"] = 2 * side * side / t / 1e9
+    del w, v
+    res["hbm_GBps"] = max(res["reduction_GBps"], res["gemv_GBps"])
+    if not matmul:
+        return res
+    m = 8192 if on_gpu else 256
+    a = jax.random.normal(jax.random.PRNGKey(4), (m, m), jnp.float32).astype(jnp.bfloat16)
+    mm = jax.jit(lambda a: jnp.dot(a, a, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
+    t = bench(mm, a, reps=5)
+    res["matmul_TFLOPs"] = 2 * m**3 / t / 1e12
+    return res

@@ -12,7 +12,7 @@ with flash_linear_attention or fla (unpacked to a temp dir; pure Python + Triton
 
 Steps (each guarded: a failure is recorded in the JSON and the table, never fatal):
 1. environment (python / jax / jaxlib / torch / triton / fla, device);
-2. HBM read bandwidth: a 2 GiB bf16 -> f32 reduction in jax (median of rounds);
+2. HBM read rate: the best of a 2 GiB bf16 -> f32 reduction and a bf16 GEMV in jax (median of rounds);
 3. correctness at bench shapes: tree verify pallas vs xla (bf16 inputs, the default "tf32"
    float32-matmul precision; float32 inputs with "tf32x3"), NaN checks; path commit pallas vs
    xla (bf16 and float32); the torch per-node-state peer and the FLA per-path peer vs xla;
@@ -53,7 +53,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.45")  # leave room fo
 
 import numpy as np  # noqa: E402
 
-from gpu_bench_common import err_str, fmt, time_torch  # noqa: E402
+from gpu_bench_common import err_str, fmt, jax_rates, time_torch  # noqa: E402
 from gpu_gdn_peers import FlaPaths, TorchPerNode, ancestors, fla_chain_fns, import_fla  # noqa: E402
 from ddtree_jax import atomic  # noqa: E402
 
@@ -277,21 +277,8 @@ def leaf_path(tree, p):
 # steps
 # ---------------------------------------------------------------------------------------------
 def measure_bandwidth(on_gpu, quick):
-    import jax
-    import jax.numpy as jnp
-
-    n = (2**30 if not quick else 2**29) if on_gpu else 2**20
-    x = jax.random.normal(jax.random.PRNGKey(1), (n,), jnp.float32).astype(jnp.bfloat16)
-    red = jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32))
-    jax.block_until_ready(red(x))
-    ts = []
-    for _ in range(7):
-        t = time.perf_counter()
-        for _ in range(5):
-            out = red(x)
-        jax.block_until_ready(out)
-        ts.append((time.perf_counter() - t) / 5)
-    return {"hbm_read_GBps": 2 * n / statistics.median(ts) / 1e9, "bytes": 2 * n}
+    rates = jax_rates(on_gpu, quick, matmul=False)
+    return {**rates, "hbm_read_GBps": rates["hbm_GBps"]}
 
 
 def correctness(cfg, result):
@@ -498,7 +485,7 @@ def print_tables(result):
         print(f"  {'OK ' if r.get('ok') else 'BAD'} {r['what']:<28} b={r.get('b', '-')} n/p={r.get('n', r.get('p', '-'))} "
               f"rel_err={fmt(r.get('rel_err'), '.2e')} {r.get('error', '')}")
     hbm = result["bandwidth"].get("hbm_read_GBps")
-    print(f"\n=== HBM read bandwidth (2 GiB bf16 reduction): {fmt(hbm, '.0f')} GB/s ===")
+    print(f"\n=== HBM read rate (best of a 2 GiB bf16 reduction and GEMV): {fmt(hbm, '.0f')} GB/s ===")
     print("\n=== tree verify, one GDN layer (Hk 16 -> Hv 48, dk = dv = 128, bf16 q/k/v) ===")
     print(f"  {'case':<9}{'B':>3} {'impl':<52}{'us':>10}{'GB/s':>9}{'%HBM':>7}  notes")
     for r in result["tree"]:

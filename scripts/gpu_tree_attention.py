@@ -43,14 +43,15 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")  # leave room for
 
 import numpy as np  # noqa: E402
 
-from gpu_bench_common import err_str, fmt  # noqa: E402
+from gpu_bench_common import err_str, fmt, jax_rates  # noqa: E402
 from gpu_bench_common import time_torch as _time_torch  # noqa: E402
 from gpu_attention_peers import TorchPeers  # noqa: E402
+from gpu_attention_problems import (  # noqa: E402
+    HD, NKV, NQ, attn_flops, batch_lengths, cache_bytes, make_problem, random_parents, rotations_for,
+)
 from ddtree_jax import atomic  # noqa: E402
 
 T_START = time.time()
-L2_BYTES = 50 * 2**20
-NQ, NKV, HD = 24, 4, 256  # Qwen3.6-27B attention layer
 BASE_TUNING = {}  # merged into every kernel call; {"row_gather": False} if the gather loads fail
 
 
@@ -138,65 +139,6 @@ def time_torch(fns, *, round_s=0.005, rounds=7):
     return _time_torch(fns, round_s=round_s, rounds=rounds, max_iters=200)
 
 
-def batch_lengths(b, cap):
-    """Batch 1: the full cache. Batch > 1: different lengths, the longest = capacity."""
-    if b == 1:
-        return [cap]
-    fr = np.linspace(0.55, 1.0, b)
-    return [int(cap * x) - i * 7 for i, x in enumerate(fr)][:-1] + [cap]
-
-
-def random_parents(rng, b, n, max_depth=15):
-    par = np.full((b, n), -1, np.int32)
-    depth = np.zeros((b, n), np.int32)
-    for bb in range(b):
-        for i in range(1, n):
-            while True:
-                p = int(rng.integers(0, i))
-                if depth[bb, p] < max_depth:
-                    break
-            par[bb, i], depth[bb, i] = p, depth[bb, p] + 1
-    return par
-
-
-def make_problem(key, b, n, cap, lengths, dtype, nrot=1, nq=NQ, nkv=NKV, hd=HD):
-    """Random inputs; nrot copies of the cache (and q / tree K/V) to rotate over."""
-    import jax
-    import jax.numpy as jnp
-
-    from pallas_kernels.tree_mask import ancestor_bits
-
-    rng = np.random.default_rng(int(jax.random.randint(key, (), 0, 2**30)))
-    parents = jnp.asarray(random_parents(rng, b, n))
-    bits = ancestor_bits(parents, impl="xla")
-    lens = jnp.asarray(lengths, jnp.int32)
-    sets = []
-    for r in range(nrot):
-        ks = jax.random.split(jax.random.fold_in(key, r), 5)
-        q = jax.random.normal(ks[0], (b, n, nq, hd), jnp.float32).astype(dtype)
-        kc = jax.random.normal(ks[1], (b, nkv, cap, hd), jnp.float32).astype(dtype)
-        vc = jax.random.normal(ks[2], (b, nkv, cap, hd), jnp.float32).astype(dtype)
-        kt = jax.random.normal(ks[3], (b, n, nkv, hd), jnp.float32).astype(dtype)
-        vt = jax.random.normal(ks[4], (b, n, nkv, hd), jnp.float32).astype(dtype)
-        sets.append((q, kc, vc, lens, kt, vt, bits))
-    return sets, parents
-
-
-def cache_bytes(lengths, nkv=NKV, hd=HD, itemsize=2):
-    return int(sum(lengths) * nkv * hd * 2 * itemsize)
-
-
-def attn_flops(lengths, n, nq=NQ, hd=HD):
-    """QK^T and PV over the visible cache and the tree keys (dense over the tree)."""
-    return int(sum(4 * n * nq * hd * (L + n) for L in lengths))
-
-
-def rotations_for(nbytes):
-    """Copies of the inputs so that one pass over all of them is > 1.25 x L2, at most 8 (each copy
-    is one more traced call in the timing loop; 1k x batch 1 stays partly L2-resident)."""
-    return int(max(1, min(8, math.ceil(1.25 * L2_BYTES / max(nbytes, 1)))))
-
-
 # ---------------------------------------------------------------------------------------------
 # jax implementations under test
 # ---------------------------------------------------------------------------------------------
@@ -232,45 +174,6 @@ def jax_fn(impl, tuning=None):
 # ---------------------------------------------------------------------------------------------
 # steps
 # ---------------------------------------------------------------------------------------------
-def measure_bandwidth(on_gpu, quick):
-    import jax
-    import jax.numpy as jnp
-
-    res = {}
-    n = (2**30 if not quick else 2**29) if on_gpu else 2**20
-    x = jax.random.normal(jax.random.PRNGKey(1), (n,), jnp.float32).astype(jnp.bfloat16)
-    red = jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32))
-
-    def bench(f, *a, reps=10):
-        jax.block_until_ready(f(*a))
-        ts = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                out = f(*a)
-            jax.block_until_ready(out)
-            ts.append((time.perf_counter() - t0) / reps)
-        return statistics.median(ts)
-
-    t = bench(red, x)
-    res["reduction_GBps"] = 2 * n / t / 1e9
-    del x
-    side = int(math.isqrt(n))
-    w = jax.random.normal(jax.random.PRNGKey(2), (side, side), jnp.float32).astype(jnp.bfloat16)
-    v = jax.random.normal(jax.random.PRNGKey(3), (side,), jnp.float32).astype(jnp.bfloat16)
-    gemv = jax.jit(lambda w, v: jnp.dot(w, v, preferred_element_type=jnp.float32))
-    t = bench(gemv, w, v)
-    res["gemv_GBps"] = 2 * side * side / t / 1e9
-    del w, v
-    res["hbm_GBps"] = max(res["reduction_GBps"], res["gemv_GBps"])
-    m = 8192 if on_gpu else 256
-    a = jax.random.normal(jax.random.PRNGKey(4), (m, m), jnp.float32).astype(jnp.bfloat16)
-    mm = jax.jit(lambda a: jnp.dot(a, a, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
-    t = bench(mm, a, reps=5)
-    res["matmul_TFLOPs"] = 2 * m**3 / t / 1e12
-    return res
-
-
 def correctness(impl, on_gpu, quick):
     """pallas vs xla at bench shapes (bf16) and float32 shapes (rel err <= 1e-5)."""
     import jax
@@ -584,7 +487,7 @@ def main(argv=None):
         atomic.write_json(out_path, result, indent=1, default=str)
 
     try:
-        result["bandwidth"] = measure_bandwidth(on_gpu, quick)
+        result["bandwidth"] = jax_rates(on_gpu, quick)
     except Exception as e:
         traceback.print_exc()
         result["bandwidth"] = {"error": err_str(e)}
