@@ -50,7 +50,8 @@ def peak_memory() -> int | None:
     return None if not stats else int(stats.get("peak_bytes_in_use", 0)) or None
 
 
-def _median_ms(fn: Callable[[], object], repeats: int) -> float:
+def median_ms(fn: Callable[[], object], repeats: int) -> float:
+    """Median wall ms of fn() (blocked until ready) over `repeats` calls after one warm-up call."""
     jax.block_until_ready(fn())  # warm-up (and compile)
     times = []
     for _ in range(repeats):
@@ -140,7 +141,7 @@ def phase_times_at(graphdef, params, dparams, s: gen.LoopState, spec: gen.GenSpe
                                              jnp.int32(n)))
         # The difference of an inner- and a 2 x inner-iteration call cancels the per-call host
         # dispatch (~9 ms with a 27B params pytree, which would add ~1 ms to every phase at inner 8).
-        once, twice = _median_ms(run(inner), repeats), _median_ms(run(2 * inner), repeats)
+        once, twice = median_ms(run(inner), repeats), median_ms(run(2 * inner), repeats)
         out[phase] = max(twice - once, 0.0) / inner
     return out
 

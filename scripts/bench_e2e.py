@@ -22,7 +22,6 @@ import argparse
 import datetime
 import functools
 import os
-import statistics
 import sys
 import time
 
@@ -32,6 +31,7 @@ import numpy as np
 from flax import nnx
 
 from ddtree_jax import atomic
+from ddtree_jax.bench import median_ms
 from ddtree_jax.cache import KVCache, RecurrentCache, TargetCache
 from ddtree_jax.config import TargetConfig
 from ddtree_jax.drafter_config import DrafterConfig
@@ -113,34 +113,13 @@ def nbytes(tree) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree))
 
 
-def median_ms(fn, repeats: int) -> float:
-    jax.block_until_ready(fn())
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(1000 * (time.perf_counter() - t0))
-    return statistics.median(times)
+def measure_bandwidth(smoke: bool) -> dict:
+    """Best read rate of the device (scripts/gpu_bench_common.jax_rates: a bf16 reduction and a bf16
+    GEMV over 2 GiB, tiny with --smoke), under this report's keys."""
+    from scripts.gpu_bench_common import jax_rates
 
-
-def measure_bandwidth(gib: float) -> dict:
-    """Best read rate: a bf16 reduction over `gib` GiB and a bf16 GEMV of the same size."""
-    n = int(gib * 2**30 / 2)
-    cols = 8192
-    rows = n // cols
-    x = _normal(jax.random.PRNGKey(1), (rows, cols), jnp.bfloat16, 1.0)
-    v = _normal(jax.random.PRNGKey(2), (cols,), jnp.bfloat16, 1.0)
-    reduce = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
-    gemv = jax.jit(lambda a, b: a @ b)
-    bytes_ = rows * cols * 2
-    t_red = median_ms(lambda: reduce(x), 20)
-    t_gemv = median_ms(lambda: gemv(x, v), 20)
-    out = {"bytes": bytes_, "reduce_ms": t_red, "gemv_ms": t_gemv,
-           "reduce_GBps": bytes_ / t_red / 1e6, "gemv_GBps": bytes_ / t_gemv / 1e6}
-    out["best_GBps"] = max(out["reduce_GBps"], out["gemv_GBps"])
-    del x
-    return out
+    rates = jax_rates(not smoke, False, matmul=False)
+    return {"reduce_GBps": rates["reduction_GBps"], "gemv_GBps": rates["gemv_GBps"], "best_GBps": rates["hbm_GBps"]}
 
 
 def decode_bytes(cfg: TargetConfig, params, cache: TargetCache) -> int:
@@ -182,7 +161,7 @@ def main(argv=None) -> int:
     cache_dir = os.environ.get("JAX_CACHE_DIR")
     if cache_dir:  # persistent compilation cache: a second call on a warm machine skips compiles
         jax.config.update("jax_compilation_cache_dir", cache_dir)
-    report["bandwidth"] = measure_bandwidth(0.05 if args.smoke else 4.0)
+    report["bandwidth"] = measure_bandwidth(args.smoke)
     print(f"[bench] HBM read rate: {report['bandwidth']['best_GBps']:.0f} GB/s", flush=True)
     save()
 
