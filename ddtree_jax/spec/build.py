@@ -25,12 +25,14 @@ TOPK_CHUNK = 2048  # vocab chunk of the two-stage top-k
 
 def top_k(x: jax.Array, k: int, chunk: int = TOPK_CHUNK):
     """lax.top_k over the last axis (same values, indices and tie rule: equal values, lower index
-    first), in two stages when the axis is long: the top k of each contiguous chunk, then the top
-    k of those candidates, kept in chunk order so the tie rule carries over. On the GPU a sort of
-    a 248k-entry vocabulary row runs as several passes over the row; chunks of 2k sort in one.
+    first), in stages when the axis is long: the top k of each contiguous chunk, then (again in
+    stages if still long) the top k of those candidates, kept in chunk order so the tie rule
+    carries over. On the GPU lax.top_k of one long row runs as one thread block (k <= 16) or a
+    sort of the whole row: a 248k-entry vocabulary row took several sort passes, an 8k row 93 us,
+    a 4096-entry beam row 30 us; rows of a few thousand sort in one short pass.
     """
     n = x.shape[-1]
-    if n <= 4 * chunk or k > chunk // 4:
+    if n <= 2 * chunk or k > chunk // 4:
         # The barrier keeps XLA from fusing the consumers' slices into the top-k: on XLA:CPU the
         # fused form re-ran it per consumer (the demo's tree build: 30-40 ms -> 0.3 ms).
         return jax.lax.optimization_barrier(jax.lax.top_k(x, k))
@@ -41,8 +43,13 @@ def top_k(x: jax.Array, k: int, chunk: int = TOPK_CHUNK):
     val, idx = jax.lax.top_k(xp, k)  # [..., n_chunks, k]
     idx = idx + (jnp.arange(n_chunks, dtype=idx.dtype) * chunk)[:, None]
     val, idx = val.reshape(*x.shape[:-1], n_chunks * k), idx.reshape(*x.shape[:-1], n_chunks * k)
-    best, pos = jax.lax.top_k(val, k)  # candidates are in (chunk, rank) order: ties keep lower index
+    best, pos = top_k(val, k, chunk)  # candidates are in (chunk, rank) order: ties keep lower index
     return jax.lax.optimization_barrier((best, jnp.take_along_axis(idx, pos, axis=-1)))
+
+
+def beam_chunk(k: int) -> int:
+    """Chunk of the staged top-k over a beam's W x k extensions: rows of 512 (4k for wide beams)."""
+    return max(512, 4 * k)
 
 
 def validate_budget(budget: int, depth: int, vocab: int, max_candidates: int | None = None) -> int:
@@ -71,7 +78,7 @@ def _beam_step(beam_scores, cand_scores, budget: int, k: int):
     b, w = beam_scores.shape
     flat = (beam_scores[:, :, None] + cand_scores[:, None, :]).reshape(b, w * k)
     width = min(budget, w * k)
-    _, pick = jax.lax.top_k(flat, width)  # ties: lower flat index = lex-smaller path
+    _, pick = top_k(flat, width, beam_chunk(width))  # ties: lower flat index = lex-smaller path
     pick = jnp.sort(pick, axis=-1)  # store the beam in lexicographic order
     scores = jnp.take_along_axis(flat, pick, axis=-1)
     parent, rank = pick // k, pick % k
@@ -83,8 +90,10 @@ def _beam_step(beam_scores, cand_scores, budget: int, k: int):
     return scores, parent, rank
 
 
-def build_tree(logq: jax.Array, root_tokens: jax.Array, start: jax.Array, budget: int, max_candidates=None) -> Tree:
-    """logq [B, D, V]: log-probs of the D draft depths; root_tokens, start [B]. Static budget.
+def build_tree(logq: jax.Array, root_tokens: jax.Array, start: jax.Array, budget: int, max_candidates=None,
+               impl: str = "xla") -> Tree:
+    """logq [B, D, V]: log-probs of the D draft depths; root_tokens, start [B]. Static budget;
+    impl picks the ancestor-bitset kernel (ddtree_jax.tree.make_tree).
 
     Returns a Tree of budget + 1 slots (root first, then nodes by depth, each depth in lex order).
     """
@@ -117,7 +126,7 @@ def build_tree(logq: jax.Array, root_tokens: jax.Array, start: jax.Array, budget
     all_tokens = jnp.concatenate([root_tokens[:, None], tokens], axis=1)
     all_parents = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), parent_index], axis=1)
     all_valid = jnp.concatenate([jnp.ones((b, 1), bool), valid_nodes], axis=1)
-    return make_tree(all_tokens, all_parents, all_valid, start, max_depth=depth)
+    return make_tree(all_tokens, all_parents, all_valid, start, max_depth=depth, impl=impl)
 
 
 def build_chain(logq: jax.Array, root_tokens: jax.Array, start: jax.Array) -> Tree:

@@ -125,7 +125,7 @@ def propose(model, drafter_params, s: LoopState, spec: GenSpec) -> jax.Array:
 def build(logq: jax.Array, s: LoopState, spec: GenSpec) -> Tree:
     if spec.mode == "dflash":
         return build_chain(logq, s.bonus, s.cache.lengths)
-    return build_tree(logq, s.bonus, s.cache.lengths, spec.budget, spec.candidates)
+    return build_tree(logq, s.bonus, s.cache.lengths, spec.budget, spec.candidates, impl=spec.kernels)
 
 
 def verify(model, s: LoopState, tree: Tree, spec: GenSpec, key) -> VerifyResult:
