@@ -31,10 +31,15 @@ class Tree(NamedTuple):
 
 def ancestor_bits_from_parents(parents: jax.Array, max_depth: int, impl: str = "xla") -> jax.Array:
     """Bitsets of ancestors-or-self from parent pointers, on device ([B, N] -> [B, N, W]):
-    pallas_kernels.tree_mask (pointer doubling, ceil(log2(max_depth + 1)) dependent steps; impl
-    "pallas" runs them in one kernel launch)."""
-    from pallas_kernels.tree_mask import ancestor_bits
+    pallas_kernels.tree_mask (pointer doubling, ceil(log2(max_depth + 1)) dependent steps). impl
+    "pallas" / "pallas_interpret" runs them in one kernel launch for trees of up to
+    MAX_KERNEL_NODES nodes (the kernel keeps a tree in one program's shared memory); larger trees
+    take the same doubling as XLA gathers, which is the faster form at that size anyway (8 vs
+    14 us for the XLA form vs the kernel at 64 nodes on the H200, docs/benchmarks.md)."""
+    from pallas_kernels.tree_mask import MAX_KERNEL_NODES, ancestor_bits
 
+    if parents.shape[-1] > MAX_KERNEL_NODES:
+        impl = "xla"
     return ancestor_bits(parents, impl=impl, max_depth=max_depth)
 
 

@@ -30,6 +30,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels._common import cdiv, check_impl, compiler_params, dot, load, log2_ceil, next_pow2, store
 
 WORD = 32
+MAX_KERNEL_NODES = 256  # N_pad = 512 asked the H200 for 576 KiB of shared memory (it has 227 KiB)
 
 
 def _steps(n: int, max_depth: int | None) -> int:
@@ -73,6 +74,11 @@ def _kernel(par_ref, out_ref, *, n, n_pad, c_pad, c_out, steps):
 def ancestor_bits_pallas(parents: jax.Array, *, max_depth: int | None = None, interpret: bool = False,
                          num_warps: int | None = None) -> jax.Array:
     b, n = parents.shape
+    if n > MAX_KERNEL_NODES:
+        raise ValueError(
+            f"the ancestor-bits kernel holds a tree in one program and handles at most {MAX_KERNEL_NODES} nodes "
+            f"(its one-hot gather needs N_pad^2 in shared memory: 576 KiB at {n} nodes, the H200 has 227 KiB); "
+            f"got {n}: use impl='xla' (the same doubling as separate XLA gathers)")
     words = cdiv(n, WORD)
     c_out = 4 * words
     n_pad = max(16, next_pow2(n))

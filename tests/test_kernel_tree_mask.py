@@ -102,3 +102,31 @@ def test_out_of_range_parent_is_root():
 def test_rejects_bad_impl():
     with pytest.raises(ValueError):
         ancestor_bits(jnp.zeros((1, 4), jnp.int32), impl="triton")
+
+
+def test_kernel_size_limit_and_tree_route():
+    """The kernel refuses trees it cannot hold (N_pad^2 shared memory: budget 256 crashed the H200
+    with 'Shared memory size limit exceeded'); make_tree takes the XLA doubling for them."""
+    from ddtree_jax.tree import make_tree
+    from pallas_kernels.tree_mask import MAX_KERNEL_NODES
+
+    n = MAX_KERNEL_NODES + 1
+    par = make_parents(11, 2, n, "random")
+    with pytest.raises(ValueError, match="at most 256 nodes"):
+        ancestor_bits(jnp.asarray(par), impl="pallas_interpret")
+    valid = jnp.ones((2, n), bool)
+    got = make_tree(jnp.zeros((2, n), jnp.int32), jnp.asarray(par), valid, jnp.zeros((2,), jnp.int32), n - 1,
+                    impl="pallas_interpret")
+    np.testing.assert_array_equal(np.asarray(bits_to_dense(got.ancestor_bits, n)), walk(par))
+
+
+def test_depths_from_bits_match_walk():
+    from ddtree_jax.tree import make_tree
+
+    for kind in KINDS:
+        par = make_parents(5, 3, 40, kind)
+        tree = make_tree(jnp.zeros((3, 40), jnp.int32), jnp.asarray(par), jnp.ones((3, 40), bool),
+                         jnp.asarray([0, 3, 9], jnp.int32), 39, impl="pallas_interpret")
+        want = walk(par).sum(-1) - 1
+        np.testing.assert_array_equal(np.asarray(tree.depths), want, err_msg=kind)
+        np.testing.assert_array_equal(np.asarray(tree.positions), want + np.asarray([0, 3, 9])[:, None])
