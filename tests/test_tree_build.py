@@ -137,6 +137,21 @@ def test_two_stage_top_k_equals_lax_top_k(seed, n, k, levels):
     x[rng.random(x.shape) < 0.05] = -np.inf
     k = min(k, n)
     want_v, want_i = jax.lax.top_k(jnp.asarray(x), k)
-    got_v, got_i = top_k(jnp.asarray(x), k, chunk=64)
+    got_v, got_i = top_k(jnp.asarray(x), k, chunk=64, staged=True)
     np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_v))
     np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
+
+
+@pytest.mark.parametrize("budget", [64, 100, 256])
+def test_staged_beam_builds_the_same_tree(budget, monkeypatch):
+    """On a GPU the beam's and the vocabulary's top-k run in stages (CPU: one lax.top_k); the
+    tree must be the same array for array, ties included."""
+    for quantized in (False, True):
+        logq = jnp.asarray(draw_logq(budget + 1, quantized))
+        args = (logq, jnp.array([3, 4], jnp.int32), jnp.array([5, 9], jnp.int32))
+        plain = jax.jit(lambda *a: build_tree(*a, budget=budget))(*args)
+        with monkeypatch.context() as m:
+            m.setattr(jax, "default_backend", lambda: "gpu")
+            staged = jax.jit(lambda *a: build_tree(*a, budget=budget))(*args)
+        for name, want, got in zip(plain._fields, plain, staged):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=name)
