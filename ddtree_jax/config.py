@@ -237,7 +237,9 @@ def _layer_types(reader: FieldReader, num_layers: int) -> tuple[str, ...]:
 
 
 def read_dtype(reader: FieldReader) -> str:
-    name = reader.raw.get("dtype", reader.raw.get("torch_dtype", "float32")) or "float32"
+    """The stored dtype: `dtype` (transformers 5) or `torch_dtype` (4.x), whichever is set (a null
+    `dtype` must not hide a `torch_dtype`); float32 when neither is."""
+    name = next((reader.raw[k] for k in ("dtype", "torch_dtype") if reader.raw.get(k) is not None), "float32")
     if name not in DTYPES:
         reader.problems.append(f"unsupported dtype '{name}' (supported: float32, bfloat16, float16)")
         return "float32"
@@ -268,8 +270,8 @@ def _parse_target(raw: Mapping[str, Any], source: str) -> TargetConfig:
         if not isinstance(text, Mapping):
             raise ConfigError(["model_type 'qwen3_5' needs a 'text_config' object"], source)
         # Fields the composite config keeps at top level (dtype, tie) are defaults for the text part.
-        merged = {k: outer[k] for k in ("dtype", "torch_dtype") if k in outer}
-        merged.update(text)
+        merged = {k: outer[k] for k in ("dtype", "torch_dtype") if outer.get(k) is not None}
+        merged.update({k: v for k, v in text.items() if v is not None or k not in merged})  # null: no override
         # Qwen3_5ForConditionalGeneration ties lm_head by the TOP-LEVEL flag; text_config keeps its
         # own (ignored) copy, which save_pretrained always writes.
         if "tie_word_embeddings" in outer:

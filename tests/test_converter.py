@@ -469,3 +469,16 @@ def test_cli_help(capsys):
     with pytest.raises(SystemExit) as e:
         cli_main(["a", "b", "--dtype", "int8"])
     assert e.value.code == 2
+
+
+def test_null_dtype_does_not_override(q35_raw):
+    """A text_config saved with "dtype": null keeps the composite config's dtype, and a null
+    `dtype` does not hide `torch_dtype` (both spellings occur in saved HF configs)."""
+    from ddtree_jax.config import TargetConfig
+
+    text, _ = q35_raw
+    text = {k: v for k, v in text.items() if k not in ("dtype", "torch_dtype")}
+    composite = {"model_type": "qwen3_5", "dtype": "bfloat16", "text_config": {**text, "dtype": None}}
+    assert TargetConfig.from_hf_dict(composite).dtype == "bfloat16"
+    assert TargetConfig.from_hf_dict({**text, "dtype": None, "torch_dtype": "float16"}).dtype == "float16"
+    assert TargetConfig.from_hf_dict({**text, "dtype": None}).dtype == "float32"
