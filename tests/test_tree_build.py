@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from ddtree_jax.spec.build import build_chain, build_tree
+from ddtree_jax.spec.build import build_chain, build_tree, select_in_index_order
 from ddtree_jax.tree import bits_to_dense
 
 D, V = 5, 24
@@ -154,4 +154,38 @@ def test_staged_beam_builds_the_same_tree(budget, monkeypatch):
             m.setattr(jax, "default_backend", lambda: "gpu")
             staged = jax.jit(lambda *a: build_tree(*a, budget=budget))(*args)
         for name, want, got in zip(plain._fields, plain, staged):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=name)
+
+
+_select = jax.jit(select_in_index_order, static_argnums=1)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), width=st.integers(1, 40), levels=st.sampled_from([2, 5, 0]))
+def test_select_in_index_order_equals_sorted_top_k(seed, width, levels):
+    """The pairwise-rank selection picks lax.top_k's set (ties to the lower index, -inf included)
+    in increasing index order (signed zeros ordered as lax.top_k orders them). One padded shape
+    for all examples."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(3, 40)).astype(np.float32)
+    if levels:
+        x = np.round(x * levels) / levels
+    x[rng.random(x.shape) < 0.1] = -np.inf
+    want = np.sort(np.asarray(jax.lax.top_k(jnp.asarray(x), width)[1]), axis=-1)
+    got = np.asarray(_select(jnp.asarray(x), width))
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("budget", [1, 2, 7, 16, 33])
+def test_rank_selected_beam_builds_the_same_tree(budget, monkeypatch):
+    """Off the CPU, beams of <= RANK_SELECT_MAX extensions select by pairwise ranks: the tree must
+    equal the CPU's (sort-based) array for array, ties included."""
+    for quantized in (False, True):
+        logq = jnp.asarray(draw_logq(budget + 7, quantized))
+        args = (logq, jnp.array([3, 4], jnp.int32), jnp.array([5, 9], jnp.int32))
+        plain = jax.jit(lambda *a: build_tree(*a, budget=budget))(*args)
+        with monkeypatch.context() as m:
+            m.setattr(jax, "default_backend", lambda: "gpu")
+            ranked = jax.jit(lambda *a: build_tree(*a, budget=budget))(*args)
+        for name, want, got in zip(plain._fields, plain, ranked):
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=name)

@@ -74,6 +74,29 @@ def validate_budget(budget: int, depth: int, vocab: int, max_candidates: int | N
     return k
 
 
+RANK_SELECT_MAX = 1024  # beam rows up to this long select by pairwise ranks off the CPU
+
+
+def select_in_index_order(x: jax.Array, width: int) -> jax.Array:
+    """The indices of top_k(x, width) (lax.top_k's tie rule) in increasing index order, [B, n] ->
+    [B, width], by pairwise comparison: three reductions (rank of every entry, selected entries
+    before each, the index holding each output slot) instead of a top-k sort, a sort of the picks
+    and the copies XLA's in-place sorts make (~6 kernels). O(n^2) work, for short rows on a GPU,
+    where a small model's tree build is one kernel launch per op (docs/benchmarks.md section 3)."""
+    n = x.shape[-1]
+    idx = jnp.arange(n, dtype=jnp.int32)
+    earlier = idx[None, :] < idx[:, None]  # [i, j]: j before i
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+    key = jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)  # top_k's total order: -0.0 < +0.0
+    xi, xj = key[:, :, None], key[:, None, :]
+    rank = jnp.sum((xj > xi) | ((xj == xi) & earlier[None]), axis=-1, dtype=jnp.int32)
+    chosen = rank < width
+    before = jnp.sum(chosen[:, None, :] & earlier[None], axis=-1, dtype=jnp.int32)
+    slot = jnp.where(chosen, before, width)  # output position of each chosen entry
+    hit = slot[:, None, :] == jnp.arange(width, dtype=jnp.int32)[None, :, None]  # [B, width, n]
+    return jnp.sum(jnp.where(hit, idx[None, None, :], 0), axis=-1, dtype=jnp.int32)
+
+
 def _beam_step(beam_scores, cand_scores, budget: int, k: int):
     """Extend each kept node [B, W] by k candidates [B, k]; keep the best `budget` in lex order.
 
@@ -82,8 +105,11 @@ def _beam_step(beam_scores, cand_scores, budget: int, k: int):
     b, w = beam_scores.shape
     flat = (beam_scores[:, :, None] + cand_scores[:, None, :]).reshape(b, w * k)
     width = min(budget, w * k)
-    _, pick = top_k(flat, width, beam_chunk(width))  # ties: lower flat index = lex-smaller path
-    pick = jnp.sort(pick, axis=-1)  # store the beam in lexicographic order
+    if w * k <= RANK_SELECT_MAX and jax.default_backend() != "cpu":  # XLA:CPU sorts these faster
+        pick = select_in_index_order(flat, width)
+    else:
+        _, pick = top_k(flat, width, beam_chunk(width))  # ties: lower flat index = lex-smaller path
+        pick = jnp.sort(pick, axis=-1)  # store the beam in lexicographic order
     scores = jnp.take_along_axis(flat, pick, axis=-1)
     parent, rank = pick // k, pick % k
     if width < budget:
