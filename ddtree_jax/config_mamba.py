@@ -80,6 +80,12 @@ def _dt_limit(r: FieldReader, key: str) -> tuple[float, float]:
     return (float(value[0]), float(value[1]))
 
 
+def _check_expand(problems: list[str], hidden, expand, n_heads, head_dim, inner: str, heads: str) -> None:
+    """The Mamba2 inner width two ways: hidden * expand must equal heads * head_dim."""
+    if hidden and expand and n_heads and head_dim and hidden * expand != n_heads * head_dim:
+        problems.append(f"{inner} ({hidden * expand}) must equal {heads} ({n_heads * head_dim})")
+
+
 def _need(r: FieldReader, key: str, allowed: tuple, default=None) -> None:
     value = r.raw.get(key, default)
     if value not in allowed:
@@ -126,11 +132,8 @@ def _parse_mamba_family(raw: Mapping[str, Any], model_type: str, source: str) ->
             mamba_dt_limit=_dt_limit(r, "time_step_limit"),
             residual_in_fp32=_flag(r, "residual_in_fp32", True), block_ffn=False,
         )
-        if hidden and expand and fields["mamba_head_dim"] and hidden * expand != n_heads * fields["mamba_head_dim"]:
-            problems.append(
-                f"hidden_size * expand ({hidden * expand}) must equal num_heads * head_dim "
-                f"({n_heads * fields['mamba_head_dim']})"
-            )
+        _check_expand(problems, hidden, expand, n_heads, fields["mamba_head_dim"],
+                      "hidden_size * expand", "num_heads * head_dim")
         _need(r, "hidden_act", ("silu",), "silu")
         eps = _number(r, "layer_norm_epsilon", 1e-5)
         tie = _flag(r, "tie_word_embeddings", False)
@@ -162,11 +165,8 @@ def _parse_mamba_family(raw: Mapping[str, Any], model_type: str, source: str) ->
             mamba_proj_bias=_flag(r, "mamba_proj_bias", False), mamba_dt_limit=_dt_limit(r, "time_step_limit"),
             qk_norm=False, mlp_bias=_flag(r, "mlp_bias", False),
         )
-        if hidden and n_heads and d_head and expand * hidden != n_heads * int(d_head):
-            problems.append(
-                f"mamba_expand * hidden_size ({expand * hidden}) must equal mamba_n_heads * mamba_d_head "
-                f"({n_heads * int(d_head)})"
-            )
+        _check_expand(problems, hidden, expand, n_heads, int(d_head),
+                      "mamba_expand * hidden_size", "mamba_n_heads * mamba_d_head")
         _need(r, "hidden_act", ("silu",), "silu")
         eps = _number(r, "rms_norm_eps", 1e-5)
         tie = _flag(r, "tie_word_embeddings", False)

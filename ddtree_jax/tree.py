@@ -8,6 +8,7 @@ never anyone's ancestor, so they cannot disturb real nodes.
 
 from __future__ import annotations
 
+import warnings
 from typing import NamedTuple
 
 import jax
@@ -34,11 +35,16 @@ def ancestor_bits_from_parents(parents: jax.Array, max_depth: int, impl: str = "
     pallas_kernels.tree_mask (pointer doubling, ceil(log2(max_depth + 1)) dependent steps). impl
     "pallas" / "pallas_interpret" runs them in one kernel launch for trees of up to
     MAX_KERNEL_NODES nodes (the kernel keeps a tree in one program's shared memory); larger trees
-    take the same doubling as XLA gathers, which is the faster form at that size anyway (8 vs
-    14 us for the XLA form vs the kernel at 64 nodes on the H200, docs/benchmarks.md)."""
+    take the same doubling as XLA gathers (exact, the same bits), with a warning when traced."""
     from pallas_kernels.tree_mask import MAX_KERNEL_NODES, ancestor_bits
 
-    if parents.shape[-1] > MAX_KERNEL_NODES:
+    if impl != "xla" and parents.shape[-1] > MAX_KERNEL_NODES:
+        warnings.warn(
+            f"ancestor bits of a {parents.shape[-1]}-node tree use the XLA doubling, not the Pallas kernel: the "
+            f"kernel holds at most {MAX_KERNEL_NODES} nodes in one program's shared memory "
+            "(pallas_kernels/tree_mask.py, MAX_KERNEL_NODES)",
+            stacklevel=2,
+        )
         impl = "xla"
     return ancestor_bits(parents, impl=impl, max_depth=max_depth)
 

@@ -142,18 +142,20 @@ def test_two_stage_top_k_equals_lax_top_k(seed, n, k, levels):
     np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
 
 
-@pytest.mark.parametrize("budget", [64, 100, 256])
-def test_staged_beam_builds_the_same_tree(budget, monkeypatch):
-    """On a GPU the beam's and the vocabulary's top-k run in stages (CPU: one lax.top_k); the
-    tree must be the same array for array, ties included."""
+@pytest.mark.parametrize("budget", [1, 2, 7, 16, 33, 64, 100, 256])
+def test_gpu_beam_forms_build_the_same_tree(budget, monkeypatch):
+    """Off the CPU the beam selects by pairwise ranks (rows <= RANK_SELECT_MAX: budgets <= 33 here)
+    or by a staged top-k (longer rows: 64 / 100 / 256), where the CPU runs one lax.top_k and a
+    sort. Built with the backend reported as GPU, the tree must equal the CPU's array for array,
+    ties included."""
     for quantized in (False, True):
         logq = jnp.asarray(draw_logq(budget + 1, quantized))
         args = (logq, jnp.array([3, 4], jnp.int32), jnp.array([5, 9], jnp.int32))
-        plain = jax.jit(lambda *a: build_tree(*a, budget=budget))(*args)
+        cpu_form = jax.jit(lambda *a: build_tree(*a, budget=budget))(*args)
         with monkeypatch.context() as m:
             m.setattr(jax, "default_backend", lambda: "gpu")
-            staged = jax.jit(lambda *a: build_tree(*a, budget=budget))(*args)
-        for name, want, got in zip(plain._fields, plain, staged):
+            gpu_form = jax.jit(lambda *a: build_tree(*a, budget=budget))(*args)
+        for name, want, got in zip(cpu_form._fields, cpu_form, gpu_form):
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=name)
 
 
@@ -175,17 +177,3 @@ def test_select_in_index_order_equals_sorted_top_k(seed, width, levels):
     got = np.asarray(_select(jnp.asarray(x), width))
     np.testing.assert_array_equal(got, want)
 
-
-@pytest.mark.parametrize("budget", [1, 2, 7, 16, 33])
-def test_rank_selected_beam_builds_the_same_tree(budget, monkeypatch):
-    """Off the CPU, beams of <= RANK_SELECT_MAX extensions select by pairwise ranks: the tree must
-    equal the CPU's (sort-based) array for array, ties included."""
-    for quantized in (False, True):
-        logq = jnp.asarray(draw_logq(budget + 7, quantized))
-        args = (logq, jnp.array([3, 4], jnp.int32), jnp.array([5, 9], jnp.int32))
-        plain = jax.jit(lambda *a: build_tree(*a, budget=budget))(*args)
-        with monkeypatch.context() as m:
-            m.setattr(jax, "default_backend", lambda: "gpu")
-            ranked = jax.jit(lambda *a: build_tree(*a, budget=budget))(*args)
-        for name, want, got in zip(plain._fields, plain, ranked):
-            np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=name)

@@ -29,8 +29,9 @@ def top_k(x: jax.Array, k: int, chunk: int = TOPK_CHUNK, staged: bool | None = N
     stages if still long) the top k of those candidates, kept in chunk order so the tie rule
     carries over. On the GPU lax.top_k of one long row runs as one thread block (k <= 16) or a
     sort of the whole row: a 248k-entry vocabulary row took several sort passes, an 8k row 93 us,
-    a 4096-entry beam row 30 us; rows of a few thousand sort in one short pass. XLA:CPU's top-k
-    is a partial sort that staging only slows down (8k vocabulary, k 64: 1.05 vs 0.35 ms), so
+    a 4096-entry beam row 30 us (H200, scripts/profile_pair.py, docs/benchmarks.md section 3);
+    rows of a few thousand sort in one short pass. XLA:CPU's top-k is a partial sort that staging
+    only slows down (about 3x for the demo's 8k vocabulary on this project's CPU), so
     `staged=None` stages on every backend but the CPU.
     """
     n = x.shape[-1]
