@@ -327,7 +327,7 @@ def tree_benchmark(cfg, result, hbm, fla_ops):
     device = "cuda" if cfg.on_gpu else "cpu"
     rows = result["tree"]
     best = {}
-    cases = [(n, "ddtree") for n in cfg.sizes] + ([(16, "chain")] if not cfg.quick and not cfg.cpu else [])
+    cases = [(n, "ddtree") for n in cfg.sizes] + ([(16, "chain")] if 16 in cfg.sizes and not cfg.quick and not cfg.cpu else [])
     for n, kind in cases:
         for b in cfg.batches:
             label = f"{kind}{n}"
@@ -519,6 +519,8 @@ def main(argv=None):
     ap.add_argument("--no-peers", action="store_true", help="skip torch / FLA peers")
     ap.add_argument("--no-sweep", action="store_true", help="default tiles only")
     ap.add_argument("--budget-s", type=float, default=190.0, help="skip optional work past this many seconds")
+    ap.add_argument("--batches", default=None, help="comma list narrowing the sweep, e.g. 8")
+    ap.add_argument("--sizes", default=None, help="comma list of tree sizes, e.g. 256")
     ap.add_argument("--out", default=None, help="JSON path (default $OUT/gdn.json when $OUT is set)")
     args = ap.parse_args(argv)
 
@@ -544,6 +546,10 @@ def main(argv=None):
     else:
         cfg.sizes = [16, 64] if args.quick else [16, 64, 128, 256]
         cfg.batches = [1, 8]
+        if args.sizes:
+            cfg.sizes = [int(x) for x in args.sizes.split(",")]
+        if args.batches:
+            cfg.batches = [int(x) for x in args.batches.split(",")]
         cfg.shape = {"hk": HK, "hv": HV, "dk": DK, "dv": DV}
     cfg.dims = dict(cfg.shape)
 

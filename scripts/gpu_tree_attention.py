@@ -271,10 +271,13 @@ def sweep(impl, on_gpu, quick, hbm):
     return best, rows
 
 
-def benchmark(impl, on_gpu, quick, hbm, tflops, best, peers, budget_s):
+def benchmark(impl, on_gpu, quick, hbm, tflops, best, peers, budget_s, select=None):
+    """select: optional {"batches", "caches", "trees": tuples, "flex_all": bool} narrowing the
+    sweep (a follow-up run that fills in rows, e.g. flex_attention at every selected shape)."""
     import jax
     import jax.numpy as jnp
 
+    select = select or {}
     if on_gpu:
         batches, caches = (1, 8), ((8192,) if quick else (1024, 8192, 32768))
         trees = (16, 64) if quick else (16, 64, 128, 256)
@@ -284,6 +287,11 @@ def benchmark(impl, on_gpu, quick, hbm, tflops, best, peers, budget_s):
         batches, caches, trees = (1, 2), (64,), (4,)
         nq, nkv, hd = 4, 2, 32
         flex_shapes = {(1, 64, 4)}
+    batches = select.get("batches") or batches
+    caches = select.get("caches") or caches
+    trees = select.get("trees") or trees
+    if select.get("flex_all"):
+        flex_shapes = {(b, c, n) for b in batches for c in caches for n in trees}
     tree_rows, decode_rows = [], []
 
     def over_budget():
@@ -459,6 +467,11 @@ def main(argv=None):
     ap.add_argument("--no-sweep", action="store_true", help="skip the tile sweep (use choose_config defaults)")
     ap.add_argument("--no-peers", action="store_true", help="skip the torch peers")
     ap.add_argument("--budget-s", type=float, default=200.0, help="skip optional work past this many seconds")
+    ap.add_argument("--batches", default=None, help="comma list narrowing the sweep, e.g. 1,8")
+    ap.add_argument("--caches", default=None, help="comma list of cache lengths, e.g. 8192,32768")
+    ap.add_argument("--trees", default=None, help="comma list of tree sizes, e.g. 16,64,256")
+    ap.add_argument("--flex-all", action="store_true",
+                    help="time flex_attention at every selected tree shape (default: a fixed subset)")
     ap.add_argument("--out", default=None, help="JSON output path (default $OUT/tree_attention.json)")
     args = ap.parse_args(argv)
     out_path = args.out or (os.path.join(os.environ["OUT"], "tree_attention.json") if os.environ.get("OUT") else None)
@@ -525,7 +538,11 @@ def main(argv=None):
         except Exception as e:
             result["peers"] = f"unavailable: {err_str(e)}"
     try:
-        result["tree"], result["decode"] = benchmark(impl, on_gpu, quick, hbm, tflops, best, peers, args.budget_s)
+        ints = lambda v: tuple(int(x) for x in v.split(",")) if v else None
+        select = {"batches": ints(args.batches), "caches": ints(args.caches), "trees": ints(args.trees),
+                  "flex_all": args.flex_all}
+        result["tree"], result["decode"] = benchmark(impl, on_gpu, quick, hbm, tflops, best, peers, args.budget_s,
+                                                     select)
     except Exception as e:
         traceback.print_exc()
         result["bench_error"] = err_str(e)
