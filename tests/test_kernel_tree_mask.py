@@ -106,19 +106,23 @@ def test_rejects_bad_impl():
 
 def test_kernel_size_limit_and_tree_route():
     """The kernel refuses trees it cannot hold (N_pad^2 shared memory: budget 256 crashed the H200
-    with 'Shared memory size limit exceeded'); make_tree takes the XLA doubling for them."""
-    from ddtree_jax.tree import make_tree
+    with 'Shared memory size limit exceeded'); make_tree takes the XLA doubling above
+    BITS_KERNEL_MAX_NODES (the faster form there) with the same bits."""
+    from ddtree_jax.tree import BITS_KERNEL_MAX_NODES, make_tree
     from pallas_kernels.tree_mask import MAX_KERNEL_NODES
 
-    n = MAX_KERNEL_NODES + 1
-    par = make_parents(11, 2, n, "random")
+    par = make_parents(11, 2, MAX_KERNEL_NODES + 1, "random")
     with pytest.raises(ValueError, match="at most 256 nodes"):
         ancestor_bits(jnp.asarray(par), impl="pallas_interpret")
-    valid = jnp.ones((2, n), bool)
-    with pytest.warns(UserWarning, match="use the XLA doubling, not the Pallas kernel"):
-        got = make_tree(jnp.zeros((2, n), jnp.int32), jnp.asarray(par), valid, jnp.zeros((2,), jnp.int32), n - 1,
-                        impl="pallas_interpret")
-    np.testing.assert_array_equal(np.asarray(bits_to_dense(got.ancestor_bits, n)), walk(par))
+    assert BITS_KERNEL_MAX_NODES <= MAX_KERNEL_NODES
+    for n in (BITS_KERNEL_MAX_NODES, BITS_KERNEL_MAX_NODES + 1, MAX_KERNEL_NODES + 1):
+        par = make_parents(n, 2, n, "random")
+        got = make_tree(jnp.zeros((2, n), jnp.int32), jnp.asarray(par), jnp.ones((2, n), bool),
+                        jnp.zeros((2,), jnp.int32), n - 1, impl="pallas_interpret")
+        np.testing.assert_array_equal(np.asarray(bits_to_dense(got.ancestor_bits, n)), walk(par), err_msg=str(n))
+        hlo = jax.jit(lambda p: make_tree(p, p, p >= 0, p[:, 0], n - 1, impl="pallas").ancestor_bits
+                      ).trace(jnp.asarray(par)).lower(lowering_platforms=("cuda",)).as_text()
+        assert ("tree_ancestor_bits" in hlo) == (n <= BITS_KERNEL_MAX_NODES), n
 
 
 def test_depths_from_bits_match_walk():

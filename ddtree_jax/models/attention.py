@@ -14,7 +14,7 @@ from flax import nnx
 
 from ddtree_jax.cache import KVCache
 from ddtree_jax.config import TargetConfig
-from ddtree_jax.models.layers import Linear, RMSNorm, apply_rope, rope_cos_sin
+from ddtree_jax.models.layers import Linear, RMSNorm, apply_rope, rope_cos_sin, unmerged_inputs
 
 NEG_INF = -1e30
 
@@ -79,14 +79,15 @@ class Attention(nnx.Module):
         """q [B,T,nh,hd], k, v [B,T,kv,hd] with norms and RoPE applied, and the output gate (or None)."""
         cfg = self.cfg
         b, t, _ = x.shape
-        q = self.q_proj(x)
+        xq, xk, xv = unmerged_inputs(x, (self.q_proj,), (self.k_proj,), (self.v_proj,))
+        q = self.q_proj(xq)
         gate = None
         if cfg.attn_output_gate:
             q = q.reshape(b, t, cfg.num_heads, 2 * cfg.head_dim)
             q, gate = q[..., : cfg.head_dim], q[..., cfg.head_dim :].reshape(b, t, -1)
         q = self.q_norm(q.reshape(b, t, cfg.num_heads, cfg.head_dim))
-        k = self.k_norm(self.k_proj(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim))
-        v = self.v_proj(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        k = self.k_norm(self.k_proj(xk).reshape(b, t, cfg.num_kv_heads, cfg.head_dim))
+        v = self.v_proj(xv).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
         cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, gate
 

@@ -17,7 +17,7 @@ from ddtree_jax.cache import RecurrentCache
 from ddtree_jax.config import TargetConfig
 from ddtree_jax.models import delta_rule
 from ddtree_jax.models.conv import causal_conv, next_window
-from ddtree_jax.models.layers import GatedRMSNorm, Linear
+from ddtree_jax.models.layers import GatedRMSNorm, Linear, unmerged_inputs
 
 
 class RecurrentPending(NamedTuple):
@@ -56,10 +56,11 @@ class GatedDeltaNet(nnx.Module):
         """Conv inputs [B,T,conv_dim], gate z [B,T,Hv,dv], beta and g [B,T,Hv] (float32)."""
         cfg = self.cfg
         b, t, _ = x.shape
-        mixed = self.in_proj_qkv(x)
-        z = self.in_proj_z(x).reshape(b, t, cfg.gdn_num_v_heads, cfg.gdn_v_head_dim)
-        beta = jax.nn.sigmoid(self.in_proj_b(x)).astype(jnp.float32)
-        a = self.in_proj_a(x).astype(jnp.float32)
+        x_qkv, x_z, x_ab = unmerged_inputs(x, (self.in_proj_qkv,), (self.in_proj_z,), (self.in_proj_b, self.in_proj_a))
+        mixed = self.in_proj_qkv(x_qkv)
+        z = self.in_proj_z(x_z).reshape(b, t, cfg.gdn_num_v_heads, cfg.gdn_v_head_dim)
+        beta = jax.nn.sigmoid(self.in_proj_b(x_ab)).astype(jnp.float32)
+        a = self.in_proj_a(x_ab).astype(jnp.float32)
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a + self.dt_bias[...].astype(jnp.float32))
         return mixed, z, beta, g
 

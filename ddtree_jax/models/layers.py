@@ -29,6 +29,27 @@ class Linear(nnx.Module):
         return y
 
 
+UNMERGED_MIN_ROWS = 32  # projections of at least this many rows keep their own GEMM
+
+
+def unmerged_inputs(x: jax.Array, *groups: tuple[Linear, ...]) -> tuple[jax.Array, ...]:
+    """One copy of x per group of projections, that XLA cannot see as one shared operand.
+
+    XLA's dot merger joins projections of the same input into one GEMM over the concatenated
+    weights (a concatenate inside a Triton GEMM fusion, which rules out cuBLAS). At one row per
+    sequence (decode) the merged GEMV is the faster form and x is returned as is; at a DDTree
+    verify's 65 rows XLA's Triton GEMM read those weights at 2.0-3.0 TB/s where cuBLAS reads the
+    separate ones at ~3.7 (H200, 27B shape, docs/benchmarks.md section 1). An optimization barrier
+    of x together with each group's first kernel gives every group a distinct operand (no copy);
+    projections inside one group may still merge."""
+    rows = 1
+    for d in x.shape[:-1]:
+        rows *= d
+    if rows < UNMERGED_MIN_ROWS or len(groups) < 2:
+        return (x,) * len(groups)
+    return tuple(jax.lax.optimization_barrier((x, g[0].kernel[...]))[0] for g in groups)
+
+
 def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
     x32 = x.astype(jnp.float32)
     return x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
