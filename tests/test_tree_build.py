@@ -146,7 +146,8 @@ def test_two_stage_top_k_equals_lax_top_k(seed, n, k, levels):
 def test_gpu_beam_forms_build_the_same_tree(budget, monkeypatch):
     """Off the CPU the beam selects by pairwise ranks (rows <= RANK_SELECT_MAX: budgets <= 33 here)
     or by a staged top-k (longer rows: 64 / 100 / 256), where the CPU runs one lax.top_k and a
-    sort. Built with the backend reported as GPU, the tree must equal the CPU's array for array,
+    sort; the vocabulary top-k of k <= 16 is a sort, the final pick over all depths pairwise ranks
+    when short. Built with the backend reported as GPU, the tree must equal the CPU's array for array,
     ties included."""
     for quantized in (False, True):
         logq = jnp.asarray(draw_logq(budget + 1, quantized))
@@ -157,6 +158,27 @@ def test_gpu_beam_forms_build_the_same_tree(budget, monkeypatch):
             gpu_form = jax.jit(lambda *a: build_tree(*a, budget=budget))(*args)
         for name, want, got in zip(cpu_form._fields, cpu_form, gpu_form):
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=name)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), k=st.integers(1, 40), levels=st.sampled_from([2, 5, 0]))
+def test_sort_top_k_equals_lax_top_k(seed, k, levels):
+    """The sort form of top-k (used on GPUs for k <= 16) gives lax.top_k's values and indices:
+    ties (quantized values, -inf) to the lower index, -0.0 below +0.0. One padded shape."""
+    from ddtree_jax.spec.build import sort_top_k
+
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(2, 3, 40)).astype(np.float32)
+    if levels:
+        x = np.round(x * levels) / levels
+    x[rng.random(x.shape) < 0.1] = -np.inf
+    x[rng.random(x.shape) < 0.1] = -0.0
+    x[rng.random(x.shape) < 0.1] = 0.0
+    want_v, want_i = jax.lax.top_k(jnp.asarray(x), k)
+    got_v, got_i = jax.jit(sort_top_k, static_argnums=1)(jnp.asarray(x), k)
+    np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
+    np.testing.assert_array_equal(np.signbit(np.asarray(got_v)), np.signbit(np.asarray(want_v)))
+    np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_v))
 
 
 _select = jax.jit(select_in_index_order, static_argnums=1)

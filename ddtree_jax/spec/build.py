@@ -23,6 +23,34 @@ MAX_BUDGET = 1024
 TOPK_CHUNK = 2048  # vocab chunk of the two-stage top-k
 
 
+SORT_TOP_K_MAX = 16  # k up to this: XLA's GPU TopK custom kernel, which a sort beats
+
+
+def _order_key(x: jax.Array) -> jax.Array:
+    """int32 keys ordered as lax.top_k orders float32 values (-0.0 below +0.0)."""
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+    return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
+
+
+def sort_top_k(x: jax.Array, k: int):
+    """lax.top_k over the last axis as one stable sort of descending keys (ties: lower index first).
+
+    For k <= 16 XLA runs lax.top_k on GPUs as its TopK custom kernel: the demo's vocabulary top-16
+    took 45 us there (one call per DDTree-16 step), where the sort XLA emits for k = 32 on the same
+    rows took 16 us (H200, docs/benchmarks.md section 3). Integer keys with a less-than order keep
+    XLA from matching the sort back into a TopK."""
+    idx = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    _, idx = jax.lax.sort((~_order_key(x), idx), dimension=x.ndim - 1, num_keys=1, is_stable=True)
+    idx = idx[..., :k]
+    return jnp.take_along_axis(x, idx, axis=-1), idx
+
+
+def _one_pass_top_k(x: jax.Array, k: int):
+    if k <= SORT_TOP_K_MAX and jax.default_backend() != "cpu":
+        return sort_top_k(x, k)
+    return jax.lax.top_k(x, k)
+
+
 def top_k(x: jax.Array, k: int, chunk: int = TOPK_CHUNK, staged: bool | None = None):
     """lax.top_k over the last axis (same values, indices and tie rule: equal values, lower index
     first), in stages when the axis is long: the top k of each contiguous chunk, then (again in
@@ -40,12 +68,12 @@ def top_k(x: jax.Array, k: int, chunk: int = TOPK_CHUNK, staged: bool | None = N
     if not staged or n <= 2 * chunk or k > chunk // 4:
         # The barrier keeps XLA from fusing the consumers' slices into the top-k: on XLA:CPU the
         # fused form re-ran it per consumer (the demo's tree build: 30-40 ms -> 0.3 ms).
-        return jax.lax.optimization_barrier(jax.lax.top_k(x, k))
+        return jax.lax.optimization_barrier(_one_pass_top_k(x, k))
     n_chunks = -(-n // chunk)
     pad = n_chunks * chunk - n
     xp = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)], constant_values=-jnp.inf) if pad else x
     xp = xp.reshape(*x.shape[:-1], n_chunks, chunk)
-    val, idx = jax.lax.top_k(xp, k)  # [..., n_chunks, k]
+    val, idx = _one_pass_top_k(xp, k)  # [..., n_chunks, k]
     idx = idx + (jnp.arange(n_chunks, dtype=idx.dtype) * chunk)[:, None]
     val, idx = val.reshape(*x.shape[:-1], n_chunks * k), idx.reshape(*x.shape[:-1], n_chunks * k)
     best, pos = top_k(val, k, chunk, staged)  # candidates are in (chunk, rank) order: ties keep lower index
@@ -87,8 +115,7 @@ def select_in_index_order(x: jax.Array, width: int) -> jax.Array:
     n = x.shape[-1]
     idx = jnp.arange(n, dtype=jnp.int32)
     earlier = idx[None, :] < idx[:, None]  # [i, j]: j before i
-    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
-    key = jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)  # top_k's total order: -0.0 < +0.0
+    key = _order_key(x)
     xi, xj = key[:, :, None], key[:, None, :]
     rank = jnp.sum((xj > xi) | ((xj == xi) & earlier[None]), axis=-1, dtype=jnp.int32)
     chosen = rank < width
@@ -141,8 +168,11 @@ def build_tree(logq: jax.Array, root_tokens: jax.Array, start: jax.Array, budget
         parents.append(parent)
         ranks.append(rank)
     all_scores = jnp.concatenate(scores, axis=1)  # [B, D*budget], flat order = (depth, lex)
-    _, chosen = jax.lax.top_k(all_scores, budget)
-    chosen = jnp.sort(chosen, axis=-1)  # topological: by depth, then lex
+    if all_scores.shape[-1] <= RANK_SELECT_MAX and jax.default_backend() != "cpu":
+        chosen = select_in_index_order(all_scores, budget)  # topological: by depth, then lex
+    else:
+        _, chosen = jax.lax.top_k(all_scores, budget)
+        chosen = jnp.sort(chosen, axis=-1)  # topological: by depth, then lex
     chosen_scores = jnp.take_along_axis(all_scores, chosen, axis=-1)
     valid_nodes = chosen_scores > NEG
     node_depth = chosen // budget  # 0-based depth index (tree depth - 1)
