@@ -10,21 +10,34 @@ import shutil
 import tempfile
 
 
-def write_json(path: str | os.PathLike, obj, **dump_kwargs) -> None:
-    """json.dump to a temporary sibling, then rename over `path`."""
+def _write_via_tmp(path: str | os.PathLike, mode: str, write) -> None:
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=directory)
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, **({"indent": 2} | dump_kwargs))
-            f.write("\n")
+        with os.fdopen(fd, mode) as f:
+            write(f)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.remove(tmp)
         raise
+
+
+def write_json(path: str | os.PathLike, obj, **dump_kwargs) -> None:
+    """json.dump to a temporary sibling, then rename over `path`."""
+
+    def write(f):
+        json.dump(obj, f, **({"indent": 2} | dump_kwargs))
+        f.write("\n")
+
+    _write_via_tmp(path, "w", write)
+
+
+def write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """`data` to a temporary sibling, then rename over `path`."""
+    _write_via_tmp(path, "wb", lambda f: f.write(data))
 
 
 def move_into_place(tmp: str, dst: str) -> None:

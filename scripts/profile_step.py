@@ -136,6 +136,13 @@ def gemm_sweep(cfg: TargetConfig, ms_list, repeats: int = 20) -> list[dict]:
     return out
 
 
+def write_hlo(path: str, text: str) -> None:
+    """Gzipped HLO text, written atomically."""
+    import gzip
+
+    atomic.write_bytes(path, gzip.compress(text.encode()))
+
+
 def _timed(fn) -> float:
     t0 = time.perf_counter()
     jax.block_until_ready(fn())
@@ -156,6 +163,10 @@ def main(argv=None) -> int:
     ap.add_argument("--phases", default="step,draft,build,verify,commit")
     ap.add_argument("--verify-budgets", default="63,79,127",
                     help="extra budgets whose verify phase is timed (no trace): node count = budget + 1")
+    ap.add_argument("--hlo-dir", default=None,
+                    help="also write each phase's optimized HLO (gzipped text) here: the fusion names in the "
+                         "kernel table are instruction names in it, so what each kernel computes can be read "
+                         "off the device")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "profile.json"))
     args = ap.parse_args(argv)
 
@@ -198,6 +209,10 @@ def main(argv=None) -> int:
         spec = ar_spec if phase == "step" else tree_spec
         st = s._replace(dstate=None, hist=jnp.zeros((2,), jnp.int32)) if phase == "step" else s
         fn = lambda: B._phase_loop(graphdef, params, dparams, st, logq, tree, res, eos, key, spec, phase, args.inner)
+        if args.hlo_dir:
+            write_hlo(os.path.join(args.hlo_dir, f"{phase}.hlo.txt.gz"),
+                      B._phase_loop.lower(graphdef, params, dparams, st, logq, tree, res, eos, key, spec, phase,
+                                          args.inner).compile().as_text())
         t0 = time.time()
         p = profile(fn, args.iters, phase, args.top)
         p = {**p, "wall_ms": p["wall_ms"] / args.inner, "gpu_busy_ms": p["gpu_busy_ms"] / args.inner,
