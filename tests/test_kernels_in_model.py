@@ -65,6 +65,31 @@ def test_tree_kernels_match_reference_in_the_model():
             np.testing.assert_allclose(a.conv, r.conv, rtol=1e-4, atol=1e-5)
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef", "impl"))
+def chain_verify_and_commit(graphdef, params, cache, tokens, count, impl):
+    model = nnx.merge(graphdef, params)
+    h, _, pending = model.verify(tokens, cache, None, impl=impl)
+    path = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    return model.logits(h), model.commit(pending, path, count, cache, impl)
+
+
+def test_chain_through_the_kernels_matches_reference():
+    """Linear DFlash verifies a chain (tree None): with kernels, its GDN layers run the tree
+    kernel on the chain's ancestor bits (no root peel at 16 nodes) and equal the XLA form."""
+    cfg, gd, params = MODEL
+    rng = np.random.default_rng(2)
+    prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, 10)), jnp.int32)
+    cache = decode.prefill(gd, params, init_target_cache(cfg, B, CAP), prompt, jnp.asarray([10, 6], jnp.int32)).cache
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, 16)), jnp.int32)
+    count = jnp.asarray([16, 5], jnp.int32)
+    ref_logits, ref_cache = chain_verify_and_commit(gd, params, cache, tokens, count, "xla")
+    got_logits, got_cache = chain_verify_and_commit(gd, params, cache, tokens, count, "pallas_interpret")
+    np.testing.assert_allclose(np.asarray(got_logits), np.asarray(ref_logits), rtol=1e-4, atol=1e-4)
+    for a, r in zip(got_cache.layers, ref_cache.layers):
+        if not isinstance(r, KVCache):
+            np.testing.assert_allclose(a.state, r.state, rtol=1e-5, atol=1e-5)
+
+
 def test_generation_with_kernels_equals_plain_greedy():
     cfg, gd, params = MODEL
     rng = np.random.default_rng(1)
@@ -73,9 +98,10 @@ def test_generation_with_kernels_equals_plain_greedy():
     ref = generate(gd, params, prompt, lens, mode="ar", max_new_tokens=24)
     table = jnp.zeros((1, 64), jnp.int32).at[0, 8:32].set(ref.tokens[0]).at[0, :8].set(prompt[0])
     proposer = ScriptedProposer(5, cfg.vocab_size, 0.3, seed=3)
-    got = generate(gd, params, prompt, lens, proposer=proposer, drafter_params=table, mode="ddtree", budget=16,
-                   max_new_tokens=24, kernels="pallas_interpret")
-    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
+    for mode in ("ddtree", "dflash"):
+        got = generate(gd, params, prompt, lens, proposer=proposer, drafter_params=table, mode=mode, budget=16,
+                       max_new_tokens=24, kernels="pallas_interpret")
+        np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens), err_msg=mode)
 
 
 def test_bf16_model_feeds_the_gdn_kernel_bf16_and_commits_exactly():

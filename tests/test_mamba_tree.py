@@ -174,10 +174,26 @@ def test_ssd_tree_block_and_path_commit_match_per_path_oracle(shapes, seed):
     np.testing.assert_allclose(np.asarray(got), np.stack(want_states), rtol=1e-4, atol=1e-4)
 
 
+def test_chain_through_the_ssd_kernel_matches_xla():
+    """Linear DFlash's chain (tree None) runs the SSD tree kernel with kernels on (interpret mode
+    here) and gives the XLA form's logits. The pure Mamba2 fixture: the hybrids' tiny attention
+    (head_dim 8) is below what the attention kernel takes."""
+    name = "mamba2"
+    cfg, gd, params = MODELS[name]
+    rng = np.random.default_rng(5)
+    cache = committed_cache(name, 5)
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, N)), jnp.int32)
+    want, _ = chain_logits(gd, params, cache, tokens)
+    got, _ = chain_logits(gd, params, cache, tokens, "pallas_interpret")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("chain", [False, True])
 @pytest.mark.parametrize("n, expect_kernel", [(16, True), (17, False)])
-def test_pallas_routes_large_trees_to_the_xla_form(monkeypatch, n, expect_kernel):
+def test_pallas_routes_large_trees_to_the_xla_form(monkeypatch, n, expect_kernel, chain):
     """impl="pallas" runs the SSD verify kernel up to SSD_KERNEL_MAX_NODES nodes only (measured
-    crossover on the H200); larger trees take the XLA form. Traced on the CPU, never run."""
+    crossover on the H200), for trees and for linear DFlash's chains (tree None); larger ones take
+    the XLA form, with a warning. Traced on the CPU, never run."""
     import pallas_kernels.ssd_tree as ssd_tree
     from ddtree_jax.models.mamba2 import SSD_KERNEL_MAX_NODES
 
@@ -191,7 +207,7 @@ def test_pallas_routes_large_trees_to_the_xla_form(monkeypatch, n, expect_kernel
     tree = make_tree(tokens, parents, jnp.ones((B, n), bool), cache.lengths, max_depth=n - 1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        jax.eval_shape(lambda p: nnx.merge(gd, p).verify(tokens, cache, tree, impl="pallas"), params)
+        jax.eval_shape(lambda p: nnx.merge(gd, p).verify(tokens, cache, None if chain else tree, impl="pallas"), params)
     assert bool(called) == expect_kernel
     routed = [w for w in caught if "uses the XLA form" in str(w.message)]
     assert bool(routed) != expect_kernel  # the route to XLA is announced, never silent

@@ -25,10 +25,10 @@ def tree_logits(graphdef, params, cache, tokens, parents, valid):
     return model.logits(h), pending
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def chain_logits(graphdef, params, cache, tokens):
+@functools.partial(jax.jit, static_argnames=("graphdef", "impl"))
+def chain_logits(graphdef, params, cache, tokens, impl="xla"):
     model = nnx.merge(graphdef, params)
-    h, _, pending = model.verify(tokens, cache, None)
+    h, _, pending = model.verify(tokens, cache, None, impl=impl)
     return model.logits(h), pending
 
 

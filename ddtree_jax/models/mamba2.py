@@ -160,8 +160,8 @@ class Mamba2Mixer(nnx.Module):
 
         visible [B, N, N]: ancestor-or-self. conv_src [B, N, K] (tree.geometry) gathers each
         node's conv window from its ancestors and the committed window; None means a chain
-        (node i's parent is i - 1: linear DFlash), computed with the plain causal forms.
-        impl "pallas" / "pallas_interpret": the SSD tree kernel (pallas_kernels/ssd_tree.py), which
+        (node i's parent is i - 1: linear DFlash), its conv computed with the plain causal form.
+        impl "pallas" / "pallas_interpret": for trees and chains the SSD tree kernel (pallas_kernels/ssd_tree.py), which
         reads the compact ancestor `bits` [B, N, W] instead of `visible`; "pallas" only up to
         SSD_KERNEL_MAX_NODES nodes (see there), "pallas_interpret" (tests) always.
         """
@@ -174,14 +174,14 @@ class Mamba2Mixer(nnx.Module):
         xs, bm, cm = self.ssm_inputs(conv, x.dtype)
         a, d = self.constants()
         use_kernel = impl == "pallas_interpret" or (impl == "pallas" and x.shape[1] <= SSD_KERNEL_MAX_NODES)
-        if conv_src is not None and impl == "pallas" and not use_kernel:
+        if impl == "pallas" and not use_kernel:
             warnings.warn(
                 f"Mamba2 tree verify of {x.shape[1]} nodes uses the XLA form, not the Pallas SSD kernel: the kernel "
                 f"measured slower above {SSD_KERNEL_MAX_NODES} nodes on the H200 (ddtree_jax/models/mamba2.py, "
                 "SSD_KERNEL_MAX_NODES); the path-commit kernel is still used",
                 stacklevel=2,
             )
-        if conv_src is not None and use_kernel:
+        if use_kernel:  # trees and chains (linear DFlash)
             from pallas_kernels.ssd_tree import ssd_tree_verify
 
             y = ssd_tree_verify(xs, dt, a, bm, cm, d, cache.state, bits, impl=impl)
