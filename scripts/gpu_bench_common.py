@@ -118,3 +118,38 @@ def jax_rates(on_gpu, quick, matmul=True):
     t = bench(mm, a, reps=5)
     res["matmul_TFLOPs"] = 2 * m**3 / t / 1e12
     return res
+
+
+def time_jax(f, arg_sets, est_s, *, round_s=0.005, rounds=7, on_gpu=True):
+    """Median seconds per call of f(i, args) over rotated arg_sets, calls back to back in jit.
+
+    f takes the loop index i (traced int32) to perturb something cheap (lengths) so XLA cannot
+    hoist the calls out of the loop.
+    """
+    import jax
+    from jax import lax
+
+    nrot = len(arg_sets)
+    iters = max(1, min(400, math.ceil(round_s / max(est_s * nrot, 1e-7))))
+    if not on_gpu:
+        iters, rounds = 1, 2
+
+    out_shapes = jax.eval_shape(lambda a: f(0, a), arg_sets[0])
+
+    def run(sets):
+        init = tuple(jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), out_shapes) for _ in sets)
+
+        def body(i, carry):
+            return tuple(f(i, a) for a in sets)
+
+        return lax.fori_loop(0, iters, body, init)
+
+    run = jax.jit(run)
+    jax.block_until_ready(run(arg_sets))  # compile + warm up
+    jax.block_until_ready(run(arg_sets))
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        outs = jax.block_until_ready(run(arg_sets))
+        times.append((time.perf_counter() - t0) / (iters * nrot))
+    return statistics.median(times), {"iters": iters, "rotations": nrot, "rounds": rounds, "out": outs[0]}

@@ -423,7 +423,6 @@ def tree_benchmark(cfg, result, hbm, fla_ops):
 
 
 def commit_benchmark(cfg, result, hbm):
-    import jax
     import jax.numpy as jnp
     import torch
 

@@ -32,9 +32,7 @@ peers captured in a CUDA graph (eager fallback) and timed with CUDA events, medi
 from __future__ import annotations
 
 import argparse
-import math
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -43,7 +41,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")  # leave room for
 
 import numpy as np  # noqa: E402
 
-from gpu_bench_common import err_str, fmt, jax_rates  # noqa: E402
+from gpu_bench_common import err_str, fmt, jax_rates, time_jax  # noqa: E402
 from gpu_bench_common import time_torch as _time_torch  # noqa: E402
 from gpu_attention_peers import TorchPeers  # noqa: E402
 from gpu_attention_problems import (  # noqa: E402
@@ -99,41 +97,6 @@ def environment(cpu_smoke: bool):
 # ---------------------------------------------------------------------------------------------
 # timing helpers
 # ---------------------------------------------------------------------------------------------
-def time_jax(f, arg_sets, est_s, *, round_s=0.005, rounds=7, on_gpu=True):
-    """Median seconds per call of f(i, args) over rotated arg_sets, calls back to back in jit.
-
-    f takes the loop index i (traced int32) to perturb something cheap (lengths) so XLA cannot
-    hoist the calls out of the loop.
-    """
-    import jax
-    from jax import lax
-
-    nrot = len(arg_sets)
-    iters = max(1, min(400, math.ceil(round_s / max(est_s * nrot, 1e-7))))
-    if not on_gpu:
-        iters, rounds = 1, 2
-
-    out_shapes = jax.eval_shape(lambda a: f(0, a), arg_sets[0])
-
-    def run(sets):
-        init = tuple(jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), out_shapes) for _ in sets)
-
-        def body(i, carry):
-            return tuple(f(i, a) for a in sets)
-
-        return lax.fori_loop(0, iters, body, init)
-
-    run = jax.jit(run)
-    jax.block_until_ready(run(arg_sets))  # compile + warm up
-    jax.block_until_ready(run(arg_sets))
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        outs = jax.block_until_ready(run(arg_sets))
-        times.append((time.perf_counter() - t0) / (iters * nrot))
-    return statistics.median(times), {"iters": iters, "rotations": nrot, "rounds": rounds, "out": outs[0]}
-
-
 def time_torch(fns, *, round_s=0.005, rounds=7):
     """Median seconds per call over rotated zero-argument callables (CUDA graph when possible)."""
     return _time_torch(fns, round_s=round_s, rounds=rounds, max_iters=200)
@@ -401,7 +364,6 @@ def benchmark(impl, on_gpu, quick, hbm, tflops, best, peers, budget_s, select=No
 
 
 def bench_mask(on_gpu):
-    import jax
     import jax.numpy as jnp
 
     from pallas_kernels.tree_mask import ancestor_bits

@@ -148,18 +148,10 @@ def _beam_step(beam_scores, cand_scores, budget: int, k: int):
     return scores, parent, rank
 
 
-def build_tree(logq: jax.Array, root_tokens: jax.Array, start: jax.Array, budget: int, max_candidates=None,
-               impl: str = "xla") -> Tree:
-    """logq [B, D, V]: log-probs of the D draft depths; root_tokens, start [B]. Static budget;
-    impl picks the ancestor-bitset kernel (ddtree_jax.tree.make_tree).
-
-    Returns a Tree of budget + 1 slots (root first, then nodes by depth, each depth in lex order).
-    """
-    b, depth, vocab = logq.shape
-    k = validate_budget(budget, depth, vocab, max_candidates)
-    logq = logq.astype(jnp.float32)
-    top_val, top_tok = top_k(logq, k)  # [B, D, k], ties -> smaller token id first
-    # Depth by depth: beams in lexicographic order, padded to width `budget` with -inf.
+def beam_xla(top_val: jax.Array, budget: int):
+    """Depth by depth: beams in lexicographic order, padded to width `budget` with -inf.
+    top_val [B, D, k] -> (scores, parent slots, candidate ranks) [B, D, budget] each."""
+    b, depth, k = top_val.shape
     scores, parents, ranks = [], [], []
     beam = jnp.zeros((b, 1), jnp.float32)
     for d in range(depth):
@@ -167,7 +159,32 @@ def build_tree(logq: jax.Array, root_tokens: jax.Array, start: jax.Array, budget
         scores.append(beam)
         parents.append(parent)
         ranks.append(rank)
-    all_scores = jnp.concatenate(scores, axis=1)  # [B, D*budget], flat order = (depth, lex)
+    return jnp.stack(scores, axis=1), jnp.stack(parents, axis=1), jnp.stack(ranks, axis=1)
+
+
+def _beam(top_val: jax.Array, budget: int, impl: str):
+    """The beam in one kernel launch where it fits (pallas_kernels/tree_beam.py), else beam_xla."""
+    from pallas_kernels.tree_beam import BEAM_KERNEL_MAX_ENTRIES, beam
+
+    if impl != "xla" and budget * top_val.shape[-1] <= BEAM_KERNEL_MAX_ENTRIES:
+        return beam(top_val, budget, impl=impl)
+    return beam_xla(top_val, budget)
+
+
+def build_tree(logq: jax.Array, root_tokens: jax.Array, start: jax.Array, budget: int, max_candidates=None,
+               impl: str = "xla") -> Tree:
+    """logq [B, D, V]: log-probs of the D draft depths; root_tokens, start [B]. Static budget;
+    impl picks the Pallas kernels of the beam (budget x candidates <= 256) and of the ancestor
+    bitsets (ddtree_jax.tree.make_tree).
+
+    Returns a Tree of budget + 1 slots (root first, then nodes by depth, each depth in lex order).
+    """
+    b, depth, vocab = logq.shape
+    k = validate_budget(budget, depth, vocab, max_candidates)
+    logq = logq.astype(jnp.float32)
+    top_val, top_tok = top_k(logq, k)  # [B, D, k], ties -> smaller token id first
+    scores, parents, ranks = _beam(top_val, budget, impl)  # [B, D, budget] each
+    all_scores = scores.reshape(b, depth * budget)  # flat order = (depth, lex)
     if all_scores.shape[-1] <= RANK_SELECT_MAX and jax.default_backend() != "cpu":
         chosen = select_in_index_order(all_scores, budget)  # topological: by depth, then lex
     else:
@@ -179,8 +196,8 @@ def build_tree(logq: jax.Array, root_tokens: jax.Array, start: jax.Array, budget
     # Final index of every (depth, slot) beam entry that was chosen (0 = root for "depth -1").
     final_index = jnp.zeros((b, depth * budget), jnp.int32)
     final_index = jax.vmap(lambda f, c: f.at[c].set(jnp.arange(1, budget + 1, dtype=jnp.int32)))(final_index, chosen)
-    parent_slot = jnp.take_along_axis(jnp.concatenate(parents, axis=1), chosen, axis=-1)
-    rank = jnp.take_along_axis(jnp.concatenate(ranks, axis=1), chosen, axis=-1)
+    parent_slot = jnp.take_along_axis(parents.reshape(b, depth * budget), chosen, axis=-1)
+    rank = jnp.take_along_axis(ranks.reshape(b, depth * budget), chosen, axis=-1)
     parent_flat = (node_depth - 1) * budget + parent_slot
     parent_index = jnp.where(node_depth == 0, 0, jnp.take_along_axis(final_index, jnp.maximum(parent_flat, 0), axis=-1))
     tokens = jnp.take_along_axis(top_tok.reshape(b, depth * k), node_depth * k + rank, axis=-1)
