@@ -246,7 +246,6 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     deadline = T_START + args.total_minutes * 60
     import jax
-    import numpy as np
 
     if args.toy:
         jax.config.update("jax_default_matmul_precision", "highest")
