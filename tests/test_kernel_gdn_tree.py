@@ -254,6 +254,38 @@ def test_kernel_root_peel_matches_reference(seed, kind, n, zero_pad):
     assert_close(out, ref_fn()(*args), 1e-5)
 
 
+@settings(max_examples=6)
+@given(seed=st.integers(0, 2**31 - 1), kind=st.sampled_from(SHAPES), n=st.integers(2, 30), zero_pad=st.booleans())
+def test_kernel_root_peel_with_padded_rows(seed, kind, n, zero_pad):
+    """Forced peel where N - 1 is not a power of two (30 slots: 29 rows padded to 32): the form
+    with the root in its own refs and the rows sliced and padded (not the in-place form)."""
+    _, bits = tree_case(seed, kind, n, 30, zero_pad)
+    args = (*f32(*draw_inputs(seed, 30, DK, DV)), bits)
+    out = kernel(block_n=16, block_dv=16, peel_root=True)(*args)
+    assert out.shape == (B, H, 30, DV)
+    assert_close(out, ref_fn()(*args), 1e-5)
+
+
+def test_in_place_peel_reads_whole_arrays():
+    """Root + 2^j nodes with power-of-two head dims: the kernel gets q / k / v / g / beta whole
+    (node 0 included) and writes all N outputs, so no slice before it and no concatenation after
+    it; a 30-node peel still passes the root and the padded rows apart."""
+    import functools as ft
+
+    def kernel_call(n):
+        _, bits = tree_case(0, SHAPES[0], n, n)
+        args = (*f32(*draw_inputs(0, n, DK, DV)), bits)
+        fn = ft.partial(gdn_tree_verify, impl="pallas_interpret", peel_root=True, block_n=16, block_dv=16)
+        jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+        [eqn] = [e for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
+        return [v.aval.shape for v in eqn.invars], [v.aval.shape for v in eqn.outvars]
+
+    ins, outs = kernel_call(17)
+    assert ins[0] == (B, HK, 17, DK) and ins[2] == (B, H, 17, DV) and outs == [(B, H, 17, DV)]
+    ins, outs = kernel_call(30)
+    assert ins[0] == (B, HK, 32, DK) and len(outs) == 2  # rows 1.. padded to 32, the root apart
+
+
 @settings(max_examples=3)
 @given(seed=st.integers(0, 2**31 - 1), kind=st.sampled_from(SHAPES))
 def test_kernel_root_peel_auto_at_budget_plus_one(seed, kind):
