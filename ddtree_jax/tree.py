@@ -8,6 +8,7 @@ never anyone's ancestor, so they cannot disturb real nodes.
 
 from __future__ import annotations
 
+import warnings
 from typing import NamedTuple
 
 import jax
@@ -41,10 +42,17 @@ def ancestor_bits_from_parents(parents: jax.Array, max_depth: int, impl: str = "
     launch-bound). Larger trees take the same doubling as XLA gathers (exact, the same bits): the
     kernel keeps a tree in one program and its one-hot gather grows as N^2; on the H200 it took
     11.7 us at 64 nodes and 202 us at 256 where the XLA doubling took 8.1 and 10.0 us
-    (scripts/gpu_tree_attention.py, docs/benchmarks.md section 2)."""
+    (scripts/gpu_tree_attention.py, docs/benchmarks.md section 2). The route is announced with a
+    warning when the step is traced, never taken silently."""
     from pallas_kernels.tree_mask import ancestor_bits
 
     if impl != "xla" and parents.shape[-1] > BITS_KERNEL_MAX_NODES:
+        warnings.warn(
+            f"ancestor bits of a {parents.shape[-1]}-node tree use the XLA doubling, not the Pallas kernel: it "
+            f"measured faster above {BITS_KERNEL_MAX_NODES} nodes on the H200 (ddtree_jax/tree.py, "
+            "BITS_KERNEL_MAX_NODES)",
+            stacklevel=2,
+        )
         impl = "xla"
     return ancestor_bits(parents, impl=impl, max_depth=max_depth)
 

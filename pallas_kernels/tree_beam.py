@@ -31,18 +31,13 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from ddtree_jax.spec.build import beam_xla, order_key
 from pallas_kernels._common import check_impl, compiler_params, load, next_pow2, store
 
 BEAM_KERNEL_MAX_ENTRIES = 256  # w x k extensions per depth held in one program's registers
 # Untimed guess: fewer warps make the ~40 reductions per depth cheaper (no cross-warp step), more
 # warps spread the one-hot [256, 16] work; scripts/gpu_tree_beam.py --warps 1,2,4,8 decides.
 DEFAULT_WARPS = 4
-
-
-def _order_key(x):
-    """int32 keys ordered as lax.top_k orders float32 values (-0.0 below +0.0)."""
-    bits = lax.bitcast_convert_type(x, jnp.int32)
-    return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
 
 
 def _kernel(val_ref, scores_ref, parents_ref, ranks_ref, *, depth, k, budget, kp, bp, n_pad):
@@ -66,7 +61,7 @@ def _kernel(val_ref, scores_ref, parents_ref, ranks_ref, *, depth, k, budget, kp
         bv = jnp.zeros((n_pad,), f32) if first else jnp.max(jnp.where(one_hot_par, beam[None, :], neg), axis=1)
         real = idx < n
         val = jnp.where(real, bv + cv, neg)  # the reference's sum, same rounding
-        key = jnp.where(real, _order_key(val), lowest)
+        key = jnp.where(real, order_key(val), lowest)
         # t = the width-th largest key: sign first, then bits 30..0 (two's complement: setting a
         # lower bit raises the value for either sign)
         t = jnp.where(jnp.sum((key >= 0).astype(i32)) >= width, jnp.int32(0), lowest)
@@ -126,7 +121,5 @@ def beam(top_val: jax.Array, budget: int, *, impl: str = "xla", num_warps: int |
     if top_val.ndim != 3:
         raise ValueError(f"top_val must be [B, D, k], got {top_val.shape}")
     if impl == "xla":
-        from ddtree_jax.spec.build import beam_xla
-
         return beam_xla(top_val, budget)
     return _pallas(top_val, budget, interpret=impl == "pallas_interpret", num_warps=num_warps)

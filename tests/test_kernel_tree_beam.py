@@ -3,6 +3,7 @@ per-depth candidates with ties, -inf and signed zeros, budgets 1-16, fewer candi
 budget, batch 2; and a whole DDTree build through it equals the CPU's tree."""
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from ddtree_jax.spec.build import beam_xla, build_tree
+from ddtree_jax.spec.build import build_tree
 from pallas_kernels.tree_beam import BEAM_KERNEL_MAX_ENTRIES, beam
 
 D = 5
@@ -61,9 +62,12 @@ def test_ddtree_build_through_the_kernel_equals_cpu_tree(budget, monkeypatch):
     logq = jnp.round(jax.nn.log_softmax(jnp.asarray(logits), axis=-1) * 4) / 4 - 0.25
     args = (logq, jnp.array([3, 4], jnp.int32), jnp.array([5, 9], jnp.int32))
     want = jax.jit(lambda *a: build_tree(*a, budget=budget))(*args)
-    with monkeypatch.context() as m:
+    with monkeypatch.context() as m, warnings.catch_warnings(record=True) as caught:
         m.setattr(jax, "default_backend", lambda: "gpu")
+        warnings.simplefilter("always")
         got = jax.jit(lambda *a: build_tree(*a, budget=budget, impl="pallas_interpret"))(*args)
+    routed = [w for w in caught if "uses the XLA form" in str(w.message)]
+    assert bool(routed) == (budget * budget > BEAM_KERNEL_MAX_ENTRIES)  # announced, never silent
     for name, w, g in zip(want._fields, want, got):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=name)
 

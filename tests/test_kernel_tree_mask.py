@@ -2,6 +2,7 @@
 ddtree_jax.tree.ancestor_bits_from_parents and a per-node Python walk."""
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -120,9 +121,13 @@ def test_kernel_size_limit_and_tree_route():
         got = make_tree(jnp.zeros((2, n), jnp.int32), jnp.asarray(par), jnp.ones((2, n), bool),
                         jnp.zeros((2,), jnp.int32), n - 1, impl="pallas_interpret")
         np.testing.assert_array_equal(np.asarray(bits_to_dense(got.ancestor_bits, n)), walk(par), err_msg=str(n))
-        hlo = jax.jit(lambda p: make_tree(p, p, p >= 0, p[:, 0], n - 1, impl="pallas").ancestor_bits
-                      ).trace(jnp.asarray(par)).lower(lowering_platforms=("cuda",)).as_text()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            hlo = jax.jit(lambda p: make_tree(p, p, p >= 0, p[:, 0], n - 1, impl="pallas").ancestor_bits
+                          ).trace(jnp.asarray(par)).lower(lowering_platforms=("cuda",)).as_text()
         assert ("tree_ancestor_bits" in hlo) == (n <= BITS_KERNEL_MAX_NODES), n
+        routed = [w for w in caught if "use the XLA doubling" in str(w.message)]
+        assert bool(routed) == (n > BITS_KERNEL_MAX_NODES), n  # the route is announced, never silent
 
 
 def test_depths_from_bits_match_walk():

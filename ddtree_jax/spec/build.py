@@ -13,6 +13,8 @@ that "lower flat index first" (lax.top_k's tie rule) implements it.
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 
@@ -26,8 +28,9 @@ TOPK_CHUNK = 2048  # vocab chunk of the two-stage top-k
 SORT_TOP_K_MAX = 16  # k up to this: XLA's GPU TopK custom kernel, which a sort beats
 
 
-def _order_key(x: jax.Array) -> jax.Array:
-    """int32 keys ordered as lax.top_k orders float32 values (-0.0 below +0.0)."""
+def order_key(x: jax.Array) -> jax.Array:
+    """int32 keys ordered as lax.top_k orders float32 values (-0.0 below +0.0); also the beam
+    kernel's keys (pallas_kernels/tree_beam.py)."""
     bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
     return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
 
@@ -40,7 +43,7 @@ def sort_top_k(x: jax.Array, k: int):
     rows took 16 us (H200, docs/benchmarks.md section 3). Integer keys with a less-than order keep
     XLA from matching the sort back into a TopK."""
     idx = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
-    _, idx = jax.lax.sort((~_order_key(x), idx), dimension=x.ndim - 1, num_keys=1, is_stable=True)
+    _, idx = jax.lax.sort((~order_key(x), idx), dimension=x.ndim - 1, num_keys=1, is_stable=True)
     idx = idx[..., :k]
     return jnp.take_along_axis(x, idx, axis=-1), idx
 
@@ -115,7 +118,7 @@ def select_in_index_order(x: jax.Array, width: int) -> jax.Array:
     n = x.shape[-1]
     idx = jnp.arange(n, dtype=jnp.int32)
     earlier = idx[None, :] < idx[:, None]  # [i, j]: j before i
-    key = _order_key(x)
+    key = order_key(x)
     xi, xj = key[:, :, None], key[:, None, :]
     rank = jnp.sum((xj > xi) | ((xj == xi) & earlier[None]), axis=-1, dtype=jnp.int32)
     chosen = rank < width
@@ -163,11 +166,20 @@ def beam_xla(top_val: jax.Array, budget: int):
 
 
 def _beam(top_val: jax.Array, budget: int, impl: str):
-    """The beam in one kernel launch where it fits (pallas_kernels/tree_beam.py), else beam_xla."""
+    """The beam in one kernel launch where it fits (pallas_kernels/tree_beam.py), else beam_xla;
+    with kernels asked for, the XLA route is announced by a warning when the step is traced."""
     from pallas_kernels.tree_beam import BEAM_KERNEL_MAX_ENTRIES, beam
 
-    if impl != "xla" and budget * top_val.shape[-1] <= BEAM_KERNEL_MAX_ENTRIES:
+    entries = budget * top_val.shape[-1]
+    if impl == "xla":
+        return beam_xla(top_val, budget)
+    if entries <= BEAM_KERNEL_MAX_ENTRIES:
         return beam(top_val, budget, impl=impl)
+    warnings.warn(
+        f"the DDTree beam of budget {budget} ({entries} extensions per depth) uses the XLA form, not the Pallas "
+        f"kernel: one program holds at most {BEAM_KERNEL_MAX_ENTRIES} (pallas_kernels/tree_beam.py)",
+        stacklevel=3,
+    )
     return beam_xla(top_val, budget)
 
 
