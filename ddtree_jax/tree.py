@@ -30,6 +30,16 @@ class Tree(NamedTuple):
         return self.tokens.shape[1]
 
 
+def root_path(parents, i: int) -> list[int]:
+    """Host-side walk: the nodes from the root to node i (parents: a sequence, -1 = none). The
+    sequential oracle the device forms (bits, tree verify, commit) are checked against."""
+    path = []
+    while i >= 0:
+        path.append(int(i))
+        i = parents[i]
+    return path[::-1]
+
+
 BITS_KERNEL_MAX_NODES = 64  # above this the XLA doubling is the faster form (H200, see below)
 
 

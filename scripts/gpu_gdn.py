@@ -54,7 +54,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.45")  # leave room fo
 import numpy as np  # noqa: E402
 
 from gpu_bench_common import err_str, fmt, jax_rates, time_torch  # noqa: E402
-from gpu_gdn_peers import FlaPaths, TorchPerNode, ancestors, fla_chain_fns, import_fla  # noqa: E402
+from gpu_gdn_peers import FlaPaths, TorchPerNode, fla_chain_fns, import_fla  # noqa: E402
 from ddtree_jax import atomic  # noqa: E402
 
 T0 = time.time()
@@ -177,10 +177,12 @@ def random_parents(rng, n, kind="ddtree"):
 
 
 def pack_bits(parents):
+    from ddtree_jax.tree import root_path
+
     n = len(parents)
     words = np.zeros((n, -(-n // 32)), np.uint32)
     for i in range(n):
-        for j in ancestors(parents, i):
+        for j in root_path(parents, i):
             words[i, j // 32] |= np.uint32(1 << (j % 32))
     return words
 
@@ -268,8 +270,10 @@ def commit_fn(impl, path, count, **tuning):
 
 def leaf_path(tree, p):
     """The deepest root-to-leaf path, padded to p entries (the accepted path of a commit)."""
-    depth = [len(ancestors(tree, i)) for i in range(len(tree))]
-    path = ancestors(tree, int(np.argmax(depth)))[:p]
+    from ddtree_jax.tree import root_path
+
+    depth = [len(root_path(tree, i)) for i in range(len(tree))]
+    path = root_path(tree, int(np.argmax(depth)))[:p]
     return path + [0] * (p - len(path)), len(path)
 
 
@@ -321,6 +325,7 @@ def tree_benchmark(cfg, result, hbm, fla_ops):
     import jax.numpy as jnp
     import torch
 
+    from ddtree_jax.tree import root_path
     from pallas_kernels._common import pow2_at_least as _pow2
     from pallas_kernels.gdn_tree import default_blocks
 
@@ -336,7 +341,7 @@ def tree_benchmark(cfg, result, hbm, fla_ops):
             nrot = rotations_for(nbytes) if cfg.on_gpu else 1
             base = jax_args(pb, jnp.bfloat16)
             sets = perturbed_copies(base, nrot)
-            depth = max(len(ancestors(t, i)) for t in pb["trees"] for i in range(n)) - 1
+            depth = max(len(root_path(t, i)) for t in pb["trees"] for i in range(n)) - 1
             common = {"case": label, "b": b, "n": n, "max_depth": depth, "bytes": nbytes}
 
             def record(impl_name, t, info=None, **extra):

@@ -16,12 +16,6 @@ import numpy as np
 from gpu_bench_common import err_str
 
 
-def ancestors(parents, i):
-    out = []
-    while i >= 0:
-        out.append(i)
-        i = parents[i]
-    return out[::-1]
 
 
 def import_fla():
@@ -88,6 +82,8 @@ class TorchPerNode:
     def __init__(self, pb, dtype, device):
         import torch
 
+        from ddtree_jax.tree import root_path
+
         self.torch = torch
         b, hk, n, dk = pb["q"].shape
         hv, dv = pb["v"].shape[1], pb["v"].shape[3]
@@ -108,7 +104,7 @@ class TorchPerNode:
         levels = {}
         for bi, tree in enumerate(pb["trees"]):
             for i, p in enumerate(tree):
-                d = len(ancestors(tree, i)) - 1
+                d = len(root_path(tree, i)) - 1
                 parent = b * n + bi if p < 0 else bi * n + p
                 levels.setdefault(d, []).append((bi * n + i, parent))
         self.levels = [
@@ -142,6 +138,8 @@ class FlaPaths:
     def __init__(self, fla_ops, pb, device):
         import torch
 
+        from ddtree_jax.tree import root_path
+
         self.torch, self.ops = torch, fla_ops
         b, hk, n, dk = pb["q"].shape
         hv = pb["v"].shape[1]
@@ -150,7 +148,7 @@ class FlaPaths:
         for bi, tree in enumerate(pb["trees"]):
             has_child = set(p for p in tree if p >= 0)
             for leaf in (i for i in range(n) if i not in has_child):
-                paths.append(ancestors(tree, leaf))
+                paths.append(root_path(tree, leaf))
                 owners.append(bi)
         t_len = max(len(p) for p in paths)
         s_n = len(paths)

@@ -9,6 +9,7 @@ import numpy as np
 from hypothesis import given, strategies as st
 
 from ddtree_jax.models import delta_rule
+from ddtree_jax.tree import root_path
 
 B, H, DK, DV = 2, 3, 8, 6
 
@@ -76,12 +77,6 @@ def trees(draw):
     return parents
 
 
-def ancestors(parents, i):
-    path = []
-    while i >= 0:
-        path.append(i)
-        i = parents[i]
-    return path[::-1]
 
 
 @given(parents=trees(), seed=st.integers(0, 2**31 - 1))
@@ -92,12 +87,12 @@ def test_tree_block_equals_each_path_run_sequentially(parents, seed):
     visible = np.eye(N_TREE, dtype=bool)
     path_g = g.copy()
     for i in range(n):
-        for j in ancestors(parents, i):
+        for j in root_path(parents, i):
             visible[i, j] = True
-        path_g[..., i] = sum(g[..., j] for j in ancestors(parents, i))
+        path_g[..., i] = sum(g[..., j] for j in root_path(parents, i))
     o, u = jax.jit(delta_rule.block)(*f32(q, k, v, path_g, beta, state), jnp.asarray(visible))
     for i in range(n):
-        path = ancestors(parents, i)
+        path = root_path(parents, i)
         ref, ref_state = oracle(q, k, v, g, beta, state, path)
         np.testing.assert_allclose(o[:, :, i], ref[i], rtol=1e-5, atol=1e-5)
         # The state after the path, from the corrected values of the path's nodes only.

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from ddtree_jax.tree import ancestor_bits_from_parents
+from ddtree_jax.tree import ancestor_bits_from_parents, root_path
 from pallas_kernels.gdn_tree import gdn_tree_verify
 
 B, HK, H = 2, 2, 4  # two value heads per key head
@@ -42,12 +42,6 @@ def make_parents(kind, n, rng):
     return parents
 
 
-def ancestors(parents, i):
-    path = []
-    while i >= 0:
-        path.append(i)
-        i = parents[i]
-    return path[::-1]
 
 
 def pack_bits(parents, n_slots, zero_padding_rows=False):
@@ -55,7 +49,7 @@ def pack_bits(parents, n_slots, zero_padding_rows=False):
     that sees only itself (or nothing at all: the kernel then forces self)."""
     words = np.zeros((n_slots, -(-n_slots // 32)), np.uint32)
     for i in range(n_slots):
-        members = ancestors(parents, i) if i < len(parents) else ([] if zero_padding_rows else [i])
+        members = root_path(parents, i) if i < len(parents) else ([] if zero_padding_rows else [i])
         for j in members:
             words[i, j // 32] |= np.uint32(1 << (j % 32))
     return words
@@ -197,7 +191,7 @@ def test_strong_decay_needs_mask_before_exp():
     assert_close(out, ref, 1e-5)
     for i in (1, 2, 17, n - 1):
         np.testing.assert_allclose(
-            np.asarray(out)[:, :, i], oracle(q, k, v, g, beta, state, ancestors(parents, i), H // HK), rtol=1e-4, atol=1e-6
+            np.asarray(out)[:, :, i], oracle(q, k, v, g, beta, state, root_path(parents, i), H // HK), rtol=1e-4, atol=1e-6
         )
 
 
@@ -222,7 +216,7 @@ def test_reference_equals_each_path_run_sequentially(seed, kind, n):
     out = np.asarray(ref_fn()(*f32(q, k, v, g, beta, state), bits))
     for i in range(n):
         for b in range(B):
-            path = ancestors(trees[b], i)
+            path = root_path(trees[b], i)
             sl = lambda a: a[b : b + 1]
             want = oracle(*map(sl, (q, k, v, g, beta, state)), path, H // HK)
             np.testing.assert_allclose(out[b : b + 1, :, i], want, rtol=1e-5, atol=1e-5)
@@ -307,7 +301,7 @@ def test_shift_bits_drops_node_zero():
     shifted, bit0 = shift_bits(jnp.asarray(words[None]))
     shifted, bit0 = np.asarray(shifted[0]), np.asarray(bit0[0])
     for i in range(1, 70):
-        want = {j - 1 for j in ancestors(parents, i) if j > 0}
+        want = {j - 1 for j in root_path(parents, i) if j > 0}
         got = {j for j in range(69) if (int(shifted[i - 1, j // 32]) >> (j % 32)) & 1}
         assert got == want
         assert bit0[i - 1] == 1.0

@@ -11,7 +11,7 @@ from flax import nnx
 from ddtree_jax import decode
 from ddtree_jax.cache import KVCache, init_target_cache
 from ddtree_jax.spec.generate import generate
-from ddtree_jax.tree import make_tree
+from ddtree_jax.tree import make_tree, root_path
 from tests.scripted_proposers import ScriptedProposer
 from tests.tiny_models import HYBRID, make_target
 
@@ -40,11 +40,7 @@ def test_tree_kernels_match_reference_in_the_model():
     # Accepted path: root -> ... -> the last valid node.
     paths, counts = np.zeros((B, N), np.int32), np.zeros(B, np.int32)
     for b, n in enumerate((N, 11)):
-        node, p = n - 1, []
-        while node >= 0:
-            p.append(node)
-            node = parents[b, node]
-        p = p[::-1]
+        p = root_path(parents[b], n - 1)
         paths[b, : len(p)] = p
         paths[b, len(p):] = p[-1]
         counts[b] = len(p)
@@ -115,11 +111,7 @@ def test_bf16_model_feeds_the_gdn_kernel_bf16_and_commits_exactly():
     prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, 10)), jnp.int32)
     cache = decode.prefill(gd, params, init_target_cache(cfg, B, CAP), prompt, jnp.asarray([10, 7], jnp.int32)).cache
     parents = np.stack([[-1] + [int(rng.integers(max(0, i - 3), i)) for i in range(1, N)] for _ in range(B)])
-    node, path = N - 1, []
-    while node >= 0:
-        path.append(node)
-        node = parents[0, node]
-    path = path[::-1]
+    path = root_path(parents[0], N - 1)
     paths = np.tile(np.asarray(path + [path[-1]] * (N - len(path)), np.int32), (B, 1))
     counts = np.full(B, len(path), np.int32)
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, N)), jnp.int32)
