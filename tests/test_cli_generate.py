@@ -4,7 +4,6 @@ and one clear error for every bad input."""
 import dataclasses
 import io
 import json
-import os
 
 import pytest
 

@@ -1,7 +1,6 @@
 """DFlash drafters go through the same converter CLI: convert, restore, same drafts; the engine
 loads converted targets and drafters."""
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

@@ -9,7 +9,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from ddtree_jax import decode
 from ddtree_jax.cache import KVCache, init_target_cache
