@@ -9,11 +9,11 @@ compiled by pip's triton (ptxas included) for GPUTarget("cuda", 90, 32); `cuobjd
     pip install triton==3.6.0          # the H200 image's version
     PYTHONPATH=. python3 scripts/offline_triton_compile.py ssd --nodes 64 --out ssd_regs.json
     PYTHONPATH=. python3 scripts/offline_triton_compile.py gdn --nodes 65
-    PYTHONPATH=. python3 scripts/offline_triton_compile.py beam --nodes 16      # budget 16
+    PYTHONPATH=. python3 scripts/offline_triton_compile.py select --nodes 16    # budget 16
 
 Kernels: "ssd" (pallas_kernels/ssd_tree.py verify, NemotronH-8B-like layer: 128 heads x 64,
 8 groups, state 128), "gdn" (pallas_kernels/gdn_tree.py, Qwen3.6-27B layer: 16 k / 48 v heads
-of 128) and "beam" (pallas_kernels/tree_beam.py, 15 draft depths, --nodes = the budget). Each
+of 128) and "select" (pallas_kernels/tree_select.py, 15 draft depths, --nodes = the budget). Each
 sweeps a few block / warp settings and prints one row per setting.
 """
 
@@ -114,22 +114,23 @@ def gdn_cases(nodes: int):
             yield label, 8, functools.partial(gdn_tree_verify, impl="pallas", **opts), shapes
 
 
-def beam_cases(budget: int):
-    from pallas_kernels.tree_beam import beam
+def select_cases(budget: int):
+    from pallas_kernels.tree_select import select_nodes
 
     shapes = (jax.ShapeDtypeStruct((1, 15, budget), jnp.float32),)  # 15 draft depths, k = budget
-    for warps in (1, 2, 4, 8):
-        opts = dict(num_warps=warps)
-        yield opts, warps, functools.partial(beam, budget=budget, impl="pallas", **opts), shapes
+    for form in ("vector", "matrix"):
+        for warps in (1, 2, 4, 8):
+            opts = dict(form=form, num_warps=warps)
+            yield opts, warps, functools.partial(select_nodes, budget=budget, impl="pallas", **opts), shapes
 
 
-CASES = {"ssd": ssd_cases, "gdn": gdn_cases, "beam": beam_cases}
+CASES = {"ssd": ssd_cases, "gdn": gdn_cases, "select": select_cases}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("kernel", choices=tuple(CASES))
-    ap.add_argument("--nodes", type=int, default=64, help="tree nodes (ssd, gdn) or the budget (beam)")
+    ap.add_argument("--nodes", type=int, default=64, help="tree nodes (ssd, gdn) or the budget (select)")
     ap.add_argument("--num-stages", type=int, default=1)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)

@@ -36,15 +36,18 @@ def test_compile_reports_registers():
     assert 0 < res["regs"] <= 255 and res["stack_bytes"] is not None
 
 
-def test_tree_beam_lowers_for_cuda_without_spills():
-    """The one-launch beam kernel lowers to Triton for CUDA here (no GPU); where pip's triton is
-    installed, budget 16 x 16 compiles for sm_90 at its default warps without spilling (125
-    registers at 4 warps when written)."""
-    from pallas_kernels.tree_beam import DEFAULT_WARPS, beam
+def test_tree_select_lowers_for_cuda_without_spills():
+    """The one-launch node selection lowers to Triton for CUDA here (no GPU); where pip's triton
+    is installed, budgets 16 / 32 compile for sm_90 at the default warps without spilling (58 / 126
+    registers at one warp when written)."""
+    from pallas_kernels.tree_select import default_warps, select_nodes
 
-    [(name, ttir)] = capture_ttir(functools.partial(beam, budget=16, impl="pallas"),
-                                  jax.ShapeDtypeStruct((1, 15, 16), jnp.float32))
-    assert "tree_beam" in name and "scf.for" in ttir  # depths 1.. run as a loop, not unrolled
+    ttirs = {}
+    for budget in (16, 32):
+        [(name, ttirs[budget])] = capture_ttir(functools.partial(select_nodes, budget=budget, impl="pallas"),
+                                               jax.ShapeDtypeStruct((1, 15, budget), jnp.float32))
+        assert "tree_select" in name and "scf.for" in ttirs[budget]  # the pops run as a loop, not unrolled
     pytest.importorskip("triton")
-    res = compile_ttir(ttir, num_warps=DEFAULT_WARPS, num_stages=1)
-    assert res["regs"] <= 255 and res["stack_bytes"] == 0
+    for budget, ttir in ttirs.items():
+        res = compile_ttir(ttir, num_warps=default_warps(budget, "vector"), num_stages=1)
+        assert res["regs"] <= 255 and res["stack_bytes"] == 0, (budget, res)

@@ -29,10 +29,17 @@ SORT_TOP_K_MAX = 16  # k up to this: XLA's GPU TopK custom kernel, which a sort 
 
 
 def order_key(x: jax.Array) -> jax.Array:
-    """int32 keys ordered as lax.top_k orders float32 values (-0.0 below +0.0); also the beam
-    kernel's keys (pallas_kernels/tree_beam.py)."""
+    """int32 keys ordered as lax.top_k orders float32 values (-0.0 below +0.0); also the selection
+    kernel's keys (pallas_kernels/tree_select.py)."""
     bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
     return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
+
+
+def plus_zero(score: jax.Array) -> jax.Array:
+    """A prefix score as the sum from +0.0 makes it: never -0.0 (log-probs are <= 0, and -0.0 only
+    comes from -0.0 + -0.0). Written out because compilers may fold 0.0 + x to x, which keeps a
+    -0.0 log-prob's sign and would order it below +0.0."""
+    return jnp.where(score == 0, jnp.float32(0.0), score)
 
 
 def sort_top_k(x: jax.Array, k: int):
@@ -109,12 +116,13 @@ def validate_budget(budget: int, depth: int, vocab: int, max_candidates: int | N
 RANK_SELECT_MAX = 1024  # beam rows up to this long select by pairwise ranks off the CPU
 
 
-def select_in_index_order(x: jax.Array, width: int) -> jax.Array:
+def select_in_index_order(x: jax.Array, width: int, inf_last: bool = False) -> jax.Array:
     """The indices of top_k(x, width) (lax.top_k's tie rule) in increasing index order, [B, n] ->
     [B, width], by pairwise comparison: three reductions (rank of every entry, selected entries
     before each, the index holding each output slot) instead of a top-k sort, a sort of the picks
     and the copies XLA's in-place sorts make (~6 kernels). O(n^2) work, for short rows on a GPU,
-    where a small model's tree build is one kernel launch per op (docs/benchmarks.md section 3)."""
+    where a small model's tree build is one kernel launch per op (docs/benchmarks.md section 3).
+    inf_last: picked -inf entries after all others (each group in index order)."""
     n = x.shape[-1]
     idx = jnp.arange(n, dtype=jnp.int32)
     earlier = idx[None, :] < idx[:, None]  # [i, j]: j before i
@@ -122,7 +130,13 @@ def select_in_index_order(x: jax.Array, width: int) -> jax.Array:
     xi, xj = key[:, :, None], key[:, None, :]
     rank = jnp.sum((xj > xi) | ((xj == xi) & earlier[None]), axis=-1, dtype=jnp.int32)
     chosen = rank < width
-    before = jnp.sum(chosen[:, None, :] & earlier[None], axis=-1, dtype=jnp.int32)
+    if inf_last:
+        late = x == NEG
+        li, lj = late[:, :, None], late[:, None, :]
+        placed_before = (lj < li) | ((lj == li) & earlier[None])  # [B, i, j]
+    else:
+        placed_before = earlier[None]
+    before = jnp.sum(chosen[:, None, :] & placed_before, axis=-1, dtype=jnp.int32)
     slot = jnp.where(chosen, before, width)  # output position of each chosen entry
     hit = slot[:, None, :] == jnp.arange(width, dtype=jnp.int32)[None, :, None]  # [B, width, n]
     return jnp.sum(jnp.where(hit, idx[None, None, :], 0), axis=-1, dtype=jnp.int32)
@@ -134,7 +148,7 @@ def _beam_step(beam_scores, cand_scores, budget: int, k: int):
     Returns (scores [B, budget], parent slot [B, budget], rank [B, budget]).
     """
     b, w = beam_scores.shape
-    flat = (beam_scores[:, :, None] + cand_scores[:, None, :]).reshape(b, w * k)
+    flat = plus_zero(beam_scores[:, :, None] + cand_scores[:, None, :]).reshape(b, w * k)
     width = min(budget, w * k)
     if w * k <= RANK_SELECT_MAX and jax.default_backend() != "cpu":  # XLA:CPU sorts these faster
         pick = select_in_index_order(flat, width)
@@ -165,45 +179,25 @@ def beam_xla(top_val: jax.Array, budget: int):
     return jnp.stack(scores, axis=1), jnp.stack(parents, axis=1), jnp.stack(ranks, axis=1)
 
 
-def _beam(top_val: jax.Array, budget: int, impl: str):
-    """The beam in one kernel launch where it fits (pallas_kernels/tree_beam.py), else beam_xla;
-    with kernels asked for, the XLA route is announced by a warning when the step is traced."""
-    from pallas_kernels.tree_beam import BEAM_KERNEL_MAX_ENTRIES, beam
+def select_nodes_xla(top_val: jax.Array, budget: int):
+    """The tree's nodes from the per-depth top-k log-probs [B, D, k], in XLA ops: the reference of
+    the one-launch kernel (pallas_kernels/tree_select.py, same signature and arrays).
 
-    entries = budget * top_val.shape[-1]
-    if impl == "xla":
-        return beam_xla(top_val, budget)
-    if entries <= BEAM_KERNEL_MAX_ENTRIES:
-        return beam(top_val, budget, impl=impl)
-    warnings.warn(
-        f"the DDTree beam of budget {budget} ({entries} extensions per depth) uses the XLA form, not the Pallas "
-        f"kernel: one program holds at most {BEAM_KERNEL_MAX_ENTRIES} (pallas_kernels/tree_beam.py)",
-        stacklevel=3,
-    )
-    return beam_xla(top_val, budget)
-
-
-def build_tree(logq: jax.Array, root_tokens: jax.Array, start: jax.Array, budget: int, max_candidates=None,
-               impl: str = "xla") -> Tree:
-    """logq [B, D, V]: log-probs of the D draft depths; root_tokens, start [B]. Static budget;
-    impl picks the Pallas kernels of the beam (budget x candidates <= 256) and of the ancestor
-    bitsets (ddtree_jax.tree.make_tree).
-
-    Returns a Tree of budget + 1 slots (root first, then nodes by depth, each depth in lex order).
+    Returns (depth index, candidate rank, parent node index (0 = root), valid) [B, budget] each,
+    in tree order: valid nodes by depth, each depth in lexicographic order, then the invalid ones
+    (score -inf), which read (0, 0, 0, False).
     """
-    b, depth, vocab = logq.shape
-    k = validate_budget(budget, depth, vocab, max_candidates)
-    logq = logq.astype(jnp.float32)
-    top_val, top_tok = top_k(logq, k)  # [B, D, k], ties -> smaller token id first
-    scores, parents, ranks = _beam(top_val, budget, impl)  # [B, D, budget] each
+    b, depth, k = top_val.shape
+    scores, parents, ranks = beam_xla(top_val, budget)  # [B, D, budget] each
     all_scores = scores.reshape(b, depth * budget)  # flat order = (depth, lex)
     if all_scores.shape[-1] <= RANK_SELECT_MAX and jax.default_backend() != "cpu":
-        chosen = select_in_index_order(all_scores, budget)  # topological: by depth, then lex
+        chosen = select_in_index_order(all_scores, budget, inf_last=True)
     else:
         _, chosen = jax.lax.top_k(all_scores, budget)
-        chosen = jnp.sort(chosen, axis=-1)  # topological: by depth, then lex
-    chosen_scores = jnp.take_along_axis(all_scores, chosen, axis=-1)
-    valid_nodes = chosen_scores > NEG
+        late = jnp.take_along_axis(all_scores, chosen, axis=-1) == NEG
+        n = depth * budget
+        chosen = jnp.sort(chosen + jnp.where(late, n, 0), axis=-1) % n  # by depth, then lex; -inf last
+    valid = jnp.take_along_axis(all_scores, chosen, axis=-1) > NEG
     node_depth = chosen // budget  # 0-based depth index (tree depth - 1)
     # Final index of every (depth, slot) beam entry that was chosen (0 = root for "depth -1").
     final_index = jnp.zeros((b, depth * budget), jnp.int32)
@@ -212,10 +206,44 @@ def build_tree(logq: jax.Array, root_tokens: jax.Array, start: jax.Array, budget
     rank = jnp.take_along_axis(ranks.reshape(b, depth * budget), chosen, axis=-1)
     parent_flat = (node_depth - 1) * budget + parent_slot
     parent_index = jnp.where(node_depth == 0, 0, jnp.take_along_axis(final_index, jnp.maximum(parent_flat, 0), axis=-1))
+    return (jnp.where(valid, node_depth, 0), jnp.where(valid, rank, 0), jnp.where(valid, parent_index, 0), valid)
+
+
+def _select_nodes(top_val: jax.Array, budget: int, impl: str):
+    """The node selection in one kernel launch where the kernel takes the budget, else the XLA
+    form; with kernels asked for, the XLA route is announced by a warning when the step is traced."""
+    from pallas_kernels.tree_select import SELECT_KERNEL_MAX_BUDGET, select_nodes
+
+    if impl == "xla":
+        return select_nodes_xla(top_val, budget)
+    if budget <= SELECT_KERNEL_MAX_BUDGET:
+        return select_nodes(top_val, budget, impl=impl)
+    warnings.warn(
+        f"the DDTree node selection of budget {budget} uses the XLA form, not the Pallas kernel: the kernel "
+        f"takes budgets up to {SELECT_KERNEL_MAX_BUDGET} (pallas_kernels/tree_select.py)",
+        stacklevel=3,
+    )
+    return select_nodes_xla(top_val, budget)
+
+
+def build_tree(logq: jax.Array, root_tokens: jax.Array, start: jax.Array, budget: int, max_candidates=None,
+               impl: str = "xla") -> Tree:
+    """logq [B, D, V]: log-probs of the D draft depths; root_tokens, start [B]. Static budget;
+    impl picks the Pallas kernels of the node selection (budgets <= 64) and of the ancestor
+    bitsets (ddtree_jax.tree.make_tree).
+
+    Returns a Tree of budget + 1 slots: root first, then the valid nodes by depth, each depth in
+    lex order, then the invalid ones (fewer than `budget` prefixes with a finite score).
+    """
+    b, depth, vocab = logq.shape
+    k = validate_budget(budget, depth, vocab, max_candidates)
+    logq = logq.astype(jnp.float32)
+    top_val, top_tok = top_k(logq, k)  # [B, D, k], ties -> smaller token id first
+    node_depth, rank, parent, valid = _select_nodes(top_val, budget, impl)
     tokens = jnp.take_along_axis(top_tok.reshape(b, depth * k), node_depth * k + rank, axis=-1)
     all_tokens = jnp.concatenate([root_tokens[:, None], tokens], axis=1)
-    all_parents = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), parent_index], axis=1)
-    all_valid = jnp.concatenate([jnp.ones((b, 1), bool), valid_nodes], axis=1)
+    all_parents = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), parent], axis=1)
+    all_valid = jnp.concatenate([jnp.ones((b, 1), bool), valid], axis=1)
     return make_tree(all_tokens, all_parents, all_valid, start, max_depth=depth, impl=impl)
 
 
