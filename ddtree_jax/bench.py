@@ -43,6 +43,8 @@ class RunResult:
     # For rows that differ from AR: (row, first differing token, AR top-2 logit gap there / logit scale).
     divergences: list | None = None
     divergences_are_ties: bool | None = None
+    # tokens/s of every timed pass when the prompt set ran more than once (tokens_per_second = median)
+    tokens_per_second_runs: list[float] | None = None
 
 
 def peak_memory() -> int | None:
@@ -177,6 +179,23 @@ def run_mode(engine: Engine, prompts: Sequence[Sequence[int]], mode: str, budget
     return result, outputs
 
 
+def merge_repeats(passes: list[RunResult]) -> RunResult:
+    """One result from repeated passes of a (mode, budget) over the prompt set: median tokens/s,
+    seconds and step time, every pass's tokens/s kept; counts and phases from the first pass.
+    A launch-bound small model varies ~10 % from pass to pass on a GPU, more than the
+    difference between close modes, so single passes cannot rank them."""
+    if len(passes) == 1:
+        return passes[0]
+    first = passes[0]
+    return dataclasses.replace(
+        first,
+        seconds=statistics.median(r.seconds for r in passes),
+        tokens_per_second=statistics.median(r.tokens_per_second for r in passes),
+        step_ms=statistics.median(r.step_ms for r in passes),
+        tokens_per_second_runs=[r.tokens_per_second for r in passes],
+    )
+
+
 TIE_TOLERANCE = {"float32": 1e-3, "bfloat16": 3e-2, "float16": 3e-2}
 
 
@@ -219,16 +238,21 @@ def compare(results: list[RunResult], outputs: dict, ar_key=("ar", None), engine
 
 
 def table(results: list[RunResult]) -> str:
-    head = f"{'mode':7} {'budget':>6} {'tok/s':>9} {'speedup':>7} {'accept':>6} {'ms/step':>8} " \
-           f"{'draft':>7} {'build':>7} {'verify':>7} {'commit':>7} {'same':>5}"
+    """One row per run; with repeated passes tok/s is their median and a range column shows the spread."""
+    spread = any(r.tokens_per_second_runs for r in results)
+    head = f"{'mode':7} {'budget':>6} {'tok/s':>9} " + (f"{'tok/s range':>15} " if spread else "") + \
+           f"{'speedup':>7} {'accept':>6} {'ms/step':>8} {'draft':>7} {'build':>7} {'verify':>7} {'commit':>7} {'same':>5}"
     lines = [head, "-" * len(head)]
     for r in results:
         ph = r.phases_ms
         cols = [ph.get(k, ph.get("step") if k == "verify" else None) for k in ("draft", "build", "verify", "commit")]
         fmt = lambda x: f"{x:7.2f}" if x is not None else f"{'-':>7}"
+        runs = r.tokens_per_second_runs
+        rng = f"{min(runs):7.0f}-{max(runs):<7.0f} " if runs else f"{'-':>15} "
         lines.append(
             f"{r.mode:7} {r.budget if r.budget is not None else '-':>6} {r.tokens_per_second:9.1f} "
-            f"{(r.speedup_vs_ar or float('nan')):7.2f} {r.acceptance_length:6.2f} {r.step_ms:8.2f} "
+            + (rng if spread else "")
+            + f"{(r.speedup_vs_ar or float('nan')):7.2f} {r.acceptance_length:6.2f} {r.step_ms:8.2f} "
             + " ".join(fmt(c) for c in cols)
             + f" {_same(r):>5}"
         )

@@ -15,21 +15,22 @@ same arrays, ties and signed zeros included.
 
 Why a kernel: on a GPU the XLA form costs ~4 launches per depth plus ~10 for the final pick and
 the index mapping (the demo pair's DDTree-32 build: 82 kernels, 0.15 ms of a 0.7 ms step), and a
-small model's step is bound by launches. The previous one-launch form ran the beam in a kernel
-with a 32-step bitwise search per depth: 480 dependent block reductions, 79 us on the H200 at
-budget 16, slower than the XLA beam (docs/benchmarks.md section 3).
+small model's step is bound by launches. A first one-launch form ran the beam in a kernel with a
+32-step bitwise search per depth: 480 dependent block reductions, 79 us on the H200 at budget 16,
+no faster than the XLA beam. This kernel: 10.1 / 21.2 / 57.8 us at budgets 16 / 32 / 64 against
+88.6 / 107.3 / 305.3 us for the XLA form (batch 1, 15 depths, in an on-device loop;
+scripts/gpu_tree_select.py, docs/benchmarks.md section 3).
 
-The algorithm here has few dependent steps. Every prefix has one predecessor in the
-left-child / right-sibling view of the candidate tree (its previous sibling, or its parent for a
-first child) and comes after it in the total order (log-probs <= 0 and candidates sorted), so
-`budget` pops of a frontier, each pushing the popped node's first child and next sibling, visit
-exactly the best `budget` prefixes. One program per sequence keeps the frontier (at most
-budget + 1 entries) in registers. Per pop: every entry's count of entries that beat it (one
-[F, F] elementwise comparison and one reduction; the winner is beaten by none), the winner's
-fields (independent masked reductions), the two new scores (lookups in the [D, k] candidate table).
-Paths compare through their candidate ranks packed most significant first into int32 words.
-After the pops: each node's place in tree order by pairwise comparison and the parents'
-places by a one-hot lookup. O(budget x F^2) work: for budgets up to SELECT_KERNEL_MAX_BUDGET.
+The algorithm has few dependent steps. Every prefix has one predecessor in the left-child /
+right-sibling view of the candidate tree (its previous sibling, or its parent for a first child)
+and comes after it in the total order (log-probs <= 0 and candidates sorted), so `budget` pops of
+a frontier, each pushing the popped node's first child and next sibling, visit exactly the best
+`budget` prefixes. One program (one warp) per sequence keeps the frontier (at most budget + 1
+entries) in registers. Per pop: the winner by one reduction per key field (score key, then the
+(depth, path) words: depth and candidate ranks packed most significant first into int32 words),
+its fields by independent masked reductions, the two new scores by lookups in the [D, k] candidate
+table. After the pops: each node's place in tree order by pairwise comparison and the parents'
+places by a one-hot lookup.
 """
 
 from __future__ import annotations
@@ -44,18 +45,14 @@ from jax.experimental import pallas as pl
 from ddtree_jax.spec.build import order_key, plus_zero, select_nodes_xla
 from pallas_kernels._common import check_impl, compiler_params, load, next_pow2, store
 
-SELECT_KERNEL_MAX_BUDGET = 64  # frontier of 128 slots
-DEFAULT_FORM = "vector"
+SELECT_KERNEL_MAX_BUDGET = 64  # frontier of 128 slots; 57.8 us at budget 64 vs 305 us for the XLA form (H200)
 
 
-def default_warps(budget: int, form: str) -> int:
-    """Fewest warps without spills for sm_90 (scripts/offline_triton_compile.py select: vector form
-    58 / 126 registers at one warp for budgets 16 / 32, budget 64 spills below 4 warps; the matrix
-    form's [F, F] comparison needs 4 warps at budget 16 and 8 at 32, and spills at 64 at any count).
-    One warp reduces without shared memory or barriers."""
-    if form == "vector":
-        return 1 if budget <= 32 else 4
-    return 4 if budget <= 16 else 8
+# One warp reduces without shared memory or barriers: fastest at every budget measured on the H200
+# (budget 16 / 32 / 64: 10.1 / 21.2 / 57.8 us at 1 warp, 11.6 / 34.0 / 79.0 at 4, 12.4 / 39.3 / 90.8 at 8;
+# scripts/gpu_tree_select.py, docs/benchmarks.md section 3), though budget 64 spills 264 bytes at
+# one warp (scripts/offline_triton_compile.py select --nodes 64).
+DEFAULT_WARPS = 1
 
 
 def frontier_slots(budget: int) -> int:
@@ -63,7 +60,6 @@ def frontier_slots(budget: int) -> int:
 
 
 DEPTH_BITS = 5  # depth in the top bits of the first path word: draft depths up to 31
-FORMS = ("vector", "matrix")
 
 
 def path_words(depth: int, k: int):
@@ -84,14 +80,14 @@ def rank_place(p: int, bits: int, first: int, per: int):
 
 
 def _words_less(a_words, b_words):
-    """Elementwise: a before b in (depth, path) order."""
+    """Elementwise: a before b in (depth, path) order (the nodes' final placement)."""
     less = jnp.zeros(a_words[0].shape, bool)
     for a, b in reversed(list(zip(a_words, b_words))):
         less = (a < b) | ((a == b) & less)
     return less
 
 
-def _kernel(val_ref, depth_ref, rank_ref, parent_ref, valid_ref, *, depth, k, budget, kp, dp, fp, bp, form):
+def _kernel(val_ref, depth_ref, rank_ref, parent_ref, valid_ref, *, depth, k, budget, kp, dp, fp, bp):
     f32, i32 = jnp.float32, jnp.int32
     neg = f32(-jnp.inf)
     lowest, highest = i32(jnp.iinfo(jnp.int32).min), i32(jnp.iinfo(jnp.int32).max)
@@ -122,20 +118,16 @@ def _kernel(val_ref, depth_ref, rank_ref, parent_ref, valid_ref, *, depth, k, bu
     recs = (zero_b, zero_b, tuple(zero_b for _ in range(nw)), zero_b, zero_b)  # depth, rank, words, parent pop, valid
 
     def winner(sc, fw, live):
-        """The live entry no other beats: higher score key, then smaller (depth, path) words."""
+        """The live entry no other beats: the highest score key, then the smallest (depth, path)
+        words, one reduction per field on [F] vectors. (A form with one [F, F] comparison and one
+        reduction per pop instead was 1.4x / 3.1x / 28x slower at budgets 16 / 32 / 64 on the
+        H200: its tiles need 4-8 warps, whose reductions cross shared memory.)"""
         key = jnp.where(live == 1, order_key(sc), lowest)
-        if form == "vector":  # one reduction per key field, on [F] vectors
-            top = jnp.max(key)
-            win = (live == 1) & (key == top)
-            for w in fw:
-                win = win & (w == jnp.min(jnp.where(win, w, highest)))
-            return win, top > lowest
-        # "matrix": every entry's count of entries that beat it, one [F, F] comparison
-        ka, kb = key[:, None], key[None, :]
-        better = (kb > ka) | ((kb == ka) & _words_less([w[None, :] for w in fw], [w[:, None] for w in fw]))
-        beaten = (live[None, :] == 1) & ((live[:, None] == 0) | better)  # [a, b]: b beats a
-        win = (live == 1) & (jnp.sum(beaten.astype(i32), axis=1) == 0)
-        return win, jnp.max(live) > 0
+        top = jnp.max(key)
+        win = (live == 1) & (key == top)
+        for w in fw:
+            win = win & (w == jnp.min(jnp.where(win, w, highest)))
+        return win, top > lowest
 
     def pop(t, carry):
         (ps, sc, fd, fj, fw, fpp, live), (rd, rj, rw, rpp, rv) = carry
@@ -184,10 +176,8 @@ def _kernel(val_ref, depth_ref, rank_ref, parent_ref, valid_ref, *, depth, k, bu
     store(valid_ref, (pl.ds(0, bp),), jnp.sum(hit.astype(i32), axis=1))
 
 
-def _pallas(top_val, budget: int, *, interpret: bool, num_warps: int | None, form: str):
+def _pallas(top_val, budget: int, *, interpret: bool, num_warps: int | None):
     b, depth, k = top_val.shape
-    if form not in FORMS:
-        raise ValueError(f"form must be one of {FORMS}, got {form!r}")
     if depth >= 1 << DEPTH_BITS:
         raise ValueError(f"the selection kernel packs depths in {DEPTH_BITS} bits: at most "
                          f"{(1 << DEPTH_BITS) - 1} draft depths, got {depth}: use impl='xla'")
@@ -198,7 +188,7 @@ def _pallas(top_val, budget: int, *, interpret: bool, num_warps: int | None, for
         raise ValueError(f"more candidates per depth ({k}) than the budget ({budget})")
     kp, dp, bp = max(16, next_pow2(k)), max(16, next_pow2(depth)), max(16, next_pow2(budget))
     kernel = functools.partial(_kernel, depth=depth, k=k, budget=budget, kp=kp, dp=dp,
-                               fp=frontier_slots(budget), bp=bp, form=form)
+                               fp=frontier_slots(budget), bp=bp)
     out_spec = pl.BlockSpec((None, bp), lambda i: (i, 0))
     shape = jax.ShapeDtypeStruct((b, bp), jnp.int32)
     depth_i, rank, parent, valid = pl.pallas_call(
@@ -207,19 +197,18 @@ def _pallas(top_val, budget: int, *, interpret: bool, num_warps: int | None, for
         in_specs=[pl.BlockSpec((None, depth, k), lambda i: (i, 0, 0))],
         out_specs=[out_spec] * 4,
         out_shape=[shape] * 4,
-        compiler_params=None if interpret else compiler_params(num_warps or default_warps(budget, form), 1),
+        compiler_params=None if interpret else compiler_params(num_warps or DEFAULT_WARPS, 1),
         interpret=interpret,
         name="tree_select",
     )(top_val.astype(jnp.float32))
     return depth_i[:, :budget], rank[:, :budget], parent[:, :budget], valid[:, :budget] == 1
 
 
-def select_nodes(top_val: jax.Array, budget: int, *, impl: str = "xla", num_warps: int | None = None,
-                 form: str = DEFAULT_FORM):
+def select_nodes(top_val: jax.Array, budget: int, *, impl: str = "xla", num_warps: int | None = None):
     """[B, D, k] per-depth top-k log-probs -> (depth index, rank, parent, valid) [B, budget]."""
     check_impl(impl)
     if top_val.ndim != 3:
         raise ValueError(f"top_val must be [B, D, k], got {top_val.shape}")
     if impl == "xla":
         return select_nodes_xla(top_val, budget)
-    return _pallas(top_val, budget, interpret=impl == "pallas_interpret", num_warps=num_warps, form=form)
+    return _pallas(top_val, budget, interpret=impl == "pallas_interpret", num_warps=num_warps)

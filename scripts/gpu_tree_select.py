@@ -3,10 +3,10 @@ against the XLA form it replaces (ddtree_jax.spec.build.select_nodes_xla: the de
 beam, the top-budget over all depths and the index mapping, ~4 launches per depth + ~10).
 
 Correctness: the kernel's depth / rank / parent / valid arrays equal the XLA form's on random
-per-depth candidates with exact ties (quantized values) and -inf, for each kernel form and warp
-count timed. Timing: each form runs inside one jitted on-device loop (as in the generation loop,
-where a small model's step is bound by launches), median of rounds after a warm-up, never on
-zeros. Prints a table and writes JSON.
+per-depth candidates with exact ties (quantized values) and -inf, at every warp count timed.
+Timing: each variant runs inside one jitted on-device loop (as in the generation loop, where a
+small model's step is bound by launches), median of rounds after a warm-up, never on zeros.
+Prints a table and writes JSON.
 
     PYTHONPATH=. python3 scripts/gpu_tree_select.py --out $OUT/tree_select.json      # on the H200
     PYTHONPATH=. python3 scripts/gpu_tree_select.py --cpu-smoke                      # any machine
@@ -48,15 +48,14 @@ def main(argv=None) -> int:
     ap.add_argument("--budgets", default="8,16,32,64", help="tree budgets (k = budget candidates per depth)")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--depth", type=int, default=15, help="draft depths (DFlash block 16 -> 15)")
-    ap.add_argument("--forms", default="vector,matrix", help="kernel forms timed (pallas_kernels/tree_select.py)")
-    ap.add_argument("--warps", default="", help="also time each form at these num_warps, e.g. 1,2,4,8")
+    ap.add_argument("--warps", default="", help="also time the kernel at these num_warps, e.g. 1,2,4,8")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "tree_select.json"))
     args = ap.parse_args(argv)
     if args.cpu_smoke:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
 
-    from pallas_kernels.tree_select import default_warps, select_nodes
+    from pallas_kernels.tree_select import DEFAULT_WARPS, select_nodes
 
     on_gpu = any(d.platform == "gpu" for d in jax.devices())
     if not on_gpu and not args.cpu_smoke:
@@ -66,7 +65,6 @@ def main(argv=None) -> int:
     depth = 4 if args.cpu_smoke else args.depth
     budgets = [int(x) for x in args.budgets.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
-    forms = [f for f in args.forms.split(",") if f]
     report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "command": " ".join(["scripts/gpu_tree_select.py"] + (argv if argv is not None else sys.argv[1:])),
               "device": jax.devices()[0].device_kind, "jax": jax.__version__, "depth": depth, "rows": []}
@@ -74,12 +72,10 @@ def main(argv=None) -> int:
         for budget in budgets:
             row = {"batch": batch, "budget": budget, "k": budget}
             sets = problem(batch * 100 + budget, batch, depth, budget, 1 if args.cpu_smoke else 4)
-            variants = {"xla": dict(impl="xla")}
-            for form in forms:
-                variants[form] = dict(impl=impl, form=form)
-                for nw in [int(x) for x in args.warps.split(",") if x]:
-                    if nw != default_warps(budget, form):
-                        variants[f"{form}_w{nw}"] = dict(impl=impl, form=form, num_warps=nw)
+            variants = {"xla": dict(impl="xla"), "kernel": dict(impl=impl)}
+            for nw in [int(x) for x in args.warps.split(",") if x]:
+                if nw != DEFAULT_WARPS:
+                    variants[f"kernel_w{nw}"] = dict(impl=impl, num_warps=nw)
             want = None
             for name, opts in variants.items():
                 try:

@@ -118,10 +118,9 @@ def select_cases(budget: int):
     from pallas_kernels.tree_select import select_nodes
 
     shapes = (jax.ShapeDtypeStruct((1, 15, budget), jnp.float32),)  # 15 draft depths, k = budget
-    for form in ("vector", "matrix"):
-        for warps in (1, 2, 4, 8):
-            opts = dict(form=form, num_warps=warps)
-            yield opts, warps, functools.partial(select_nodes, budget=budget, impl="pallas", **opts), shapes
+    for warps in (1, 2, 4, 8):
+        opts = dict(num_warps=warps)
+        yield opts, warps, functools.partial(select_nodes, budget=budget, impl="pallas", **opts), shapes
 
 
 CASES = {"ssd": ssd_cases, "gdn": gdn_cases, "select": select_cases}

@@ -248,3 +248,36 @@ def test_engine_times_generation_only(ckpts, monkeypatch):
     assert len(calls) == 2  # warm-up + the timed run
     [again] = engine.generate([[5, 6, 7, 8]], mode="ddtree", budget=4, max_new_tokens=8)
     assert len(calls) == 3 and again.token_ids == first.token_ids
+
+
+def test_bench_repeats_interleave_passes_and_report_the_median(ckpts, tmp_path, monkeypatch):
+    """--repeats N runs every (mode, budget) N times, pass by pass over all of them; tokens/s is
+    the median with every pass kept, and a pass that generates other tokens is reported."""
+    from ddtree_jax import bench
+    from ddtree_jax.cli import bench as bench_cli
+
+    order, speed = [], iter([10.0, 20.0, 30.0, 50.0, 40.0, 60.0])
+
+    def fake_run_mode(engine, prompts, mode, budget, **kw):
+        order.append((mode, budget, kw["phase_repeats"]))
+        r = bench.RunResult(**{f.name: None for f in dataclasses.fields(bench.RunResult)})
+        tps = next(speed)
+        r = dataclasses.replace(r, mode=mode, budget=budget, tokens=8, seconds=8 / tps, tokens_per_second=tps,
+                                acceptance_length=1.0, step_ms=1.0, phases_ms={}, accepted_hist=[1])
+        flaky = mode == "dflash" and len(order) > 2
+        return r, [[1, 2, 3] if flaky else [1, 2]]
+
+    monkeypatch.setattr(bench, "run_mode", fake_run_mode)
+    monkeypatch.setattr(bench, "plot", lambda results, path: None)
+    target, drafter, _ = ckpts
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def f(x):\n")
+    code = bench_cli.main(["--target", target, "--drafter", drafter, "--prompts", str(prompts), "--modes", "ar,dflash",
+                           "--repeats", "3", "--phase-repeats", "2", "--out", str(tmp_path)])
+    assert code == 0
+    assert [(m, p) for m, _, p in order] == [("ar", 2), ("dflash", 2), ("ar", 0), ("dflash", 0), ("ar", 0), ("dflash", 0)]
+    report = json.loads((tmp_path / "bench.json").read_text())
+    runs = {r["mode"]: r for r in report["results"]}
+    assert runs["ar"]["tokens_per_second_runs"] == [10.0, 30.0, 40.0] and runs["ar"]["tokens_per_second"] == 30.0
+    assert runs["dflash"]["tokens_per_second"] == 50.0
+    assert report["repeats"] == 3 and report["passes_differ"] == ["dflash/None"]

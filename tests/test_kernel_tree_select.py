@@ -1,4 +1,4 @@
-"""The one-launch node selection kernel (interpret mode, both forms) equals the XLA form array for
+"""The one-launch node selection kernel (interpret mode) equals the XLA form array for
 array: random per-depth candidates with ties, -inf and signed zeros, budgets 1-64, fewer
 candidates than the budget, fewer real prefixes than the budget, batch 2; a whole DDTree build
 through it equals the CPU's tree. Shapes are padded per case so one compilation serves all
@@ -28,9 +28,9 @@ def draw_top_val(seed, depth, k, levels):
     return np.asarray(jax.lax.top_k(jnp.asarray(x), k)[0])
 
 
-@functools.partial(jax.jit, static_argnames=("budget", "impl", "form"))
-def _select(top_val, budget, impl, form="vector"):
-    return select_nodes(top_val, budget, impl=impl, form=form)
+@functools.partial(jax.jit, static_argnames=("budget", "impl"))
+def _select(top_val, budget, impl):
+    return select_nodes(top_val, budget, impl=impl)
 
 
 def assert_same(want, got):
@@ -48,17 +48,9 @@ def test_select_kernel_equals_xla(budget, k, depth, seed, levels):
     assert_same(want, _select(top_val, budget, "pallas_interpret"))
 
 
-@pytest.mark.parametrize("budget, k, depth", [(16, 16, 15), (32, 32, 6)])
-def test_matrix_form_equals_xla(budget, k, depth):
-    """The [F, F]-comparison form picks the same winners (ties included) as the vector form."""
-    for seed, levels in ((1, 0), (2, 1), (3, 4)):
-        top_val = jnp.asarray(draw_top_val(seed, depth, k, levels))
-        assert_same(_select(top_val, budget, "xla"), _select(top_val, budget, "pallas_interpret", "matrix"))
-
-
 def test_invalid_nodes_last_and_canonical():
     """Fewer finite prefixes than the budget: the valid nodes first in tree order, the rest
-    (0, 0, 0, False) in both forms."""
+    (0, 0, 0, False), in the kernel and the XLA form."""
     top_val = np.full((2, 3, 4), -np.inf, np.float32)
     top_val[:, 0, :2] = [-0.5, -1.0]
     top_val[:, 1, :1] = -0.25  # 2 depth-1 + 2 depth-2 finite prefixes
@@ -96,8 +88,6 @@ def test_select_kernel_refuses_what_it_cannot_take():
         select_nodes(jnp.zeros((1, 3, 4), jnp.float32), SELECT_KERNEL_MAX_BUDGET + 1, impl="pallas_interpret")
     with pytest.raises(ValueError, match="at most 31 draft depths"):
         select_nodes(jnp.zeros((1, 32, 4), jnp.float32), 8, impl="pallas_interpret")
-    with pytest.raises(ValueError, match="form"):
-        select_nodes(jnp.zeros((1, 3, 4), jnp.float32), 8, impl="pallas_interpret", form="heap")
 
 
 @pytest.mark.parametrize("budget", [4, 16, 65])
@@ -126,6 +116,6 @@ def test_gpu_script_smoke(tmp_path):
     from scripts.gpu_tree_select import main
 
     out = tmp_path / "select.json"
-    assert main(["--cpu-smoke", "--budgets", "4", "--batches", "2", "--forms", "vector", "--out", str(out)]) == 0
+    assert main(["--cpu-smoke", "--budgets", "4", "--batches", "2", "--out", str(out)]) == 0
     [row] = json.loads(out.read_text())["rows"]
-    assert row["vector_equal"] and row["vector_us"] > 0 and row["xla_us"] > 0
+    assert row["kernel_equal"] and row["kernel_us"] > 0 and row["xla_us"] > 0

@@ -40,7 +40,7 @@ def test_tree_select_lowers_for_cuda_without_spills():
     """The one-launch node selection lowers to Triton for CUDA here (no GPU); where pip's triton
     is installed, budgets 16 / 32 compile for sm_90 at the default warps without spilling (58 / 126
     registers at one warp when written)."""
-    from pallas_kernels.tree_select import default_warps, select_nodes
+    from pallas_kernels.tree_select import DEFAULT_WARPS, select_nodes
 
     ttirs = {}
     for budget in (16, 32):
@@ -49,5 +49,5 @@ def test_tree_select_lowers_for_cuda_without_spills():
         assert "tree_select" in name and "scf.for" in ttirs[budget]  # the pops run as a loop, not unrolled
     pytest.importorskip("triton")
     for budget, ttir in ttirs.items():
-        res = compile_ttir(ttir, num_warps=default_warps(budget, "vector"), num_stages=1)
+        res = compile_ttir(ttir, num_warps=DEFAULT_WARPS, num_stages=1)
         assert res["regs"] <= 255 and res["stack_bytes"] == 0, (budget, res)
