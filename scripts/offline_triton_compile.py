@@ -10,10 +10,12 @@ compiled by pip's triton (ptxas included) for GPUTarget("cuda", 90, 32); `cuobjd
     PYTHONPATH=. python3 scripts/offline_triton_compile.py ssd --nodes 64 --out ssd_regs.json
     PYTHONPATH=. python3 scripts/offline_triton_compile.py gdn --nodes 65
     PYTHONPATH=. python3 scripts/offline_triton_compile.py select --nodes 16    # budget 16
+    PYTHONPATH=. python3 scripts/offline_triton_compile.py topk --nodes 8192    # rows of 8192
 
 Kernels: "ssd" (pallas_kernels/ssd_tree.py verify, NemotronH-8B-like layer: 128 heads x 64,
 8 groups, state 128), "gdn" (pallas_kernels/gdn_tree.py, Qwen3.6-27B layer: 16 k / 48 v heads
-of 128) and "select" (pallas_kernels/tree_select.py, 15 draft depths, --nodes = the budget). Each
+of 128) "select" (pallas_kernels/tree_select.py, 15 draft depths, --nodes = the budget) and "topk"
+(pallas_kernels/row_top_k.py, --nodes = the row length, k = 16 and 32). Each
 sweeps a few block / warp settings and prints one row per setting.
 """
 
@@ -123,13 +125,23 @@ def select_cases(budget: int):
         yield opts, warps, functools.partial(select_nodes, budget=budget, impl="pallas", **opts), shapes
 
 
-CASES = {"ssd": ssd_cases, "gdn": gdn_cases, "select": select_cases}
+def top_k_cases(n: int):
+    from pallas_kernels.row_top_k import row_top_k
+
+    shapes = (jax.ShapeDtypeStruct((1, 15, n), jnp.float32),)  # 15 draft depths' rows of n entries
+    for k in (16, 32):
+        for warps in (4, 8, 16):
+            opts = dict(num_warps=warps)
+            yield dict(opts, k=k), warps, functools.partial(row_top_k, k=k, impl="pallas", **opts), shapes
+
+
+CASES = {"ssd": ssd_cases, "gdn": gdn_cases, "select": select_cases, "topk": top_k_cases}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("kernel", choices=tuple(CASES))
-    ap.add_argument("--nodes", type=int, default=64, help="tree nodes (ssd, gdn) or the budget (select)")
+    ap.add_argument("--nodes", type=int, default=64, help="tree nodes (ssd, gdn), the budget (select) or the row length (topk)")
     ap.add_argument("--num-stages", type=int, default=1)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)

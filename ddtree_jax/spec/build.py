@@ -226,11 +226,29 @@ def _select_nodes(top_val: jax.Array, budget: int, impl: str):
     return select_nodes_xla(top_val, budget)
 
 
+def _vocab_top_k(logq: jax.Array, k: int, impl: str):
+    """The per-depth candidates: one launch of the row top-k kernel where it takes the rows (the
+    demo's 8k vocabulary), else `top_k` (staged sorts on GPUs); with kernels asked for, that route
+    is announced by a warning when the step is traced."""
+    from pallas_kernels.row_top_k import ROW_TOP_K_MAX_K, ROW_TOP_K_MAX_LEN, row_top_k
+
+    if impl == "xla":
+        return top_k(logq, k)
+    if logq.shape[-1] <= ROW_TOP_K_MAX_LEN and k <= ROW_TOP_K_MAX_K:
+        return row_top_k(logq, k, impl=impl)
+    warnings.warn(
+        f"the DDTree vocabulary top-{k} over {logq.shape[-1]} entries uses XLA's staged sorts, not the Pallas "
+        f"kernel: it takes rows up to {ROW_TOP_K_MAX_LEN} and k up to {ROW_TOP_K_MAX_K} (pallas_kernels/row_top_k.py)",
+        stacklevel=3,
+    )
+    return top_k(logq, k)
+
+
 def build_tree(logq: jax.Array, root_tokens: jax.Array, start: jax.Array, budget: int, max_candidates=None,
                impl: str = "xla") -> Tree:
     """logq [B, D, V]: log-probs of the D draft depths; root_tokens, start [B]. Static budget;
-    impl picks the Pallas kernels of the node selection (budgets <= 64) and of the ancestor
-    bitsets (ddtree_jax.tree.make_tree).
+    impl picks the Pallas kernels of the vocabulary top-k (rows <= 8192, k <= 32), the node
+    selection (budgets <= 64) and the ancestor bitsets (ddtree_jax.tree.make_tree).
 
     Returns a Tree of budget + 1 slots: root first, then the valid nodes by depth, each depth in
     lex order, then the invalid ones (fewer than `budget` prefixes with a finite score).
@@ -238,7 +256,7 @@ def build_tree(logq: jax.Array, root_tokens: jax.Array, start: jax.Array, budget
     b, depth, vocab = logq.shape
     k = validate_budget(budget, depth, vocab, max_candidates)
     logq = logq.astype(jnp.float32)
-    top_val, top_tok = top_k(logq, k)  # [B, D, k], ties -> smaller token id first
+    top_val, top_tok = _vocab_top_k(logq, k, impl)  # [B, D, k], ties -> smaller token id first
     node_depth, rank, parent, valid = _select_nodes(top_val, budget, impl)
     tokens = jnp.take_along_axis(top_tok.reshape(b, depth * k), node_depth * k + rank, axis=-1)
     all_tokens = jnp.concatenate([root_tokens[:, None], tokens], axis=1)
