@@ -88,9 +88,20 @@ def _checksum(tree) -> jax.Array:
 def _phase_loop(graphdef, params, dparams, s, logq, tree, res, eos, key, spec, phase: str, n):
     """Run one phase n times on device (n traced: one compilation for every n); each iteration
     perturbs an input by the loop index so nothing is hoisted out of the loop, and a checksum of
-    the output keeps it from being dropped."""
+    the output keeps it from being dropped. The plain decoding step ("step") instead carries its
+    state from iteration to iteration, as the generation loop does: with only a checksum of each
+    output, XLA dropped the recurrent-state and cache writebacks and copied the K cache per layer
+    instead of updating it in place (the session-5 HLO of scripts/profile_step.py)."""
     model = nnx.merge(graphdef, params)
     vocab = model.cfg.vocab_size
+    if phase == "step":
+        def carried(i, carry):
+            st, acc = carry
+            st = gen._ar_step(model, st, eos, spec, key)[0]
+            return st, acc + _checksum(st.bonus)
+
+        last, acc = jax.lax.fori_loop(0, n, carried, (s, jnp.float32(0)))
+        return acc + _checksum(last)
 
     def body(i, acc):
         bumped = s._replace(bonus=(s.bonus + i) % vocab)
@@ -104,7 +115,7 @@ def _phase_loop(graphdef, params, dparams, s, logq, tree, res, eos, key, spec, p
         elif phase == "commit":
             out = gen.commit_and_emit(model, dparams, s, tree, res._replace(bonus=(res.bonus + i) % vocab), eos, spec)[0]
         else:
-            out = gen._ar_step(model, bumped, eos, spec, key)[0]
+            raise ValueError(f"unknown phase {phase!r}")
         return acc + _checksum(out)
 
     return jax.lax.fori_loop(0, n, body, jnp.float32(0))

@@ -281,3 +281,34 @@ def test_bench_repeats_interleave_passes_and_report_the_median(ckpts, tmp_path, 
     assert runs["ar"]["tokens_per_second_runs"] == [10.0, 30.0, 40.0] and runs["ar"]["tokens_per_second"] == 30.0
     assert runs["dflash"]["tokens_per_second"] == 50.0
     assert report["repeats"] == 3 and report["passes_differ"] == ["dflash/None"]
+
+
+def test_ar_phase_timing_carries_the_state(ckpts):
+    """The plain-decoding phase loop (ddtree-bench's step timing, scripts/profile_step.py) runs n
+    real consecutive steps - the state carried, as in the generation loop - so XLA keeps every
+    cache / state writeback: its result equals n steps run one by one."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from ddtree_jax import bench
+    from ddtree_jax.engine import Engine
+    from ddtree_jax.spec import generate as gen
+
+    target, drafter, _ = ckpts
+    engine = Engine.load(target, drafter)
+    spec = engine.spec("ar", budget=1, candidates=None, max_new_tokens=16, sampling=bench.Sampling(),
+                       prompt_bucket=16)
+    eos, key = jnp.zeros((0,), jnp.int32), jax.random.PRNGKey(0)
+    g, p, dp = engine.graphdef, engine.params, engine.drafter_params
+    prompt = jnp.asarray([[5, 6, 7, 8] + [0] * 12], jnp.int32)
+    s = gen.start(g, p, dp, prompt, jnp.asarray([4], jnp.int32), eos, key, spec)
+    got = bench._phase_loop(g, p, dp, s, None, None, None, eos, key, spec, "step", jnp.int32(3))
+    model = nnx.merge(g, p)
+    st, acc = s, jnp.float32(0)
+    for _ in range(3):
+        st = gen._ar_step(model, st, eos, spec, key)[0]
+        acc = acc + bench._checksum(st.bonus)
+    np.testing.assert_allclose(float(got), float(acc + bench._checksum(st)), rtol=1e-6)
+    assert int(st.cache.lengths[0]) == int(s.cache.lengths[0]) + 3
