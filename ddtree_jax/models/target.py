@@ -108,10 +108,10 @@ class DecoderLayer(nnx.Module):
     def _stateless(self, h):
         return self.mlp(h) if self.kind == MLP else self.moe(h)
 
-    def __call__(self, x, layer_cache, start, n_valid, *, chunked: bool):
+    def __call__(self, x, layer_cache, start, n_valid, *, chunked: bool, impl: str = "xla"):
         residual, h = self._pre(x)
         if self.kind == ATTENTION:
-            h, layer_cache = self.self_attn(h, layer_cache, start)
+            h, layer_cache = self.self_attn(h, layer_cache, start, impl)
         elif self.kind == GDN:
             h, layer_cache = self.linear_attn(h, layer_cache, n_valid, chunked=chunked)
         elif self.kind == MAMBA2:
@@ -209,14 +209,17 @@ class TargetModel(nnx.Module):
         *,
         chunked: bool,
         hidden_ids: tuple[int, ...] = (),
+        impl: str = "xla",
     ):
         """Append tokens [B, T] (the first n_valid[b] of each row are real) after the committed ones.
+        impl "pallas" / "pallas_interpret": single-token steps attend through the tree-attention
+        kernel (models/attention.py).
 
         Returns (final normed hidden [B,T,H], features [B,T,len(hidden_ids)*H] or None, new cache).
         hidden_ids index HF's `hidden_states`: 0 = embeddings, i = output of layer i-1, and
         num_layers = the final normed output (HF ties the last entry to it).
         """
         start = cache.lengths
-        step = lambda i, layer, x: layer(x, cache.layers[i], start, n_valid, chunked=chunked)
+        step = lambda i, layer, x: layer(x, cache.layers[i], start, n_valid, chunked=chunked, impl=impl)
         x, features, layers = self._run(self.embed_tokens(tokens), step, hidden_ids)
         return x, features, TargetCache(layers, start + n_valid.astype(jnp.int32))

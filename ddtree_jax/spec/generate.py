@@ -150,7 +150,7 @@ def commit_and_emit(model, drafter_params, s: LoopState, tree: Tree, res: Verify
 
 
 def _ar_step(model, s: LoopState, eos_ids, spec: GenSpec, key):
-    h, _, cache = model(s.bonus[:, None], s.cache, (~s.done).astype(jnp.int32), chunked=False)
+    h, _, cache = model(s.bonus[:, None], s.cache, (~s.done).astype(jnp.int32), chunked=False, impl=spec.kernels)
     nxt = choose(model.logits(h[:, 0]), spec.sampling, key)
     b = nxt.shape[0]
     out, n_out, done = _emit(s.out, s.n_out, s.done, nxt[:, None], jnp.ones((b,), jnp.int32), eos_ids,
