@@ -11,11 +11,13 @@ compiled by pip's triton (ptxas included) for GPUTarget("cuda", 90, 32); `cuobjd
     PYTHONPATH=. python3 scripts/offline_triton_compile.py gdn --nodes 65
     PYTHONPATH=. python3 scripts/offline_triton_compile.py select --nodes 16    # budget 16
     PYTHONPATH=. python3 scripts/offline_triton_compile.py topk --nodes 8192    # rows of 8192
+    PYTHONPATH=. python3 scripts/offline_triton_compile.py gdn_decode --nodes 1 # batch 1
 
 Kernels: "ssd" (pallas_kernels/ssd_tree.py verify, NemotronH-8B-like layer: 128 heads x 64,
 8 groups, state 128), "gdn" (pallas_kernels/gdn_tree.py, Qwen3.6-27B layer: 16 k / 48 v heads
 of 128) "select" (pallas_kernels/tree_select.py, 15 draft depths, --nodes = the budget) and "topk"
-(pallas_kernels/row_top_k.py, --nodes = the row length, k = 16 and 32). Each
+(pallas_kernels/row_top_k.py, --nodes = the row length, k = 16 and 32), "gdn_decode"
+(pallas_kernels/gdn_decode.py at the 27B GDN layer, --nodes = the batch). Each
 sweeps a few block / warp settings and prints one row per setting.
 """
 
@@ -135,13 +137,30 @@ def top_k_cases(n: int):
             yield dict(opts, k=k), warps, functools.partial(row_top_k, k=k, impl="pallas", **opts), shapes
 
 
-CASES = {"ssd": ssd_cases, "gdn": gdn_cases, "select": select_cases, "topk": top_k_cases}
+def gdn_decode_cases(batch: int):
+    from pallas_kernels.gdn_decode import gdn_decode
+
+    hk, hv, dk, dv, taps = 16, 48, 128, 128, 4  # Qwen3.6-27B GDN layer
+    c = 2 * hk * dk + hv * dv
+    bf, f32 = jnp.bfloat16, jnp.float32
+    shapes = (jax.ShapeDtypeStruct((batch, c), bf), jax.ShapeDtypeStruct((batch, hv, dv), bf),
+              jax.ShapeDtypeStruct((batch, hv), f32), jax.ShapeDtypeStruct((batch, hv), f32),
+              jax.ShapeDtypeStruct((batch, taps - 1, c), bf), jax.ShapeDtypeStruct((taps, c), bf),
+              jax.ShapeDtypeStruct((batch, hv, dk, dv), f32), jax.ShapeDtypeStruct((dv,), bf),
+              jax.ShapeDtypeStruct((batch,), jnp.int32))
+    for warps in (4, 8, 16):
+        opts = dict(num_warps=warps)
+        yield opts, warps, functools.partial(gdn_decode, num_k_heads=hk, eps=1e-6, impl="pallas", **opts), shapes
+
+
+CASES = {"ssd": ssd_cases, "gdn": gdn_cases, "select": select_cases, "topk": top_k_cases,
+         "gdn_decode": gdn_decode_cases}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("kernel", choices=tuple(CASES))
-    ap.add_argument("--nodes", type=int, default=64, help="tree nodes (ssd, gdn), the budget (select) or the row length (topk)")
+    ap.add_argument("--nodes", type=int, default=64, help="tree nodes (ssd, gdn), the budget (select), the row length (topk) or the batch (gdn_decode)")
     ap.add_argument("--num-stages", type=int, default=1)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)

@@ -100,10 +100,11 @@ def test_generation_with_kernels_equals_plain_greedy():
         np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens), err_msg=mode)
 
 
-def test_plain_decoding_through_the_attention_kernel():
+def test_plain_decoding_through_the_kernels():
     """Single-token steps with kernels attend through the tree-attention kernel (one node over the
-    cache up to each row's length): a batch of two prompts of different lengths decodes the same
-    greedy tokens as the XLA form, and one step's logits and cache agree closely."""
+    cache up to each row's length) and run the GDN core as one kernel (pallas_kernels/gdn_decode.py):
+    a batch of two prompts of different lengths decodes the same greedy tokens as the XLA form, and
+    one step's hidden states and caches (K / V, recurrent state, conv window) agree closely."""
     cfg, gd, params = MODEL
     rng = np.random.default_rng(2)
     prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 9)), jnp.int32)
@@ -118,10 +119,16 @@ def test_plain_decoding_through_the_attention_kernel():
     tok = jnp.asarray([3, 7], jnp.int32)
     (h_ref, _, c_ref), (h_got, _, c_got) = step(cache, tok, "xla"), step(cache, tok, "pallas_interpret")
     np.testing.assert_allclose(np.asarray(h_got), np.asarray(h_ref), rtol=1e-4, atol=1e-4)
+    kinds = set()
     for a, r in zip(c_got.layers, c_ref.layers):
+        kinds.add(type(r).__name__)
         if isinstance(r, KVCache):
             np.testing.assert_allclose(a.k, r.k, rtol=1e-5, atol=1e-6)
             np.testing.assert_allclose(a.v, r.v, rtol=1e-5, atol=1e-6)
+        else:
+            np.testing.assert_allclose(a.state, r.state, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(a.conv, r.conv, rtol=1e-5, atol=1e-6)  # inputs from earlier layers
+    assert kinds == {"KVCache", "RecurrentCache"}
 
 
 def test_bf16_model_feeds_the_gdn_kernel_bf16_and_commits_exactly():

@@ -7,6 +7,7 @@ both are pure functions of (params, inputs, RecurrentCache).
 
 from __future__ import annotations
 
+import warnings
 from typing import NamedTuple
 
 import jax
@@ -88,11 +89,20 @@ class GatedDeltaNet(nnx.Module):
 
     # ---- append tokens to the committed state -----------------------------------------
     def __call__(
-        self, x: jax.Array, cache: RecurrentCache, n_valid: jax.Array, *, chunked: bool
+        self, x: jax.Array, cache: RecurrentCache, n_valid: jax.Array, *, chunked: bool, impl: str = "xla"
     ) -> tuple[jax.Array, RecurrentCache]:
-        """Consume the first n_valid[b] of T tokens; later (padding) tokens leave the state alone."""
+        """Consume the first n_valid[b] of T tokens; later (padding) tokens leave the state alone.
+
+        impl "pallas" / "pallas_interpret": a single-token step (decoding) runs its conv, norms,
+        recurrent step, gated norm and window slide as one kernel (pallas_kernels/gdn_decode.py)
+        between the projections; a layer shape the kernel cannot take is announced by a warning
+        when traced and runs the XLA form."""
         t = x.shape[1]
         mixed, z, beta, g = self.project(x)
+        if impl != "xla" and t == 1 and not chunked:
+            decoded = self._decode_kernel(mixed, z, beta, g, cache, n_valid, impl)
+            if decoded is not None:
+                return decoded
         conv_out = jax.nn.silu(causal_conv(mixed, cache.conv, self.conv_weight[...]))
         q, k, v = self.heads(conv_out.astype(x.dtype))
         valid = (jnp.arange(t)[None, :] < n_valid[:, None])[:, None, :]
@@ -104,6 +114,22 @@ class GatedDeltaNet(nnx.Module):
             o, state = delta_rule.recurrent(q, k, v, g, beta, cache.state)
         new_cache = RecurrentCache(conv=next_window(mixed, cache.conv, n_valid), state=state)
         return self.output(o, z, x.dtype), new_cache
+
+    def _decode_kernel(self, mixed, z, beta, g, cache: RecurrentCache, n_valid, impl: str):
+        from pallas_kernels.gdn_decode import gdn_decode, kernel_problems
+
+        cfg = self.cfg
+        w = self.conv_weight[...]
+        problems = kernel_problems(mixed.shape[-1], cfg.gdn_num_k_heads, cfg.gdn_num_v_heads, cfg.gdn_k_head_dim,
+                                   cfg.gdn_v_head_dim, w.shape[0])
+        if problems:
+            warnings.warn("the GDN decode step uses the XLA form, not the Pallas kernel: " + "; ".join(problems),
+                          stacklevel=4)
+            return None
+        y, state, window = gdn_decode(mixed[:, 0], z[:, 0], g[:, 0], beta[:, 0], cache.conv, w, cache.state,
+                                      self.norm.weight[...], n_valid, num_k_heads=cfg.gdn_num_k_heads,
+                                      eps=self.norm.eps, impl=impl)
+        return self.out_proj(y.reshape(y.shape[0], 1, -1)), RecurrentCache(conv=window, state=state)
 
     # ---- speculative entry points -------------------------------------------------------
     def tree(self, x, cache: RecurrentCache, visible, conv_src=None, bits=None, impl: str = "xla"

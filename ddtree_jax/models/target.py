@@ -113,7 +113,7 @@ class DecoderLayer(nnx.Module):
         if self.kind == ATTENTION:
             h, layer_cache = self.self_attn(h, layer_cache, start, impl)
         elif self.kind == GDN:
-            h, layer_cache = self.linear_attn(h, layer_cache, n_valid, chunked=chunked)
+            h, layer_cache = self.linear_attn(h, layer_cache, n_valid, chunked=chunked, impl=impl)
         elif self.kind == MAMBA2:
             h, layer_cache = self.mamba(h, layer_cache, n_valid, chunked=chunked)
         else:
@@ -213,7 +213,7 @@ class TargetModel(nnx.Module):
     ):
         """Append tokens [B, T] (the first n_valid[b] of each row are real) after the committed ones.
         impl "pallas" / "pallas_interpret": single-token steps attend through the tree-attention
-        kernel (models/attention.py).
+        kernel (models/attention.py) and run the GDN core as one kernel (models/gdn.py).
 
         Returns (final normed hidden [B,T,H], features [B,T,len(hidden_ids)*H] or None, new cache).
         hidden_ids index HF's `hidden_states`: 0 = embeddings, i = output of layer i-1, and

@@ -1,0 +1,175 @@
+"""One decoding step of a Gated DeltaNet layer's core in one kernel launch, next to its reference.
+
+    y, state, window = gdn_decode(mixed, z, g, beta, window, conv_w, state, norm_w, n_valid,
+                                  num_k_heads=..., eps=..., impl="xla" | "pallas" | "pallas_interpret")
+
+Inputs of one token per sequence, after the layer's projections: mixed [B, conv_dim] (the conv
+inputs q | k | v), z [B, Hv, dv] (the output gate), g, beta [B, Hv] float32 (decay exponent and
+write strength); the layer's cache: window [B, K-1, conv_dim] (the conv's last inputs), state
+[B, Hv, dk, dv] float32; conv_w [K, conv_dim], norm_w [dv]; n_valid [B] (0: the row is idle and
+keeps its cache). Returns the gated-normed output y [B, Hv, dv] in mixed's dtype (what out_proj
+reads), the new state and the new window: the causal conv + SiLU, the q / k l2 norms, the delta
+rule's recurrent step (delta_rule.recurrent_step) and the gated RMSNorm, as the model's XLA
+decode path computes them (`reference`; models/gdn.py).
+
+Why a kernel: XLA runs this part of a 27B-shaped GDN layer's decode step as 6-7 launches (conv +
+SiLU + norms, the key broadcast, kv_mem, the state update with the output and the gated norm, the
+window slide), reading the 64 KB float32 state of every head twice; ~20 us a layer in the
+session-5 profile, 48 layers a step (docs/benchmarks.md section 1). Here one program per
+(sequence, value head) loads its head's q / k / v columns and conv window, does everything in
+registers and writes y, the state (in place) and its window columns: one launch, the state read
+and written once. Programs of the same key head share q / k; the first of them writes those
+window columns (into a new window buffer: the others still read the old ones).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from ddtree_jax.models import delta_rule
+from ddtree_jax.models.conv import next_window
+from ddtree_jax.models.gdn import l2_normalize
+from ddtree_jax.models.layers import rms_normalize
+from pallas_kernels._common import check_impl, compiler_params, load, store
+
+# Untimed on a GPU (written after the last H200 call of session 5); the [dk, dv] state tile is
+# 64 per thread at 8 warps. scripts/gpu_gdn_decode.py --warps 4,16 decides.
+DEFAULT_WARPS = 8
+
+
+def reference(mixed, z, g, beta, window, conv_w, state, norm_w, n_valid, *, num_k_heads: int, eps: float):
+    """The XLA decode path of models/gdn.py for one token (causal_conv, heads, recurrent_step,
+    GatedRMSNorm, next_window), op for op."""
+    b, c = mixed.shape
+    hv, dv = z.shape[1], z.shape[2]
+    dk = state.shape[2]
+    kd = num_k_heads * dk
+    dtype = mixed.dtype
+    xs = jnp.concatenate([window.astype(conv_w.dtype), mixed[:, None].astype(conv_w.dtype)], axis=1)
+    conv = sum(xs[:, m] * conv_w[m] for m in range(conv_w.shape[0]))
+    act = jax.nn.silu(conv).astype(dtype)
+    q = act[:, :kd].reshape(b, num_k_heads, dk)
+    k = act[:, kd : 2 * kd].reshape(b, num_k_heads, dk)
+    v = act[:, 2 * kd :].reshape(b, hv, dv)
+    rep = hv // num_k_heads
+    if rep > 1:
+        q, k = jnp.repeat(q, rep, axis=1), jnp.repeat(k, rep, axis=1)
+    q = l2_normalize(q.astype(jnp.float32)) * dk**-0.5
+    k = l2_normalize(k.astype(jnp.float32))
+    on = (n_valid > 0)[:, None]
+    o, new_state = delta_rule.recurrent_step(q, k, v.astype(jnp.float32), jnp.where(on, g, 0.0),
+                                             jnp.where(on, beta, 0.0), state)
+    o = o.astype(dtype)
+    normed = rms_normalize(o, eps).astype(dtype)
+    y = (norm_w * normed * jax.nn.silu(z.astype(jnp.float32))).astype(dtype)
+    return y, new_state, next_window(mixed[:, None], window, n_valid)
+
+
+def _kernel(nv_ref, mixed_ref, z_ref, g_ref, beta_ref, win_ref, w_ref, s_ref, nw_ref,
+            y_ref, s_out, win_out, *, kd, dk, dv, rep, taps, eps):
+    f32 = jnp.float32
+    b, h = pl.program_id(0), pl.program_id(1)
+    kh = h // rep
+    dtype, wdtype, cdtype = mixed_ref.dtype, w_ref.dtype, win_ref.dtype
+    live = nv_ref[b] > 0
+
+    def conv(col, width):
+        """SiLU(causal conv) of `width` channels from column `col`, rounded to the model dtype; the
+        window rows and the new input, each as the window stores it."""
+        rows = [load(win_ref, (b, jnp.int32(m), pl.ds(col, width))) for m in range(taps - 1)]
+        new = load(mixed_ref, (b, pl.ds(col, width)))
+        acc = jnp.zeros((width,), f32)
+        for m, row in enumerate(rows + [new]):
+            w = load(w_ref, (jnp.int32(m), pl.ds(col, width))).astype(f32)
+            acc = acc + row.astype(wdtype).astype(f32) * w
+        act = acc.astype(wdtype).astype(f32)
+        return (act * jax.nn.sigmoid(act)).astype(wdtype).astype(dtype).astype(f32), rows, new
+
+    def slide(col, width, rows, new, mask=None):
+        """The window after this token: drop the oldest row, append the new input (live rows only)."""
+        kept = rows[1:] + [new.astype(cdtype)]
+        for m in range(taps - 1):
+            row = jnp.where(live, kept[m].astype(cdtype), rows[m])
+            store(win_out, (b, jnp.int32(m), pl.ds(col, width)), row, mask=mask)
+
+    q, q_rows, q_new = conv(kh * dk, dk)
+    k, k_rows, k_new = conv(kd + kh * dk, dk)
+    v, v_rows, v_new = conv(2 * kd + h * dv, dv)
+    q = q * lax.rsqrt(jnp.sum(q * q) + 1e-6) * dk**-0.5
+    k = k * lax.rsqrt(jnp.sum(k * k) + 1e-6)
+    g = jnp.where(live, g_ref[b, h], 0.0)
+    beta = jnp.where(live, beta_ref[b, h], 0.0)
+    s = s_ref[...] * jnp.exp(g)  # [dk, dv]
+    u = beta * (v - jnp.sum(s * k[:, None], axis=0))
+    s = s + k[:, None] * u[None, :]
+    s_out[...] = s
+    o = jnp.sum(s * q[:, None], axis=0).astype(dtype).astype(f32)
+    normed = (o * lax.rsqrt(jnp.mean(o * o) + eps)).astype(dtype)
+    zf = z_ref[...].astype(f32)
+    wn = (nw_ref[...] * normed).astype(f32)  # the norm weight times the normed output, in the weight's dtype
+    y_ref[...] = (wn * (zf * jax.nn.sigmoid(zf))).astype(y_ref.dtype)
+    first = jnp.full((dk,), h % rep == 0)  # one program per key head writes its q / k window columns
+    slide(kh * dk, dk, q_rows, q_new, first)
+    slide(kd + kh * dk, dk, k_rows, k_new, first)
+    slide(2 * kd + h * dv, dv, v_rows, v_new)
+
+
+def kernel_problems(conv_dim: int, num_k_heads: int, num_v_heads: int, dk: int, dv: int, taps: int) -> list[str]:
+    """Why the kernel cannot take a layer of this shape (empty: it can)."""
+    problems = []
+    for name, d in (("dk", dk), ("dv", dv)):
+        if d & (d - 1) or d < 16:
+            problems.append(f"{name}={d} must be a power of two >= 16")
+    if num_v_heads % num_k_heads:
+        problems.append(f"{num_v_heads} value heads do not divide into {num_k_heads} key heads")
+    if conv_dim != 2 * num_k_heads * dk + num_v_heads * dv:
+        problems.append(f"conv_dim {conv_dim} != 2 x {num_k_heads * dk} + {num_v_heads} x {dv}")
+    if taps < 2:
+        problems.append(f"the conv needs at least 2 taps, got {taps}")
+    return problems
+
+
+def _pallas(mixed, z, g, beta, window, conv_w, state, norm_w, n_valid, *, num_k_heads, eps, interpret, num_warps):
+    b, c = mixed.shape
+    hv, dv = z.shape[1], z.shape[2]
+    dk = state.shape[2]
+    taps = conv_w.shape[0]
+    kd = num_k_heads * dk
+    problems = kernel_problems(c, num_k_heads, hv, dk, dv, taps)
+    if problems:
+        raise ValueError("gdn_decode kernel: " + "; ".join(problems))
+    kernel = functools.partial(_kernel, kd=kd, dk=dk, dv=dv, rep=hv // num_k_heads, taps=taps, eps=eps)
+    full = lambda shape: pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))
+    head = lambda *lead: pl.BlockSpec((None, None) + lead, lambda i, j: (i, j) + (0,) * len(lead))
+    y, new_state, new_window = pl.pallas_call(
+        kernel,
+        grid=(b, hv),
+        in_specs=[full((b,)), full((b, c)), head(dv), full((b, hv)), full((b, hv)), full(window.shape),
+                  full(conv_w.shape), head(dk, dv), full((dv,))],
+        out_specs=[head(dv), head(dk, dv), full(window.shape)],
+        out_shape=[jax.ShapeDtypeStruct(z.shape, mixed.dtype), jax.ShapeDtypeStruct(state.shape, jnp.float32),
+                   jax.ShapeDtypeStruct(window.shape, window.dtype)],
+        # the state in place (each program reads and writes only its head's tile); the window to a new
+        # buffer: programs of one key head read q / k columns that another one rewrites
+        input_output_aliases={7: 1},
+        compiler_params=None if interpret else compiler_params(num_warps or DEFAULT_WARPS, 1),
+        interpret=interpret,
+        name="gdn_decode",
+    )(n_valid.astype(jnp.int32), mixed, z, g.astype(jnp.float32), beta.astype(jnp.float32), window, conv_w,
+      state.astype(jnp.float32), norm_w)
+    return y, new_state, new_window
+
+
+def gdn_decode(mixed, z, g, beta, window, conv_w, state, norm_w, n_valid, *, num_k_heads: int, eps: float,
+               impl: str = "xla", num_warps: int | None = None):
+    """(y [B, Hv, dv], state [B, Hv, dk, dv] float32, window [B, K-1, conv_dim]) after one token."""
+    check_impl(impl)
+    if impl == "xla":
+        return reference(mixed, z, g, beta, window, conv_w, state, norm_w, n_valid, num_k_heads=num_k_heads, eps=eps)
+    return _pallas(mixed, z, g, beta, window, conv_w, state, norm_w, n_valid, num_k_heads=num_k_heads, eps=eps,
+                   interpret=impl == "pallas_interpret", num_warps=num_warps)

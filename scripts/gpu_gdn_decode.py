@@ -1,0 +1,142 @@
+"""GPU check + benchmark of the GDN decode kernel (pallas_kernels/gdn_decode.py) against its
+reference, the model's XLA decode path for the same part of the layer (conv + SiLU, q / k norms,
+the recurrent step, the gated norm, the window slide), at a Qwen3.6-27B GDN layer (16 k / 48 v heads
+of 128, conv 4, bf16 inputs, float32 state).
+
+Correctness: y, state and window against the reference (float32 relative error and bf16 within
+its rounding), idle rows unchanged. Timing: each form inside one jitted on-device loop that carries
+the state, the window and y (as the next step's gate input) from call to call, as decoding does:
+nothing is hoisted, no output is dead, and the in-place state update needs no copy. Median of
+rounds after a warm-up, never on zeros. Prints a table and writes JSON.
+
+    PYTHONPATH=. python3 scripts/gpu_gdn_decode.py --warps 4,16 --out $OUT/gdn_decode.json   # on the H200
+    PYTHONPATH=. python3 scripts/gpu_gdn_decode.py --cpu-smoke                                 # any machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np  # noqa: E402
+
+from gpu_bench_common import err_str, fmt  # noqa: E402
+from ddtree_jax import atomic  # noqa: E402
+
+
+def problem(seed: int, batch: int, hk: int, hv: int, dk: int, dv: int, taps: int, dtype):
+    import jax
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(seed)
+    c = 2 * hk * dk + hv * dv
+    r = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)
+    n_valid = jnp.asarray((np.arange(batch) % 4 != 3).astype(np.int32))  # every 4th row idle
+    return (r(batch, c).astype(dtype), r(batch, hv, dv).astype(dtype), -jnp.abs(r(batch, hv)) * 0.1,
+            jax.nn.sigmoid(r(batch, hv)), r(batch, taps - 1, c).astype(dtype), (r(taps, c) * 0.5).astype(dtype),
+            r(batch, hv, dk, dv) * 0.1, (1 + 0.1 * r(dv)).astype(dtype), n_valid)
+
+
+def carried_step_us(a, hk: int, opts: dict, on_gpu: bool, steps: int = 64, rounds: int = 7) -> float:
+    """Median us per decode step of `steps` steps in one jitted loop, state / window / y carried."""
+    import statistics
+    import time
+
+    import jax
+    from jax import lax
+
+    from pallas_kernels.gdn_decode import gdn_decode
+
+    mixed, z, g, beta, window, conv_w, state, norm_w, n_valid = a
+    if not on_gpu:
+        steps, rounds = 2, 2
+
+    @jax.jit
+    def run(state, window, z):
+        def body(i, carry):
+            st, win, zz = carry
+            y, st, win = gdn_decode(mixed, zz, g, beta, win, conv_w, st, norm_w, n_valid, num_k_heads=hk, eps=1e-6,
+                                    **opts)
+            return st, win, y
+        return lax.fori_loop(0, steps, body, (state, window, z))
+
+    jax.block_until_ready(run(state, window, z))  # compile + warm up
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        jax.block_until_ready(run(state, window, z))
+        times.append((time.perf_counter() - t0) / steps)
+    return statistics.median(times) * 1e6
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cpu-smoke", action="store_true", help="interpret mode, small shapes (checks the script)")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--warps", default="", help="also time the kernel at these num_warps, e.g. 4,16")
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gdn_decode.json"))
+    args = ap.parse_args(argv)
+    if args.cpu_smoke:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.gdn_decode import DEFAULT_WARPS, gdn_decode
+
+    on_gpu = any(d.platform == "gpu" for d in jax.devices())
+    if not on_gpu and not args.cpu_smoke:
+        print("no GPU visible to jax: run on the H200, or use --cpu-smoke", file=sys.stderr)
+        return 2
+    impl = "pallas" if on_gpu else "pallas_interpret"
+    hk, hv, dk, dv, taps = (2, 4, 16, 16, 4) if args.cpu_smoke else (16, 48, 128, 128, 4)
+    batches = [2] if args.cpu_smoke else [int(x) for x in args.batches.split(",")]
+    report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "command": " ".join(["scripts/gpu_gdn_decode.py"] + (argv if argv is not None else sys.argv[1:])),
+              "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+              "shape": dict(k_heads=hk, v_heads=hv, dk=dk, dv=dv, taps=taps), "rows": []}
+    for batch in batches:
+        row = {"batch": batch}
+        variants = {"xla": dict(impl="xla"), "kernel": dict(impl=impl)}
+        for nw in [int(x) for x in args.warps.split(",") if x]:
+            if nw != DEFAULT_WARPS:
+                variants[f"kernel_w{nw}"] = dict(impl=impl, num_warps=nw)
+        for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)):
+            args_ = problem(batch, batch, hk, hv, dk, dv, taps, dtype)
+            want = jax.jit(lambda *a: gdn_decode(*a, num_k_heads=hk, eps=1e-6, impl="xla"))(*args_)
+            try:
+                got = jax.jit(lambda *a: gdn_decode(*a, num_k_heads=hk, eps=1e-6, impl=impl))(*args_)
+                errs = [float(np.max(np.abs(np.asarray(g, np.float32) - np.asarray(w, np.float32)))
+                              / max(1e-9, float(np.max(np.abs(np.asarray(w, np.float32)))))) for w, g in zip(want, got)]
+                idle = [i for i in range(batch) if int(args_[8][i]) == 0]
+                same_idle = all(bool((np.asarray(got[1][i]) == np.asarray(args_[6][i])).all()) for i in idle)
+                row[f"{jnp.dtype(dtype).name}_rel_err"] = max(errs)
+                row[f"{jnp.dtype(dtype).name}_ok"] = max(errs) <= tol and same_idle
+            except Exception as e:
+                row[f"{jnp.dtype(dtype).name}_error"] = err_str(e)
+        a = problem(batch * 10, batch, hk, hv, dk, dv, taps, jnp.bfloat16)
+        for name, opts in variants.items():
+            try:
+                row[name + "_us"] = carried_step_us(a, hk, opts, on_gpu)
+            except Exception as e:
+                row[name + "_error"] = err_str(e)
+        report["rows"].append(row)
+        atomic.write_json(args.out, report)
+        print(f"[gdn_decode] {row}", flush=True)
+    cols = sorted({k[:-3] for r in report["rows"] for k in r if k.endswith("_us")}, key=lambda c: (c != "xla", c))
+    print(f"\n{'B':>2} {'fp32 err':>9} {'bf16 err':>9} {'ok':>5}" + "".join(f" {c + ' us':>14}" for c in cols))
+    for r in report["rows"]:
+        ok = r.get("float32_ok", False) and r.get("bfloat16_ok", False)
+        print(f"{r['batch']:>2} {fmt(r.get('float32_rel_err'), '.1e'):>9} {fmt(r.get('bfloat16_rel_err'), '.1e'):>9}"
+              f" {str(ok):>5}" + "".join(f" {fmt(r.get(c + '_us')):>14}" for c in cols))
+    print(f"wrote {args.out}")
+    failed = [r for r in report["rows"] if not (r.get("float32_ok") and r.get("bfloat16_ok"))
+              or any(k.endswith("error") for k in r)]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
