@@ -1,24 +1,28 @@
 """One decoding step of a Gated DeltaNet layer's core in one kernel launch, next to its reference.
 
-    y, state, window = gdn_decode(mixed, z, g, beta, window, conv_w, state, norm_w, n_valid,
-                                  num_k_heads=..., eps=..., impl="xla" | "pallas" | "pallas_interpret")
+    y, state, window = gdn_decode(mixed, z, x, w_a, w_b, a_log, dt_bias, window, conv_w, state, norm_w,
+                                  n_valid, num_k_heads=..., eps=..., impl="xla" | "pallas" | "pallas_interpret")
 
-Inputs of one token per sequence, after the layer's projections: mixed [B, conv_dim] (the conv
-inputs q | k | v), z [B, Hv, dv] (the output gate), g, beta [B, Hv] float32 (decay exponent and
-write strength); the layer's cache: window [B, K-1, conv_dim] (the conv's last inputs), state
-[B, Hv, dk, dv] float32; conv_w [K, conv_dim], norm_w [dv]; n_valid [B] (0: the row is idle and
-keeps its cache). Returns the gated-normed output y [B, Hv, dv] in mixed's dtype (what out_proj
-reads), the new state and the new window: the causal conv + SiLU, the q / k l2 norms, the delta
-rule's recurrent step (delta_rule.recurrent_step) and the gated RMSNorm, as the model's XLA
-decode path computes them (`reference`; models/gdn.py).
+Inputs of one token per sequence: mixed [B, conv_dim] (the conv inputs q | k | v) and z [B, Hv, dv]
+(the output gate) from the layer's large projections; x [B, hidden] (the normed hidden state they
+read) with w_a, w_b [hidden, Hv] (the small a / b projections), a_log, dt_bias [Hv]; the layer's
+cache: window [B, K-1, conv_dim] (the conv's last inputs), state [B, Hv, dk, dv] float32; conv_w
+[K, conv_dim], norm_w [dv]; n_valid [B] (0: the row is idle and keeps its cache). Returns the
+gated-normed output y [B, Hv, dv] in mixed's dtype (what out_proj reads), the new state and the
+new window: the a / b products and the gates (beta = sigmoid(b), g = -exp(a_log) softplus(a +
+dt_bias)), the causal conv + SiLU, the q / k l2 norms, the delta rule's recurrent step
+(delta_rule.recurrent_step) and the gated RMSNorm, as the model's XLA decode path computes them
+(`reference`; models/gdn.py).
 
-Why a kernel: XLA runs this part of a 27B-shaped GDN layer's decode step as 6-7 launches (conv +
-SiLU + norms, the key broadcast, kv_mem, the state update with the output and the gated norm, the
-window slide), reading the 64 KB float32 state of every head twice; ~20 us a layer in the
-session-5 profile, 48 layers a step (docs/benchmarks.md section 1). Here one program per
+Why a kernel: XLA runs this part of a 27B-shaped GDN layer's decode step as ~9 launches (the a / b
+products as multiply + reduce fusions in two stages, the gates, conv + SiLU + norms, the key
+broadcast, kv_mem, the state update with the output and the gated norm, the window slide),
+reading the 64 KB float32 state of every head twice; ~20 us a layer in the session-5 profile, 48
+layers a step (docs/benchmarks.md section 1). Here one program per
 (sequence, value head) loads its head's q / k / v columns and conv window, does everything in
 registers and writes y, the state (in place) and its window columns: one launch, the state read
-and written once. Programs of the same key head share q / k; the first of them writes those
+and written once. Its a / b products read the two weight columns of its head (strided: the
+kernels are [in, out]; the 2 x 480 KB of the 27B layer come from HBM once and from L2 after). Programs of the same key head share q / k; the first of them writes those
 window columns (into a new window buffer: the others still read the old ones).
 """
 
@@ -42,14 +46,24 @@ from pallas_kernels._common import check_impl, compiler_params, load, store
 DEFAULT_WARPS = 8
 
 
-def reference(mixed, z, g, beta, window, conv_w, state, norm_w, n_valid, *, num_k_heads: int, eps: float):
-    """The XLA decode path of models/gdn.py for one token (causal_conv, heads, recurrent_step,
-    GatedRMSNorm, next_window), op for op."""
+def gates(x, w_a, w_b, a_log, dt_bias):
+    """(g, beta) [B, Hv] float32 as GatedDeltaNet.project computes them (products in x's dtype)."""
+    beta = jax.nn.sigmoid(jnp.einsum("bi,io->bo", x, w_b)).astype(jnp.float32)
+    a = jnp.einsum("bi,io->bo", x, w_a).astype(jnp.float32)
+    g = -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus(a + dt_bias.astype(jnp.float32))
+    return g, beta
+
+
+def reference(mixed, z, x, w_a, w_b, a_log, dt_bias, window, conv_w, state, norm_w, n_valid, *,
+              num_k_heads: int, eps: float):
+    """The XLA decode path of models/gdn.py for one token (project's gates, causal_conv, heads,
+    recurrent_step, GatedRMSNorm, next_window), op for op."""
     b, c = mixed.shape
     hv, dv = z.shape[1], z.shape[2]
     dk = state.shape[2]
     kd = num_k_heads * dk
     dtype = mixed.dtype
+    g, beta = gates(x, w_a, w_b, a_log, dt_bias)
     xs = jnp.concatenate([window.astype(conv_w.dtype), mixed[:, None].astype(conv_w.dtype)], axis=1)
     conv = sum(xs[:, m] * conv_w[m] for m in range(conv_w.shape[0]))
     act = jax.nn.silu(conv).astype(dtype)
@@ -70,13 +84,27 @@ def reference(mixed, z, g, beta, window, conv_w, state, norm_w, n_valid, *, num_
     return y, new_state, next_window(mixed[:, None], window, n_valid)
 
 
-def _kernel(nv_ref, mixed_ref, z_ref, g_ref, beta_ref, win_ref, w_ref, s_ref, nw_ref,
-            y_ref, s_out, win_out, *, kd, dk, dv, rep, taps, eps):
+def _kernel(nv_ref, mixed_ref, z_ref, x_ref, wa_ref, wb_ref, alog_ref, dtb_ref, win_ref, w_ref, s_ref, nw_ref,
+            y_ref, s_out, win_out, *, kd, dk, dv, rep, taps, eps, hidden, chunk):
     f32 = jnp.float32
     b, h = pl.program_id(0), pl.program_id(1)
     kh = h // rep
-    dtype, wdtype, cdtype = mixed_ref.dtype, w_ref.dtype, win_ref.dtype
+    dtype, wdtype, cdtype, xdtype = mixed_ref.dtype, w_ref.dtype, win_ref.dtype, x_ref.dtype
     live = nv_ref[b] > 0
+
+    # the a / b products of this head: float32 sums over the hidden size, rounded as the XLA
+    # einsum's output is; then the gates as GatedDeltaNet.project computes them
+    acc_a = acc_b = f32(0.0)
+    for c0 in range(0, hidden, chunk):
+        xs = load(x_ref, (b, pl.ds(c0, chunk))).astype(f32)
+        acc_a += jnp.sum(xs * load(wa_ref, (pl.ds(c0, chunk), h)).astype(f32))
+        acc_b += jnp.sum(xs * load(wb_ref, (pl.ds(c0, chunk), h)).astype(f32))
+    a_x = acc_a.astype(xdtype).astype(f32)
+    b_x = acc_b.astype(xdtype).astype(f32)
+    beta_h = jax.nn.sigmoid(b_x).astype(xdtype).astype(f32)
+    sp = a_x + dtb_ref[h].astype(f32)
+    softplus = jnp.maximum(sp, 0.0) + jnp.log(1.0 + jnp.exp(-jnp.abs(sp)))
+    g_h = -jnp.exp(alog_ref[h].astype(f32)) * softplus
 
     def conv(col, width):
         """SiLU(causal conv) of `width` channels from column `col`, rounded to the model dtype; the
@@ -102,8 +130,8 @@ def _kernel(nv_ref, mixed_ref, z_ref, g_ref, beta_ref, win_ref, w_ref, s_ref, nw
     v, v_rows, v_new = conv(2 * kd + h * dv, dv)
     q = q * lax.rsqrt(jnp.sum(q * q) + 1e-6) * dk**-0.5
     k = k * lax.rsqrt(jnp.sum(k * k) + 1e-6)
-    g = jnp.where(live, g_ref[b, h], 0.0)
-    beta = jnp.where(live, beta_ref[b, h], 0.0)
+    g = jnp.where(live, g_h, 0.0)
+    beta = jnp.where(live, beta_h, 0.0)
     s = s_ref[...] * jnp.exp(g)  # [dk, dv]
     u = beta * (v - jnp.sum(s * k[:, None], axis=0))
     s = s + k[:, None] * u[None, :]
@@ -119,9 +147,17 @@ def _kernel(nv_ref, mixed_ref, z_ref, g_ref, beta_ref, win_ref, w_ref, s_ref, nw
     slide(2 * kd + h * dv, dv, v_rows, v_new)
 
 
-def kernel_problems(conv_dim: int, num_k_heads: int, num_v_heads: int, dk: int, dv: int, taps: int) -> list[str]:
+def hidden_chunk(hidden: int) -> int:
+    """The largest power of two <= 1024 dividing the hidden size (the a / b products' load width)."""
+    return min(1024, hidden & -hidden)
+
+
+def kernel_problems(conv_dim: int, num_k_heads: int, num_v_heads: int, dk: int, dv: int, taps: int,
+                    hidden: int) -> list[str]:
     """Why the kernel cannot take a layer of this shape (empty: it can)."""
     problems = []
+    if hidden_chunk(hidden) < 16:
+        problems.append(f"hidden size {hidden} is not a multiple of 16")
     for name, d in (("dk", dk), ("dv", dv)):
         if d & (d - 1) or d < 16:
             problems.append(f"{name}={d} must be a power of two >= 16")
@@ -134,42 +170,46 @@ def kernel_problems(conv_dim: int, num_k_heads: int, num_v_heads: int, dk: int, 
     return problems
 
 
-def _pallas(mixed, z, g, beta, window, conv_w, state, norm_w, n_valid, *, num_k_heads, eps, interpret, num_warps):
+def _pallas(mixed, z, x, w_a, w_b, a_log, dt_bias, window, conv_w, state, norm_w, n_valid, *, num_k_heads, eps,
+            interpret, num_warps):
     b, c = mixed.shape
     hv, dv = z.shape[1], z.shape[2]
     dk = state.shape[2]
     taps = conv_w.shape[0]
+    hidden = x.shape[1]
     kd = num_k_heads * dk
-    problems = kernel_problems(c, num_k_heads, hv, dk, dv, taps)
+    problems = kernel_problems(c, num_k_heads, hv, dk, dv, taps, hidden)
     if problems:
         raise ValueError("gdn_decode kernel: " + "; ".join(problems))
-    kernel = functools.partial(_kernel, kd=kd, dk=dk, dv=dv, rep=hv // num_k_heads, taps=taps, eps=eps)
+    kernel = functools.partial(_kernel, kd=kd, dk=dk, dv=dv, rep=hv // num_k_heads, taps=taps, eps=eps,
+                               hidden=hidden, chunk=hidden_chunk(hidden))
     full = lambda shape: pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))
     head = lambda *lead: pl.BlockSpec((None, None) + lead, lambda i, j: (i, j) + (0,) * len(lead))
     y, new_state, new_window = pl.pallas_call(
         kernel,
         grid=(b, hv),
-        in_specs=[full((b,)), full((b, c)), head(dv), full((b, hv)), full((b, hv)), full(window.shape),
-                  full(conv_w.shape), head(dk, dv), full((dv,))],
+        in_specs=[full((b,)), full((b, c)), head(dv), full(x.shape), full(w_a.shape), full(w_b.shape),
+                  full((hv,)), full((hv,)), full(window.shape), full(conv_w.shape), head(dk, dv), full((dv,))],
         out_specs=[head(dv), head(dk, dv), full(window.shape)],
         out_shape=[jax.ShapeDtypeStruct(z.shape, mixed.dtype), jax.ShapeDtypeStruct(state.shape, jnp.float32),
                    jax.ShapeDtypeStruct(window.shape, window.dtype)],
         # the state in place (each program reads and writes only its head's tile); the window to a new
         # buffer: programs of one key head read q / k columns that another one rewrites
-        input_output_aliases={7: 1},
+        input_output_aliases={10: 1},
         compiler_params=None if interpret else compiler_params(num_warps or DEFAULT_WARPS, 1),
         interpret=interpret,
         name="gdn_decode",
-    )(n_valid.astype(jnp.int32), mixed, z, g.astype(jnp.float32), beta.astype(jnp.float32), window, conv_w,
-      state.astype(jnp.float32), norm_w)
+    )(n_valid.astype(jnp.int32), mixed, z, x, w_a, w_b, a_log, dt_bias, window, conv_w, state.astype(jnp.float32),
+      norm_w)
     return y, new_state, new_window
 
 
-def gdn_decode(mixed, z, g, beta, window, conv_w, state, norm_w, n_valid, *, num_k_heads: int, eps: float,
-               impl: str = "xla", num_warps: int | None = None):
+def gdn_decode(mixed, z, x, w_a, w_b, a_log, dt_bias, window, conv_w, state, norm_w, n_valid, *, num_k_heads: int,
+               eps: float, impl: str = "xla", num_warps: int | None = None):
     """(y [B, Hv, dv], state [B, Hv, dk, dv] float32, window [B, K-1, conv_dim]) after one token."""
     check_impl(impl)
+    args = (mixed, z, x, w_a, w_b, a_log, dt_bias, window, conv_w, state, norm_w, n_valid)
     if impl == "xla":
-        return reference(mixed, z, g, beta, window, conv_w, state, norm_w, n_valid, num_k_heads=num_k_heads, eps=eps)
-    return _pallas(mixed, z, g, beta, window, conv_w, state, norm_w, n_valid, num_k_heads=num_k_heads, eps=eps,
-                   interpret=impl == "pallas_interpret", num_warps=num_warps)
+        return reference(*args, num_k_heads=num_k_heads, eps=eps)
+    return _pallas(*args, num_k_heads=num_k_heads, eps=eps, interpret=impl == "pallas_interpret",
+                   num_warps=num_warps)

@@ -1,7 +1,7 @@
 """GPU check + benchmark of the GDN decode kernel (pallas_kernels/gdn_decode.py) against its
-reference, the model's XLA decode path for the same part of the layer (conv + SiLU, q / k norms,
-the recurrent step, the gated norm, the window slide), at a Qwen3.6-27B GDN layer (16 k / 48 v heads
-of 128, conv 4, bf16 inputs, float32 state).
+reference, the model's XLA decode path for the same part of the layer (the a / b products and
+gates, conv + SiLU, q / k norms, the recurrent step, the gated norm, the window slide), at a
+Qwen3.6-27B GDN layer (hidden 5120, 16 k / 48 v heads of 128, conv 4, bf16 inputs, float32 state).
 
 Correctness: y, state and window against the reference (float32 relative error and bf16 within
 its rounding), idle rows unchanged. Timing: each form inside one jitted on-device loop that carries
@@ -28,17 +28,20 @@ from gpu_bench_common import err_str, fmt  # noqa: E402
 from ddtree_jax import atomic  # noqa: E402
 
 
-def problem(seed: int, batch: int, hk: int, hv: int, dk: int, dv: int, taps: int, dtype):
-    import jax
+STATE = 9  # argument position of the state
+
+
+def problem(seed: int, batch: int, hk: int, hv: int, dk: int, dv: int, taps: int, hidden: int, dtype):
     import jax.numpy as jnp
 
     rng = np.random.default_rng(seed)
     c = 2 * hk * dk + hv * dv
     r = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)
     n_valid = jnp.asarray((np.arange(batch) % 4 != 3).astype(np.int32))  # every 4th row idle
-    return (r(batch, c).astype(dtype), r(batch, hv, dv).astype(dtype), -jnp.abs(r(batch, hv)) * 0.1,
-            jax.nn.sigmoid(r(batch, hv)), r(batch, taps - 1, c).astype(dtype), (r(taps, c) * 0.5).astype(dtype),
-            r(batch, hv, dk, dv) * 0.1, (1 + 0.1 * r(dv)).astype(dtype), n_valid)
+    return (r(batch, c).astype(dtype), r(batch, hv, dv).astype(dtype), r(batch, hidden).astype(dtype),
+            (r(hidden, hv) * hidden**-0.5).astype(dtype), (r(hidden, hv) * hidden**-0.5).astype(dtype),
+            r(hv).astype(dtype), r(hv).astype(dtype), r(batch, taps - 1, c).astype(dtype),
+            (r(taps, c) * 0.5).astype(dtype), r(batch, hv, dk, dv) * 0.1, (1 + 0.1 * r(dv)).astype(dtype), n_valid)
 
 
 def carried_step_us(a, hk: int, opts: dict, on_gpu: bool, steps: int = 64, rounds: int = 7) -> float:
@@ -51,7 +54,7 @@ def carried_step_us(a, hk: int, opts: dict, on_gpu: bool, steps: int = 64, round
 
     from pallas_kernels.gdn_decode import gdn_decode
 
-    mixed, z, g, beta, window, conv_w, state, norm_w, n_valid = a
+    mixed, z, x, w_a, w_b, a_log, dt_bias, window, conv_w, state, norm_w, n_valid = a
     if not on_gpu:
         steps, rounds = 2, 2
 
@@ -59,8 +62,8 @@ def carried_step_us(a, hk: int, opts: dict, on_gpu: bool, steps: int = 64, round
     def run(state, window, z):
         def body(i, carry):
             st, win, zz = carry
-            y, st, win = gdn_decode(mixed, zz, g, beta, win, conv_w, st, norm_w, n_valid, num_k_heads=hk, eps=1e-6,
-                                    **opts)
+            y, st, win = gdn_decode(mixed, zz, x, w_a, w_b, a_log, dt_bias, win, conv_w, st, norm_w, n_valid,
+                                    num_k_heads=hk, eps=1e-6, **opts)
             return st, win, y
         return lax.fori_loop(0, steps, body, (state, window, z))
 
@@ -92,12 +95,12 @@ def main(argv=None) -> int:
         print("no GPU visible to jax: run on the H200, or use --cpu-smoke", file=sys.stderr)
         return 2
     impl = "pallas" if on_gpu else "pallas_interpret"
-    hk, hv, dk, dv, taps = (2, 4, 16, 16, 4) if args.cpu_smoke else (16, 48, 128, 128, 4)
+    hk, hv, dk, dv, taps, hidden = (2, 4, 16, 16, 4, 64) if args.cpu_smoke else (16, 48, 128, 128, 4, 5120)
     batches = [2] if args.cpu_smoke else [int(x) for x in args.batches.split(",")]
     report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "command": " ".join(["scripts/gpu_gdn_decode.py"] + (argv if argv is not None else sys.argv[1:])),
               "device": jax.devices()[0].device_kind, "jax": jax.__version__,
-              "shape": dict(k_heads=hk, v_heads=hv, dk=dk, dv=dv, taps=taps), "rows": []}
+              "shape": dict(k_heads=hk, v_heads=hv, dk=dk, dv=dv, taps=taps, hidden=hidden), "rows": []}
     for batch in batches:
         row = {"batch": batch}
         variants = {"xla": dict(impl="xla"), "kernel": dict(impl=impl)}
@@ -105,19 +108,19 @@ def main(argv=None) -> int:
             if nw != DEFAULT_WARPS:
                 variants[f"kernel_w{nw}"] = dict(impl=impl, num_warps=nw)
         for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)):
-            args_ = problem(batch, batch, hk, hv, dk, dv, taps, dtype)
+            args_ = problem(batch, batch, hk, hv, dk, dv, taps, hidden, dtype)
             want = jax.jit(lambda *a: gdn_decode(*a, num_k_heads=hk, eps=1e-6, impl="xla"))(*args_)
             try:
                 got = jax.jit(lambda *a: gdn_decode(*a, num_k_heads=hk, eps=1e-6, impl=impl))(*args_)
                 errs = [float(np.max(np.abs(np.asarray(g, np.float32) - np.asarray(w, np.float32)))
                               / max(1e-9, float(np.max(np.abs(np.asarray(w, np.float32)))))) for w, g in zip(want, got)]
-                idle = [i for i in range(batch) if int(args_[8][i]) == 0]
-                same_idle = all(bool((np.asarray(got[1][i]) == np.asarray(args_[6][i])).all()) for i in idle)
+                idle = [i for i in range(batch) if int(args_[-1][i]) == 0]
+                same_idle = all(bool((np.asarray(got[1][i]) == np.asarray(args_[STATE][i])).all()) for i in idle)
                 row[f"{jnp.dtype(dtype).name}_rel_err"] = max(errs)
                 row[f"{jnp.dtype(dtype).name}_ok"] = max(errs) <= tol and same_idle
             except Exception as e:
                 row[f"{jnp.dtype(dtype).name}_error"] = err_str(e)
-        a = problem(batch * 10, batch, hk, hv, dk, dv, taps, jnp.bfloat16)
+        a = problem(batch * 10, batch, hk, hv, dk, dv, taps, hidden, jnp.bfloat16)
         for name, opts in variants.items():
             try:
                 row[name + "_us"] = carried_step_us(a, hk, opts, on_gpu)

@@ -140,11 +140,12 @@ def top_k_cases(n: int):
 def gdn_decode_cases(batch: int):
     from pallas_kernels.gdn_decode import gdn_decode
 
-    hk, hv, dk, dv, taps = 16, 48, 128, 128, 4  # Qwen3.6-27B GDN layer
+    hk, hv, dk, dv, taps, hidden = 16, 48, 128, 128, 4, 5120  # Qwen3.6-27B GDN layer
     c = 2 * hk * dk + hv * dv
     bf, f32 = jnp.bfloat16, jnp.float32
     shapes = (jax.ShapeDtypeStruct((batch, c), bf), jax.ShapeDtypeStruct((batch, hv, dv), bf),
-              jax.ShapeDtypeStruct((batch, hv), f32), jax.ShapeDtypeStruct((batch, hv), f32),
+              jax.ShapeDtypeStruct((batch, hidden), bf), jax.ShapeDtypeStruct((hidden, hv), bf),
+              jax.ShapeDtypeStruct((hidden, hv), bf), jax.ShapeDtypeStruct((hv,), bf), jax.ShapeDtypeStruct((hv,), bf),
               jax.ShapeDtypeStruct((batch, taps - 1, c), bf), jax.ShapeDtypeStruct((taps, c), bf),
               jax.ShapeDtypeStruct((batch, hv, dk, dv), f32), jax.ShapeDtypeStruct((dv,), bf),
               jax.ShapeDtypeStruct((batch,), jnp.int32))

@@ -16,15 +16,17 @@ from ddtree_jax.cache import RecurrentCache
 from pallas_kernels.gdn_decode import gdn_decode, kernel_problems
 from tests.tiny_models import HYBRID, make_target
 
-HK, HV, DK, DV, K = 2, 4, 16, 32, 4
+HK, HV, DK, DV, K, HID = 2, 4, 16, 32, 4, 48  # hidden 48: the a / b products in chunks of 16
 C = 2 * HK * DK + HV * DV
+STATE, WINDOW = 9, 7  # argument positions
 
 
 def draw(seed, dtype, b=3):
     rng = np.random.default_rng(seed)
     r = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)
-    return (r(b, C).astype(dtype), r(b, HV, DV).astype(dtype), -jnp.abs(r(b, HV)), jax.nn.sigmoid(r(b, HV)),
-            r(b, K - 1, C).astype(dtype), (r(K, C) * 0.5).astype(dtype), r(b, HV, DK, DV),
+    return (r(b, C).astype(dtype), r(b, HV, DV).astype(dtype), r(b, HID).astype(dtype),
+            (r(HID, HV) * HID**-0.5).astype(dtype), (r(HID, HV) * HID**-0.5).astype(dtype), r(HV).astype(dtype),
+            r(HV).astype(dtype), r(b, K - 1, C).astype(dtype), (r(K, C) * 0.5).astype(dtype), r(b, HV, DK, DV),
             (1 + 0.1 * r(DV)).astype(dtype), jnp.asarray([1, 0, 1][:b], jnp.int32))
 
 
@@ -44,8 +46,8 @@ def test_gdn_decode_kernel_equals_reference(dtype, tol, seed):
         assert g.dtype == w.dtype and g.shape == w.shape
         np.testing.assert_allclose(g, w, rtol=tol, atol=tol * np.abs(w).max(), err_msg=name)
     idle = 1  # n_valid 0: the cache stays as it was, bit for bit
-    np.testing.assert_array_equal(np.asarray(got[1][idle]), np.asarray(args[6][idle]))
-    np.testing.assert_array_equal(np.asarray(got[2][idle]), np.asarray(args[4][idle]))
+    np.testing.assert_array_equal(np.asarray(got[1][idle]), np.asarray(args[STATE][idle]))
+    np.testing.assert_array_equal(np.asarray(got[2][idle]), np.asarray(args[WINDOW][idle]))
 
 
 def test_reference_is_the_model_decode_path():
@@ -61,22 +63,24 @@ def test_reference_is_the_model_decode_path():
                            state=jnp.asarray(rng.normal(size=(b, cfg.gdn_num_v_heads, 16, 16)), jnp.float32))
     n_valid = jnp.asarray([1, 0], jnp.int32)
     y_model, c_model = layer(x, cache, n_valid, chunked=False)
-    mixed, z, beta, g = layer.project(x)
-    y, state, window = gdn_decode(mixed[:, 0], z[:, 0], g[:, 0], beta[:, 0], cache.conv, layer.conv_weight[...],
-                                  cache.state, layer.norm.weight[...], n_valid, num_k_heads=cfg.gdn_num_k_heads,
-                                  eps=layer.norm.eps, impl="xla")
+    mixed, z, _, _ = layer.project(x)
+    y, state, window = gdn_decode(mixed[:, 0], z[:, 0], x[:, 0], layer.in_proj_a.kernel[...],
+                                  layer.in_proj_b.kernel[...], layer.A_log[...], layer.dt_bias[...], cache.conv,
+                                  layer.conv_weight[...], cache.state, layer.norm.weight[...], n_valid,
+                                  num_k_heads=cfg.gdn_num_k_heads, eps=layer.norm.eps, impl="xla")
     np.testing.assert_allclose(np.asarray(layer.out_proj(y.reshape(b, 1, -1))), np.asarray(y_model), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(np.asarray(state), np.asarray(c_model.state), rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(np.asarray(window), np.asarray(c_model.conv))
 
 
 def test_kernel_refuses_shapes_it_cannot_take():
-    problems = kernel_problems(conv_dim=100, num_k_heads=3, num_v_heads=4, dk=8, dv=24, taps=1)
-    assert len(problems) == 5  # dk, dv, heads, conv_dim, taps: every reason at once
+    problems = kernel_problems(conv_dim=100, num_k_heads=3, num_v_heads=4, dk=8, dv=24, taps=1, hidden=36)
+    assert len(problems) == 6  # hidden, dk, dv, heads, conv_dim, taps: every reason at once
     with pytest.raises(ValueError, match="dk=8"):
-        gdn_decode(jnp.zeros((1, 2 * 8 + 2 * 16)), jnp.zeros((1, 2, 16)), jnp.zeros((1, 2)), jnp.zeros((1, 2)),
-                   jnp.zeros((1, 3, 48)), jnp.zeros((4, 48)), jnp.zeros((1, 2, 8, 16)), jnp.ones((16,)),
-                   jnp.ones((1,), jnp.int32), num_k_heads=1, eps=1e-6, impl="pallas_interpret")
+        gdn_decode(jnp.zeros((1, 2 * 8 + 2 * 16)), jnp.zeros((1, 2, 16)), jnp.zeros((1, 32)), jnp.zeros((32, 2)),
+                   jnp.zeros((32, 2)), jnp.zeros((2,)), jnp.zeros((2,)), jnp.zeros((1, 3, 48)), jnp.zeros((4, 48)),
+                   jnp.zeros((1, 2, 8, 16)), jnp.ones((16,)), jnp.ones((1,), jnp.int32), num_k_heads=1, eps=1e-6,
+                   impl="pallas_interpret")
 
 
 def test_model_announces_the_xla_route():

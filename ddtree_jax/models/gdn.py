@@ -98,11 +98,9 @@ class GatedDeltaNet(nnx.Module):
         between the projections; a layer shape the kernel cannot take is announced by a warning
         when traced and runs the XLA form."""
         t = x.shape[1]
+        if impl != "xla" and t == 1 and not chunked and self._decode_kernel_takes(x):
+            return self._decode_kernel(x, cache, n_valid, impl)
         mixed, z, beta, g = self.project(x)
-        if impl != "xla" and t == 1 and not chunked:
-            decoded = self._decode_kernel(mixed, z, beta, g, cache, n_valid, impl)
-            if decoded is not None:
-                return decoded
         conv_out = jax.nn.silu(causal_conv(mixed, cache.conv, self.conv_weight[...]))
         q, k, v = self.heads(conv_out.astype(x.dtype))
         valid = (jnp.arange(t)[None, :] < n_valid[:, None])[:, None, :]
@@ -115,21 +113,31 @@ class GatedDeltaNet(nnx.Module):
         new_cache = RecurrentCache(conv=next_window(mixed, cache.conv, n_valid), state=state)
         return self.output(o, z, x.dtype), new_cache
 
-    def _decode_kernel(self, mixed, z, beta, g, cache: RecurrentCache, n_valid, impl: str):
-        from pallas_kernels.gdn_decode import gdn_decode, kernel_problems
+    def _decode_kernel_takes(self, x: jax.Array) -> bool:
+        """Whether the decode kernel takes this layer's shape; if not, say why (a warning when traced)."""
+        from pallas_kernels.gdn_decode import kernel_problems
 
         cfg = self.cfg
-        w = self.conv_weight[...]
-        problems = kernel_problems(mixed.shape[-1], cfg.gdn_num_k_heads, cfg.gdn_num_v_heads, cfg.gdn_k_head_dim,
-                                   cfg.gdn_v_head_dim, w.shape[0])
+        problems = kernel_problems(cfg.gdn_conv_dim, cfg.gdn_num_k_heads, cfg.gdn_num_v_heads, cfg.gdn_k_head_dim,
+                                   cfg.gdn_v_head_dim, self.conv_weight.shape[0], x.shape[-1])
         if problems:
             warnings.warn("the GDN decode step uses the XLA form, not the Pallas kernel: " + "; ".join(problems),
                           stacklevel=4)
-            return None
-        y, state, window = gdn_decode(mixed[:, 0], z[:, 0], g[:, 0], beta[:, 0], cache.conv, w, cache.state,
-                                      self.norm.weight[...], n_valid, num_k_heads=cfg.gdn_num_k_heads,
-                                      eps=self.norm.eps, impl=impl)
-        return self.out_proj(y.reshape(y.shape[0], 1, -1)), RecurrentCache(conv=window, state=state)
+        return not problems
+
+    def _decode_kernel(self, x: jax.Array, cache: RecurrentCache, n_valid, impl: str):
+        """One token through the layer with the core as one kernel; the a / b products happen in it."""
+        from pallas_kernels.gdn_decode import gdn_decode
+
+        cfg = self.cfg
+        b = x.shape[0]
+        mixed = self.in_proj_qkv(x)[:, 0]
+        z = self.in_proj_z(x).reshape(b, cfg.gdn_num_v_heads, cfg.gdn_v_head_dim)
+        y, state, window = gdn_decode(
+            mixed, z, x[:, 0], self.in_proj_a.kernel[...], self.in_proj_b.kernel[...], self.A_log[...],
+            self.dt_bias[...], cache.conv, self.conv_weight[...], cache.state, self.norm.weight[...], n_valid,
+            num_k_heads=cfg.gdn_num_k_heads, eps=self.norm.eps, impl=impl)
+        return self.out_proj(y.reshape(b, 1, -1)), RecurrentCache(conv=window, state=state)
 
     # ---- speculative entry points -------------------------------------------------------
     def tree(self, x, cache: RecurrentCache, visible, conv_src=None, bits=None, impl: str = "xla"
