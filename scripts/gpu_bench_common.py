@@ -1,4 +1,5 @@
-"""Timing helpers shared by the GPU check / benchmark scripts (gpu_gdn.py, gpu_tree_attention.py)."""
+"""Helpers shared by the GPU check / benchmark scripts: timing, formatting, the common start of
+the kernel scripts and their timing table."""
 
 from __future__ import annotations
 
@@ -153,3 +154,40 @@ def time_jax(f, arg_sets, est_s, *, round_s=0.005, rounds=7, on_gpu=True):
         outs = jax.block_until_ready(run(arg_sets))
         times.append((time.perf_counter() - t0) / (iters * nrot))
     return statistics.median(times), {"iters": iters, "rotations": nrot, "rounds": rounds, "out": outs[0]}
+
+
+def kernel_run_setup(script: str, argv, cpu_smoke: bool, **extra):
+    """The start every kernel check / benchmark script shares: jax on the CPU for --cpu-smoke,
+    a GPU required otherwise. Returns (on_gpu, impl, report) - impl "pallas" on a GPU, else
+    "pallas_interpret"; the report holds date, command, device, jax and `extra` - or None (after
+    saying why) when no GPU is visible without --cpu-smoke."""
+    import datetime
+    import os
+    import sys
+
+    if cpu_smoke:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+
+    on_gpu = any(d.platform == "gpu" for d in jax.devices())
+    if not on_gpu and not cpu_smoke:
+        print("no GPU visible to jax: run on the H200, or use --cpu-smoke", file=sys.stderr)
+        return None
+    report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "command": " ".join([f"scripts/{script}"] + (argv if argv is not None else sys.argv[1:])),
+              "device": jax.devices()[0].device_kind, "jax": jax.__version__, **extra, "rows": []}
+    return on_gpu, ("pallas" if on_gpu else "pallas_interpret"), report
+
+
+def print_timing_table(rows, lead, ok) -> None:
+    """Rows of `<variant>_us` timings: the leading columns (key, title, width, number format or
+    None for plain text), `ok(row)`, the XLA form first, every other variant after it, the fastest."""
+    cols = sorted({k[:-3] for r in rows for k in r if k.endswith("_us")}, key=lambda c: (c != "xla", c))
+    cell = lambda r, key, spec: str(r.get(key, "-")) if spec is None else fmt(r.get(key), spec)
+    print("\n" + " ".join(f"{title:>{w}}" for _, title, w, _ in lead) + f" {'ok':>5}"
+          + "".join(f" {c + ' us':>14}" for c in cols) + "  best")
+    for r in rows:
+        times = {c: r[c + "_us"] for c in cols if c + "_us" in r}
+        best = min(times, key=times.get) if times else "-"
+        print(" ".join(f"{cell(r, key, spec):>{w}}" for key, _, w, spec in lead) + f" {str(ok(r)):>5}"
+              + "".join(f" {fmt(r.get(c + '_us')):>14}" for c in cols) + f"  {best}")

@@ -16,7 +16,6 @@ rounds after a warm-up, never on zeros. Prints a table and writes JSON.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
 
@@ -24,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
 
-from gpu_bench_common import err_str, fmt  # noqa: E402
+from gpu_bench_common import err_str, kernel_run_setup, print_timing_table  # noqa: E402
 from ddtree_jax import atomic  # noqa: E402
 
 
@@ -83,24 +82,18 @@ def main(argv=None) -> int:
     ap.add_argument("--warps", default="", help="also time the kernel at these num_warps, e.g. 4,16")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gdn_decode.json"))
     args = ap.parse_args(argv)
-    if args.cpu_smoke:
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    hk, hv, dk, dv, taps, hidden = (2, 4, 16, 16, 4, 64) if args.cpu_smoke else (16, 48, 128, 128, 4, 5120)
+    setup = kernel_run_setup("gpu_gdn_decode.py", argv, args.cpu_smoke,
+                             shape=dict(k_heads=hk, v_heads=hv, dk=dk, dv=dv, taps=taps, hidden=hidden))
+    if setup is None:
+        return 2
+    on_gpu, impl, report = setup
     import jax
     import jax.numpy as jnp
 
     from pallas_kernels.gdn_decode import DEFAULT_WARPS, gdn_decode
 
-    on_gpu = any(d.platform == "gpu" for d in jax.devices())
-    if not on_gpu and not args.cpu_smoke:
-        print("no GPU visible to jax: run on the H200, or use --cpu-smoke", file=sys.stderr)
-        return 2
-    impl = "pallas" if on_gpu else "pallas_interpret"
-    hk, hv, dk, dv, taps, hidden = (2, 4, 16, 16, 4, 64) if args.cpu_smoke else (16, 48, 128, 128, 4, 5120)
     batches = [2] if args.cpu_smoke else [int(x) for x in args.batches.split(",")]
-    report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "command": " ".join(["scripts/gpu_gdn_decode.py"] + (argv if argv is not None else sys.argv[1:])),
-              "device": jax.devices()[0].device_kind, "jax": jax.__version__,
-              "shape": dict(k_heads=hk, v_heads=hv, dk=dk, dv=dv, taps=taps, hidden=hidden), "rows": []}
     for batch in batches:
         row = {"batch": batch}
         variants = {"xla": dict(impl="xla"), "kernel": dict(impl=impl)}
@@ -129,15 +122,11 @@ def main(argv=None) -> int:
         report["rows"].append(row)
         atomic.write_json(args.out, report)
         print(f"[gdn_decode] {row}", flush=True)
-    cols = sorted({k[:-3] for r in report["rows"] for k in r if k.endswith("_us")}, key=lambda c: (c != "xla", c))
-    print(f"\n{'B':>2} {'fp32 err':>9} {'bf16 err':>9} {'ok':>5}" + "".join(f" {c + ' us':>14}" for c in cols))
-    for r in report["rows"]:
-        ok = r.get("float32_ok", False) and r.get("bfloat16_ok", False)
-        print(f"{r['batch']:>2} {fmt(r.get('float32_rel_err'), '.1e'):>9} {fmt(r.get('bfloat16_rel_err'), '.1e'):>9}"
-              f" {str(ok):>5}" + "".join(f" {fmt(r.get(c + '_us')):>14}" for c in cols))
+    ok = lambda r: bool(r.get("float32_ok") and r.get("bfloat16_ok"))
+    print_timing_table(report["rows"], [("batch", "B", 2, None), ("float32_rel_err", "fp32 err", 9, ".1e"),
+                                        ("bfloat16_rel_err", "bf16 err", 9, ".1e")], ok)
     print(f"wrote {args.out}")
-    failed = [r for r in report["rows"] if not (r.get("float32_ok") and r.get("bfloat16_ok"))
-              or any(k.endswith("error") for k in r)]
+    failed = [r for r in report["rows"] if not ok(r) or any(k.endswith("error") for k in r)]
     return 1 if failed else 0
 
 

@@ -14,7 +14,6 @@ rows ([batch, 15, n]). Prints a table and writes JSON.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
 
@@ -22,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
 
-from gpu_bench_common import err_str, fmt, time_jax  # noqa: E402
+from gpu_bench_common import err_str, kernel_run_setup, print_timing_table, time_jax  # noqa: E402
 from ddtree_jax import atomic  # noqa: E402
 
 
@@ -50,23 +49,17 @@ def main(argv=None) -> int:
     ap.add_argument("--warps", default="", help="also time the kernel at these num_warps, e.g. 4,16")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "row_top_k.json"))
     args = ap.parse_args(argv)
-    if args.cpu_smoke:
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    setup = kernel_run_setup("gpu_row_top_k.py", argv, args.cpu_smoke, depth=2 if args.cpu_smoke else args.depth)
+    if setup is None:
+        return 2
+    on_gpu, impl, report = setup
     import jax
 
     from ddtree_jax.spec.build import top_k
     from pallas_kernels.row_top_k import DEFAULT_WARPS, row_top_k
 
-    on_gpu = any(d.platform == "gpu" for d in jax.devices())
-    if not on_gpu and not args.cpu_smoke:
-        print("no GPU visible to jax: run on the H200, or use --cpu-smoke", file=sys.stderr)
-        return 2
-    impl = "pallas" if on_gpu else "pallas_interpret"
-    depth = 2 if args.cpu_smoke else args.depth
+    depth = report["depth"]
     batches = [1] if args.cpu_smoke else [int(x) for x in args.batches.split(",")]
-    report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "command": " ".join(["scripts/gpu_row_top_k.py"] + (argv if argv is not None else sys.argv[1:])),
-              "device": jax.devices()[0].device_kind, "jax": jax.__version__, "depth": depth, "rows": []}
     for batch in batches:
         for n in [int(x) for x in args.lengths.split(",")]:
             for k in [int(x) for x in args.ks.split(",")]:
@@ -90,17 +83,10 @@ def main(argv=None) -> int:
                 report["rows"].append(row)
                 atomic.write_json(args.out, report)
                 print(f"[row_top_k] {row}", flush=True)
-    cols = sorted({k[:-3] for r in report["rows"] for k in r if k.endswith("_us")}, key=lambda c: (c != "xla", c))
-    print(f"\n{'B':>2} {'n':>6} {'k':>3} {'equal':>6}" + "".join(f" {c + ' us':>14}" for c in cols) + "  best")
-    for r in report["rows"]:
-        eq = all(v for key, v in r.items() if key.endswith("_equal"))
-        times = {c: r[c + "_us"] for c in cols if c + "_us" in r}
-        best = min(times, key=times.get) if times else "-"
-        print(f"{r['batch']:>2} {r['n']:>6} {r['k']:>3} {str(eq):>6}" + "".join(f" {fmt(r.get(c + '_us')):>14}" for c in cols)
-              + f"  {best}")
+    equal = lambda r: all(v for key, v in r.items() if key.endswith("_equal"))
+    print_timing_table(report["rows"], [("batch", "B", 2, None), ("n", "n", 6, None), ("k", "k", 3, None)], equal)
     print(f"wrote {args.out}")
-    failed = [r for r in report["rows"] if not all(v for key, v in r.items() if key.endswith("_equal"))
-              or any(key.endswith("error") for key in r)]
+    failed = [r for r in report["rows"] if not equal(r) or any(key.endswith("error") for key in r)]
     return 1 if failed else 0
 
 

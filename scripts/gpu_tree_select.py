@@ -15,7 +15,6 @@ Prints a table and writes JSON.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
 
@@ -23,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
 
-from gpu_bench_common import err_str, fmt, time_jax  # noqa: E402
+from gpu_bench_common import err_str, kernel_run_setup, print_timing_table, time_jax  # noqa: E402
 from ddtree_jax import atomic  # noqa: E402
 
 
@@ -51,23 +50,17 @@ def main(argv=None) -> int:
     ap.add_argument("--warps", default="", help="also time the kernel at these num_warps, e.g. 1,2,4,8")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "tree_select.json"))
     args = ap.parse_args(argv)
-    if args.cpu_smoke:
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    setup = kernel_run_setup("gpu_tree_select.py", argv, args.cpu_smoke, depth=4 if args.cpu_smoke else args.depth)
+    if setup is None:
+        return 2
+    on_gpu, impl, report = setup
     import jax
 
     from pallas_kernels.tree_select import DEFAULT_WARPS, select_nodes
 
-    on_gpu = any(d.platform == "gpu" for d in jax.devices())
-    if not on_gpu and not args.cpu_smoke:
-        print("no GPU visible to jax: run on the H200, or use --cpu-smoke", file=sys.stderr)
-        return 2
-    impl = "pallas" if on_gpu else "pallas_interpret"
-    depth = 4 if args.cpu_smoke else args.depth
+    depth = report["depth"]
     budgets = [int(x) for x in args.budgets.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
-    report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "command": " ".join(["scripts/gpu_tree_select.py"] + (argv if argv is not None else sys.argv[1:])),
-              "device": jax.devices()[0].device_kind, "jax": jax.__version__, "depth": depth, "rows": []}
     for batch in batches:
         for budget in budgets:
             row = {"batch": batch, "budget": budget, "k": budget}
@@ -94,17 +87,10 @@ def main(argv=None) -> int:
             report["rows"].append(row)
             atomic.write_json(args.out, report)
             print(f"[select] {row}", flush=True)
-    cols = sorted({k[:-3] for r in report["rows"] for k in r if k.endswith("_us")}, key=lambda c: (c != "xla", c))
-    print(f"\n{'B':>2} {'budget':>6} {'equal':>6}" + "".join(f" {c + ' us':>12}" for c in cols) + "  best")
-    for r in report["rows"]:
-        eq = all(v for k, v in r.items() if k.endswith("_equal"))
-        times = {c: r[c + "_us"] for c in cols if c + "_us" in r}
-        best = min(times, key=times.get) if times else "-"
-        print(f"{r['batch']:>2} {r['budget']:>6} {str(eq):>6}" + "".join(f" {fmt(r.get(c + '_us')):>12}" for c in cols)
-              + f"  {best}")
+    equal = lambda r: all(v for key, v in r.items() if key.endswith("_equal"))
+    print_timing_table(report["rows"], [("batch", "B", 2, None), ("budget", "budget", 6, None)], equal)
     print(f"wrote {args.out}")
-    failed = [r for r in report["rows"] if not all(v for k, v in r.items() if k.endswith("_equal"))
-              or any(k.endswith("error") for k in r)]
+    failed = [r for r in report["rows"] if not equal(r) or any(k.endswith("error") for k in r)]
     return 1 if failed else 0
 
 

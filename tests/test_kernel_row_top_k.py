@@ -4,7 +4,6 @@ case so one compilation serves all hypothesis examples; a DDTree build routes th
 vocabulary through it and announces the XLA route for longer rows."""
 
 import functools
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -12,8 +11,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from ddtree_jax.spec.build import build_tree
 from pallas_kernels.row_top_k import ROW_TOP_K_MAX_K, ROW_TOP_K_MAX_LEN, row_top_k
+from tests.build_harness import assert_gpu_build_equals_cpu
 
 
 @functools.partial(jax.jit, static_argnames=("k", "impl"))
@@ -61,15 +60,8 @@ def test_build_routes_the_vocabulary_top_k(vocab, routed, monkeypatch):
     (with a warning) above it; both trees equal the CPU's."""
     rng = np.random.default_rng(vocab)
     logq = jax.nn.log_softmax(jnp.asarray(rng.integers(0, 4, size=(2, 4, vocab)).astype(np.float32)), axis=-1)
-    args = (logq, jnp.array([3, 4], jnp.int32), jnp.array([5, 9], jnp.int32))
-    want = jax.jit(lambda *a: build_tree(*a, budget=8))(*args)
-    with monkeypatch.context() as m, warnings.catch_warnings(record=True) as caught:
-        m.setattr(jax, "default_backend", lambda: "gpu")
-        warnings.simplefilter("always")
-        got = jax.jit(lambda *a: build_tree(*a, budget=8, impl="pallas_interpret"))(*args)
-    assert any("vocabulary top-8" in str(w.message) for w in caught) == routed  # announced, never silent
-    for name, w, g in zip(want._fields, want, got):
-        np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=name)
+    caught = assert_gpu_build_equals_cpu(logq, 8, monkeypatch)
+    assert any("vocabulary top-8" in w for w in caught) == routed  # announced, never silent
 
 
 def test_gpu_script_smoke(tmp_path):

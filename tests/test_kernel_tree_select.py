@@ -5,7 +5,6 @@ through it equals the CPU's tree. Shapes are padded per case so one compilation 
 hypothesis examples."""
 
 import functools
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -13,8 +12,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from ddtree_jax.spec.build import build_tree
 from pallas_kernels.tree_select import SELECT_KERNEL_MAX_BUDGET, path_words, rank_place, select_nodes
+from tests.build_harness import assert_gpu_build_equals_cpu
 
 
 def draw_top_val(seed, depth, k, levels):
@@ -97,16 +96,8 @@ def test_ddtree_build_through_the_kernel_equals_cpu_tree(budget, monkeypatch):
     rng = np.random.default_rng(budget)
     logits = rng.integers(0, 4, size=(2, 6, 80)).astype(np.float32)  # few values: many exact ties
     logq = jnp.round(jax.nn.log_softmax(jnp.asarray(logits), axis=-1) * 4) / 4 - 0.25
-    args = (logq, jnp.array([3, 4], jnp.int32), jnp.array([5, 9], jnp.int32))
-    want = jax.jit(lambda *a: build_tree(*a, budget=budget))(*args)
-    with monkeypatch.context() as m, warnings.catch_warnings(record=True) as caught:
-        m.setattr(jax, "default_backend", lambda: "gpu")
-        warnings.simplefilter("always")
-        got = jax.jit(lambda *a: build_tree(*a, budget=budget, impl="pallas_interpret"))(*args)
-    routed = [w for w in caught if "node selection" in str(w.message)]
+    routed = [w for w in assert_gpu_build_equals_cpu(logq, budget, monkeypatch) if "node selection" in w]
     assert bool(routed) == (budget > SELECT_KERNEL_MAX_BUDGET)  # announced, never silent
-    for name, w, g in zip(want._fields, want, got):
-        np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=name)
 
 
 def test_gpu_script_smoke(tmp_path):

@@ -209,39 +209,37 @@ def select_nodes_xla(top_val: jax.Array, budget: int):
     return (jnp.where(valid, node_depth, 0), jnp.where(valid, rank, 0), jnp.where(valid, parent_index, 0), valid)
 
 
+def _routed(impl: str, kernel_takes: bool, kernel, xla, why: str):
+    """The Pallas kernel where it takes the shape, else the XLA form - announced by a warning when
+    the step is traced, never silent. impl "xla" runs the XLA form."""
+    if impl == "xla":
+        return xla()
+    if kernel_takes:
+        return kernel()
+    warnings.warn(why, stacklevel=4)
+    return xla()
+
+
 def _select_nodes(top_val: jax.Array, budget: int, impl: str):
-    """The node selection in one kernel launch where the kernel takes the budget, else the XLA
-    form; with kernels asked for, the XLA route is announced by a warning when the step is traced."""
+    """The node selection in one kernel launch where the kernel takes the budget."""
     from pallas_kernels.tree_select import SELECT_KERNEL_MAX_BUDGET, select_nodes
 
-    if impl == "xla":
-        return select_nodes_xla(top_val, budget)
-    if budget <= SELECT_KERNEL_MAX_BUDGET:
-        return select_nodes(top_val, budget, impl=impl)
-    warnings.warn(
-        f"the DDTree node selection of budget {budget} uses the XLA form, not the Pallas kernel: the kernel "
-        f"takes budgets up to {SELECT_KERNEL_MAX_BUDGET} (pallas_kernels/tree_select.py)",
-        stacklevel=3,
-    )
-    return select_nodes_xla(top_val, budget)
+    return _routed(impl, budget <= SELECT_KERNEL_MAX_BUDGET, lambda: select_nodes(top_val, budget, impl=impl),
+                   lambda: select_nodes_xla(top_val, budget),
+                   f"the DDTree node selection of budget {budget} uses the XLA form, not the Pallas kernel: the "
+                   f"kernel takes budgets up to {SELECT_KERNEL_MAX_BUDGET} (pallas_kernels/tree_select.py)")
 
 
 def _vocab_top_k(logq: jax.Array, k: int, impl: str):
     """The per-depth candidates: one launch of the row top-k kernel where it takes the rows (the
-    demo's 8k vocabulary), else `top_k` (staged sorts on GPUs); with kernels asked for, that route
-    is announced by a warning when the step is traced."""
+    demo's 8k vocabulary), else `top_k` (staged sorts on GPUs)."""
     from pallas_kernels.row_top_k import ROW_TOP_K_MAX_K, ROW_TOP_K_MAX_LEN, row_top_k
 
-    if impl == "xla":
-        return top_k(logq, k)
-    if logq.shape[-1] <= ROW_TOP_K_MAX_LEN and k <= ROW_TOP_K_MAX_K:
-        return row_top_k(logq, k, impl=impl)
-    warnings.warn(
-        f"the DDTree vocabulary top-{k} over {logq.shape[-1]} entries uses XLA's staged sorts, not the Pallas "
-        f"kernel: it takes rows up to {ROW_TOP_K_MAX_LEN} and k up to {ROW_TOP_K_MAX_K} (pallas_kernels/row_top_k.py)",
-        stacklevel=3,
-    )
-    return top_k(logq, k)
+    n = logq.shape[-1]
+    return _routed(impl, n <= ROW_TOP_K_MAX_LEN and k <= ROW_TOP_K_MAX_K, lambda: row_top_k(logq, k, impl=impl),
+                   lambda: top_k(logq, k),
+                   f"the DDTree vocabulary top-{k} over {n} entries uses XLA's staged sorts, not the Pallas kernel: "
+                   f"it takes rows up to {ROW_TOP_K_MAX_LEN} and k up to {ROW_TOP_K_MAX_K} (pallas_kernels/row_top_k.py)")
 
 
 def build_tree(logq: jax.Array, root_tokens: jax.Array, start: jax.Array, budget: int, max_candidates=None,
