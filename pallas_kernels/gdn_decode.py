@@ -36,9 +36,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from ddtree_jax.models import delta_rule
-from ddtree_jax.models.conv import next_window
-from ddtree_jax.models.gdn import l2_normalize
-from ddtree_jax.models.layers import rms_normalize
+from ddtree_jax.models.conv import causal_conv, next_window
+from ddtree_jax.models.gdn import gate_values, split_heads
+from ddtree_jax.models.layers import gated_rms_norm
 from pallas_kernels._common import check_impl, compiler_params, load, store
 
 # Untimed on a GPU (written after the last H200 call of session 5); the [dk, dv] state tile is
@@ -46,41 +46,20 @@ from pallas_kernels._common import check_impl, compiler_params, load, store
 DEFAULT_WARPS = 8
 
 
-def gates(x, w_a, w_b, a_log, dt_bias):
-    """(g, beta) [B, Hv] float32 as GatedDeltaNet.project computes them (products in x's dtype)."""
-    beta = jax.nn.sigmoid(jnp.einsum("bi,io->bo", x, w_b)).astype(jnp.float32)
-    a = jnp.einsum("bi,io->bo", x, w_a).astype(jnp.float32)
-    g = -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus(a + dt_bias.astype(jnp.float32))
-    return g, beta
-
-
 def reference(mixed, z, x, w_a, w_b, a_log, dt_bias, window, conv_w, state, norm_w, n_valid, *,
               num_k_heads: int, eps: float):
-    """The XLA decode path of models/gdn.py for one token (project's gates, causal_conv, heads,
-    recurrent_step, GatedRMSNorm, next_window), op for op."""
-    b, c = mixed.shape
+    """The model's XLA decode path for one token, through the model's own pieces (models/gdn.py
+    gate_values / split_heads, conv.causal_conv / next_window, delta_rule.recurrent_step,
+    layers.gated_rms_norm)."""
     hv, dv = z.shape[1], z.shape[2]
     dk = state.shape[2]
-    kd = num_k_heads * dk
     dtype = mixed.dtype
-    g, beta = gates(x, w_a, w_b, a_log, dt_bias)
-    xs = jnp.concatenate([window.astype(conv_w.dtype), mixed[:, None].astype(conv_w.dtype)], axis=1)
-    conv = sum(xs[:, m] * conv_w[m] for m in range(conv_w.shape[0]))
-    act = jax.nn.silu(conv).astype(dtype)
-    q = act[:, :kd].reshape(b, num_k_heads, dk)
-    k = act[:, kd : 2 * kd].reshape(b, num_k_heads, dk)
-    v = act[:, 2 * kd :].reshape(b, hv, dv)
-    rep = hv // num_k_heads
-    if rep > 1:
-        q, k = jnp.repeat(q, rep, axis=1), jnp.repeat(k, rep, axis=1)
-    q = l2_normalize(q.astype(jnp.float32)) * dk**-0.5
-    k = l2_normalize(k.astype(jnp.float32))
+    beta, g = gate_values(jnp.einsum("bi,io->bo", x, w_a), jnp.einsum("bi,io->bo", x, w_b), a_log, dt_bias)
+    act = jax.nn.silu(causal_conv(mixed[:, None], window, conv_w)[:, 0]).astype(dtype)
+    q, k, v = split_heads(act, num_k_heads, dk, hv, dv)
     on = (n_valid > 0)[:, None]
-    o, new_state = delta_rule.recurrent_step(q, k, v.astype(jnp.float32), jnp.where(on, g, 0.0),
-                                             jnp.where(on, beta, 0.0), state)
-    o = o.astype(dtype)
-    normed = rms_normalize(o, eps).astype(dtype)
-    y = (norm_w * normed * jax.nn.silu(z.astype(jnp.float32))).astype(dtype)
+    o, new_state = delta_rule.recurrent_step(q, k, v, jnp.where(on, g, 0.0), jnp.where(on, beta, 0.0), state)
+    y = gated_rms_norm(o.astype(dtype), z, norm_w, eps)
     return y, new_state, next_window(mixed[:, None], window, n_valid)
 
 

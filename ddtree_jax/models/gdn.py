@@ -35,6 +35,30 @@ def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
+def gate_values(a: jax.Array, b: jax.Array, a_log: jax.Array, dt_bias: jax.Array):
+    """(beta, g) float32 from the a / b projections (in the model dtype): beta = sigmoid(b),
+    g = -exp(A_log) * softplus(a + dt_bias)."""
+    beta = jax.nn.sigmoid(b).astype(jnp.float32)
+    g = -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus(a.astype(jnp.float32) + dt_bias.astype(jnp.float32))
+    return beta, g
+
+
+def split_heads(conv_out: jax.Array, num_k_heads: int, dk: int, num_v_heads: int, dv: int):
+    """Activated conv outputs [..., conv_dim] -> float32 q (normed, scaled), k (normed) [..., Hv, dk]
+    (v-head j reads k-head j // (Hv / Hk)) and v [..., Hv, dv]."""
+    kd = num_k_heads * dk
+    lead = conv_out.shape[:-1]
+    q = conv_out[..., :kd].reshape(*lead, num_k_heads, dk)
+    k = conv_out[..., kd : 2 * kd].reshape(*lead, num_k_heads, dk)
+    v = conv_out[..., 2 * kd :].reshape(*lead, num_v_heads, dv)
+    rep = num_v_heads // num_k_heads
+    if rep > 1:
+        q, k = jnp.repeat(q, rep, axis=-2), jnp.repeat(k, rep, axis=-2)
+    q = l2_normalize(q.astype(jnp.float32)) * dk**-0.5
+    k = l2_normalize(k.astype(jnp.float32))
+    return q, k, v.astype(jnp.float32)
+
+
 class GatedDeltaNet(nnx.Module):
     def __init__(self, cfg: TargetConfig, *, dtype, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -60,26 +84,16 @@ class GatedDeltaNet(nnx.Module):
         x_qkv, x_z, x_ab = unmerged_inputs(x, (self.in_proj_qkv,), (self.in_proj_z,), (self.in_proj_b, self.in_proj_a))
         mixed = self.in_proj_qkv(x_qkv)
         z = self.in_proj_z(x_z).reshape(b, t, cfg.gdn_num_v_heads, cfg.gdn_v_head_dim)
-        beta = jax.nn.sigmoid(self.in_proj_b(x_ab)).astype(jnp.float32)
-        a = self.in_proj_a(x_ab).astype(jnp.float32)
-        g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a + self.dt_bias[...].astype(jnp.float32))
+        beta, g = gate_values(self.in_proj_a(x_ab), self.in_proj_b(x_ab), self.A_log[...], self.dt_bias[...])
         return mixed, z, beta, g
 
     def heads(self, conv_out: jax.Array):
         """Split activated conv outputs into float32 q (normed, scaled), k (normed), v, heads-first."""
         cfg = self.cfg
-        b, t, _ = conv_out.shape
-        kd = cfg.gdn_key_dim
-        q = conv_out[..., :kd].reshape(b, t, cfg.gdn_num_k_heads, cfg.gdn_k_head_dim)
-        k = conv_out[..., kd : 2 * kd].reshape(b, t, cfg.gdn_num_k_heads, cfg.gdn_k_head_dim)
-        v = conv_out[..., 2 * kd :].reshape(b, t, cfg.gdn_num_v_heads, cfg.gdn_v_head_dim)
-        rep = cfg.gdn_num_v_heads // cfg.gdn_num_k_heads
-        if rep > 1:  # v-head j reads k-head j // rep
-            q, k = jnp.repeat(q, rep, axis=2), jnp.repeat(k, rep, axis=2)
-        q = l2_normalize(q.astype(jnp.float32)) * cfg.gdn_k_head_dim**-0.5
-        k = l2_normalize(k.astype(jnp.float32))
+        q, k, v = split_heads(conv_out, cfg.gdn_num_k_heads, cfg.gdn_k_head_dim, cfg.gdn_num_v_heads,
+                              cfg.gdn_v_head_dim)
         to_heads = lambda a: jnp.swapaxes(a, 1, 2)
-        return to_heads(q), to_heads(k), to_heads(v.astype(jnp.float32))
+        return to_heads(q), to_heads(k), to_heads(v)
 
     def output(self, o: jax.Array, z: jax.Array, dtype) -> jax.Array:
         """o [B,H,T,dv] float32 -> projected output [B,T,hidden]."""

@@ -78,6 +78,12 @@ class RMSNorm(nnx.Module):
         return w.astype(x.dtype) * normed.astype(x.dtype)
 
 
+def gated_rms_norm(o: jax.Array, z: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """w * rmsnorm(o) * silu(z) over the last axis, rounded as HF's Gated DeltaNet norm rounds."""
+    normed = rms_normalize(o, eps).astype(o.dtype)
+    return (weight * normed * jax.nn.silu(z.astype(jnp.float32))).astype(o.dtype)
+
+
 class GatedRMSNorm(nnx.Module):
     """Gated DeltaNet output norm: w * rmsnorm(o) * silu(z), per head over the value dim."""
 
@@ -86,9 +92,7 @@ class GatedRMSNorm(nnx.Module):
         self.weight = nnx.Param(jnp.ones((dim,), dtype))
 
     def __call__(self, o: jax.Array, z: jax.Array) -> jax.Array:
-        normed = rms_normalize(o, self.eps).astype(o.dtype)
-        gated = self.weight[...] * normed * jax.nn.silu(z.astype(jnp.float32))
-        return gated.astype(o.dtype)
+        return gated_rms_norm(o, z, self.weight[...], self.eps)
 
 
 class SwiGLU(nnx.Module):
