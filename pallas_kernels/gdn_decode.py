@@ -21,9 +21,10 @@ reading the 64 KB float32 state of every head twice; ~20 us a layer in the sessi
 layers a step (docs/benchmarks.md section 1). Here one program per
 (sequence, value head) loads its head's q / k / v columns and conv window, does everything in
 registers and writes y, the state (in place) and its window columns: one launch, the state read
-and written once. Its a / b products read the two weight columns of its head (strided: the
-kernels are [in, out]; the 2 x 480 KB of the 27B layer come from HBM once and from L2 after). Programs of the same key head share q / k; the first of them writes those
-window columns (into a new window buffer: the others still read the old ones).
+and written once. Its a / b products read its head's row of the transposed a / b weights
+(contiguous; a transpose that decode loops hoist). Programs of the same key head share q / k; the
+first of them writes those window columns (into a new window buffer: the others still read the
+old ones).
 """
 
 from __future__ import annotations
@@ -76,8 +77,8 @@ def _kernel(nv_ref, mixed_ref, z_ref, x_ref, wa_ref, wb_ref, alog_ref, dtb_ref, 
     acc_a = acc_b = f32(0.0)
     for c0 in range(0, hidden, chunk):
         xs = load(x_ref, (b, pl.ds(c0, chunk))).astype(f32)
-        acc_a += jnp.sum(xs * load(wa_ref, (pl.ds(c0, chunk), h)).astype(f32))
-        acc_b += jnp.sum(xs * load(wb_ref, (pl.ds(c0, chunk), h)).astype(f32))
+        acc_a += jnp.sum(xs * load(wa_ref, (h, pl.ds(c0, chunk))).astype(f32))
+        acc_b += jnp.sum(xs * load(wb_ref, (h, pl.ds(c0, chunk))).astype(f32))
     a_x = acc_a.astype(xdtype).astype(f32)
     b_x = acc_b.astype(xdtype).astype(f32)
     beta_h = jax.nn.sigmoid(b_x).astype(xdtype).astype(f32)
@@ -160,6 +161,10 @@ def _pallas(mixed, z, x, w_a, w_b, a_log, dt_bias, window, conv_w, state, norm_w
     problems = kernel_problems(c, num_k_heads, hv, dk, dv, taps, hidden)
     if problems:
         raise ValueError("gdn_decode kernel: " + "; ".join(problems))
+    # the a / b weights as [Hv, hidden]: each program reads its head's row contiguously. Strided
+    # column reads of the [hidden, Hv] kernels cost ~10 us a launch on the H200 (29.8 vs 19.8 us,
+    # session 6); the transpose is loop-invariant in a decode loop, so XLA hoists it out of the loop.
+    w_a, w_b = w_a.T, w_b.T
     kernel = functools.partial(_kernel, kd=kd, dk=dk, dv=dv, rep=hv // num_k_heads, taps=taps, eps=eps,
                                hidden=hidden, chunk=hidden_chunk(hidden))
     full = lambda shape: pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))
