@@ -44,7 +44,7 @@ from pallas_kernels._common import check_impl, compiler_params, load, store
 
 # Untimed on a GPU (written after the last H200 call of session 5); the [dk, dv] state tile is
 # 64 per thread at 8 warps. scripts/gpu_gdn_decode.py --warps 4,16 decides.
-DEFAULT_WARPS = 8
+DEFAULT_WARPS = 4
 
 
 def reference(mixed, z, x, w_a, w_b, a_log, dt_bias, window, conv_w, state, norm_w, n_valid, *,

@@ -31,7 +31,7 @@ ROW_TOP_K_MAX_LEN = 8192  # the row's keys in registers: 32 per thread at 8 warp
 ROW_TOP_K_MAX_K = 32
 # Untimed guess (written after the last H200 call of session 5): 8 warps keep 32 keys a thread;
 # scripts/gpu_row_top_k.py --warps 4,8,16 decides.
-DEFAULT_WARPS = 8
+DEFAULT_WARPS = 4
 
 
 def _kernel(x_ref, val_ref, idx_ref, *, n, k, n_pad, kp):
