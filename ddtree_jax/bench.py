@@ -140,7 +140,9 @@ def phase_times_at(graphdef, params, dparams, s: gen.LoopState, spec: gen.GenSpe
                    inner: int = 8) -> dict[str, float]:
     """Per-phase ms of one step from state s: each phase runs inside one on-device loop of `inner`
     and of 2 x `inner` iterations (medians over `repeats` calls); their difference / inner is the
-    phase's time without the host dispatch of a call."""
+    phase's time without the host dispatch of a call. A phase shorter than the calls' dispatch
+    jitter / inner reads 0 (the difference is clamped at zero): raise `inner` for large models
+    (scripts/bench_e2e.py uses 32)."""
     eos = jnp.zeros((0,), jnp.int32)
     logq = tree = res = None
     phases = ("step",) if spec.mode == "ar" else ("draft", "build", "verify", "commit")

@@ -141,6 +141,9 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--loop-steps", type=int, default=16)
+    ap.add_argument("--phase-inner", type=int, default=32,
+                    help="iterations of each phase per timed call (the phase split is the difference of "
+                         "calls of N and 2N iterations; at 8 the 27B commit phase drowned in dispatch jitter)")
     ap.add_argument("--kernels", default=None,
                     help="tree kernels for the DDTree step: xla | pallas | pallas_interpret (default: fastest for the backend)")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "e2e.json"))
@@ -230,7 +233,11 @@ def main(argv=None) -> int:
             continue
 
         spec = gen.GenSpec("ddtree", args.budget, None, max_new, Sampling(), capacity, proposer, kernels)
-        row["phases_ms"] = B.phase_times_at(graphdef, params, dparams, state, spec, key, repeats=args.repeats)
+        inner = 2 if args.smoke else args.phase_inner
+        row["phases_ms"] = B.phase_times_at(graphdef, params, dparams, state, spec, key, repeats=args.repeats,
+                                            inner=inner)
+        row["phase_inner"] = inner
+        row["phases_sum_ms"] = sum(row["phases_ms"].values())  # against ddtree_loop_step_ms: the split's check
         print(f"[bench] batch {batch} ddtree phases (ms, in-loop): {row['phases_ms']}", flush=True)
         stats = jax.local_devices()[0].memory_stats() or {}
         row["peak_memory_GB"] = stats.get("peak_bytes_in_use", 0) / 1e9 or None
