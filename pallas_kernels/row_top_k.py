@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 from ddtree_jax.spec.build import order_key
 from pallas_kernels._common import check_impl, compiler_params, load, next_pow2, store
 
-ROW_TOP_K_MAX_LEN = 8192  # the row's keys in registers: 32 per thread at 8 warps
+ROW_TOP_K_MAX_LEN = 8192  # the row's keys in registers: 64 per thread at 4 warps
 ROW_TOP_K_MAX_K = 32
 # H200, session 6 (scripts/gpu_row_top_k.py --warps 4,16): 4 warps fastest at every measured shape
 # (8192 x 16: 12.9 us against 14.9 / 14.3 at 8 / 16 warps and 24.5 for the staged sorts).
