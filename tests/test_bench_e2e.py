@@ -4,15 +4,44 @@ figures, the roofline and the phase split land in its JSON."""
 import json
 
 
-def test_bench_e2e_smoke_writes_every_figure(tmp_path):
+def test_bench_e2e_smoke_writes_every_figure(tmp_path, monkeypatch):
+    from ddtree_jax.models import gdn
     from scripts.bench_e2e import main
 
+    monkeypatch.setattr(gdn, "DECODE_KERNEL", True)  # the --override below is undone after the test
     out = tmp_path / "e2e.json"
-    assert main(["--smoke", "--batches", "1", "--repeats", "1", "--out", str(out)]) == 0
-    [row] = json.loads(out.read_text())["runs"]
+    assert main(["--smoke", "--batches", "1", "--repeats", "1", "--override", "ddtree_jax.models.gdn.DECODE_KERNEL=False",
+                 "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["overrides"] == {"ddtree_jax.models.gdn.DECODE_KERNEL": False}
+    [row] = report["runs"]
     for key in ("ar_loop_step_ms", "ddtree_loop_step_ms", "roofline_ms", "decode_fraction_of_roofline",
                 "ddtree_over_decode"):
         assert row[key] > 0, key
     assert set(row["phases_ms"]) == {"draft", "build", "verify", "commit"}
     assert all(v >= 0 for v in row["phases_ms"].values())
     assert row["phase_inner"] == 2 and row["phases_sum_ms"] == sum(row["phases_ms"].values())
+
+
+def test_overrides_set_route_constants_and_report_every_bad_spec(monkeypatch):
+    import pytest
+
+    from ddtree_jax.models import gdn
+    from pallas_kernels import row_top_k
+    from scripts.gpu_bench_common import apply_overrides
+
+    monkeypatch.setattr(gdn, "DECODE_KERNEL", True)  # restored after the test
+    monkeypatch.setattr(row_top_k, "ROW_TOP_K_MAX_LEN", row_top_k.ROW_TOP_K_MAX_LEN)
+    got = apply_overrides(["ddtree_jax.models.gdn.DECODE_KERNEL=False", "pallas_kernels.row_top_k.ROW_TOP_K_MAX_LEN=0"])
+    assert got == {"ddtree_jax.models.gdn.DECODE_KERNEL": False, "pallas_kernels.row_top_k.ROW_TOP_K_MAX_LEN": 0}
+    assert gdn.DECODE_KERNEL is False and row_top_k.ROW_TOP_K_MAX_LEN == 0
+
+    bad = ["DECODE_KERNEL", "no_such_module.X=1", "ddtree_jax.models.gdn.NOPE=1",
+           "ddtree_jax.models.gdn.DECODE_KERNEL=maybe", "ddtree_jax.models.gdn.DECODE_KERNEL=1"]
+    with pytest.raises(ValueError) as e:
+        apply_overrides(bad + ["pallas_kernels.row_top_k.ROW_TOP_K_MAX_LEN=5"])
+    msg = str(e.value)
+    for needle in ("expected package.module.NAME=value", "cannot import no_such_module", "has no NOPE",
+                   "'maybe' is not a Python literal", "is a bool, got a int"):
+        assert needle in msg, needle
+    assert row_top_k.ROW_TOP_K_MAX_LEN == 0  # nothing applied when any spec is bad

@@ -157,3 +157,26 @@ def test_bf16_model_feeds_the_gdn_kernel_bf16_and_commits_exactly():
     np.testing.assert_allclose(recurrent[0][0].state, recurrent[0][1].state, rtol=1e-5, atol=1e-5)
     for a, r in recurrent[1:]:
         assert float(np.abs(np.asarray(a.state) - np.asarray(r.state)).max()) <= 0.02 * float(np.abs(np.asarray(r.state)).max())
+
+
+def test_decode_kernel_switches_route_single_token_steps(monkeypatch):
+    """attention.DECODE_KERNEL / gdn.DECODE_KERNEL (the A/B switches of `bench_e2e.py --override`)
+    take a kernel out of plain decoding and nothing else: with both on a decode step traces the
+    tree-attention and GDN decode kernels, with either off only the other one."""
+    from ddtree_jax.models import attention, gdn
+
+    cfg, gd, params = MODEL
+    cache = init_target_cache(cfg, 2, CAP)
+
+    def kernels_traced():
+        step = lambda c, t: nnx.merge(gd, params)(t[:, None], c, jnp.ones((2,), jnp.int32), chunked=False,
+                                                  impl="pallas_interpret")
+        text = str(jax.make_jaxpr(step)(cache, jnp.asarray([3, 7], jnp.int32)))
+        return {name for name in ("tree_attention", "gdn_decode") if name in text}
+
+    assert kernels_traced() == {"tree_attention", "gdn_decode"}
+    monkeypatch.setattr(gdn, "DECODE_KERNEL", False)
+    assert kernels_traced() == {"tree_attention"}
+    monkeypatch.setattr(gdn, "DECODE_KERNEL", True)
+    monkeypatch.setattr(attention, "DECODE_KERNEL", False)
+    assert kernels_traced() == {"gdn_decode"}

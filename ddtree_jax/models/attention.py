@@ -17,6 +17,10 @@ from ddtree_jax.config import TargetConfig
 from ddtree_jax.models.layers import Linear, RMSNorm, apply_rope, rope_cos_sin, unmerged_inputs
 
 NEG_INF = -1e30
+# Single-token steps (decoding) with kernels on go through the tree-attention kernel as a one-node
+# tree (faster than the XLA form at every measured shape, `Attention.__call__`). False routes them
+# to the XLA form: an A/B switch for measurements (`scripts/bench_e2e.py --override`).
+DECODE_KERNEL = True
 
 
 def write_kv(cache: KVCache, k_new: jax.Array, v_new: jax.Array, start: jax.Array) -> KVCache:
@@ -112,7 +116,7 @@ class Attention(nnx.Module):
         t = x.shape[1]
         positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
         q, k, v, gate = self.project(x, positions)
-        if impl != "xla" and t == 1:
+        if impl != "xla" and t == 1 and DECODE_KERNEL:
             from pallas_kernels.tree_attention import tree_attention
 
             itself = jnp.ones((x.shape[0], 1, 1), jnp.uint32)  # the one node sees itself (bit 0)

@@ -31,6 +31,11 @@ class RecurrentPending(NamedTuple):
     beta: jax.Array  # [B, H, N]
 
 
+# Single-token steps (decoding) with kernels on run the layer's core as one kernel
+# (pallas_kernels/gdn_decode.py; 17.1 vs 21.4 us a 27B layer on the H200). False routes them to
+# the XLA form: an A/B switch for measurements (`scripts/bench_e2e.py --override`).
+DECODE_KERNEL = True
+
 def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
@@ -112,7 +117,7 @@ class GatedDeltaNet(nnx.Module):
         between the projections; a layer shape the kernel cannot take is announced by a warning
         when traced and runs the XLA form."""
         t = x.shape[1]
-        if impl != "xla" and t == 1 and not chunked and self._decode_kernel_takes(x):
+        if impl != "xla" and t == 1 and not chunked and DECODE_KERNEL and self._decode_kernel_takes(x):
             return self._decode_kernel(x, cache, n_valid, impl)
         mixed, z, beta, g = self.project(x)
         conv_out = jax.nn.silu(causal_conv(mixed, cache.conv, self.conv_weight[...]))
