@@ -31,6 +31,7 @@ import numpy as np
 from flax import nnx
 
 from ddtree_jax import atomic
+from ddtree_jax import overrides
 from ddtree_jax.bench import median_ms
 from ddtree_jax.cache import KVCache, RecurrentCache, TargetCache
 from ddtree_jax.config import TargetConfig
@@ -38,7 +39,6 @@ from ddtree_jax.drafter_config import DrafterConfig
 from ddtree_jax.models.drafter import DrafterCache, DrafterModel
 from ddtree_jax.models.target import TargetModel
 from ddtree_jax.spec import generate as gen
-from scripts.gpu_bench_common import apply_overrides
 from ddtree_jax.spec.dflash import DFlashProposer
 from ddtree_jax.spec.sampling import Sampling
 
@@ -147,19 +147,14 @@ def main(argv=None) -> int:
                          "calls of N and 2N iterations; at 8 the 27B commit phase drowned in dispatch jitter)")
     ap.add_argument("--kernels", default=None,
                     help="tree kernels for the DDTree step: xla | pallas | pallas_interpret (default: fastest for the backend)")
-    ap.add_argument("--override", action="append", default=[], metavar="MODULE.NAME=VALUE",
-                    help="set a route constant for this run (A/B of a kernel without editing code), e.g. "
-                         "ddtree_jax.models.gdn.DECODE_KERNEL=False; repeatable")
+    overrides.add_argument(ap)
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "e2e.json"))
     args = ap.parse_args(argv)
-    try:
-        overrides = apply_overrides(args.override)
-    except ValueError as e:
-        ap.error(str(e))
+    applied = overrides.apply_from_args(ap, args)
 
     report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "command": " ".join(["scripts/bench_e2e.py"] + (argv if argv is not None else sys.argv[1:])),
-              "device": jax.devices()[0].device_kind, "jax": jax.__version__, "overrides": overrides, "runs": []}
+              "device": jax.devices()[0].device_kind, "jax": jax.__version__, "overrides": applied, "runs": []}
 
     def save():
         atomic.write_json(args.out, report)

@@ -3,8 +3,6 @@ the kernel scripts and their timing table."""
 
 from __future__ import annotations
 
-import ast
-import importlib
 import math
 import statistics
 import time
@@ -194,40 +192,3 @@ def print_timing_table(rows, lead, ok) -> None:
         print(" ".join(f"{cell(r, key, spec):>{w}}" for key, _, w, spec in lead) + f" {str(ok(r)):>5}"
               + "".join(f" {fmt(r.get(c + '_us')):>14}" for c in cols) + f"  {best}")
 
-
-def apply_overrides(specs) -> dict:
-    """Set module constants for one measurement run: each spec "package.module.NAME=value" (value
-    a Python literal of the constant's type), e.g. "ddtree_jax.models.gdn.DECODE_KERNEL=False" or
-    "pallas_kernels.row_top_k.ROW_TOP_K_MAX_LEN=0". Routes read these constants when a step is
-    traced, so set them before anything is compiled. Every bad spec is reported at once
-    (ValueError); returns {spec target: value} for the report."""
-    problems, plan = [], []
-    for spec in specs or ():
-        target, sep, text = spec.partition("=")
-        mod_name, _, attr = target.strip().rpartition(".")
-        if not sep or not mod_name or not attr:
-            problems.append(f"{spec!r}: expected package.module.NAME=value")
-            continue
-        try:
-            module = importlib.import_module(mod_name)
-        except ImportError as e:
-            problems.append(f"{spec!r}: cannot import {mod_name} ({e})")
-            continue
-        if not hasattr(module, attr):
-            problems.append(f"{spec!r}: {mod_name} has no {attr}")
-            continue
-        try:
-            value = ast.literal_eval(text.strip())
-        except (ValueError, SyntaxError):
-            problems.append(f"{spec!r}: {text.strip()!r} is not a Python literal")
-            continue
-        old = getattr(module, attr)
-        if type(value) is not type(old):
-            problems.append(f"{spec!r}: {attr} is a {type(old).__name__}, got a {type(value).__name__}")
-            continue
-        plan.append((module, attr, value, target.strip()))
-    if problems:
-        raise ValueError("bad --override: " + "; ".join(problems))
-    for module, attr, value, _ in plan:
-        setattr(module, attr, value)
-    return {target: value for _, _, value, target in plan}

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ddtree_jax import atomic
+from ddtree_jax import atomic, overrides
 from ddtree_jax import bench as B
 from ddtree_jax.cli.common import load_engine
 from ddtree_jax.engine import bucket
@@ -68,7 +68,9 @@ def main(argv=None) -> int:
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--smoke", action="store_true", help="fewer repeats (CPU check of the script)")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "profile_pair.json"))
+    overrides.add_argument(ap)
     args = ap.parse_args(argv)
+    applied = overrides.apply_from_args(ap, args)
     if args.smoke:
         args.inner, args.iters = 2, 1
 
@@ -77,7 +79,7 @@ def main(argv=None) -> int:
     report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "command": " ".join(["scripts/profile_pair.py"] + (argv if argv is not None else sys.argv[1:])),
               "device": jax.devices()[0].device_kind, "jax": jax.__version__, "kernels": engine.kernels,
-              "runs": {}}
+              "overrides": applied, "runs": {}}
     g, p, dp = engine.graphdef, engine.params, engine.drafter_params
     eos = jnp.zeros((0,), jnp.int32)
     key = jax.random.PRNGKey(0)

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ddtree_jax import atomic
+from ddtree_jax import overrides
 from ddtree_jax import bench as B
 from ddtree_jax.config import TargetConfig
 from ddtree_jax.models.drafter import DrafterModel
@@ -36,7 +37,6 @@ from ddtree_jax.models.target import TargetModel
 from ddtree_jax.spec import generate as gen
 from ddtree_jax.spec.dflash import DFlashProposer
 from ddtree_jax.spec.sampling import Sampling
-from scripts.gpu_bench_common import apply_overrides
 from scripts.bench_e2e import QWEN36_27B, SMOKE, _normal, drafter_config, filled_caches, random_params
 
 KINDS = (  # first match wins; matched against the lower-cased kernel name
@@ -168,15 +168,10 @@ def main(argv=None) -> int:
                     help="also write each phase's optimized HLO (gzipped text) here: the fusion names in the "
                          "kernel table are instruction names in it, so what each kernel computes can be read "
                          "off the device")
-    ap.add_argument("--override", action="append", default=[], metavar="MODULE.NAME=VALUE",
-                    help="set a route constant for this run (A/B of a kernel without editing code), e.g. "
-                         "ddtree_jax.models.gdn.DECODE_KERNEL=False; repeatable")
+    overrides.add_argument(ap)
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "profile.json"))
     args = ap.parse_args(argv)
-    try:
-        overrides = apply_overrides(args.override)
-    except ValueError as e:
-        ap.error(str(e))
+    applied = overrides.apply_from_args(ap, args)
 
     cfg = TargetConfig.from_hf_dict(SMOKE if args.smoke else QWEN36_27B)
     dcfg = drafter_config(cfg, 5, 4 if args.smoke else 32, 2 if args.smoke else 8, 32 if args.smoke else 128, 16)
@@ -184,7 +179,7 @@ def main(argv=None) -> int:
     report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "command": " ".join(["scripts/profile_step.py"] + (argv if argv is not None else sys.argv[1:])),
               "device": jax.devices()[0].device_kind, "jax": jax.__version__, "budget": args.budget,
-              "batch": args.batch, "overrides": overrides, "phases": {}}
+              "batch": args.batch, "overrides": applied, "phases": {}}
 
     def save():
         atomic.write_json(args.out, report)

@@ -28,7 +28,7 @@ def test_overrides_set_route_constants_and_report_every_bad_spec(monkeypatch):
 
     from ddtree_jax.models import gdn
     from pallas_kernels import row_top_k
-    from scripts.gpu_bench_common import apply_overrides
+    from ddtree_jax.overrides import apply_overrides
 
     monkeypatch.setattr(gdn, "DECODE_KERNEL", True)  # restored after the test
     monkeypatch.setattr(row_top_k, "ROW_TOP_K_MAX_LEN", row_top_k.ROW_TOP_K_MAX_LEN)

@@ -6,6 +6,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from ddtree_jax import decode
@@ -161,8 +162,8 @@ def test_bf16_model_feeds_the_gdn_kernel_bf16_and_commits_exactly():
 
 def test_decode_kernel_switches_route_single_token_steps(monkeypatch):
     """attention.DECODE_KERNEL / gdn.DECODE_KERNEL (the A/B switches of `bench_e2e.py --override`)
-    take a kernel out of plain decoding and nothing else: with both on a decode step traces the
-    tree-attention and GDN decode kernels, with either off only the other one."""
+    take a kernel out of plain decoding, with a warning: with both on a decode step traces the
+    tree-attention and GDN decode kernels and warns of nothing, with either off only the other one."""
     from ddtree_jax.models import attention, gdn
 
     cfg, gd, params = MODEL
@@ -174,9 +175,15 @@ def test_decode_kernel_switches_route_single_token_steps(monkeypatch):
         text = str(jax.make_jaxpr(step)(cache, jnp.asarray([3, 7], jnp.int32)))
         return {name for name in ("tree_attention", "gdn_decode") if name in text}
 
-    assert kernels_traced() == {"tree_attention", "gdn_decode"}
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # both kernels on: no route announced
+        assert kernels_traced() == {"tree_attention", "gdn_decode"}
     monkeypatch.setattr(gdn, "DECODE_KERNEL", False)
-    assert kernels_traced() == {"tree_attention"}
+    with pytest.warns(UserWarning, match="gdn.DECODE_KERNEL is False"):
+        assert kernels_traced() == {"tree_attention"}
     monkeypatch.setattr(gdn, "DECODE_KERNEL", True)
     monkeypatch.setattr(attention, "DECODE_KERNEL", False)
-    assert kernels_traced() == {"gdn_decode"}
+    with pytest.warns(UserWarning, match="attention.DECODE_KERNEL is False"):
+        assert kernels_traced() == {"gdn_decode"}

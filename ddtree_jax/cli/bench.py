@@ -10,7 +10,7 @@ import os
 import platform
 import sys
 
-from ddtree_jax import atomic
+from ddtree_jax import atomic, overrides
 from ddtree_jax.cli.common import die, non_negative_int, positive_int
 
 EPILOG = """\
@@ -53,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--phase-repeats", type=non_negative_int, default=10,
                    help="repeats for per-phase timing medians; 0 skips the phase split (faster: no extra compiles)")
     p.add_argument("--out", default="bench_out", help="output directory for bench.json and bench.png")
+    overrides.add_argument(p)
     return p
 
 
@@ -86,7 +87,9 @@ def read_prompts(path: str, engine) -> list[list[int]]:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    applied = overrides.apply_from_args(parser, args)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in ("ar", "dflash", "ddtree")]
     if bad:
@@ -114,7 +117,7 @@ def main(argv=None) -> int:
         "host": platform.node(),
         "target": args.target or "embedded demo", "drafter": args.drafter or "embedded demo",
         "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "batch": args.batch,
-        "status": "partial", "results": [],
+        "overrides": applied, "status": "partial", "results": [],
     }
     passes, unstable = {run: [] for run in runs}, []
     try:

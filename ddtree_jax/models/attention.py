@@ -6,6 +6,7 @@ K/V into the cache and attends causally over everything up to each query's posit
 
 from __future__ import annotations
 
+import warnings
 from typing import NamedTuple
 
 import jax
@@ -116,6 +117,9 @@ class Attention(nnx.Module):
         t = x.shape[1]
         positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
         q, k, v, gate = self.project(x, positions)
+        if impl != "xla" and t == 1 and not DECODE_KERNEL:
+            warnings.warn("plain decoding's attention uses the XLA form, not the Pallas kernel: "
+                          "ddtree_jax.models.attention.DECODE_KERNEL is False", stacklevel=2)
         if impl != "xla" and t == 1 and DECODE_KERNEL:
             from pallas_kernels.tree_attention import tree_attention
 

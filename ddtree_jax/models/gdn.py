@@ -117,6 +117,9 @@ class GatedDeltaNet(nnx.Module):
         between the projections; a layer shape the kernel cannot take is announced by a warning
         when traced and runs the XLA form."""
         t = x.shape[1]
+        if impl != "xla" and t == 1 and not chunked and not DECODE_KERNEL:
+            warnings.warn("the GDN decode step uses the XLA form, not the Pallas kernel: "
+                          "ddtree_jax.models.gdn.DECODE_KERNEL is False", stacklevel=2)
         if impl != "xla" and t == 1 and not chunked and DECODE_KERNEL and self._decode_kernel_takes(x):
             return self._decode_kernel(x, cache, n_valid, impl)
         mixed, z, beta, g = self.project(x)
