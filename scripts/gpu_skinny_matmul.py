@@ -36,6 +36,7 @@ SHAPES = {
     "gdn_z": (5120, 6144),
     "out_proj": (6144, 5120),
     "attn_q": (5120, 12288),
+    "mlp_gate_up_merged": (5120, 34816),
     "attn_kv": (5120, 1024),
     "lm_head": (5120, 248320),
 }
@@ -47,19 +48,16 @@ def configs(smoke: bool):
 
     if smoke:
         return {"c64": C(block_n=64, block_k=32), "r32": C(block_n=32, block_k=32, layout="rows")}
+    # session 7's first sweep (wall clock): the 64-column configs and split-K 2 led; rows layout,
+    # 256 columns, 8 warps and 32 columns lost everywhere
     out = {}
-    for bn in (64, 128):
-        for bk in (64, 128):
-            for stages in (3, 5):
-                out[f"c{bn}_k{bk}_s{stages}"] = C(block_n=bn, block_k=bk, num_stages=stages)
-    out["c128_k64_s4_w8"] = C(block_n=128, block_k=64, num_stages=4, num_warps=8)
-    out["c256_k64_s3_w8"] = C(block_n=256, block_k=64, num_stages=3, num_warps=8)
-    out["c32_k128_s4"] = C(block_n=32, block_k=128, num_stages=4)
-    out["c128_k64_s4_split2"] = C(block_n=128, block_k=64, num_stages=4, split_k=2)
+    for bn, bk, stages, split in [(64, 64, 3, 1), (64, 64, 5, 1), (64, 128, 3, 1), (64, 128, 5, 1), (64, 64, 6, 1),
+                                  (64, 256, 3, 1), (64, 64, 4, 2), (64, 128, 4, 2), (64, 128, 4, 4),
+                                  (128, 64, 4, 2), (128, 64, 5, 1), (128, 64, 4, 4), (128, 128, 4, 2)]:
+        out[f"c{bn}_k{bk}_s{stages}" + (f"_split{split}" if split > 1 else "")] = C(
+            block_n=bn, block_k=bk, num_stages=stages, split_k=split)
     out["c128_k64_s4_tile128"] = C(block_n=128, block_k=64, num_stages=4, max_row_tile=128)
     out["r64_k64_s4"] = C(block_n=64, block_k=64, num_stages=4, layout="rows")
-    out["r128_k64_s4"] = C(block_n=128, block_k=64, num_stages=4, layout="rows")
-    out["r128_k64_s4_w8"] = C(block_n=128, block_k=64, num_stages=4, num_warps=8, layout="rows")
     return out
 
 
@@ -77,6 +75,28 @@ def problem(seed: int, m: int, k: int, n: int, on_gpu: bool):
     return x, ws
 
 
+def kernel_us(f, x, ws, on_gpu):
+    """GPU kernel time per product from a profiler trace of back-to-back calls (no loop, no host
+    work in the window): what a profile of the model reports for the same kernels."""
+    import tempfile
+
+    import jax
+
+    from profile_step import gpu_kernels
+
+    if not on_gpu:
+        return None
+    run = jax.jit(lambda ws: [f(x, w) for w in ws])
+    jax.block_until_ready(run(ws))
+    calls = 3
+    d = tempfile.mkdtemp(prefix="skinny_trace_")
+    with jax.profiler.trace(d):
+        for _ in range(calls):
+            jax.block_until_ready(run(ws))
+    events = gpu_kernels(d)
+    return sum(us for _, _, us in events) / (calls * len(ws))
+
+
 def time_variant(f, x, ws, on_gpu):
     from jax import lax
 
@@ -89,7 +109,7 @@ def time_variant(f, x, ws, on_gpu):
     return t
 
 
-def run_row(name, m, k, n, variants, on_gpu, impl):
+def run_row(name, m, k, n, variants, on_gpu, impl, trace=False):
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -101,6 +121,8 @@ def run_row(name, m, k, n, variants, on_gpu, impl):
     want = np.asarray(jax.jit(jnp.matmul)(x, ws[0]).astype(jnp.float32))
     scale = float(np.abs(want).max()) or 1.0
     fns = {"xla": jnp.matmul}
+    if m == 1:  # the decode GEMV: the rate the verify's products are measured against
+        variants = {}
     fns.update({cname: (lambda a, w, c=c: skinny_matmul(a, w, impl=impl, config=c)) for cname, c in variants.items()})
     for vname, f in fns.items():
         try:
@@ -109,6 +131,8 @@ def run_row(name, m, k, n, variants, on_gpu, impl):
             t = time_variant(f, x, ws, on_gpu)
             row[vname + "_us"] = t * 1e6
             row[vname + "_TBps"] = 2 * k * n / t / 1e12
+            if trace:
+                row[vname + "_kernel_us"] = kernel_us(f, x, ws, on_gpu)
         except Exception as e:
             row[vname + "_error"] = err_str(e)
     return row
@@ -119,7 +143,9 @@ def main(argv=None) -> int:
     ap.add_argument("--cpu-smoke", action="store_true", help="interpret mode, small shapes (checks the script)")
     ap.add_argument("--sweep-shapes", default="mlp_gate_up,mlp_down,gdn_qkv,out_proj")
     ap.add_argument("--sweep-rows", default="65")
-    ap.add_argument("--rows", default="16,65", help="row counts of pass 2")
+    ap.add_argument("--rows", default="1,16,65", help="row counts of pass 2 (1: XLA's GEMV only)")
+    ap.add_argument("--trace", action="store_true",
+                    help="also read each variant's kernel time from a profiler trace (and rank configs by it)")
     ap.add_argument("--keep", type=int, default=3, help="configs carried into pass 2")
     ap.add_argument("--budget-s", type=float, default=480, help="stop starting rows after this many seconds")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "skinny_matmul.json"))
@@ -139,7 +165,7 @@ def main(argv=None) -> int:
         row["pass"] = tag
         report["rows"].append(row)
         atomic.write_json(args.out, report)
-        times = " ".join(f"{key[:-3]}={v:.1f}" for key, v in row.items() if key.endswith("_us"))
+        times = " ".join(f"{key[:-3]}={v:.1f}" for key, v in row.items() if key.endswith("_us") and v is not None)
         print(f"[skinny {tag}] {row['shape']} m={row['m']}: {times} us", flush=True)
 
     for name in sweep_shapes:
@@ -147,14 +173,16 @@ def main(argv=None) -> int:
             if time.time() - t_start > args.budget_s:
                 break
             k, n = shapes[name]
-            add(run_row(name, m, k, n, all_cfgs, on_gpu, impl), "sweep")
+            add(run_row(name, m, k, n, all_cfgs, on_gpu, impl, args.trace), "sweep")
     sweep = [r for r in report["rows"] if r["pass"] == "sweep"]
     score = {}
     for c in all_cfgs:
-        rel = [r[c + "_us"] / r["xla_us"] for r in sweep if c + "_us" in r and "xla_us" in r and r.get(c + "_err", 1) < 2e-2]
+        unit = "_kernel_us" if args.trace and on_gpu else "_us"  # rank by kernel time when traced
+        rel = [r[c + unit] / r["xla" + unit] for r in sweep
+               if r.get(c + unit) and r.get("xla" + unit) and r.get(c + "_err", 1) < 2e-2]
         if len(rel) == len(sweep) and rel:
             score[c] = math.exp(sum(math.log(v) for v in rel) / len(rel))
-    report["sweep_score"] = score  # geometric mean of kernel / XLA time over the sweep rows
+    report["sweep_score"] = score  # geometric mean of kernel / XLA time over the sweep rows (traced: kernel time)
     keep = sorted(score, key=score.get)[: args.keep]
     report["kept"] = keep
     print(f"sweep score (kernel / xla time, geometric mean): {sorted(score.items(), key=lambda kv: kv[1])}")
@@ -163,7 +191,7 @@ def main(argv=None) -> int:
             if time.time() - t_start > args.budget_s:
                 report["stopped"] = f"budget of {args.budget_s} s reached"
                 break
-            add(run_row(name, m, k, n, {c: all_cfgs[c] for c in keep}, on_gpu, impl), "all")
+            add(run_row(name, m, k, n, {c: all_cfgs[c] for c in keep}, on_gpu, impl, args.trace), "all")
     atomic.write_json(args.out, report)
     print_timing_table([r for r in report["rows"] if r["pass"] == "all"] or report["rows"],
                        [("shape", "shape", 12, None), ("m", "m", 4, None)], rows_ok)
