@@ -80,28 +80,28 @@ class Attention(nnx.Module):
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, zero_centered=zc, dtype=dtype, rngs=rngs)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, zero_centered=zc, dtype=dtype, rngs=rngs)
 
-    def project(self, x: jax.Array, positions: jax.Array):
+    def project(self, x: jax.Array, positions: jax.Array, impl: str = "xla"):
         """q [B,T,nh,hd], k, v [B,T,kv,hd] with norms and RoPE applied, and the output gate (or None)."""
         cfg = self.cfg
         b, t, _ = x.shape
         xq, xk, xv = unmerged_inputs(x, (self.q_proj,), (self.k_proj,), (self.v_proj,))
-        q = self.q_proj(xq)
+        q = self.q_proj(xq, impl)
         gate = None
         if cfg.attn_output_gate:
             q = q.reshape(b, t, cfg.num_heads, 2 * cfg.head_dim)
             q, gate = q[..., : cfg.head_dim], q[..., cfg.head_dim :].reshape(b, t, -1)
         q = self.q_norm(q.reshape(b, t, cfg.num_heads, cfg.head_dim))
-        k = self.k_norm(self.k_proj(xk).reshape(b, t, cfg.num_kv_heads, cfg.head_dim))
-        v = self.v_proj(xv).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        k = self.k_norm(self.k_proj(xk, impl).reshape(b, t, cfg.num_kv_heads, cfg.head_dim))
+        v = self.v_proj(xv, impl).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
         cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, gate
 
-    def output(self, attn: jax.Array, gate: jax.Array | None) -> jax.Array:
+    def output(self, attn: jax.Array, gate: jax.Array | None, impl: str = "xla") -> jax.Array:
         b, t = attn.shape[:2]
         attn = attn.reshape(b, t, -1)
         if gate is not None:
             attn = attn * jax.nn.sigmoid(gate)
-        return self.o_proj(attn)
+        return self.o_proj(attn, impl)
 
     def __call__(self, x: jax.Array, cache: KVCache, start: jax.Array, impl: str = "xla"
                  ) -> tuple[jax.Array, KVCache]:
@@ -116,7 +116,7 @@ class Attention(nnx.Module):
         Longer appends (prefill chunks) use the XLA form."""
         t = x.shape[1]
         positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
-        q, k, v, gate = self.project(x, positions)
+        q, k, v, gate = self.project(x, positions, impl)
         if impl != "xla" and t == 1 and not DECODE_KERNEL:
             warnings.warn("plain decoding's attention uses the XLA form, not the Pallas kernel: "
                           "ddtree_jax.models.attention.DECODE_KERNEL is False", stacklevel=2)
@@ -125,12 +125,12 @@ class Attention(nnx.Module):
 
             itself = jnp.ones((x.shape[0], 1, 1), jnp.uint32)  # the one node sees itself (bit 0)
             attn = tree_attention(q, cache.k, cache.v, start, k, v, itself, scale=self.cfg.head_dim**-0.5, impl=impl)
-            return self.output(attn, gate), write_kv(cache, k, v, start)
+            return self.output(attn, gate, impl), write_kv(cache, k, v, start)
         cache = write_kv(cache, k, v, start)
         key_pos = jnp.arange(cache.capacity, dtype=jnp.int32)
         visible = key_pos[None, None, :] <= positions[:, :, None]
         attn = attend(q, [(cache.k, cache.v, visible)], self.cfg.head_dim**-0.5)
-        return self.output(attn, gate), cache
+        return self.output(attn, gate, impl), cache
 
     # ---- speculative entry points -------------------------------------------------------
     def tree(self, x, cache: KVCache, start, positions, visible, bits=None, impl: str = "xla"
@@ -140,17 +140,17 @@ class Attention(nnx.Module):
 
         impl "pallas" / "pallas_interpret" use the fused tree-attention kernel, which reads the
         compact ancestor `bits` [B, N, W] instead of the dense `visible`."""
-        q, k, v, gate = self.project(x, positions)
+        q, k, v, gate = self.project(x, positions, impl)
         if impl != "xla":
             from pallas_kernels.tree_attention import tree_attention
 
             attn = tree_attention(q, cache.k, cache.v, start, k, v, bits, scale=self.cfg.head_dim**-0.5, impl=impl)
-            return self.output(attn, gate), KVPending(k, v)
+            return self.output(attn, gate, impl), KVPending(k, v)
         key_pos = jnp.arange(cache.capacity, dtype=jnp.int32)
         committed = jnp.broadcast_to(key_pos[None, None, :] < start[:, None, None], (*positions.shape, cache.capacity))
         tree_k, tree_v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
         attn = attend(q, [(cache.k, cache.v, committed), (tree_k, tree_v, visible)], self.cfg.head_dim**-0.5)
-        return self.output(attn, gate), KVPending(k, v)
+        return self.output(attn, gate, impl), KVPending(k, v)
 
     @staticmethod
     def commit(pending: KVPending, path, count, cache: KVCache, start) -> KVCache:

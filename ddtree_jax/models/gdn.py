@@ -82,14 +82,14 @@ class GatedDeltaNet(nnx.Module):
         self.out_proj = Linear(cfg.gdn_value_dim, h, dtype=dtype, rngs=rngs)
 
     # ---- pieces shared by every entry point ------------------------------------------
-    def project(self, x: jax.Array):
+    def project(self, x: jax.Array, impl: str = "xla"):
         """Conv inputs [B,T,conv_dim], gate z [B,T,Hv,dv], beta and g [B,T,Hv] (float32)."""
         cfg = self.cfg
         b, t, _ = x.shape
         x_qkv, x_z, x_ab = unmerged_inputs(x, (self.in_proj_qkv,), (self.in_proj_z,), (self.in_proj_b, self.in_proj_a))
-        mixed = self.in_proj_qkv(x_qkv)
-        z = self.in_proj_z(x_z).reshape(b, t, cfg.gdn_num_v_heads, cfg.gdn_v_head_dim)
-        beta, g = gate_values(self.in_proj_a(x_ab), self.in_proj_b(x_ab), self.A_log[...], self.dt_bias[...])
+        mixed = self.in_proj_qkv(x_qkv, impl)
+        z = self.in_proj_z(x_z, impl).reshape(b, t, cfg.gdn_num_v_heads, cfg.gdn_v_head_dim)
+        beta, g = gate_values(self.in_proj_a(x_ab, impl), self.in_proj_b(x_ab, impl), self.A_log[...], self.dt_bias[...])
         return mixed, z, beta, g
 
     def heads(self, conv_out: jax.Array):
@@ -100,11 +100,11 @@ class GatedDeltaNet(nnx.Module):
         to_heads = lambda a: jnp.swapaxes(a, 1, 2)
         return to_heads(q), to_heads(k), to_heads(v)
 
-    def output(self, o: jax.Array, z: jax.Array, dtype) -> jax.Array:
+    def output(self, o: jax.Array, z: jax.Array, dtype, impl: str = "xla") -> jax.Array:
         """o [B,H,T,dv] float32 -> projected output [B,T,hidden]."""
         o = jnp.swapaxes(o, 1, 2).astype(dtype)
         y = self.norm(o, z)
-        return self.out_proj(y.reshape(*y.shape[:2], -1))
+        return self.out_proj(y.reshape(*y.shape[:2], -1), impl)
 
     # ---- append tokens to the committed state -----------------------------------------
     def __call__(
@@ -122,7 +122,7 @@ class GatedDeltaNet(nnx.Module):
                           "ddtree_jax.models.gdn.DECODE_KERNEL is False", stacklevel=2)
         if impl != "xla" and t == 1 and not chunked and DECODE_KERNEL and self._decode_kernel_takes(x):
             return self._decode_kernel(x, cache, n_valid, impl)
-        mixed, z, beta, g = self.project(x)
+        mixed, z, beta, g = self.project(x, impl)
         conv_out = jax.nn.silu(causal_conv(mixed, cache.conv, self.conv_weight[...]))
         q, k, v = self.heads(conv_out.astype(x.dtype))
         valid = (jnp.arange(t)[None, :] < n_valid[:, None])[:, None, :]
@@ -133,7 +133,7 @@ class GatedDeltaNet(nnx.Module):
         else:
             o, state = delta_rule.recurrent(q, k, v, g, beta, cache.state)
         new_cache = RecurrentCache(conv=next_window(mixed, cache.conv, n_valid), state=state)
-        return self.output(o, z, x.dtype), new_cache
+        return self.output(o, z, x.dtype, impl), new_cache
 
     def _decode_kernel_takes(self, x: jax.Array) -> bool:
         """Whether the decode kernel takes this layer's shape; if not, say why (a warning when traced)."""
@@ -174,7 +174,7 @@ class GatedDeltaNet(nnx.Module):
         H200 it took 8.9 us for 16 nodes where the XLA form (a triangular solve over dense
         visibility, ~8 kernels) took 41.5 (docs/benchmarks.md section 2).
         """
-        mixed, z, beta, g = self.project(x)
+        mixed, z, beta, g = self.project(x, impl)
         w = self.conv_weight[...]
         if conv_src is None:
             conv = causal_conv(mixed, cache.conv, w)
@@ -194,13 +194,13 @@ class GatedDeltaNet(nnx.Module):
             # The state stays exact: the commit replays the float32 k / v of `pending`.
             lo = (lambda a: a.astype(x.dtype)) if x.dtype in (jnp.bfloat16, jnp.float16) else (lambda a: a)
             o = gdn_tree_verify(lo(q), lo(k), lo(v), g, beta, cache.state, bits, impl=impl)
-            return self.output(o, z, x.dtype), RecurrentPending(mixed, k, v, g, beta)
+            return self.output(o, z, x.dtype, impl), RecurrentPending(mixed, k, v, g, beta)
         if conv_src is None:
             path_g = jnp.cumsum(g, axis=-1)
         else:
             path_g = jnp.einsum("bij,bhj->bhi", visible.astype(jnp.float32), g, precision=delta_rule.HIGHEST)
         o, _ = delta_rule.block(q, k, v, path_g, beta, cache.state, visible)
-        return self.output(o, z, x.dtype), RecurrentPending(mixed, k, v, g, beta)
+        return self.output(o, z, x.dtype, impl), RecurrentPending(mixed, k, v, g, beta)
 
     @staticmethod
     def commit(pending: RecurrentPending, path, count, cache: RecurrentCache, impl: str = "xla") -> RecurrentCache:

@@ -6,24 +6,62 @@ Parameters use the layouts the converters write: linear kernels [in, out], embed
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from pallas_kernels.skinny_matmul import skinny_matmul
 
 
 def _init(rngs: nnx.Rngs, shape, dtype, scale: float):
     return (jax.random.normal(rngs.params(), shape, jnp.float32) * scale).astype(dtype)
 
 
+# impl "pallas" / "pallas_interpret": products of SKINNY_MIN_ROWS..SKINNY_MAX_ROWS rows (a DDTree
+# verify's 65 nodes) with 16-bit weights of the shapes where the skinny matmul kernel beat XLA's
+# cuBLAS GEMM on the H200 (kernel time, scripts/gpu_skinny_matmul.py --trace, session 7): 4096..11264
+# outputs from <= 8192 inputs, e.g. the 27B's GDN in_proj qkv 34.4 vs 37.0 us, z 23.2 vs 26.7,
+# out_proj 25.0 vs 27.2. Wider or deeper products (the MLP, the lm_head, 12288-wide attention q)
+# stay with cuBLAS, which led there; fewer rows (decode GEMVs, DFlash's 16) stay with XLA's Triton
+# GEMV. SKINNY_MATMUL is the A/B switch for measurements (False warns when a product it would take
+# is traced).
+SKINNY_MATMUL = True
+SKINNY_MIN_ROWS, SKINNY_MAX_ROWS = 17, 128
+SKINNY_MAX_IN, SKINNY_OUT = 8192, (4096, 11264)
+
+
+def skinny_route_takes(x: jax.Array, kernel: jax.Array) -> bool:
+    """Whether x @ kernel is a product the skinny matmul route is measured to win."""
+    rows = 1
+    for d in x.shape[:-1]:
+        rows *= d
+    k, n = kernel.shape
+    return (x.dtype == kernel.dtype and jnp.dtype(x.dtype).itemsize == 2
+            and SKINNY_MIN_ROWS <= rows <= SKINNY_MAX_ROWS and k <= SKINNY_MAX_IN
+            and SKINNY_OUT[0] <= n <= SKINNY_OUT[1])
+
+
 class Linear(nnx.Module):
-    """y = x @ kernel (+ bias); kernel is [in, out]."""
+    """y = x @ kernel (+ bias); kernel is [in, out]. impl != "xla" sends the products the skinny
+    matmul kernel wins through it (`skinny_route_takes`)."""
 
     def __init__(self, d_in: int, d_out: int, *, bias: bool = False, dtype="float32", rngs: nnx.Rngs):
         self.kernel = nnx.Param(_init(rngs, (d_in, d_out), dtype, d_in**-0.5))
         self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        y = jnp.einsum("...i,io->...o", x, self.kernel[...])
+    def __call__(self, x: jax.Array, impl: str = "xla") -> jax.Array:
+        kernel = self.kernel[...]
+        if impl != "xla" and skinny_route_takes(x, kernel):
+            if SKINNY_MATMUL:
+                y = skinny_matmul(x, kernel, impl=impl)
+            else:
+                warnings.warn("a skinny product runs as XLA's GEMM: ddtree_jax.models.layers.SKINNY_MATMUL is False",
+                              stacklevel=2)
+                y = jnp.einsum("...i,io->...o", x, kernel)
+        else:
+            y = jnp.einsum("...i,io->...o", x, kernel)
         if self.bias is not None:
             y = y + self.bias[...]
         return y

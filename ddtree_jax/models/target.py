@@ -12,6 +12,9 @@ Layers are a Python list run unrolled under jit: a lax.scan over stacked layer w
 
 from __future__ import annotations
 
+import warnings
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -24,6 +27,38 @@ from ddtree_jax.models.gdn import GatedDeltaNet
 from ddtree_jax.models.layers import Embedding, Linear, RMSNorm, Relu2MLP, SwiGLU, apply_rope, rope_cos_sin
 from ddtree_jax.models.mamba2 import Mamba2Mixer
 from ddtree_jax.models.moe import NemotronMoE
+from pallas_kernels.add_rms_norm import add_rms_norm
+
+# impl "pallas" / "pallas_interpret": each residual add runs with the norm after it as one kernel
+# (pallas_kernels/add_rms_norm.py) in blocks with an MLP and a stream in the params dtype (Qwen3 /
+# Qwen3.5 / Bamba). An A/B switch for measurements; False warns when traced.
+ADD_NORM_KERNEL = True
+
+
+class Stream(NamedTuple):
+    """The residual stream as x + delta: the add is left to the next norm, which does both in one
+    kernel (`ADD_NORM_KERNEL`)."""
+
+    x: jax.Array
+    delta: jax.Array
+
+    def total(self) -> jax.Array:
+        return self.x + self.delta
+
+
+def add_norm(norm: RMSNorm, x: jax.Array, delta: jax.Array, impl: str):
+    """(x + delta, norm(x + delta)) in one kernel launch."""
+    mode = "zero_centered" if norm.zero_centered else "fp32_weight" if norm.weight_fp32 else "plain"
+    return add_rms_norm(x, delta, norm.weight[...], eps=norm.eps, mode=mode, impl=impl)
+
+
+def _fuses_add_norm(cfg: TargetConfig, impl: str) -> bool:
+    if impl == "xla" or not cfg.block_ffn or cfg.residual_in_fp32:
+        return False
+    if not ADD_NORM_KERNEL:
+        warnings.warn("residual add + RMSNorm run as XLA fusions: ddtree_jax.models.target.ADD_NORM_KERNEL is False",
+                      stacklevel=3)
+    return ADD_NORM_KERNEL
 
 
 class PlainAttention(Attention):
@@ -39,12 +74,12 @@ class PlainAttention(Attention):
         self.v_proj = Linear(h, kv * hd, bias=bias, dtype=dtype, rngs=rngs)
         self.o_proj = Linear(nh * hd, h, bias=bias, dtype=dtype, rngs=rngs)
 
-    def project(self, x: jax.Array, positions: jax.Array):
+    def project(self, x: jax.Array, positions: jax.Array, impl: str = "xla"):
         cfg = self.cfg
         b, t, _ = x.shape
-        q = self.q_proj(x).reshape(b, t, cfg.num_heads, cfg.head_dim)
-        k = self.k_proj(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-        v = self.v_proj(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        q = self.q_proj(x, impl).reshape(b, t, cfg.num_heads, cfg.head_dim)
+        k = self.k_proj(x, impl).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        v = self.v_proj(x, impl).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
         if cfg.rotary_dim:
             cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -92,14 +127,19 @@ class DecoderLayer(nnx.Module):
     def mixer(self):
         return getattr(self, {ATTENTION: "self_attn", GDN: "linear_attn", MAMBA2: "mamba", MOE: "moe", MLP: "mlp"}[self.kind])
 
-    def _pre(self, x):
+    def _pre(self, x, impl: str):
         """(residual, normed input) as HF: the norm reads x in the params dtype; Mamba2ForCausalLM
-        keeps the residual stream in float32."""
+        keeps the residual stream in float32. A Stream's pending add runs inside the norm's kernel."""
+        if isinstance(x, Stream):
+            return add_norm(self.input_layernorm, x.x, x.delta, impl)
         w = self.input_layernorm.weight[...]
         residual = x.astype(jnp.float32) if self.residual_in_fp32 else x
         return residual, self.input_layernorm(x.astype(w.dtype) if self.residual_in_fp32 else x)
 
-    def _post(self, residual, h):
+    def _post(self, residual, h, impl: str, fused: bool):
+        if fused:
+            x, normed = add_norm(self.post_attention_layernorm, residual, h, impl)
+            return Stream(x, self.mlp(normed))  # the next norm adds the MLP's output
         x = residual + h
         if self.block_ffn:
             x = x + self.mlp(self.post_attention_layernorm(x))
@@ -108,8 +148,10 @@ class DecoderLayer(nnx.Module):
     def _stateless(self, h):
         return self.mlp(h) if self.kind == MLP else self.moe(h)
 
-    def __call__(self, x, layer_cache, start, n_valid, *, chunked: bool, impl: str = "xla"):
-        residual, h = self._pre(x)
+    def __call__(self, x, layer_cache, start, n_valid, *, chunked: bool, impl: str = "xla", fused: bool = False):
+        """x: the stream (an array, or a Stream when `fused`: the residual adds then run inside
+        the norms' kernels and the layer returns a Stream)."""
+        residual, h = self._pre(x, impl)
         if self.kind == ATTENTION:
             h, layer_cache = self.self_attn(h, layer_cache, start, impl)
         elif self.kind == GDN:
@@ -118,12 +160,13 @@ class DecoderLayer(nnx.Module):
             h, layer_cache = self.mamba(h, layer_cache, n_valid, chunked=chunked)
         else:
             h = self._stateless(h)
-        return self._post(residual, h), layer_cache
+        return self._post(residual, h, impl, fused), layer_cache
 
-    def tree(self, x, layer_cache, start, geo: TreeGeometry, impl: str = "xla"):
+    def tree(self, x, layer_cache, start, geo: TreeGeometry, impl: str = "xla", fused: bool = False):
         """Tree (or chain: geo.conv_src None) pass of this layer; returns (x, pending). Writes nothing.
-        impl selects the kernels of the attention / GDN / Mamba2 tree entry points ("xla" = reference)."""
-        residual, h = self._pre(x)
+        impl selects the kernels of the attention / GDN / Mamba2 tree entry points ("xla" = reference);
+        `fused` as in __call__."""
+        residual, h = self._pre(x, impl)
         pending = None
         if self.kind == ATTENTION:
             h, pending = self.self_attn.tree(h, layer_cache, start, geo.positions, geo.visible, geo.bits, impl)
@@ -133,7 +176,7 @@ class DecoderLayer(nnx.Module):
             h, pending = self.mamba.tree(h, layer_cache, geo.visible, geo.conv_src, geo.bits, impl)
         else:
             h = self._stateless(h)
-        return self._post(residual, h), pending
+        return self._post(residual, h, impl, fused), pending
 
     def commit(self, pending, path, count, layer_cache, start, impl: str = "xla"):
         if self.kind == ATTENTION:
@@ -163,16 +206,18 @@ class TargetModel(nnx.Module):
         out = self.embed_tokens.attend(h) if self.lm_head is None else self.lm_head(h)
         return out.astype(jnp.float32)
 
-    def _run(self, x, step, hidden_ids):
-        """Embed -> every layer via step(i, layer, x) -> final norm; collects chosen hidden states."""
+    def _run(self, x, step, hidden_ids, impl: str):
+        """Embed -> every layer via step(i, layer, x, fused) -> final norm; collects chosen hidden
+        states. fused: the stream between layers is a Stream (see ADD_NORM_KERNEL)."""
+        fused = _fuses_add_norm(self.cfg, impl)
         saved = {0: x} if 0 in hidden_ids else {}
         outs = []
         for i, layer in enumerate(self.layers):
-            x, out = step(i, layer, x)
+            x, out = step(i, layer, x, fused)
             outs.append(out)
             if i + 1 in hidden_ids and i + 1 < self.cfg.num_layers:
-                saved[i + 1] = x
-        x = self.norm(x)
+                saved[i + 1] = x.total() if isinstance(x, Stream) else x
+        x = add_norm(self.norm, x.x, x.delta, impl)[1] if isinstance(x, Stream) else self.norm(x)
         saved[self.cfg.num_layers] = x
         features = jnp.concatenate([saved[i] for i in hidden_ids], axis=-1) if hidden_ids else None
         return x, features, tuple(outs)
@@ -190,8 +235,8 @@ class TargetModel(nnx.Module):
             geo = chain_geometry(start, tokens.shape[1])
         else:
             geo = geometry(tree, self.cfg.conv_kernel)
-        step = lambda i, layer, x: layer.tree(x, cache.layers[i], start, geo, impl)
-        return self._run(self.embed_tokens(tokens), step, hidden_ids)
+        step = lambda i, layer, x, fused: layer.tree(x, cache.layers[i], start, geo, impl, fused)
+        return self._run(self.embed_tokens(tokens), step, hidden_ids, impl)
 
     def commit(self, pending, path: jax.Array, count: jax.Array, cache: TargetCache, impl: str = "xla") -> TargetCache:
         """Commit the accepted nodes path [B, P] (first count[b] real, root first) after the prefix."""
@@ -220,6 +265,7 @@ class TargetModel(nnx.Module):
         num_layers = the final normed output (HF ties the last entry to it).
         """
         start = cache.lengths
-        step = lambda i, layer, x: layer(x, cache.layers[i], start, n_valid, chunked=chunked, impl=impl)
-        x, features, layers = self._run(self.embed_tokens(tokens), step, hidden_ids)
+        step = lambda i, layer, x, fused: layer(x, cache.layers[i], start, n_valid, chunked=chunked, impl=impl,
+                                                fused=fused)
+        x, features, layers = self._run(self.embed_tokens(tokens), step, hidden_ids, impl)
         return x, features, TargetCache(layers, start + n_valid.astype(jnp.int32))

@@ -1,0 +1,129 @@
+"""The skinny matmul kernel (interpret mode) equals jnp.matmul for row counts around the row-tile
+edges (1, 16, 17, 65, 100), shapes that need masks (N, K not multiples of the blocks), both
+layouts, split-K, float32 and bf16; configs and inputs it cannot take are named; the model routes
+exactly the products of the measured window through it with kernels on (A/B switch announced
+when off). One padded set of shapes per case so one compilation serves all examples."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from pallas_kernels.skinny_matmul import SkinnyConfig, reference, row_tiles, skinny_matmul
+
+CONFIGS = {
+    "cols": SkinnyConfig(block_n=32, block_k=32, num_stages=2),
+    "rows": SkinnyConfig(block_n=32, block_k=16, layout="rows"),
+    "split3": SkinnyConfig(block_n=16, block_k=32, split_k=3),
+    "tile128": SkinnyConfig(block_n=64, block_k=32, max_row_tile=128),
+}
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "impl"))
+def _mm(x, w, cfg, impl):
+    return skinny_matmul(x, w, impl=impl, config=cfg)
+
+
+def test_row_tiles_cover_the_rows_with_power_of_two_tiles():
+    assert row_tiles(65, 64) == ((0, 64), (64, 16))
+    assert row_tiles(1, 64) == ((0, 16),)
+    assert row_tiles(17, 64) == ((0, 32),)
+    assert row_tiles(100, 64) == ((0, 64), (64, 32), (96, 16))
+    assert row_tiles(128, 128) == ((0, 128),)
+    for m in range(1, 257):
+        tiles = row_tiles(m, 64)
+        assert tiles[0][0] == 0 and all(a + s == b for (a, s), (b, _) in zip(tiles, tiles[1:]))
+        assert m <= sum(s for _, s in tiles) < m + 16
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("m, k, n", [(65, 96, 80), (16, 64, 64), (17, 100, 48), (1, 32, 16), (100, 64, 130)])
+def test_skinny_matmul_equals_matmul_float32(name, m, k, n):
+    rng = np.random.default_rng(m * 1000 + k + n)
+    x = jnp.asarray(rng.normal(size=(m, k)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(k, n)), jnp.float32)
+    got = _mm(x, w, CONFIGS[name], "pallas_interpret")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(reference(x, w)), rtol=1e-5, atol=1e-4)
+
+
+@settings(max_examples=8, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), m=st.integers(1, 80), name=st.sampled_from(sorted(CONFIGS)))
+def test_skinny_matmul_bf16_rounds_once_like_xla(seed, m, name):
+    """bf16 inputs, float32 accumulation, one rounding to bf16: within one bf16 step of the float32
+    product; rows past m are never written (the output has exactly m rows); a leading batch axis."""
+    rng = np.random.default_rng(seed)
+    k, n = 96, 80
+    x = jnp.asarray(rng.normal(size=(1, 80, k)), jnp.bfloat16)[:, :m]
+    w = jnp.asarray(rng.normal(size=(k, n)), jnp.bfloat16)
+    got = _mm(x, w, CONFIGS[name], "pallas_interpret")
+    assert got.shape == (1, m, n) and got.dtype == jnp.bfloat16
+    exact = np.asarray(x, np.float32) @ np.asarray(w, np.float32)
+    err = np.abs(np.asarray(got, np.float32) - exact)
+    assert (err <= np.abs(exact) * 2.0**-8 + 1e-3).all()
+
+
+def test_skinny_matmul_names_what_it_cannot_take():
+    x, w = jnp.zeros((4, 32)), jnp.zeros((32, 16))
+    with pytest.raises(ValueError, match=r"powers of two >= 16\): block_n = 24"):
+        skinny_matmul(x, w, impl="pallas_interpret", config=SkinnyConfig(block_n=24))
+    with pytest.raises(ValueError, match="layout = 'diag'"):
+        skinny_matmul(x, w, impl="pallas_interpret", config=SkinnyConfig(layout="diag"))
+    with pytest.raises(ValueError, match=r"needs a weight \[32, N\]"):
+        skinny_matmul(x, jnp.zeros((16, 16)), impl="pallas_interpret")
+    with pytest.raises(ValueError, match="one dtype"):
+        skinny_matmul(x, w.astype(jnp.bfloat16), impl="pallas_interpret")
+    with pytest.raises(ValueError, match="takes 1..256 rows, got 300"):
+        skinny_matmul(jnp.zeros((300, 32)), w, impl="pallas_interpret")
+    with pytest.raises(ValueError, match="impl must be one of"):
+        skinny_matmul(x, w, impl="triton")
+
+
+def test_model_routes_the_measured_window_through_the_kernel(monkeypatch):
+    """A bf16 verify with kernels sends the projections inside the route's window (widened here to
+    the tiny model's sizes) through skinny_matmul and gives the XLA path's logits within bf16
+    rounding; a float32 model, a decode step (1 row) and SKINNY_MATMUL=False (with a warning) do not."""
+    from flax import nnx
+
+    from ddtree_jax.cache import init_target_cache
+    from ddtree_jax.models import layers
+    from ddtree_jax.tree import make_tree
+    from tests.tiny_models import HYBRID, make_target
+
+    n_nodes = 17
+    dims = dict(head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16)  # the tree kernels' minimum
+    cfg, gd, params = make_target(dict(dims, dtype="bfloat16"), seed=34, base=HYBRID)
+    qkv_out = cfg.gdn_conv_dim
+    monkeypatch.setattr(layers, "SKINNY_OUT", (qkv_out, qkv_out))
+    cache = init_target_cache(cfg, 1, 64)
+    rng = np.random.default_rng(5)
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, n_nodes)), jnp.int32)
+    parents = jnp.asarray([[-1] + [int(rng.integers(0, i)) for i in range(1, n_nodes)]], jnp.int32)
+
+    def verify(params, impl):
+        model = nnx.merge(gd, params)
+        tree = make_tree(tokens, parents, jnp.ones((1, n_nodes), bool), cache.lengths, max_depth=n_nodes - 1)
+        return model.logits(model.verify(tokens, cache, tree, impl=impl)[0])
+
+    text = str(jax.make_jaxpr(functools.partial(verify, impl="pallas_interpret"))(params))
+    # the products exactly qkv_out wide: GDN in_proj_qkv and (gated) attention q_proj, one a layer
+    assert cfg.num_heads * cfg.head_dim * 2 == qkv_out
+    assert text.count("name=skinny_matmul") == cfg.num_layers
+    got = jax.jit(verify, static_argnums=1)(params, "pallas_interpret")
+    want = jax.jit(verify, static_argnums=1)(params, "xla")
+    scale = float(np.abs(np.asarray(want)).max())
+    assert float(np.abs(np.asarray(got) - np.asarray(want)).max()) <= 0.05 * scale
+
+    cfg32, gd32, params32 = make_target(dims, seed=34, base=HYBRID)
+    model32 = nnx.merge(gd32, params32)
+    x32 = jnp.zeros((1, n_nodes, cfg32.hidden_size), jnp.float32)
+    assert not layers.skinny_route_takes(x32, model32.layers[0].linear_attn.in_proj_qkv.kernel[...])
+    one_row = jnp.zeros((1, 1, cfg.hidden_size), jnp.bfloat16)
+    qkv = nnx.merge(gd, params).layers[0].linear_attn.in_proj_qkv
+    assert not layers.skinny_route_takes(one_row, qkv.kernel[...])
+    monkeypatch.setattr(layers, "SKINNY_MATMUL", False)
+    with pytest.warns(UserWarning, match="layers.SKINNY_MATMUL is False"):
+        text = str(jax.make_jaxpr(functools.partial(verify, impl="pallas_interpret"))(params))
+    assert "skinny_matmul" not in text
