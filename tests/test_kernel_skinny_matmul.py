@@ -1,8 +1,7 @@
 """The skinny matmul kernel (interpret mode) equals jnp.matmul for row counts around the row-tile
 edges (1, 16, 17, 65, 100), shapes that need masks (N, K not multiples of the blocks), both
 layouts, split-K, float32 and bf16; configs and inputs it cannot take are named; the model routes
-exactly the products of the measured window through it with kernels on (A/B switch announced
-when off). One padded set of shapes per case so one compilation serves all examples."""
+exactly the products of the measured window through it when the opt-in route is on. One padded set of shapes per case so one compilation serves all examples."""
 
 import functools
 
@@ -82,9 +81,10 @@ def test_skinny_matmul_names_what_it_cannot_take():
 
 
 def test_model_routes_the_measured_window_through_the_kernel(monkeypatch):
-    """A bf16 verify with kernels sends the projections inside the route's window (widened here to
-    the tiny model's sizes) through skinny_matmul and gives the XLA path's logits within bf16
-    rounding; a float32 model, a decode step (1 row) and SKINNY_MATMUL=False (with a warning) do not."""
+    """With the opt-in route on, a bf16 verify with kernels sends the projections inside the route's
+    window (set here to the tiny model's sizes) through skinny_matmul and gives the XLA path's logits
+    within bf16 rounding; a float32 model and a decode step (1 row) do not take it; off (the
+    default) nothing does."""
     from flax import nnx
 
     from ddtree_jax.cache import init_target_cache
@@ -93,6 +93,7 @@ def test_model_routes_the_measured_window_through_the_kernel(monkeypatch):
     from tests.tiny_models import HYBRID, make_target
 
     n_nodes = 17
+    monkeypatch.setattr(layers, "SKINNY_MATMUL", True)
     dims = dict(head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16)  # the tree kernels' minimum
     cfg, gd, params = make_target(dict(dims, dtype="bfloat16"), seed=34, base=HYBRID)
     qkv_out = cfg.gdn_conv_dim
@@ -124,6 +125,5 @@ def test_model_routes_the_measured_window_through_the_kernel(monkeypatch):
     qkv = nnx.merge(gd, params).layers[0].linear_attn.in_proj_qkv
     assert not layers.skinny_route_takes(one_row, qkv.kernel[...])
     monkeypatch.setattr(layers, "SKINNY_MATMUL", False)
-    with pytest.warns(UserWarning, match="layers.SKINNY_MATMUL is False"):
-        text = str(jax.make_jaxpr(functools.partial(verify, impl="pallas_interpret"))(params))
+    text = str(jax.make_jaxpr(functools.partial(verify, impl="pallas_interpret"))(params))
     assert "skinny_matmul" not in text

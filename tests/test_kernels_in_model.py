@@ -187,3 +187,31 @@ def test_decode_kernel_switches_route_single_token_steps(monkeypatch):
     monkeypatch.setattr(attention, "DECODE_KERNEL", False)
     with pytest.warns(UserWarning, match="attention.DECODE_KERNEL is False"):
         assert kernels_traced() == {"gdn_decode"}
+
+
+def test_decode_multiplies_q_k_v_as_one_product(monkeypatch):
+    """attention.DECODE_QKV_CONCAT: a decode step with kernels makes one product per attention
+    layer for q, k and v (x times [Wq | Wk | Wv]) instead of three, and the step's hidden states
+    and K / V cache equal the three-product form's; the tree verify keeps separate products."""
+    from ddtree_jax.models import attention
+
+    cfg, gd, params = MODEL
+    rng = np.random.default_rng(6)
+    cache = decode.prefill(gd, params, init_target_cache(cfg, 2, CAP), jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 6)),
+                           jnp.int32), jnp.asarray([6, 4], jnp.int32)).cache
+    def step(c, t):  # a fresh function per trace: jax caches traces by function
+        return nnx.merge(gd, params)(t[:, None], c, jnp.ones((2,), jnp.int32), chunked=False, impl="pallas_interpret")
+
+    tok = jnp.asarray([3, 7], jnp.int32)
+    attn_layers = sum(kind == "attention" for kind in cfg.layer_types)
+    merged_text = str(jax.make_jaxpr(step)(cache, tok))
+    h_merged, _, c_merged = jax.jit(step)(cache, tok)
+    monkeypatch.setattr(attention, "DECODE_QKV_CONCAT", False)
+    split_text = str(jax.make_jaxpr(lambda c, t: step(c, t))(cache, tok))
+    h_split, _, c_split = jax.jit(lambda c, t: step(c, t))(cache, tok)
+    assert split_text.count("dot_general") - merged_text.count("dot_general") == 2 * attn_layers
+    np.testing.assert_allclose(np.asarray(h_merged), np.asarray(h_split), rtol=1e-5, atol=1e-5)
+    for a, r in zip(c_merged.layers, c_split.layers):
+        if isinstance(r, KVCache):
+            np.testing.assert_allclose(a.k, r.k, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(a.v, r.v, rtol=1e-5, atol=1e-6)

@@ -22,6 +22,13 @@ NEG_INF = -1e30
 # tree (faster than the XLA form at every measured shape, `Attention.__call__`). False routes them
 # to the XLA form: an A/B switch for measurements (`scripts/bench_e2e.py --override`).
 DECODE_KERNEL = True
+# Single-token steps with kernels on multiply x once by [Wq | Wk | Wv]: XLA runs the 27B's K / V
+# products (5120 x 1024 each, under its dot threshold) as a multiply + reduce fusion at ~1.6 TB/s
+# (12.8 us a layer, docs/benchmarks.md section 1); one GEMV over the concatenation reads them at the
+# GEMV rate. The concatenation is loop-invariant: the decode loop is expected to hoist it (a
+# one-off copy of the attention weights; measured by `bench_e2e.py --override
+# ddtree_jax.models.attention.DECODE_QKV_CONCAT=False`).
+DECODE_QKV_CONCAT = True
 
 
 def write_kv(cache: KVCache, k_new: jax.Array, v_new: jax.Array, start: jax.Array) -> KVCache:
@@ -84,17 +91,27 @@ class Attention(nnx.Module):
         """q [B,T,nh,hd], k, v [B,T,kv,hd] with norms and RoPE applied, and the output gate (or None)."""
         cfg = self.cfg
         b, t, _ = x.shape
-        xq, xk, xv = unmerged_inputs(x, (self.q_proj,), (self.k_proj,), (self.v_proj,))
-        q = self.q_proj(xq, impl)
+        if impl != "xla" and t == 1 and DECODE_QKV_CONCAT and self.q_proj.bias is None:
+            q, k_lin, v_lin = self._decode_qkv(x)
+        else:
+            xq, xk, xv = unmerged_inputs(x, (self.q_proj,), (self.k_proj,), (self.v_proj,))
+            q, k_lin, v_lin = self.q_proj(xq, impl), self.k_proj(xk, impl), self.v_proj(xv, impl)
         gate = None
         if cfg.attn_output_gate:
             q = q.reshape(b, t, cfg.num_heads, 2 * cfg.head_dim)
             q, gate = q[..., : cfg.head_dim], q[..., cfg.head_dim :].reshape(b, t, -1)
         q = self.q_norm(q.reshape(b, t, cfg.num_heads, cfg.head_dim))
-        k = self.k_norm(self.k_proj(xk, impl).reshape(b, t, cfg.num_kv_heads, cfg.head_dim))
-        v = self.v_proj(xv, impl).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        k = self.k_norm(k_lin.reshape(b, t, cfg.num_kv_heads, cfg.head_dim))
+        v = v_lin.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
         cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, gate
+
+    def _decode_qkv(self, x: jax.Array):
+        """q, k, v projections of one token as one product with [Wq | Wk | Wv] (DECODE_QKV_CONCAT)."""
+        ws = (self.q_proj.kernel[...], self.k_proj.kernel[...], self.v_proj.kernel[...])
+        y = jnp.einsum("...i,io->...o", x, jnp.concatenate(ws, axis=1))
+        nq, nk = ws[0].shape[1], ws[1].shape[1]
+        return y[..., :nq], y[..., nq : nq + nk], y[..., nq + nk :]
 
     def output(self, attn: jax.Array, gate: jax.Array | None, impl: str = "xla") -> jax.Array:
         b, t = attn.shape[:2]

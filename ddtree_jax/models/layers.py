@@ -6,8 +6,6 @@ Parameters use the layouts the converters write: linear kernels [in, out], embed
 
 from __future__ import annotations
 
-import warnings
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -19,15 +17,15 @@ def _init(rngs: nnx.Rngs, shape, dtype, scale: float):
     return (jax.random.normal(rngs.params(), shape, jnp.float32) * scale).astype(dtype)
 
 
-# impl "pallas" / "pallas_interpret": products of SKINNY_MIN_ROWS..SKINNY_MAX_ROWS rows (a DDTree
-# verify's 65 nodes) with 16-bit weights of the shapes where the skinny matmul kernel beat XLA's
-# cuBLAS GEMM on the H200 (kernel time, scripts/gpu_skinny_matmul.py --trace, session 7): 4096..11264
-# outputs from <= 8192 inputs, e.g. the 27B's GDN in_proj qkv 34.4 vs 37.0 us, z 23.2 vs 26.7,
-# out_proj 25.0 vs 27.2. Wider or deeper products (the MLP, the lm_head, 12288-wide attention q)
-# stay with cuBLAS, which led there; fewer rows (decode GEMVs, DFlash's 16) stay with XLA's Triton
-# GEMV. SKINNY_MATMUL is the A/B switch for measurements (False warns when a product it would take
-# is traced).
-SKINNY_MATMUL = True
+# The skinny matmul route (pallas_kernels/skinny_matmul.py), opt-in: products of SKINNY_MIN_ROWS..
+# SKINNY_MAX_ROWS rows (a DDTree verify's 65 nodes) with 16-bit weights of the shapes where the kernel
+# beat XLA's cuBLAS GEMM in isolation on the H200 (kernel time, scripts/gpu_skinny_matmul.py --trace,
+# session 7): 4096..11264 outputs from <= 8192 inputs (27B GDN in_proj qkv 34.4 vs 37.0 us, z 23.2
+# vs 26.7, out_proj 25.0 vs 27.2). Inside the 27B verify cuBLAS ran those products faster than in
+# isolation (out_proj 21.8 us against the kernel's 26.2; qkv 30.9 vs ~32, z 22.4 vs 21.1) and the
+# DDTree step did not move (22.41 vs 22.39 ms), so the route is off: True sends those products
+# through the kernel (`--override ddtree_jax.models.layers.SKINNY_MATMUL=True`).
+SKINNY_MATMUL = False
 SKINNY_MIN_ROWS, SKINNY_MAX_ROWS = 17, 128
 SKINNY_MAX_IN, SKINNY_OUT = 8192, (4096, 11264)
 
@@ -44,8 +42,8 @@ def skinny_route_takes(x: jax.Array, kernel: jax.Array) -> bool:
 
 
 class Linear(nnx.Module):
-    """y = x @ kernel (+ bias); kernel is [in, out]. impl != "xla" sends the products the skinny
-    matmul kernel wins through it (`skinny_route_takes`)."""
+    """y = x @ kernel (+ bias); kernel is [in, out]. impl != "xla" with SKINNY_MATMUL on sends the
+    products of the skinny matmul's window through it (`skinny_route_takes`)."""
 
     def __init__(self, d_in: int, d_out: int, *, bias: bool = False, dtype="float32", rngs: nnx.Rngs):
         self.kernel = nnx.Param(_init(rngs, (d_in, d_out), dtype, d_in**-0.5))
@@ -53,13 +51,8 @@ class Linear(nnx.Module):
 
     def __call__(self, x: jax.Array, impl: str = "xla") -> jax.Array:
         kernel = self.kernel[...]
-        if impl != "xla" and skinny_route_takes(x, kernel):
-            if SKINNY_MATMUL:
-                y = skinny_matmul(x, kernel, impl=impl)
-            else:
-                warnings.warn("a skinny product runs as XLA's GEMM: ddtree_jax.models.layers.SKINNY_MATMUL is False",
-                              stacklevel=2)
-                y = jnp.einsum("...i,io->...o", x, kernel)
+        if impl != "xla" and SKINNY_MATMUL and skinny_route_takes(x, kernel):
+            y = skinny_matmul(x, kernel, impl=impl)
         else:
             y = jnp.einsum("...i,io->...o", x, kernel)
         if self.bias is not None:
