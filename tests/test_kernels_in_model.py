@@ -190,11 +190,12 @@ def test_decode_kernel_switches_route_single_token_steps(monkeypatch):
 
 
 def test_decode_multiplies_q_k_v_as_one_product(monkeypatch):
-    """attention.DECODE_QKV_CONCAT: a decode step with kernels makes one product per attention
-    layer for q, k and v (x times [Wq | Wk | Wv]) instead of three, and the step's hidden states
-    and K / V cache equal the three-product form's; the tree verify keeps separate products."""
+    """attention.DECODE_QKV_CONCAT (opt-in): a decode step with kernels makes one product per
+    attention layer for q, k and v (x times [Wq | Wk | Wv]) instead of three, and the step's hidden
+    states and K / V cache equal the three-product form's (the default)."""
     from ddtree_jax.models import attention
 
+    monkeypatch.setattr(attention, "DECODE_QKV_CONCAT", True)
     cfg, gd, params = MODEL
     rng = np.random.default_rng(6)
     cache = decode.prefill(gd, params, init_target_cache(cfg, 2, CAP), jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 6)),
@@ -215,3 +216,19 @@ def test_decode_multiplies_q_k_v_as_one_product(monkeypatch):
         if isinstance(r, KVCache):
             np.testing.assert_allclose(a.k, r.k, rtol=1e-5, atol=1e-6)
             np.testing.assert_allclose(a.v, r.v, rtol=1e-5, atol=1e-6)
+
+
+def test_merged_gate_up_layout_computes_the_same_mlp(monkeypatch):
+    """layers.MERGED_GATE_UP (a benchmark layout switch): a SwiGLU built under it holds one
+    [hidden, 2 * inter] weight; with the two separate weights concatenated into it, it computes
+    the separate layout's output."""
+    from ddtree_jax.models import layers
+
+    sep = layers.SwiGLU(16, 24, rngs=nnx.Rngs(0))
+    monkeypatch.setattr(layers, "MERGED_GATE_UP", True)
+    merged = layers.SwiGLU(16, 24, rngs=nnx.Rngs(1))
+    assert merged.gate_up_proj.kernel.shape == (16, 48) and not hasattr(merged, "gate_proj")
+    merged.gate_up_proj.kernel[...] = jnp.concatenate([sep.gate_proj.kernel[...], sep.up_proj.kernel[...]], axis=1)
+    merged.down_proj.kernel[...] = sep.down_proj.kernel[...]
+    x = jnp.asarray(np.random.default_rng(7).normal(size=(2, 3, 16)), jnp.float32)
+    np.testing.assert_allclose(np.asarray(merged(x)), np.asarray(sep(x)), rtol=1e-5, atol=1e-6)

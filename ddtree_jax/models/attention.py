@@ -22,13 +22,16 @@ NEG_INF = -1e30
 # tree (faster than the XLA form at every measured shape, `Attention.__call__`). False routes them
 # to the XLA form: an A/B switch for measurements (`scripts/bench_e2e.py --override`).
 DECODE_KERNEL = True
-# Single-token steps with kernels on multiply x once by [Wq | Wk | Wv]: XLA runs the 27B's K / V
+# Opt-in: single-token steps with kernels multiply x once by [Wq | Wk | Wv]. XLA runs the 27B's K / V
 # products (5120 x 1024 each, under its dot threshold) as a multiply + reduce fusion at ~1.6 TB/s
-# (12.8 us a layer, docs/benchmarks.md section 1); one GEMV over the concatenation reads them at the
-# GEMV rate. The concatenation is loop-invariant: the decode loop is expected to hoist it (a
-# one-off copy of the attention weights; measured by `bench_e2e.py --override
-# ddtree_jax.models.attention.DECODE_QKV_CONCAT=False`).
-DECODE_QKV_CONCAT = True
+# (12.8 us a layer, docs/benchmarks.md section 1); one GEMV over the concatenation would read them
+# at the GEMV rate. The concatenation is loop-invariant and XLA hoists it out of the decode loop
+# (seen in the CPU HLO): a second copy of every attention layer's q / k / v weights (2.35 GB at the
+# 27B shape) for as long as the loop runs. Session 7's A/B on the H200 did not separate it from the
+# run-to-run spread (14.17 vs 14.45 ms in one pair, 14.45 vs 14.43 in another, section 1), so it is
+# off until a kernel profile decides; storing the weights concatenated at load would give the same
+# product without the copy.
+DECODE_QKV_CONCAT = False
 
 
 def write_kv(cache: KVCache, k_new: jax.Array, v_new: jax.Array, start: jax.Array) -> KVCache:

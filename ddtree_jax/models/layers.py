@@ -126,16 +126,35 @@ class GatedRMSNorm(nnx.Module):
         return gated_rms_norm(o, z, self.weight[...], self.eps)
 
 
+# Measurement switch (random-weight benchmarks): SwiGLU modules built while it is True hold one
+# [hidden, 2 * inter] gate | up weight (`gate_up_proj`) and make one product where the separate
+# layout makes two. On the H200 (scripts/gpu_skinny_matmul.py --trace, session 7) XLA's product
+# over the 27B's merged 5120 x 34816 weight took 80.2 us at 1 row against 2 x 42.8 for the two
+# 5120 x 17408 ones, and 87.6 us at 65 rows against 2 x 51.9 (the 17408-wide products fill the
+# GPU's 132 SMs unevenly). Unmeasured in the model yet: the converters write the separate layout,
+# and a checkpoint loaded into a merged model is reported as mismatched.
+MERGED_GATE_UP = False
+
+
 class SwiGLU(nnx.Module):
-    """down(silu(gate(x)) * up(x))."""
+    """down(silu(gate(x)) * up(x)); gate and up as two weights, or as one [hidden, 2 * inter]
+    weight (gate columns first) when built under MERGED_GATE_UP."""
 
     def __init__(self, hidden: int, inter: int, *, dtype="float32", rngs: nnx.Rngs, bias: bool = False):
-        self.gate_proj = Linear(hidden, inter, bias=bias, dtype=dtype, rngs=rngs)
-        self.up_proj = Linear(hidden, inter, bias=bias, dtype=dtype, rngs=rngs)
+        if MERGED_GATE_UP:
+            self.gate_up_proj = Linear(hidden, 2 * inter, bias=bias, dtype=dtype, rngs=rngs)
+        else:
+            self.gate_proj = Linear(hidden, inter, bias=bias, dtype=dtype, rngs=rngs)
+            self.up_proj = Linear(hidden, inter, bias=bias, dtype=dtype, rngs=rngs)
         self.down_proj = Linear(inter, hidden, bias=bias, dtype=dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        merged = getattr(self, "gate_up_proj", None)
+        if merged is not None:
+            gate, up = jnp.split(merged(x), 2, axis=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(jax.nn.silu(gate) * up)
 
 
 def relu2(x: jax.Array) -> jax.Array:
