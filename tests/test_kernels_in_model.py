@@ -232,3 +232,54 @@ def test_merged_gate_up_layout_computes_the_same_mlp(monkeypatch):
     merged.down_proj.kernel[...] = sep.down_proj.kernel[...]
     x = jnp.asarray(np.random.default_rng(7).normal(size=(2, 3, 16)), jnp.float32)
     np.testing.assert_allclose(np.asarray(merged(x)), np.asarray(sep(x)), rtol=1e-5, atol=1e-6)
+
+
+def test_merged_qkv_and_ba_layouts_compute_the_same_model(monkeypatch):
+    """attention.MERGED_QKV / gdn.MERGED_BA (benchmark layout switches): a target built under them
+    holds one [hidden, q + k + v] attention weight and one [hidden, 2 Hv] b | a weight per layer;
+    with the separate model's weights concatenated into them, a decode step (through the decode
+    kernels) and a tree verify give the separate layout's outputs."""
+    from ddtree_jax.models import attention, gdn
+
+    cfg, gd, params = MODEL
+    sep = nnx.merge(gd, params)
+    monkeypatch.setattr(attention, "MERGED_QKV", True)
+    monkeypatch.setattr(gdn, "MERGED_BA", True)
+    merged = type(sep)(cfg, rngs=nnx.Rngs(5))
+    for ls, lm in zip(sep.layers, merged.layers):
+        if ls.kind == "attention":
+            a, m = ls.self_attn, lm.self_attn
+            assert not hasattr(m, "q_proj")
+            m.qkv_proj.kernel[...] = jnp.concatenate([a.q_proj.kernel[...], a.k_proj.kernel[...], a.v_proj.kernel[...]], 1)
+            for name in ("o_proj", "q_norm", "k_norm"):
+                nnx.update(getattr(m, name), nnx.state(getattr(a, name)))
+        else:
+            a, m = ls.linear_attn, lm.linear_attn
+            assert not hasattr(m, "in_proj_a")
+            m.in_proj_ba.kernel[...] = jnp.concatenate([a.in_proj_b.kernel[...], a.in_proj_a.kernel[...]], 1)
+            for name in ("in_proj_qkv", "in_proj_z", "out_proj", "norm"):
+                nnx.update(getattr(m, name), nnx.state(getattr(a, name)))
+            m.conv_weight[...], m.dt_bias[...], m.A_log[...] = a.conv_weight[...], a.dt_bias[...], a.A_log[...]
+        for name in ("input_layernorm", "post_attention_layernorm", "mlp"):
+            nnx.update(getattr(lm, name), nnx.state(getattr(ls, name)))
+    nnx.update(merged.embed_tokens, nnx.state(sep.embed_tokens))
+    nnx.update(merged.norm, nnx.state(sep.norm))
+    if sep.lm_head is not None:
+        nnx.update(merged.lm_head, nnx.state(sep.lm_head))
+    gm, pm = nnx.split(merged)
+
+    rng = np.random.default_rng(8)
+    prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, 10)), jnp.int32)
+    lens = jnp.asarray([10, 7], jnp.int32)
+    caches = [decode.prefill(g, p, init_target_cache(cfg, B, CAP), prompt, lens).cache for g, p in ((gd, params), (gm, pm))]
+    tok = jnp.asarray([3, 7], jnp.int32)
+    outs = [jax.jit(lambda c, g=g, p=p: nnx.merge(g, p)(tok[:, None], c, jnp.ones((B,), jnp.int32), chunked=False,
+                                                           impl="pallas_interpret")[0])(c)
+            for (g, p), c in zip(((gd, params), (gm, pm)), caches)]
+    np.testing.assert_allclose(np.asarray(outs[1]), np.asarray(outs[0]), rtol=1e-4, atol=1e-4)
+    parents = jnp.asarray(np.stack([[-1] + [int(rng.integers(max(0, i - 3), i)) for i in range(1, N)]] * B), jnp.int32)
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, N)), jnp.int32)
+    paths, counts = jnp.zeros((B, N), jnp.int32), jnp.ones((B,), jnp.int32)
+    got = [verify_and_commit(g, p, c, tokens, parents, jnp.ones((B, N), bool), paths, counts, impl="pallas_interpret")[0]
+           for (g, p), c in zip(((gd, params), (gm, pm)), caches)]
+    np.testing.assert_allclose(np.asarray(got[1]), np.asarray(got[0]), rtol=1e-4, atol=1e-4)

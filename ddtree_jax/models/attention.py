@@ -32,6 +32,11 @@ DECODE_KERNEL = True
 # off until a kernel profile decides; storing the weights concatenated at load would give the same
 # product without the copy.
 DECODE_QKV_CONCAT = False
+# Measurement switch (random-weight benchmarks), the stored form of the same idea: Attention modules
+# built while it is True hold one [hidden, q + k + v] weight (`qkv_proj`) and make one product for
+# q, k and v in every pass (decode GEMV; one cuBLAS GEMM in a verify). The converters write the
+# separate layout; a checkpoint loaded into a merged model is reported as mismatched.
+MERGED_QKV = False
 
 
 def write_kv(cache: KVCache, k_new: jax.Array, v_new: jax.Array, start: jax.Array) -> KVCache:
@@ -82,9 +87,12 @@ class Attention(nnx.Module):
         h, nh, kv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_out = nh * hd * (2 if cfg.attn_output_gate else 1)
         bias = cfg.attention_bias
-        self.q_proj = Linear(h, q_out, bias=bias, dtype=dtype, rngs=rngs)
-        self.k_proj = Linear(h, kv * hd, bias=bias, dtype=dtype, rngs=rngs)
-        self.v_proj = Linear(h, kv * hd, bias=bias, dtype=dtype, rngs=rngs)
+        if MERGED_QKV:
+            self.qkv_proj = Linear(h, q_out + 2 * kv * hd, bias=bias, dtype=dtype, rngs=rngs)
+        else:
+            self.q_proj = Linear(h, q_out, bias=bias, dtype=dtype, rngs=rngs)
+            self.k_proj = Linear(h, kv * hd, bias=bias, dtype=dtype, rngs=rngs)
+            self.v_proj = Linear(h, kv * hd, bias=bias, dtype=dtype, rngs=rngs)
         self.o_proj = Linear(nh * hd, h, bias=bias, dtype=dtype, rngs=rngs)
         zc = cfg.norm_zero_centered
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, zero_centered=zc, dtype=dtype, rngs=rngs)
@@ -94,7 +102,10 @@ class Attention(nnx.Module):
         """q [B,T,nh,hd], k, v [B,T,kv,hd] with norms and RoPE applied, and the output gate (or None)."""
         cfg = self.cfg
         b, t, _ = x.shape
-        if impl != "xla" and t == 1 and DECODE_QKV_CONCAT and self.q_proj.bias is None:
+        merged = getattr(self, "qkv_proj", None)
+        if merged is not None:
+            q, k_lin, v_lin = self._split_qkv(merged(x, impl))
+        elif impl != "xla" and t == 1 and DECODE_QKV_CONCAT and self.q_proj.bias is None:
             q, k_lin, v_lin = self._decode_qkv(x)
         else:
             xq, xk, xv = unmerged_inputs(x, (self.q_proj,), (self.k_proj,), (self.v_proj,))
@@ -112,9 +123,13 @@ class Attention(nnx.Module):
     def _decode_qkv(self, x: jax.Array):
         """q, k, v projections of one token as one product with [Wq | Wk | Wv] (DECODE_QKV_CONCAT)."""
         ws = (self.q_proj.kernel[...], self.k_proj.kernel[...], self.v_proj.kernel[...])
-        y = jnp.einsum("...i,io->...o", x, jnp.concatenate(ws, axis=1))
-        nq, nk = ws[0].shape[1], ws[1].shape[1]
-        return y[..., :nq], y[..., nq : nq + nk], y[..., nq + nk :]
+        return self._split_qkv(jnp.einsum("...i,io->...o", x, jnp.concatenate(ws, axis=1)))
+
+    def _split_qkv(self, y: jax.Array):
+        """[..., q + k + v] -> q (with the gate half when gated), k, v."""
+        kv = self.cfg.num_kv_heads * self.cfg.head_dim
+        nq = y.shape[-1] - 2 * kv
+        return y[..., :nq], y[..., nq : nq + kv], y[..., nq + kv :]
 
     def output(self, attn: jax.Array, gate: jax.Array | None, impl: str = "xla") -> jax.Array:
         b, t = attn.shape[:2]

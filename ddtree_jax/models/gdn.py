@@ -35,6 +35,12 @@ class RecurrentPending(NamedTuple):
 # (pallas_kernels/gdn_decode.py; 17.1 vs 21.4 us a 27B layer on the H200). False routes them to
 # the XLA form: an A/B switch for measurements (`scripts/bench_e2e.py --override`).
 DECODE_KERNEL = True
+# Measurement switch (random-weight benchmarks): GatedDeltaNet modules built while it is True hold
+# the b and a projections as one [hidden, 2 Hv] weight (`in_proj_ba`, b columns first). XLA's dot
+# merger joins the two separate ones in a verify by concatenating the weights every pass (48
+# launches of ~6.5 us a 27B step, docs/benchmarks.md section 1); stored merged there is nothing to
+# concatenate. The converters write the separate layout.
+MERGED_BA = False
 
 def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
@@ -70,8 +76,11 @@ class GatedDeltaNet(nnx.Module):
         h, hv = cfg.hidden_size, cfg.gdn_num_v_heads
         self.in_proj_qkv = Linear(h, cfg.gdn_conv_dim, dtype=dtype, rngs=rngs)
         self.in_proj_z = Linear(h, cfg.gdn_value_dim, dtype=dtype, rngs=rngs)
-        self.in_proj_b = Linear(h, hv, dtype=dtype, rngs=rngs)
-        self.in_proj_a = Linear(h, hv, dtype=dtype, rngs=rngs)
+        if MERGED_BA:
+            self.in_proj_ba = Linear(h, 2 * hv, dtype=dtype, rngs=rngs)
+        else:
+            self.in_proj_b = Linear(h, hv, dtype=dtype, rngs=rngs)
+            self.in_proj_a = Linear(h, hv, dtype=dtype, rngs=rngs)
         k = cfg.conv_kernel
         self.conv_weight = nnx.Param(
             (jax.random.normal(rngs.params(), (k, cfg.gdn_conv_dim)) * k**-0.5).astype(dtype)
@@ -86,11 +95,26 @@ class GatedDeltaNet(nnx.Module):
         """Conv inputs [B,T,conv_dim], gate z [B,T,Hv,dv], beta and g [B,T,Hv] (float32)."""
         cfg = self.cfg
         b, t, _ = x.shape
-        x_qkv, x_z, x_ab = unmerged_inputs(x, (self.in_proj_qkv,), (self.in_proj_z,), (self.in_proj_b, self.in_proj_a))
+        ba = getattr(self, "in_proj_ba", None)
+        ab_group = (ba,) if ba is not None else (self.in_proj_b, self.in_proj_a)
+        x_qkv, x_z, x_ab = unmerged_inputs(x, (self.in_proj_qkv,), (self.in_proj_z,), ab_group)
         mixed = self.in_proj_qkv(x_qkv, impl)
         z = self.in_proj_z(x_z, impl).reshape(b, t, cfg.gdn_num_v_heads, cfg.gdn_v_head_dim)
-        beta, g = gate_values(self.in_proj_a(x_ab, impl), self.in_proj_b(x_ab, impl), self.A_log[...], self.dt_bias[...])
+        if ba is not None:
+            b_lin, a_lin = jnp.split(ba(x_ab, impl), 2, axis=-1)
+        else:
+            b_lin, a_lin = self.in_proj_b(x_ab, impl), self.in_proj_a(x_ab, impl)
+        beta, g = gate_values(a_lin, b_lin, self.A_log[...], self.dt_bias[...])
         return mixed, z, beta, g
+
+    def ab_kernels(self) -> tuple[jax.Array, jax.Array]:
+        """The a and b projection weights [hidden, Hv] in either layout."""
+        ba = getattr(self, "in_proj_ba", None)
+        if ba is None:
+            return self.in_proj_a.kernel[...], self.in_proj_b.kernel[...]
+        w = ba.kernel[...]
+        hv = w.shape[1] // 2
+        return w[:, hv:], w[:, :hv]
 
     def heads(self, conv_out: jax.Array):
         """Split activated conv outputs into float32 q (normed, scaled), k (normed), v, heads-first."""
@@ -155,8 +179,9 @@ class GatedDeltaNet(nnx.Module):
         b = x.shape[0]
         mixed = self.in_proj_qkv(x)[:, 0]
         z = self.in_proj_z(x).reshape(b, cfg.gdn_num_v_heads, cfg.gdn_v_head_dim)
+        w_a, w_b = self.ab_kernels()
         y, state, window = gdn_decode(
-            mixed, z, x[:, 0], self.in_proj_a.kernel[...], self.in_proj_b.kernel[...], self.A_log[...],
+            mixed, z, x[:, 0], w_a, w_b, self.A_log[...],
             self.dt_bias[...], cache.conv, self.conv_weight[...], cache.state, self.norm.weight[...], n_valid,
             num_k_heads=cfg.gdn_num_k_heads, eps=self.norm.eps, impl=impl)
         return self.out_proj(y.reshape(b, 1, -1)), RecurrentCache(conv=window, state=state)
