@@ -16,8 +16,11 @@ def test_bench_e2e_smoke_writes_every_figure(tmp_path, monkeypatch):
     assert report["overrides"] == {"ddtree_jax.models.gdn.DECODE_KERNEL": False}
     [row] = report["runs"]
     for key in ("ar_loop_step_ms", "ddtree_loop_step_ms", "roofline_ms", "decode_fraction_of_roofline",
-                "ddtree_over_decode"):
+                "ddtree_over_decode", "ar_loop_incl_dispatch_ms", "decode_fraction_of_roofline_incl_dispatch"):
         assert row[key] > 0, key
+    for mode in ("ar", "ddtree"):  # T(N) = N * marginal step + one call's dispatch
+        total = row[f"{mode}_loop_incl_dispatch_ms"] * 16
+        assert abs(row[f"{mode}_loop_step_ms"] * 16 + row[f"{mode}_dispatch_ms"] - total) < 1e-6 * total
     assert set(row["phases_ms"]) == {"draft", "build", "verify", "commit"}
     assert all(v >= 0 for v in row["phases_ms"].values())
     assert row["phase_inner"] == 2 and row["phases_sum_ms"] == sum(row["phases_ms"].values())

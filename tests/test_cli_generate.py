@@ -256,8 +256,13 @@ def test_engine_times_generation_only(ckpts, monkeypatch):
     target, drafter, _ = ckpts
     engine = Engine.load(target, drafter)
     calls = []
-    real_start = engine_mod.gen.start
-    monkeypatch.setattr(engine_mod.gen, "start", lambda *a, **k: calls.append(1) or real_start(*a, **k))
+    real_bind = engine_mod.gen.bind
+
+    def counting_bind(graphdef):
+        start, advance = real_bind(graphdef)
+        return (lambda *a, **k: calls.append(1) or start(*a, **k)), advance
+
+    monkeypatch.setattr(engine_mod.gen, "bind", counting_bind)
     [first] = engine.generate([[5, 6, 7, 8]], mode="ddtree", budget=4, max_new_tokens=8)
     assert len(calls) == 2  # warm-up + the timed run
     [again] = engine.generate([[5, 6, 7, 8]], mode="ddtree", budget=4, max_new_tokens=8)

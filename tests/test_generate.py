@@ -176,3 +176,33 @@ def test_bad_generation_settings_are_rejected():
         generate(gd, params, prompt, lens, mode="dflash")
     with pytest.raises(ValueError, match="capacity"):
         generate(gd, params, prompt, lens, mode="ar", max_new_tokens=50, capacity=20)
+
+
+def test_bound_start_advance_match_the_static_graphdef_forms(monkeypatch):
+    """generate.bind(graphdef): start / advance with the graphdef bound once (the engine's per-chunk
+    calls) are the same functions for the same graphdef, hash no GraphDef per call, and produce
+    what the static-graphdef forms produce, chunk after chunk."""
+    from flax import nnx
+
+    from ddtree_jax.spec import generate as gen
+    from ddtree_jax.spec.sampling import Sampling
+
+    cfg, gd, params = MODELS["qwen3_5"]
+    prompt, lens = prompts(cfg, seed=3)
+    eos = jnp.zeros((0,), jnp.int32)
+    spec = gen.GenSpec("ar", 4, None, 12, Sampling(), 64, None, "xla")
+    start, advance = gen.bind(gd)
+    assert gen.bind(gd) == (start, advance)
+    s_ref = gen.start(gd, params, None, prompt, lens, eos, jax.random.PRNGKey(0), spec)
+    s_got = start(params, None, prompt, lens, eos, jax.random.PRNGKey(0), spec=spec)
+    start(params, None, prompt, lens, eos, jax.random.PRNGKey(0), spec=spec)  # compiled: no GraphDef hash below
+    hashed = []
+    real_hash = nnx.GraphDef.__hash__
+    monkeypatch.setattr(nnx.GraphDef, "__hash__", lambda self: hashed.append(1) or real_hash(self))
+    for _ in range(3):
+        s_ref = gen.advance(gd, params, None, s_ref, eos, jnp.int32(3), spec)
+        n_static = len(hashed)
+        s_got = advance(params, None, s_got, eos, jnp.int32(3), spec=spec)
+        assert len(hashed) == n_static  # the bound call hashed no GraphDef
+        np.testing.assert_array_equal(np.asarray(s_got.out), np.asarray(s_ref.out))
+    assert hashed  # the static form did
