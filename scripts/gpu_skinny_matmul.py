@@ -61,6 +61,56 @@ def configs(smoke: bool):
     return out
 
 
+MGPU_CONFIGS = {  # jax's own Hopper matmul (TMA loads, wgmma; jax.experimental.pallas.ops.gpu): (tile_n, tile_k, steps)
+    "mgpu_n128_k64_s4": (128, 64, 4),
+    "mgpu_n64_k64_s6": (64, 64, 6),
+    "mgpu_n64_k64_s4": (64, 64, 4),  # (the larger tilings exceed shared memory: checked by --cpu-smoke)
+}
+
+
+def mgpu_matmul(tile_n: int, tile_k: int, steps: int):
+    """x [m <= 128, k] @ w through jax's Hopper matmul kernel (Pallas Mosaic GPU) with x padded to
+    one 128-row tile: whether TMA + wgmma streams a weight at the GEMV rate at few rows, which
+    would justify a skinny kernel of our own in that form (docs/kernels_dense.md)."""
+    import jax.numpy as jnp
+    from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
+
+    cfg = hm.TuningConfig(tile_m=128, tile_n=tile_n, tile_k=tile_k, max_concurrent_steps=steps)
+
+    def f(x, w):
+        m = x.shape[0]
+        if m > 128:
+            raise ValueError(f"mgpu variant takes up to 128 rows, got {m}")
+        xp = jnp.pad(x, ((0, 128 - m), (0, 0))) if m < 128 else x
+        return hm.matmul(xp, w, None, cfg)[:m]
+
+    return f
+
+
+def check_mgpu_lowering() -> dict:
+    """--cpu-smoke: the Mosaic GPU variants cannot run off a GPU, but they must lower for CUDA
+    (catches API changes of the jax version at hand). Returns {variant: 'ok' or the error}."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
+
+    sms = hm.get_num_sms
+    hm.get_num_sms = lambda: 132  # no device to ask on the CPU
+    out = {}
+    try:
+        for name, (tn, tk, st) in MGPU_CONFIGS.items():
+            x = jax.ShapeDtypeStruct((65, 5120), jnp.bfloat16)
+            w = jax.ShapeDtypeStruct((5120, 17408), jnp.bfloat16)
+            try:
+                jax.jit(mgpu_matmul(tn, tk, st)).trace(x, w).lower(lowering_platforms=("cuda",))
+                out[name] = "ok"
+            except Exception as e:
+                out[name] = err_str(e)
+    finally:
+        hm.get_num_sms = sms
+    return out
+
+
 def problem(seed: int, m: int, k: int, n: int, on_gpu: bool):
     """x [m, k] and distinct weight copies [k, n] (bf16, normal / sqrt(k))."""
     import jax
@@ -109,7 +159,7 @@ def time_variant(f, x, ws, on_gpu):
     return t
 
 
-def run_row(name, m, k, n, variants, on_gpu, impl, trace=False):
+def run_row(name, m, k, n, variants, on_gpu, impl, trace=False, mgpu=()):
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -124,6 +174,8 @@ def run_row(name, m, k, n, variants, on_gpu, impl, trace=False):
     if m == 1:  # the decode GEMV: the rate the verify's products are measured against
         variants = {}
     fns.update({cname: (lambda a, w, c=c: skinny_matmul(a, w, impl=impl, config=c)) for cname, c in variants.items()})
+    if m > 1:
+        fns.update({v: mgpu_matmul(*MGPU_CONFIGS[v]) for v in mgpu})
     for vname, f in fns.items():
         try:
             got = np.asarray(jax.jit(f)(x, ws[0]).astype(jnp.float32))
@@ -148,6 +200,8 @@ def main(argv=None) -> int:
                     help="also read each variant's kernel time from a profiler trace (and rank configs by it)")
     ap.add_argument("--keep", type=int, default=3, help="configs carried into pass 2")
     ap.add_argument("--budget-s", type=float, default=480, help="stop starting rows after this many seconds")
+    ap.add_argument("--mgpu", default=",".join(MGPU_CONFIGS),
+                    help="jax's Hopper matmul variants to time beside ours ('' for none): " + ", ".join(MGPU_CONFIGS))
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "skinny_matmul.json"))
     args = ap.parse_args(argv)
     setup = kernel_run_setup("gpu_skinny_matmul.py", argv, args.cpu_smoke)
@@ -160,6 +214,14 @@ def main(argv=None) -> int:
     all_cfgs = configs(args.cpu_smoke)
     report["configs"] = {name: vars(c) for name, c in all_cfgs.items()}
     rows_ok = lambda r: all(v < 2e-2 for key, v in r.items() if key.endswith("_err"))
+    mgpu = [v for v in args.mgpu.split(",") if v]
+    unknown = [v for v in mgpu if v not in MGPU_CONFIGS]
+    if unknown:
+        ap.error(f"unknown --mgpu variants {unknown}; known: {', '.join(MGPU_CONFIGS)}")
+    if not on_gpu:  # cannot run off a GPU: check that they lower for CUDA instead
+        report["mgpu_lowering"] = check_mgpu_lowering()
+        print(f"[skinny] Mosaic GPU variants lowered for CUDA: {report['mgpu_lowering']}", flush=True)
+        mgpu = []
 
     def add(row, tag):
         row["pass"] = tag
@@ -173,10 +235,10 @@ def main(argv=None) -> int:
             if time.time() - t_start > args.budget_s:
                 break
             k, n = shapes[name]
-            add(run_row(name, m, k, n, all_cfgs, on_gpu, impl, args.trace), "sweep")
+            add(run_row(name, m, k, n, all_cfgs, on_gpu, impl, args.trace, mgpu), "sweep")
     sweep = [r for r in report["rows"] if r["pass"] == "sweep"]
     score = {}
-    for c in all_cfgs:
+    for c in list(all_cfgs) + mgpu:
         unit = "_kernel_us" if args.trace and on_gpu else "_us"  # rank by kernel time when traced
         rel = [r[c + unit] / r["xla" + unit] for r in sweep
                if r.get(c + unit) and r.get("xla" + unit) and r.get(c + "_err", 1) < 2e-2]
@@ -191,7 +253,8 @@ def main(argv=None) -> int:
             if time.time() - t_start > args.budget_s:
                 report["stopped"] = f"budget of {args.budget_s} s reached"
                 break
-            add(run_row(name, m, k, n, {c: all_cfgs[c] for c in keep}, on_gpu, impl, args.trace), "all")
+            add(run_row(name, m, k, n, {c: all_cfgs[c] for c in keep if c in all_cfgs}, on_gpu, impl, args.trace,
+                        [c for c in keep if c in MGPU_CONFIGS]), "all")
     atomic.write_json(args.out, report)
     print_timing_table([r for r in report["rows"] if r["pass"] == "all"] or report["rows"],
                        [("shape", "shape", 12, None), ("m", "m", 4, None)], rows_ok)

@@ -1,0 +1,19 @@
+"""scripts/gpu_skinny_matmul.py --cpu-smoke: the sweep runs end to end in interpret mode, checks
+every variant against XLA, and the Mosaic GPU variants (jax's Hopper matmul, not runnable off a
+GPU) lower for CUDA with the jax at hand."""
+
+import json
+
+
+def test_skinny_matmul_script_smoke(tmp_path):
+    from scripts.gpu_skinny_matmul import MGPU_CONFIGS, main
+
+    out = tmp_path / "skinny.json"
+    assert main(["--cpu-smoke", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["mgpu_lowering"] == {name: "ok" for name in MGPU_CONFIGS}
+    passes = {r["pass"] for r in report["rows"]}
+    assert passes == {"sweep", "all"}
+    for r in report["rows"]:
+        assert r["xla_us"] > 0
+        assert all(v < 2e-2 for key, v in r.items() if key.endswith("_err")), r
