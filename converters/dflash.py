@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from converters.keymap import CheckpointError, Rule, flatten_paths, linear, map_checkpoint, unflatten_paths
+from converters.keymap import CheckpointError, Rule, flatten_paths, linear, unflatten_paths
+from converters.layout import map_into_layout
 from converters.safetensors_io import SafetensorsCheckpoint
 from ddtree_jax.config import DTYPES, ConfigError
 from ddtree_jax.drafter_config import DrafterConfig
@@ -77,7 +78,7 @@ def drafter_params_from_tensors(
     expected = {
         k: (tuple(v.shape), np.dtype(v.dtype)) for k, v in flatten_paths(nnx.to_pure_dict(abstract)).items()
     }
-    flat = map_checkpoint(
+    flat = map_into_layout(  # a merged gate | up layout (models.layers.MERGED_GATE_UP) joins the parts
         names,
         load,
         RULES,

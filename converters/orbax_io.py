@@ -14,8 +14,9 @@ import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from converters import layout
 from converters.keymap import CheckpointError, flatten_paths, unflatten_paths
-from converters.params import abstract_target
+from converters.params import abstract_target, kv_width
 from ddtree_jax.config import TargetConfig
 
 
@@ -48,26 +49,42 @@ def restore_params(path: str | os.PathLike, cfg: TargetConfig, dtype=None, *, de
     dtype: the dtype to materialise (default cfg.dtype); Orbax casts from the stored dtype.
     """
     graphdef, abstract = abstract_target(cfg, dtype)
-    return graphdef, restore_tree(path, abstract, device=device)
+    return graphdef, restore_tree(path, abstract, device=device, kv_width=kv_width(cfg))
 
 
-def restore_tree(path: str | os.PathLike, abstract, *, device=None):
-    """Restore an nnx.State of the same structure as `abstract` (shapes and dtypes checked / cast)."""
-    sharding = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
-    target = _string_keyed(
-        jax.tree_util.tree_map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), nnx.to_pure_dict(abstract)
-        )
-    )
+def _restore_flat(path: str, shapes: dict, sharding) -> dict:
+    target = _string_keyed({k: jax.ShapeDtypeStruct(s, d, sharding=sharding) for k, (s, d) in shapes.items()})
     checkpointer = ocp.StandardCheckpointer()
     try:
-        restored = checkpointer.restore(os.path.abspath(os.fspath(path)), target)
-    except ValueError as e:
-        raise CheckpointError(
-            [f"stored params do not match the model described by config.json: {e}"], os.fspath(path)
-        ) from None
+        return flatten_paths(checkpointer.restore(path, target))
     finally:
         checkpointer.close()
+
+
+def restore_tree(path: str | os.PathLike, abstract, *, device=None, kv_width: int | None = None):
+    """Restore an nnx.State of the same structure as `abstract` (shapes and dtypes checked / cast).
+
+    A checkpoint saved in another projection layout (converters/layout.py: merged gate | up,
+    q | k | v, b | a, or separate) is restored in its own and converted; kv_width splits a stored
+    q | k | v weight."""
+    sharding = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
+    where = os.path.abspath(os.fspath(path))
+    expected = {k: (tuple(v.shape), v.dtype) for k, v in flatten_paths(nnx.to_pure_dict(abstract)).items()}
+    try:
+        flat = _restore_flat(where, expected, sharding)
+    except ValueError as e:
+        first = e
+        for stored, convert in layout.alternatives(expected, kv_width):
+            try:
+                flat = convert(_restore_flat(where, stored, sharding))
+                break
+            except ValueError:
+                continue
+        else:
+            raise CheckpointError(
+                [f"stored params do not match the model described by config.json: {first}"], os.fspath(path)
+            ) from None
+        flat = {k: jax.device_put(jax.numpy.asarray(v, expected[k][1]), sharding) for k, v in flat.items()}
     params = jax.tree_util.tree_map(lambda x: x, abstract)
-    nnx.replace_by_pure_dict(params, unflatten_paths(flatten_paths(restored)))
+    nnx.replace_by_pure_dict(params, unflatten_paths(flat))
     return params

@@ -10,7 +10,8 @@ import numpy as np
 from flax import nnx
 
 from converters import mamba, qwen3
-from converters.keymap import flatten_paths, map_checkpoint, unflatten_paths
+from converters.keymap import flatten_paths, unflatten_paths
+from converters.layout import map_into_layout
 from ddtree_jax.config import TargetConfig
 from ddtree_jax.models.target import TargetModel
 
@@ -24,6 +25,11 @@ def abstract_target(cfg: TargetConfig, dtype=None):
 def expected_shapes(abstract_params) -> dict[str, tuple[tuple[int, ...], object]]:
     flat = flatten_paths(nnx.to_pure_dict(abstract_params))
     return {k: (tuple(v.shape), np.dtype(v.dtype)) for k, v in flat.items()}
+
+
+def kv_width(cfg: TargetConfig) -> int:
+    """Width of the k (and of the v) projection: what splits a merged q | k | v weight."""
+    return cfg.num_kv_heads * cfg.head_dim
 
 
 def family_for(cfg: TargetConfig):
@@ -46,11 +52,12 @@ def target_params_from_tensors(
     family = family_for(cfg)
     if cfg.model_type == "nemotron_h":
         names, load, on_tensor = mamba.fuse_experts(cfg, names, load, on_tensor)
-    flat = map_checkpoint(
+    flat = map_into_layout(  # the key maps fill HF's separate projections; merged layouts join them
         names,
         load,
         family.rules_for(cfg),
         expected_shapes(abstract),
+        kv_width=kv_width(cfg),
         strip_prefixes=family.prefixes_for(cfg),
         ignore=family.ignored_for(cfg),
         source=source,

@@ -482,3 +482,69 @@ def test_null_dtype_does_not_override(q35_raw):
     assert TargetConfig.from_hf_dict(composite).dtype == "bfloat16"
     assert TargetConfig.from_hf_dict({**text, "dtype": None, "torch_dtype": "float16"}).dtype == "float16"
     assert TargetConfig.from_hf_dict({**text, "dtype": None}).dtype == "float32"
+
+
+# ---- merged projection layouts (converters/layout.py) ----------------------------------------
+def _merged_layout(monkeypatch, on: bool):
+    from ddtree_jax.models import attention, gdn, layers
+
+    for mod, name in ((layers, "MERGED_GATE_UP"), (attention, "MERGED_QKV"), (gdn, "MERGED_BA")):
+        monkeypatch.setattr(mod, name, on)
+
+
+def test_layout_plans_round_trip():
+    from converters import layout
+
+    expected = {"layers/0/mlp/gate_up_proj/kernel": ((8, 12), np.float32),
+                "layers/0/self_attn/qkv_proj/kernel": ((8, 20), np.float32),
+                "layers/0/self_attn/qkv_proj/bias": ((20,), np.float32),
+                "layers/1/linear_attn/in_proj_ba/kernel": ((8, 6), np.float32),
+                "norm/weight": ((8,), np.float32)}
+    parts, plan = layout.to_parts(expected, kv_width=4)
+    assert parts["layers/0/self_attn/q_proj/kernel"][0] == (8, 12) and parts["layers/0/self_attn/v_proj/bias"][0] == (4,)
+    assert parts["layers/0/mlp/up_proj/kernel"][0] == (8, 6) and parts["layers/1/linear_attn/in_proj_a/kernel"][0] == (8, 3)
+    assert layout.to_merged(parts)[0] == expected
+    rng = np.random.default_rng(0)
+    flat = {k: rng.normal(size=s) for k, (s, _) in expected.items()}
+    back = layout.join(layout.split(dict(flat), layout.to_merged(parts)[1]), plan)
+    assert set(back) == set(flat) and all(np.array_equal(back[k], flat[k]) for k in flat)
+    # the other layouts a checkpoint of this merged model may be stored in: 2^3 - 1
+    assert len(layout.alternatives(expected, kv_width=4)) == 7
+
+
+def test_hf_checkpoint_loads_into_merged_layouts(models, monkeypatch):
+    """A model built with merged gate | up, q | k | v and b | a weights loads the same HF tensors
+    (joined by the converter) and computes the separate layout's logits."""
+    cfg = TargetConfig.from_hf_dict(models["q35_config"])
+    sd = models["q35_sd"]
+    gd_sep, sep = target_params_from_tensors(cfg, sd.keys(), sd.__getitem__)
+    _merged_layout(monkeypatch, True)
+    gd_m, merged = target_params_from_tensors(cfg, sd.keys(), sd.__getitem__)
+    flat = flat_params(merged)
+    assert any(k.endswith("mlp/gate_up_proj/kernel") for k in flat)
+    assert any(k.endswith("self_attn/qkv_proj/kernel") for k in flat)
+    assert any(k.endswith("linear_attn/in_proj_ba/kernel") for k in flat)
+    np.testing.assert_allclose(jax_logits(cfg, gd_m, merged), jax_logits(cfg, gd_sep, sep), rtol=1e-5, atol=1e-5)
+    del sd[next(k for k in sd if k.endswith("mlp.up_proj.weight"))]
+    with pytest.raises(CheckpointError, match=r"missing tensor for 'layers/\d+/mlp/up_proj/kernel'"):
+        target_params_from_tensors(cfg, sd.keys(), sd.__getitem__)
+
+
+@pytest.mark.parametrize("saved_merged", [False, True])
+def test_converted_checkpoint_restores_across_layouts(models, tmp_path, monkeypatch, saved_merged):
+    """A converted checkpoint written in one layout restores into a model built in the other
+    (or partly merged), with the same logits."""
+    from ddtree_jax.models import layers
+
+    src = models["root"] / "q35_sharded"
+    _merged_layout(monkeypatch, saved_merged)
+    convert_target(src, tmp_path / "c", progress=False)
+    cfg, gd_saved, saved = load_target(tmp_path / "c")
+    want = jax_logits(cfg, gd_saved, saved)
+    _merged_layout(monkeypatch, not saved_merged)
+    _, gd, params = load_target(tmp_path / "c")
+    assert any(k.endswith("gate_up_proj/kernel") for k in flat_params(params)) != saved_merged
+    np.testing.assert_allclose(jax_logits(cfg, gd, params), want, rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(layers, "MERGED_GATE_UP", saved_merged)  # mixed: only gate | up as stored
+    _, gd, params = load_target(tmp_path / "c")
+    np.testing.assert_allclose(jax_logits(cfg, gd, params), want, rtol=1e-5, atol=1e-5)

@@ -32,10 +32,10 @@ DECODE_KERNEL = True
 # off until a kernel profile decides; storing the weights concatenated at load would give the same
 # product without the copy.
 DECODE_QKV_CONCAT = False
-# Measurement switch (random-weight benchmarks), the stored form of the same idea: Attention modules
+# Layout switch (off until measured in the model), the stored form of the same idea: Attention modules
 # built while it is True hold one [hidden, q + k + v] weight (`qkv_proj`) and make one product for
-# q, k and v in every pass (decode GEMV; one cuBLAS GEMM in a verify). The converters write the
-# separate layout; a checkpoint loaded into a merged model is reported as mismatched.
+# q, k and v in every pass (decode GEMV; one cuBLAS GEMM in a verify). Checkpoints in either layout
+# load (converters/layout.py).
 MERGED_QKV = False
 
 

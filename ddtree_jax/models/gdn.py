@@ -35,11 +35,11 @@ class RecurrentPending(NamedTuple):
 # (pallas_kernels/gdn_decode.py; 17.1 vs 21.4 us a 27B layer on the H200). False routes them to
 # the XLA form: an A/B switch for measurements (`scripts/bench_e2e.py --override`).
 DECODE_KERNEL = True
-# Measurement switch (random-weight benchmarks): GatedDeltaNet modules built while it is True hold
+# Layout switch (off until measured in the model): GatedDeltaNet modules built while it is True hold
 # the b and a projections as one [hidden, 2 Hv] weight (`in_proj_ba`, b columns first). XLA's dot
 # merger joins the two separate ones in a verify by concatenating the weights every pass (48
 # launches of ~6.5 us a 27B step, docs/benchmarks.md section 1); stored merged there is nothing to
-# concatenate. The converters write the separate layout.
+# concatenate. Checkpoints in either layout load (converters/layout.py).
 MERGED_BA = False
 
 def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:

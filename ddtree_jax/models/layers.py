@@ -126,13 +126,13 @@ class GatedRMSNorm(nnx.Module):
         return gated_rms_norm(o, z, self.weight[...], self.eps)
 
 
-# Measurement switch (random-weight benchmarks): SwiGLU modules built while it is True hold one
+# Layout switch (off until measured in the model): SwiGLU modules built while it is True hold one
 # [hidden, 2 * inter] gate | up weight (`gate_up_proj`) and make one product where the separate
 # layout makes two. On the H200 (scripts/gpu_skinny_matmul.py --trace, session 7) XLA's product
 # over the 27B's merged 5120 x 34816 weight took 80.2 us at 1 row against 2 x 42.8 for the two
 # 5120 x 17408 ones, and 87.6 us at 65 rows against 2 x 51.9 (the 17408-wide products fill the
-# GPU's 132 SMs unevenly). Unmeasured in the model yet: the converters write the separate layout,
-# and a checkpoint loaded into a merged model is reported as mismatched.
+# GPU's 132 SMs unevenly). Unmeasured in the model yet. HF checkpoints and converted ones in either
+# layout load into either (converters/layout.py joins / splits the weights).
 MERGED_GATE_UP = False
 
 

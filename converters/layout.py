@@ -1,0 +1,133 @@
+"""Merged projection layouts: one weight where HF (and the default layout) hold several.
+
+A model built under `models.layers.MERGED_GATE_UP`, `models.attention.MERGED_QKV` or
+`models.gdn.MERGED_BA` holds `mlp/gate_up_proj` [in, gate | up], `self_attn/qkv_proj`
+[in, q | k | v] or `linear_attn/in_proj_ba` [in, b | a] (columns in that order; biases likewise).
+HF checkpoints and converted checkpoints written in the default layout hold the parts. The key
+maps keep mapping HF tensors onto the parts; `map_into_layout` asks them for the parts a merged
+model needs and concatenates after, and `alternatives` lets a converted checkpoint saved in one
+layout be restored into a model built in the other.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from converters.keymap import map_checkpoint
+
+# merged module name -> its parts, in column order
+MERGES = {
+    "mlp/gate_up_proj": ("mlp/gate_proj", "mlp/up_proj"),
+    "self_attn/qkv_proj": ("self_attn/q_proj", "self_attn/k_proj", "self_attn/v_proj"),
+    "linear_attn/in_proj_ba": ("linear_attn/in_proj_b", "linear_attn/in_proj_a"),
+}
+_MERGED = re.compile(r"(.*/)?(" + "|".join(re.escape(m) for m in MERGES) + r")/(kernel|bias)")
+Shapes = Mapping[str, tuple[tuple[int, ...], object]]
+Plan = list[tuple[str, list[tuple[str, int]]]]  # merged path -> [(part path, width)]
+
+
+def _widths(merged: str, total: int, kv_width: int | None) -> list[int]:
+    if merged == "self_attn/qkv_proj":
+        if kv_width is None or total <= 2 * kv_width:
+            raise ValueError(f"cannot split a {total}-wide q | k | v projection without the k / v width")
+        return [total - 2 * kv_width, kv_width, kv_width]
+    if total % 2:
+        raise ValueError(f"cannot halve a {total}-wide {merged}")
+    return [total // 2, total // 2]
+
+
+def to_parts(expected: Shapes, kv_width: int | None) -> tuple[dict, Plan]:
+    """Shapes with every merged weight replaced by its parts; and the plan that joins them back."""
+    out, plan = {}, []
+    for path, (shape, dtype) in expected.items():
+        m = _MERGED.fullmatch(path)
+        if m is None:
+            out[path] = (shape, dtype)
+            continue
+        prefix, merged, leaf = m.group(1) or "", m.group(2), m.group(3)
+        parts = []
+        for name, w in zip(MERGES[merged], _widths(merged, shape[-1], kv_width)):
+            part = f"{prefix}{name}/{leaf}"
+            out[part] = (tuple(shape[:-1]) + (w,), dtype)
+            parts.append((part, w))
+        plan.append((path, parts))
+    return out, plan
+
+
+def to_merged(expected: Shapes, kinds=None) -> tuple[dict, Plan]:
+    """Shapes with every complete group of parts (of the merged kinds `kinds`, default all of
+    MERGES) replaced by its merged weight; and the plan that splits it back."""
+    out, plan, done = dict(expected), [], set()
+    for path in expected:
+        for merged, names in MERGES.items():
+            if kinds is not None and merged not in kinds:
+                continue
+            for leaf in ("kernel", "bias"):
+                suffix = f"{names[0]}/{leaf}"
+                if not (path == suffix or path.endswith("/" + suffix)) or path in done:
+                    continue
+                prefix = path[: len(path) - len(suffix)]
+                parts = [f"{prefix}{name}/{leaf}" for name in names]
+                if not all(p in expected for p in parts):
+                    continue
+                shapes = [expected[p][0] for p in parts]
+                widths = [s[-1] for s in shapes]
+                for p in parts:
+                    del out[p]
+                    done.add(p)
+                out[f"{prefix}{merged}/{leaf}"] = (tuple(shapes[0][:-1]) + (sum(widths),), expected[parts[0]][1])
+                plan.append((f"{prefix}{merged}/{leaf}", list(zip(parts, widths))))
+    return out, plan
+
+
+def _xp(a):
+    """jnp for device arrays (a restore: stay on the device), numpy for host ones (a conversion)."""
+    return jnp if isinstance(a, jax.Array) else np
+
+
+def join(flat: dict, plan: Plan) -> dict:
+    """Concatenate the parts of each merged weight (popping them: one copy in memory)."""
+    for merged, parts in plan:
+        pieces = [flat.pop(p) for p, _ in parts]
+        flat[merged] = _xp(pieces[0]).concatenate(pieces, axis=-1)
+    return flat
+
+
+def split(flat: dict, plan: Plan) -> dict:
+    """Cut each merged weight into its parts."""
+    for merged, parts in plan:
+        whole = flat.pop(merged)
+        edges = [int(e) for e in np.cumsum([w for _, w in parts])[:-1]]
+        for (p, _), piece in zip(parts, _xp(whole).split(whole, edges, axis=-1)):
+            flat[p] = piece
+    return flat
+
+
+def map_into_layout(names, load: Callable[[str], np.ndarray], rules, expected: Shapes, *, kv_width=None, **kw) -> dict:
+    """keymap.map_checkpoint onto a model in either layout: the rules fill the parts, which are
+    joined where the model holds merged weights. Problems name the parts (as HF names them)."""
+    parts, plan = to_parts(expected, kv_width)
+    return join(map_checkpoint(names, load, rules, parts, **kw), plan)
+
+
+def alternatives(expected: Shapes, kv_width: int | None):
+    """[(stored shapes, convert)] for a checkpoint saved in another layout than the model's:
+    every combination of merged / separate per kind of MERGES that the model has (at most 7
+    others); convert(flat of the stored shapes) gives the model's flat params."""
+    parts, model_plan = to_parts(expected, kv_width)
+    present = [m for m in MERGES if to_merged(parts, {m})[1]]
+    own = {merged for path, _ in model_plan for merged in MERGES if path.endswith(merged + "/kernel")
+           or path.endswith(merged + "/bias")}
+    out = []
+    for mask in range(2 ** len(present)):
+        kinds = {m for i, m in enumerate(present) if mask >> i & 1}
+        if kinds == own:
+            continue
+        stored, back = to_merged(parts, kinds)
+        out.append((stored, lambda flat, back=back: join(split(flat, back), model_plan)))
+    return out
