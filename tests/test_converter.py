@@ -516,7 +516,7 @@ def test_hf_checkpoint_loads_into_merged_layouts(models, monkeypatch):
     """A model built with merged gate | up, q | k | v and b | a weights loads the same HF tensors
     (joined by the converter) and computes the separate layout's logits."""
     cfg = TargetConfig.from_hf_dict(models["q35_config"])
-    sd = models["q35_sd"]
+    sd = dict(models["q35_sd"])  # a copy: one tensor is dropped below
     gd_sep, sep = target_params_from_tensors(cfg, sd.keys(), sd.__getitem__)
     _merged_layout(monkeypatch, True)
     gd_m, merged = target_params_from_tensors(cfg, sd.keys(), sd.__getitem__)
@@ -548,3 +548,23 @@ def test_converted_checkpoint_restores_across_layouts(models, tmp_path, monkeypa
     monkeypatch.setattr(layers, "MERGED_GATE_UP", saved_merged)  # mixed: only gate | up as stored
     _, gd, params = load_target(tmp_path / "c")
     np.testing.assert_allclose(jax_logits(cfg, gd, params), want, rtol=1e-5, atol=1e-5)
+
+
+def test_export_cuts_merged_weights_into_hf_tensors(models, monkeypatch):
+    """params_to_hf (the demo pair's HF export) writes the same tensors from a merged-layout model
+    as from the separate one."""
+    from converters import qwen3
+    from converters.params import kv_width
+    from ddtree_jax.training.export import params_to_hf
+
+    cfg = TargetConfig.from_hf_dict(models["q35_config"])
+    sd = models["q35_sd"]
+    _, sep = target_params_from_tensors(cfg, sd.keys(), sd.__getitem__)
+    _merged_layout(monkeypatch, True)
+    _, merged = target_params_from_tensors(cfg, sd.keys(), sd.__getitem__)
+    rules = qwen3.rules_for(cfg)
+    want = params_to_hf(sep, rules, prefix="model.", no_prefix=("lm_head.",), dtype="float32")
+    got = params_to_hf(merged, rules, prefix="model.", no_prefix=("lm_head.",), dtype="float32", kv_width=kv_width(cfg))
+    assert set(got) == set(want)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)

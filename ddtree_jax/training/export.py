@@ -28,6 +28,7 @@ import numpy as np
 from flax import nnx
 
 from converters import dflash as dflash_rules
+from converters import layout
 from converters import qwen3 as qwen3_rules
 from converters.keymap import Rule, depthwise_conv, flatten_paths, linear
 from ddtree_jax.atomic import staged_dir
@@ -96,9 +97,12 @@ def hf_name_for(path: str, rules: list[Rule]) -> tuple[str, Callable[[np.ndarray
 
 
 def params_to_hf(params, rules: list[Rule], prefix: str = "", no_prefix: tuple[str, ...] = (),
-                 dtype: str = "bfloat16") -> dict[str, np.ndarray]:
-    """{HF name: array in torch layout and `dtype`} for every leaf of an nnx params State."""
+                 dtype: str = "bfloat16", kv_width: int | None = None) -> dict[str, np.ndarray]:
+    """{HF name: array in torch layout and `dtype`} for every leaf of an nnx params State; merged
+    projection weights (converters/layout.py) are cut into HF's parts (kv_width: a q | k | v's)."""
     flat = flatten_paths(nnx.to_pure_dict(params))
+    _, plan = layout.to_parts({k: (tuple(v.shape), v.dtype) for k, v in flat.items()}, kv_width)
+    flat = layout.split(flat, plan)
     out: dict[str, np.ndarray] = {}
     np_dtype = _NP_DTYPES[dtype]
     for path in sorted(flat):
@@ -126,7 +130,8 @@ def export_target(out_dir: str, hf_config: dict, params, *, tokenizer=None, dtyp
     cfg = TargetConfig.from_hf_dict(hf_config)
     if cfg.model_type != "qwen3_5_text":
         raise ValueError(f"export_target writes qwen3_5_text directories, got {cfg.model_type!r}")
-    tensors = params_to_hf(params, qwen3_rules.rules_for(cfg), prefix="model.", no_prefix=("lm_head.",), dtype=dtype)
+    tensors = params_to_hf(params, qwen3_rules.rules_for(cfg), prefix="model.", no_prefix=("lm_head.",), dtype=dtype,
+                           kv_width=cfg.num_kv_heads * cfg.head_dim)
     config = dict(hf_config, dtype=dtype)
     with staged_dir(out_dir) as tmp:  # out_dir appears (or is replaced) only once complete
         _write_json(os.path.join(tmp, CONFIG), config)
