@@ -63,6 +63,15 @@ def median_ms(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
+def marginal_ms(call_ms: Callable[[int], float], n: int) -> tuple[float, float]:
+    """(ms per iteration, fixed ms per call) of a loop call from its times at n and 2n iterations
+    (call_ms(k): the call's time with k iterations): the difference cancels the per-call cost
+    (host dispatch of a params pytree, loop entry), which T(k) / k would spread over the k."""
+    once, twice = call_ms(n), call_ms(2 * n)
+    per = (twice - once) / n
+    return per, once - n * per
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec"))
 def _propose(graphdef, params, dparams, s, spec):
     return gen.propose(nnx.merge(graphdef, params), dparams, s, spec)
@@ -154,10 +163,8 @@ def phase_times_at(graphdef, params, dparams, s: gen.LoopState, spec: gen.GenSpe
     for phase in phases:
         run = lambda n: (lambda: _phase_loop(graphdef, params, dparams, s, logq, tree, res, eos, key, spec, phase,
                                              jnp.int32(n)))
-        # The difference of an inner- and a 2 x inner-iteration call cancels the per-call host
-        # dispatch (~9 ms with a 27B params pytree, which would add ~1 ms to every phase at inner 8).
-        once, twice = median_ms(run(inner), repeats), median_ms(run(2 * inner), repeats)
-        out[phase] = max(twice - once, 0.0) / inner
+        per, _ = marginal_ms(lambda k: median_ms(run(k), repeats), inner)
+        out[phase] = max(per, 0.0)
     return out
 
 

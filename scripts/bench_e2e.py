@@ -35,7 +35,7 @@ from flax import nnx
 
 from ddtree_jax import atomic
 from ddtree_jax import overrides
-from ddtree_jax.bench import median_ms
+from ddtree_jax.bench import marginal_ms, median_ms
 from ddtree_jax.cache import KVCache, RecurrentCache, TargetCache
 from ddtree_jax.config import TargetConfig
 from ddtree_jax.drafter_config import DrafterConfig
@@ -217,13 +217,12 @@ def main(argv=None) -> int:
             row[f"{mode}_compile_and_warm_s"] = time.time() - t_c
             n = args.loop_steps
             reps = max(3, args.repeats)
-            t_n = median_ms(lambda: n_steps(params, dparams, s, jnp.int32(n), spec), reps)
-            t_2n = median_ms(lambda: n_steps(params, dparams, s, jnp.int32(2 * n), spec), reps)
-            row[f"{mode}_loop_step_ms"] = (t_2n - t_n) / n  # marginal: what one more step costs
-            row[f"{mode}_loop_incl_dispatch_ms"] = t_n / n  # sessions 1-7's "in-loop" figure
-            row[f"{mode}_dispatch_ms"] = t_n - n * row[f"{mode}_loop_step_ms"]
+            per, fixed = marginal_ms(lambda k: median_ms(lambda: n_steps(params, dparams, s, jnp.int32(k), spec), reps), n)
+            row[f"{mode}_loop_step_ms"] = per  # marginal: what one more step costs
+            row[f"{mode}_dispatch_ms"] = fixed
+            row[f"{mode}_loop_incl_dispatch_ms"] = per + fixed / n  # T(n) / n: sessions 1-7's "in-loop" figure
             print(f"[bench] batch {batch} {mode}: {ms:.2f} ms/step (single call), {row[f'{mode}_loop_step_ms']:.2f} "
-                  f"ms/step in the on-device loop ({n} -> {2 * n} steps), {t_n / n:.2f} ms/step over {n} steps with "
+                  f"ms/step in the on-device loop ({n} -> {2 * n} steps), {row[f'{mode}_loop_incl_dispatch_ms']:.2f} ms/step over {n} steps with "
                   f"the call's dispatch ({row[f'{mode}_dispatch_ms']:.2f} ms a call)", flush=True)
             save()
         bytes_ = decode_bytes(cfg, params, cache)

@@ -227,9 +227,8 @@ def main(argv=None) -> int:
              "seconds": time.time() - t0}
         # wall time of one more phase run (n and 2n runs: the call's dispatch cancels), beside the
         # kernel sum: the gap is time between kernels, or the profiler's own cost if negative
-        once = statistics.median(_timed(run(args.inner)) for _ in range(5))
-        twice = statistics.median(_timed(run(2 * args.inner)) for _ in range(5))
-        p["marginal_wall_ms"] = (twice - once) / args.inner
+        p["marginal_wall_ms"] = B.marginal_ms(lambda k: statistics.median(_timed(run(k)) for _ in range(5)),
+                                              args.inner)[0]
         report["phases"][phase] = p
         save()
         print(f"\n== {phase}: {p['wall_ms']:.2f} ms wall per run with the call's dispatch, "
@@ -247,9 +246,7 @@ def main(argv=None) -> int:
         fn = lambda n: (lambda: B._phase_loop(graphdef, params, dparams, s, lq, tr, rs, eos, key, spec, "verify", n))
         jax.block_until_ready(fn(args.inner)())
         # n and 2n iterations: the difference cancels the call's host dispatch
-        once = statistics.median(_timed(fn(args.inner)) for _ in range(5))
-        twice = statistics.median(_timed(fn(2 * args.inner)) for _ in range(5))
-        ms = max(twice - once, 0.0) / args.inner
+        ms = max(B.marginal_ms(lambda k: statistics.median(_timed(fn(k)) for _ in range(5)), args.inner)[0], 0.0)
         report["verify_by_budget"][budget] = ms
         save()
         print(f"[verify] budget {budget} ({budget + 1} nodes): {ms:.2f} ms", flush=True)

@@ -48,3 +48,15 @@ def test_overrides_set_route_constants_and_report_every_bad_spec(monkeypatch):
                    "'maybe' is not a Python literal", "is a bool, got a int"):
         assert needle in msg, needle
     assert row_top_k.ROW_TOP_K_MAX_LEN == 0  # nothing applied when any spec is bad
+
+
+def test_marginal_ms_separates_the_per_call_cost():
+    """bench.marginal_ms (bench_e2e's step, profile_step's phases, ddtree-bench's phase split):
+    from a call costing 7 ms plus 2.5 ms an iteration it recovers both, where T(16) / 16 would
+    read 2.94 ms an iteration."""
+    from ddtree_jax.bench import marginal_ms
+
+    calls = []
+    per, fixed = marginal_ms(lambda k: calls.append(k) or 7.0 + 2.5 * k, 16)
+    assert calls == [16, 32]
+    assert abs(per - 2.5) < 1e-12 and abs(fixed - 7.0) < 1e-12

@@ -25,9 +25,10 @@ DECODE_KERNEL = True
 # Opt-in: single-token steps with kernels multiply x once by [Wq | Wk | Wv]. XLA runs the 27B's K / V
 # products (5120 x 1024 each, under its dot threshold) as a multiply + reduce fusion at ~1.6 TB/s
 # (12.8 us a layer, docs/benchmarks.md section 1); one GEMV over the concatenation would read them
-# at the GEMV rate. The concatenation is loop-invariant and XLA hoists it out of the decode loop
-# (seen in the CPU HLO): a second copy of every attention layer's q / k / v weights (2.35 GB at the
-# 27B shape) for as long as the loop runs. Session 7's A/B on the H200 did not separate it from the
+# at the GEMV rate. The concatenation is loop-invariant: hoisted out of the decode loop it is a
+# second copy of every attention layer's q / k / v weights (2.35 GB at the 27B shape), not hoisted a
+# 147 MB copy per layer and step; the H200 runs' peak memory (60.47 vs 60.41 GB) showed neither, so
+# where it runs is for a profile to say. Session 7's A/B on the H200 did not separate it from the
 # run-to-run spread (14.17 vs 14.45 ms in one pair, 14.45 vs 14.43 in another, section 1), so it is
 # off until a kernel profile decides; storing the weights concatenated at load would give the same
 # product without the copy.

@@ -213,24 +213,18 @@ def _eos(eos_ids):
     return jnp.zeros((0,), jnp.int32) if eos_ids is None else jnp.asarray(eos_ids, jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "spec"))
-def start(graphdef, params, drafter_params, prompt, prompt_lens, eos_ids, key, spec: GenSpec) -> LoopState:
+def _start_from(graphdef, params, drafter_params, prompt, prompt_lens, eos_ids, key, spec: GenSpec) -> LoopState:
     """Prefill and the first token (the prefill's own choice)."""
     return _start(nnx.merge(graphdef, params), drafter_params, prompt, prompt_lens, _eos(eos_ids), key, spec)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "spec"), donate_argnames=("state",))
-def advance(graphdef, params, drafter_params, state: LoopState, eos_ids, max_steps, spec: GenSpec) -> LoopState:
+def _advance_from(graphdef, params, drafter_params, state: LoopState, eos_ids, max_steps, spec: GenSpec) -> LoopState:
     """Up to max_steps more steps (a traced value: no recompilation when it changes)."""
     return _advance(nnx.merge(graphdef, params), drafter_params, state, _eos(eos_ids), spec, max_steps)
 
 
-def _start_bound(graphdef, params, drafter_params, prompt, prompt_lens, eos_ids, key, spec: GenSpec) -> LoopState:
-    return _start(nnx.merge(graphdef, params), drafter_params, prompt, prompt_lens, _eos(eos_ids), key, spec)
-
-
-def _advance_bound(graphdef, params, drafter_params, state: LoopState, eos_ids, max_steps, spec: GenSpec) -> LoopState:
-    return _advance(nnx.merge(graphdef, params), drafter_params, state, _eos(eos_ids), spec, max_steps)
+start = jax.jit(_start_from, static_argnames=("graphdef", "spec"))
+advance = jax.jit(_advance_from, static_argnames=("graphdef", "spec"), donate_argnames=("state",))
 
 
 _BOUND: dict[int, tuple] = {}
@@ -239,14 +233,16 @@ _BOUND: dict[int, tuple] = {}
 def bind(graphdef: nnx.GraphDef):
     """(start, advance) as above with the target's graphdef bound once: fn(params, ...).
 
-    As a static argument jit hashes a GraphDef on every call, walking the whole graph: 3.3 ms for
-    the 27B-shaped target's 64 layers on a CPU host, paid per chunk of a streamed generation (the
-    engine advances `stream_every` steps a call). Bound, a call hashes only its GenSpec."""
+    As a static argument jit hashes a GraphDef on every call, walking the whole graph (3.9 ms for
+    the 27B-shaped target's on this project's CPU machine; a 0-step advance of a 64-layer model
+    7.5 ms static, 2.2 ms bound: scripts/dispatch_cost.py, docs/benchmarks.md section 1), paid per
+    chunk of a streamed generation (the engine advances `stream_every` steps a call). Bound, a call
+    hashes only its GenSpec."""
     hit = _BOUND.get(id(graphdef))
     if hit is None or hit[0] is not graphdef:
         hit = (graphdef,
-               jax.jit(functools.partial(_start_bound, graphdef), static_argnames=("spec",)),
-               jax.jit(functools.partial(_advance_bound, graphdef), static_argnames=("spec",),
+               jax.jit(functools.partial(_start_from, graphdef), static_argnames=("spec",)),
+               jax.jit(functools.partial(_advance_from, graphdef), static_argnames=("spec",),
                        donate_argnames=("state",)))
         _BOUND[id(graphdef)] = hit
     return hit[1], hit[2]
