@@ -18,9 +18,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,6 +27,7 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from ddtree_jax import atomic  # noqa: E402
+from ddtree_jax.bench import median_ms  # noqa: E402
 from ddtree_jax.config import TargetConfig  # noqa: E402
 from ddtree_jax.models.drafter import DrafterModel  # noqa: E402
 from ddtree_jax.models.target import TargetModel  # noqa: E402
@@ -36,15 +35,6 @@ from ddtree_jax.spec import generate as gen  # noqa: E402
 from ddtree_jax.spec.dflash import DFlashProposer  # noqa: E402
 from ddtree_jax.spec.sampling import Sampling  # noqa: E402
 from bench_e2e import QWEN36_27B, drafter_config  # noqa: E402
-
-
-def median_ms(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(times)
 
 
 def main(argv=None) -> int:
@@ -88,7 +78,6 @@ def main(argv=None) -> int:
         box[0] = advance(params, None, box[0], eos, zero, spec=spec)
         return box[0]
 
-    static(), bound()  # compile both
     report["advance_static_graphdef_ms"] = median_ms(static, args.repeats)
     report["advance_bound_ms"] = median_ms(bound, args.repeats)
     atomic.write_json(args.out, report)
