@@ -1,8 +1,9 @@
 """Merged projection layouts: one weight where HF (and the default layout) hold several.
 
-A model built under `models.layers.MERGED_GATE_UP`, `models.attention.MERGED_QKV` or
-`models.gdn.MERGED_BA` holds `mlp/gate_up_proj` [in, gate | up], `self_attn/qkv_proj`
-[in, q | k | v] or `linear_attn/in_proj_ba` [in, b | a] (columns in that order; biases likewise).
+A model built under `models.layers.MERGED_GATE_UP`, `models.attention.MERGED_QKV`,
+`models.gdn.MERGED_QKV_Z` or `models.gdn.MERGED_BA` holds `mlp/gate_up_proj` [in, gate | up],
+`self_attn/qkv_proj` [in, q | k | v], `linear_attn/in_proj_qkv_z` [in, qkv | z] or
+`linear_attn/in_proj_ba` [in, b | a] (columns in that order; biases likewise).
 HF checkpoints and converted checkpoints written in the default layout hold the parts. The key
 maps keep mapping HF tensors onto the parts; `map_into_layout` asks them for the parts a merged
 model needs and concatenates after, and `alternatives` lets a converted checkpoint saved in one
@@ -20,10 +21,20 @@ import numpy as np
 
 from converters.keymap import map_checkpoint
 
+# The construction-time switches that pick the layout (module constants read when a model is built;
+# `--override` takes these names).
+SWITCHES = (
+    "ddtree_jax.models.layers.MERGED_GATE_UP",
+    "ddtree_jax.models.attention.MERGED_QKV",
+    "ddtree_jax.models.gdn.MERGED_QKV_Z",
+    "ddtree_jax.models.gdn.MERGED_BA",
+)
+
 # merged module name -> its parts, in column order
 MERGES = {
     "mlp/gate_up_proj": ("mlp/gate_proj", "mlp/up_proj"),
     "self_attn/qkv_proj": ("self_attn/q_proj", "self_attn/k_proj", "self_attn/v_proj"),
+    "linear_attn/in_proj_qkv_z": ("linear_attn/in_proj_qkv", "linear_attn/in_proj_z"),
     "linear_attn/in_proj_ba": ("linear_attn/in_proj_b", "linear_attn/in_proj_a"),
 }
 _MERGED = re.compile(r"(.*/)?(" + "|".join(re.escape(m) for m in MERGES) + r")/(kernel|bias)")
@@ -31,7 +42,14 @@ Shapes = Mapping[str, tuple[tuple[int, ...], object]]
 Plan = list[tuple[str, list[tuple[str, int]]]]  # merged path -> [(part path, width)]
 
 
-def _widths(merged: str, total: int, kv_width: int | None) -> list[int]:
+def _widths(merged: str, total: int, kv_width: int | None, expected: Shapes, prefix: str) -> list[int]:
+    """Column widths of a merged weight's parts. q | k | v needs the k / v width; qkv | z reads the
+    z width off the layer's out_proj (its input is the gated z-normed value)."""
+    if merged == "linear_attn/in_proj_qkv_z":
+        out = expected.get(f"{prefix}linear_attn/out_proj/kernel")
+        if out is None or total <= out[0][0]:
+            raise ValueError(f"cannot split a {total}-wide qkv | z projection at {prefix!r} without its out_proj")
+        return [total - out[0][0], out[0][0]]
     if merged == "self_attn/qkv_proj":
         if kv_width is None or total <= 2 * kv_width:
             raise ValueError(f"cannot split a {total}-wide q | k | v projection without the k / v width")
@@ -51,7 +69,7 @@ def to_parts(expected: Shapes, kv_width: int | None) -> tuple[dict, Plan]:
             continue
         prefix, merged, leaf = m.group(1) or "", m.group(2), m.group(3)
         parts = []
-        for name, w in zip(MERGES[merged], _widths(merged, shape[-1], kv_width)):
+        for name, w in zip(MERGES[merged], _widths(merged, shape[-1], kv_width, expected, prefix)):
             part = f"{prefix}{name}/{leaf}"
             out[part] = (tuple(shape[:-1]) + (w,), dtype)
             parts.append((part, w))
@@ -117,7 +135,7 @@ def map_into_layout(names, load: Callable[[str], np.ndarray], rules, expected: S
 
 def alternatives(expected: Shapes, kv_width: int | None):
     """[(stored shapes, convert)] for a checkpoint saved in another layout than the model's:
-    every combination of merged / separate per kind of MERGES that the model has (at most 7
+    every combination of merged / separate per kind of MERGES that the model has (at most 15
     others); convert(flat of the stored shapes) gives the model's flat params."""
     parts, model_plan = to_parts(expected, kv_width)
     present = [m for m in MERGES if to_merged(parts, {m})[1]]

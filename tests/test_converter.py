@@ -486,10 +486,10 @@ def test_null_dtype_does_not_override(q35_raw):
 
 # ---- merged projection layouts (converters/layout.py) ----------------------------------------
 def _merged_layout(monkeypatch, on: bool):
-    from ddtree_jax.models import attention, gdn, layers
+    from converters.layout import SWITCHES
 
-    for mod, name in ((layers, "MERGED_GATE_UP"), (attention, "MERGED_QKV"), (gdn, "MERGED_BA")):
-        monkeypatch.setattr(mod, name, on)
+    for path in SWITCHES:
+        monkeypatch.setattr(path, on)
 
 
 def test_layout_plans_round_trip():
@@ -499,17 +499,23 @@ def test_layout_plans_round_trip():
                 "layers/0/self_attn/qkv_proj/kernel": ((8, 20), np.float32),
                 "layers/0/self_attn/qkv_proj/bias": ((20,), np.float32),
                 "layers/1/linear_attn/in_proj_ba/kernel": ((8, 6), np.float32),
+                "layers/1/linear_attn/in_proj_qkv_z/kernel": ((8, 14), np.float32),
+                "layers/1/linear_attn/out_proj/kernel": ((5, 8), np.float32),
                 "norm/weight": ((8,), np.float32)}
     parts, plan = layout.to_parts(expected, kv_width=4)
     assert parts["layers/0/self_attn/q_proj/kernel"][0] == (8, 12) and parts["layers/0/self_attn/v_proj/bias"][0] == (4,)
     assert parts["layers/0/mlp/up_proj/kernel"][0] == (8, 6) and parts["layers/1/linear_attn/in_proj_a/kernel"][0] == (8, 3)
+    assert parts["layers/1/linear_attn/in_proj_qkv/kernel"][0] == (8, 9)  # z as wide as out_proj's input
+    assert parts["layers/1/linear_attn/in_proj_z/kernel"][0] == (8, 5)
     assert layout.to_merged(parts)[0] == expected
     rng = np.random.default_rng(0)
     flat = {k: rng.normal(size=s) for k, (s, _) in expected.items()}
     back = layout.join(layout.split(dict(flat), layout.to_merged(parts)[1]), plan)
     assert set(back) == set(flat) and all(np.array_equal(back[k], flat[k]) for k in flat)
-    # the other layouts a checkpoint of this merged model may be stored in: 2^3 - 1
-    assert len(layout.alternatives(expected, kv_width=4)) == 7
+    # the other layouts a checkpoint of this merged model may be stored in: 2^4 - 1
+    assert len(layout.alternatives(expected, kv_width=4)) == 15
+    with pytest.raises(ValueError, match="qkv | z"):
+        layout.to_parts({k: v for k, v in expected.items() if "out_proj" not in k}, kv_width=4)
 
 
 def test_hf_checkpoint_loads_into_merged_layouts(models, monkeypatch):
@@ -524,6 +530,7 @@ def test_hf_checkpoint_loads_into_merged_layouts(models, monkeypatch):
     assert any(k.endswith("mlp/gate_up_proj/kernel") for k in flat)
     assert any(k.endswith("self_attn/qkv_proj/kernel") for k in flat)
     assert any(k.endswith("linear_attn/in_proj_ba/kernel") for k in flat)
+    assert any(k.endswith("linear_attn/in_proj_qkv_z/kernel") for k in flat)
     np.testing.assert_allclose(jax_logits(cfg, gd_m, merged), jax_logits(cfg, gd_sep, sep), rtol=1e-5, atol=1e-5)
     del sd[next(k for k in sd if k.endswith("mlp.up_proj.weight"))]
     with pytest.raises(CheckpointError, match=r"missing tensor for 'layers/\d+/mlp/up_proj/kernel'"):

@@ -235,8 +235,9 @@ def test_merged_gate_up_layout_computes_the_same_mlp(monkeypatch):
 
 
 def test_merged_qkv_and_ba_layouts_compute_the_same_model(monkeypatch):
-    """attention.MERGED_QKV / gdn.MERGED_BA (benchmark layout switches): a target built under them
-    holds one [hidden, q + k + v] attention weight and one [hidden, 2 Hv] b | a weight per layer;
+    """attention.MERGED_QKV / gdn.MERGED_QKV_Z / gdn.MERGED_BA (layout switches): a target built
+    under them holds one [hidden, q + k + v] attention weight, one [hidden, conv_dim + value_dim]
+    qkv | z and one [hidden, 2 Hv] b | a weight per layer;
     with the separate model's weights concatenated into them, a decode step (through the decode
     kernels) and a tree verify give the separate layout's outputs."""
     from ddtree_jax.models import attention, gdn
@@ -245,6 +246,7 @@ def test_merged_qkv_and_ba_layouts_compute_the_same_model(monkeypatch):
     sep = nnx.merge(gd, params)
     monkeypatch.setattr(attention, "MERGED_QKV", True)
     monkeypatch.setattr(gdn, "MERGED_BA", True)
+    monkeypatch.setattr(gdn, "MERGED_QKV_Z", True)
     merged = type(sep)(cfg, rngs=nnx.Rngs(5))
     for ls, lm in zip(sep.layers, merged.layers):
         if ls.kind == "attention":
@@ -257,7 +259,9 @@ def test_merged_qkv_and_ba_layouts_compute_the_same_model(monkeypatch):
             a, m = ls.linear_attn, lm.linear_attn
             assert not hasattr(m, "in_proj_a")
             m.in_proj_ba.kernel[...] = jnp.concatenate([a.in_proj_b.kernel[...], a.in_proj_a.kernel[...]], 1)
-            for name in ("in_proj_qkv", "in_proj_z", "out_proj", "norm"):
+            assert not hasattr(m, "in_proj_z")
+            m.in_proj_qkv_z.kernel[...] = jnp.concatenate([a.in_proj_qkv.kernel[...], a.in_proj_z.kernel[...]], 1)
+            for name in ("out_proj", "norm"):
                 nnx.update(getattr(m, name), nnx.state(getattr(a, name)))
             m.conv_weight[...], m.dt_bias[...], m.A_log[...] = a.conv_weight[...], a.dt_bias[...], a.A_log[...]
         for name in ("input_layernorm", "post_attention_layernorm", "mlp"):

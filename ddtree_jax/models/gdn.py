@@ -41,6 +41,12 @@ DECODE_KERNEL = True
 # launches of ~6.5 us a 27B step, docs/benchmarks.md section 1); stored merged there is nothing to
 # concatenate. Checkpoints in either layout load (converters/layout.py).
 MERGED_BA = False
+# Layout switch: GatedDeltaNet modules built while it is True hold the qkv and z projections as
+# one [hidden, conv_dim + value_dim] weight (`in_proj_qkv_z`, qkv columns first). A DDTree verify
+# keeps them apart (`unmerged_inputs`: XLA's merged Triton GEMM was slower there than cuBLAS on the
+# separate weights), so stored merged they are one cuBLAS GEMM instead of two; decoding reads the
+# same bytes either way (XLA merges the two GEMVs). Checkpoints in either layout load.
+MERGED_QKV_Z = False
 
 def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
@@ -74,8 +80,11 @@ class GatedDeltaNet(nnx.Module):
     def __init__(self, cfg: TargetConfig, *, dtype, rngs: nnx.Rngs):
         self.cfg = cfg
         h, hv = cfg.hidden_size, cfg.gdn_num_v_heads
-        self.in_proj_qkv = Linear(h, cfg.gdn_conv_dim, dtype=dtype, rngs=rngs)
-        self.in_proj_z = Linear(h, cfg.gdn_value_dim, dtype=dtype, rngs=rngs)
+        if MERGED_QKV_Z:
+            self.in_proj_qkv_z = Linear(h, cfg.gdn_conv_dim + cfg.gdn_value_dim, dtype=dtype, rngs=rngs)
+        else:
+            self.in_proj_qkv = Linear(h, cfg.gdn_conv_dim, dtype=dtype, rngs=rngs)
+            self.in_proj_z = Linear(h, cfg.gdn_value_dim, dtype=dtype, rngs=rngs)
         if MERGED_BA:
             self.in_proj_ba = Linear(h, 2 * hv, dtype=dtype, rngs=rngs)
         else:
@@ -97,15 +106,28 @@ class GatedDeltaNet(nnx.Module):
         b, t, _ = x.shape
         ba = getattr(self, "in_proj_ba", None)
         ab_group = (ba,) if ba is not None else (self.in_proj_b, self.in_proj_a)
-        x_qkv, x_z, x_ab = unmerged_inputs(x, (self.in_proj_qkv,), (self.in_proj_z,), ab_group)
-        mixed = self.in_proj_qkv(x_qkv, impl)
-        z = self.in_proj_z(x_z, impl).reshape(b, t, cfg.gdn_num_v_heads, cfg.gdn_v_head_dim)
+        qkv_z = getattr(self, "in_proj_qkv_z", None)
+        if qkv_z is not None:
+            x_qkv_z, x_ab = unmerged_inputs(x, (qkv_z,), ab_group)
+            mixed, z = self.qkv_z_outputs(x_qkv_z, impl)
+        else:
+            x_qkv, x_z, x_ab = unmerged_inputs(x, (self.in_proj_qkv,), (self.in_proj_z,), ab_group)
+            mixed, z = self.in_proj_qkv(x_qkv, impl), self.in_proj_z(x_z, impl)
+        z = z.reshape(b, t, cfg.gdn_num_v_heads, cfg.gdn_v_head_dim)
         if ba is not None:
             b_lin, a_lin = jnp.split(ba(x_ab, impl), 2, axis=-1)
         else:
             b_lin, a_lin = self.in_proj_b(x_ab, impl), self.in_proj_a(x_ab, impl)
         beta, g = gate_values(a_lin, b_lin, self.A_log[...], self.dt_bias[...])
         return mixed, z, beta, g
+
+    def qkv_z_outputs(self, x: jax.Array, impl: str = "xla") -> tuple[jax.Array, jax.Array]:
+        """Conv inputs [..., conv_dim] and the flat gate z [..., value_dim] in either layout."""
+        qkv_z = getattr(self, "in_proj_qkv_z", None)
+        if qkv_z is None:
+            return self.in_proj_qkv(x, impl), self.in_proj_z(x, impl)
+        both = qkv_z(x, impl)
+        return both[..., : self.cfg.gdn_conv_dim], both[..., self.cfg.gdn_conv_dim :]
 
     def ab_kernels(self) -> tuple[jax.Array, jax.Array]:
         """The a and b projection weights [hidden, Hv] in either layout."""
@@ -177,8 +199,8 @@ class GatedDeltaNet(nnx.Module):
 
         cfg = self.cfg
         b = x.shape[0]
-        mixed = self.in_proj_qkv(x)[:, 0]
-        z = self.in_proj_z(x).reshape(b, cfg.gdn_num_v_heads, cfg.gdn_v_head_dim)
+        mixed, z = self.qkv_z_outputs(x)
+        mixed, z = mixed[:, 0], z.reshape(b, cfg.gdn_num_v_heads, cfg.gdn_v_head_dim)
         w_a, w_b = self.ab_kernels()
         y, state, window = gdn_decode(
             mixed, z, x[:, 0], w_a, w_b, self.A_log[...],
