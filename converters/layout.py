@@ -109,8 +109,14 @@ def _xp(a):
 
 
 def join(flat: dict, plan: Plan) -> dict:
-    """Concatenate the parts of each merged weight (popping them: one copy in memory)."""
+    """Concatenate the parts of each merged weight (popping them: one copy in memory). A merged
+    weight with a part absent (its tensor in a missing shard: map_checkpoint's `unavailable`,
+    which the caller reports) is left out as well, so the caller's error is the one raised."""
     for merged, parts in plan:
+        if not all(p in flat for p, _ in parts):
+            for p, _ in parts:
+                flat.pop(p, None)
+            continue
         pieces = [flat.pop(p) for p, _ in parts]
         flat[merged] = _xp(pieces[0]).concatenate(pieces, axis=-1)
     return flat
