@@ -566,6 +566,7 @@ def test_export_cuts_merged_weights_into_hf_tensors(models, monkeypatch):
 
     cfg = TargetConfig.from_hf_dict(models["q35_config"])
     sd = models["q35_sd"]
+    _merged_layout(monkeypatch, False)
     _, sep = target_params_from_tensors(cfg, sd.keys(), sd.__getitem__)
     _merged_layout(monkeypatch, True)
     _, merged = target_params_from_tensors(cfg, sd.keys(), sd.__getitem__)

@@ -64,8 +64,8 @@ def test_reference_is_the_model_decode_path():
     n_valid = jnp.asarray([1, 0], jnp.int32)
     y_model, c_model = layer(x, cache, n_valid, chunked=False)
     mixed, z, _, _ = layer.project(x)
-    y, state, window = gdn_decode(mixed[:, 0], z[:, 0], x[:, 0], layer.in_proj_a.kernel[...],
-                                  layer.in_proj_b.kernel[...], layer.A_log[...], layer.dt_bias[...], cache.conv,
+    w_a, w_b = layer.ab_kernels()
+    y, state, window = gdn_decode(mixed[:, 0], z[:, 0], x[:, 0], w_a, w_b, layer.A_log[...], layer.dt_bias[...], cache.conv,
                                   layer.conv_weight[...], cache.state, layer.norm.weight[...], n_valid,
                                   num_k_heads=cfg.gdn_num_k_heads, eps=layer.norm.eps, impl="xla")
     np.testing.assert_allclose(np.asarray(layer.out_proj(y.reshape(b, 1, -1))), np.asarray(y_model), rtol=1e-6, atol=1e-6)

@@ -92,6 +92,10 @@ def test_model_routes_the_measured_window_through_the_kernel(monkeypatch):
     from ddtree_jax.tree import make_tree
     from tests.tiny_models import HYBRID, make_target
 
+    from converters.layout import SWITCHES
+
+    for path in SWITCHES:  # HF's separate projections: GDN in_proj_qkv and attention q_proj are qkv_out wide
+        monkeypatch.setattr(path, False)
     n_nodes = 17
     monkeypatch.setattr(layers, "SKINNY_MATMUL", True)
     dims = dict(head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16)  # the tree kernels' minimum

@@ -189,41 +189,13 @@ def test_decode_kernel_switches_route_single_token_steps(monkeypatch):
         assert kernels_traced() == {"gdn_decode"}
 
 
-def test_decode_multiplies_q_k_v_as_one_product(monkeypatch):
-    """attention.DECODE_QKV_CONCAT (opt-in): a decode step with kernels makes one product per
-    attention layer for q, k and v (x times [Wq | Wk | Wv]) instead of three, and the step's hidden
-    states and K / V cache equal the three-product form's (the default)."""
-    from ddtree_jax.models import attention
-
-    monkeypatch.setattr(attention, "DECODE_QKV_CONCAT", True)
-    cfg, gd, params = MODEL
-    rng = np.random.default_rng(6)
-    cache = decode.prefill(gd, params, init_target_cache(cfg, 2, CAP), jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 6)),
-                           jnp.int32), jnp.asarray([6, 4], jnp.int32)).cache
-    def step(c, t):  # a fresh function per trace: jax caches traces by function
-        return nnx.merge(gd, params)(t[:, None], c, jnp.ones((2,), jnp.int32), chunked=False, impl="pallas_interpret")
-
-    tok = jnp.asarray([3, 7], jnp.int32)
-    attn_layers = sum(kind == "attention" for kind in cfg.layer_types)
-    merged_text = str(jax.make_jaxpr(step)(cache, tok))
-    h_merged, _, c_merged = jax.jit(step)(cache, tok)
-    monkeypatch.setattr(attention, "DECODE_QKV_CONCAT", False)
-    split_text = str(jax.make_jaxpr(lambda c, t: step(c, t))(cache, tok))
-    h_split, _, c_split = jax.jit(lambda c, t: step(c, t))(cache, tok)
-    assert split_text.count("dot_general") - merged_text.count("dot_general") == 2 * attn_layers
-    np.testing.assert_allclose(np.asarray(h_merged), np.asarray(h_split), rtol=1e-5, atol=1e-5)
-    for a, r in zip(c_merged.layers, c_split.layers):
-        if isinstance(r, KVCache):
-            np.testing.assert_allclose(a.k, r.k, rtol=1e-5, atol=1e-6)
-            np.testing.assert_allclose(a.v, r.v, rtol=1e-5, atol=1e-6)
-
-
 def test_merged_gate_up_layout_computes_the_same_mlp(monkeypatch):
-    """layers.MERGED_GATE_UP (a benchmark layout switch): a SwiGLU built under it holds one
+    """layers.MERGED_GATE_UP (a layout switch, on by default): a SwiGLU built under it holds one
     [hidden, 2 * inter] weight; with the two separate weights concatenated into it, it computes
     the separate layout's output."""
     from ddtree_jax.models import layers
 
+    monkeypatch.setattr(layers, "MERGED_GATE_UP", False)
     sep = layers.SwiGLU(16, 24, rngs=nnx.Rngs(0))
     monkeypatch.setattr(layers, "MERGED_GATE_UP", True)
     merged = layers.SwiGLU(16, 24, rngs=nnx.Rngs(1))
@@ -235,15 +207,21 @@ def test_merged_gate_up_layout_computes_the_same_mlp(monkeypatch):
 
 
 def test_merged_qkv_and_ba_layouts_compute_the_same_model(monkeypatch):
-    """attention.MERGED_QKV / gdn.MERGED_QKV_Z / gdn.MERGED_BA (layout switches): a target built
-    under them holds one [hidden, q + k + v] attention weight, one [hidden, conv_dim + value_dim]
-    qkv | z and one [hidden, 2 Hv] b | a weight per layer;
+    """attention.MERGED_QKV / gdn.MERGED_QKV_Z / gdn.MERGED_BA (layout switches, on by default):
+    a target built under them holds one [hidden, q + k + v] attention weight, one [hidden, conv_dim
+    + value_dim] qkv | z and one [hidden, 2 Hv] b | a weight per layer, and its decode step makes
+    one product for q, k and v where the separate layout makes three;
     with the separate model's weights concatenated into them, a decode step (through the decode
     kernels) and a tree verify give the separate layout's outputs."""
     from ddtree_jax.models import attention, gdn
 
-    cfg, gd, params = MODEL
-    sep = nnx.merge(gd, params)
+    from converters.layout import SWITCHES
+
+    cfg = MODEL[0]
+    for path in SWITCHES:  # gate | up stays separate in both (its own test above)
+        monkeypatch.setattr(path, False)
+    sep = type(nnx.merge(*MODEL[1:]))(cfg, rngs=nnx.Rngs(4))
+    gd, params = nnx.split(sep)
     monkeypatch.setattr(attention, "MERGED_QKV", True)
     monkeypatch.setattr(gdn, "MERGED_BA", True)
     monkeypatch.setattr(gdn, "MERGED_QKV_Z", True)
@@ -277,9 +255,12 @@ def test_merged_qkv_and_ba_layouts_compute_the_same_model(monkeypatch):
     lens = jnp.asarray([10, 7], jnp.int32)
     caches = [decode.prefill(g, p, init_target_cache(cfg, B, CAP), prompt, lens).cache for g, p in ((gd, params), (gm, pm))]
     tok = jnp.asarray([3, 7], jnp.int32)
-    outs = [jax.jit(lambda c, g=g, p=p: nnx.merge(g, p)(tok[:, None], c, jnp.ones((B,), jnp.int32), chunked=False,
-                                                           impl="pallas_interpret")[0])(c)
-            for (g, p), c in zip(((gd, params), (gm, pm)), caches)]
+    steps = [lambda c, g=g, p=p: nnx.merge(g, p)(tok[:, None], c, jnp.ones((B,), jnp.int32), chunked=False,
+                                                 impl="pallas_interpret")[0] for g, p in ((gd, params), (gm, pm))]
+    outs = [jax.jit(step)(c) for step, c in zip(steps, caches)]
+    dots = [str(jax.make_jaxpr(step)(c)).count("dot_general") for step, c in zip(steps, caches)]
+    attn = sum(kind == "attention" for kind in cfg.layer_types)
+    assert dots[0] - dots[1] == 2 * attn + (cfg.num_layers - attn)  # k, v ride q's product; z rides qkv's
     np.testing.assert_allclose(np.asarray(outs[1]), np.asarray(outs[0]), rtol=1e-4, atol=1e-4)
     parents = jnp.asarray(np.stack([[-1] + [int(rng.integers(max(0, i - 3), i)) for i in range(1, N)]] * B), jnp.int32)
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, N)), jnp.int32)

@@ -22,22 +22,14 @@ NEG_INF = -1e30
 # tree (faster than the XLA form at every measured shape, `Attention.__call__`). False routes them
 # to the XLA form: an A/B switch for measurements (`scripts/bench_e2e.py --override`).
 DECODE_KERNEL = True
-# Opt-in: single-token steps with kernels multiply x once by [Wq | Wk | Wv]. XLA runs the 27B's K / V
-# products (5120 x 1024 each, under its dot threshold) as a multiply + reduce fusion at ~1.6 TB/s
-# (12.8 us a layer, docs/benchmarks.md section 1); one GEMV over the concatenation would read them
-# at the GEMV rate. The concatenation is loop-invariant: hoisted out of the decode loop it is a
-# second copy of every attention layer's q / k / v weights (2.35 GB at the 27B shape), not hoisted a
-# 147 MB copy per layer and step; the H200 runs' peak memory (60.47 vs 60.41 GB) showed neither, so
-# where it runs is for a profile to say. Session 7's A/B on the H200 did not separate it from the
-# run-to-run spread (14.17 vs 14.45 ms in one pair, 14.45 vs 14.43 in another, section 1), so it is
-# off until a kernel profile decides; storing the weights concatenated at load would give the same
-# product without the copy.
-DECODE_QKV_CONCAT = False
-# Layout switch (off until measured in the model), the stored form of the same idea: Attention modules
+# Layout switch (on: measured with models.layers.MERGED_GATE_UP, see there): Attention modules
 # built while it is True hold one [hidden, q + k + v] weight (`qkv_proj`) and make one product for
-# q, k and v in every pass (decode GEMV; one cuBLAS GEMM in a verify). Checkpoints in either layout
-# load (converters/layout.py).
-MERGED_QKV = False
+# q, k and v in every pass: in decoding one GEMV, where the separate layout's K / V products (5120 x
+# 1024 each at the 27B shape, under XLA's dot threshold) ran as multiply + reduce fusions at ~1.6
+# TB/s (12.8 us a layer); in a verify one cuBLAS GEMM. (It replaced session 7's opt-in route that
+# concatenated the separate weights at trace time: the same product plus a weight copy.)
+# Checkpoints in either layout load (converters/layout.py).
+MERGED_QKV = True
 
 
 def write_kv(cache: KVCache, k_new: jax.Array, v_new: jax.Array, start: jax.Array) -> KVCache:
@@ -106,8 +98,6 @@ class Attention(nnx.Module):
         merged = getattr(self, "qkv_proj", None)
         if merged is not None:
             q, k_lin, v_lin = self._split_qkv(merged(x, impl))
-        elif impl != "xla" and t == 1 and DECODE_QKV_CONCAT and self.q_proj.bias is None:
-            q, k_lin, v_lin = self._decode_qkv(x)
         else:
             xq, xk, xv = unmerged_inputs(x, (self.q_proj,), (self.k_proj,), (self.v_proj,))
             q, k_lin, v_lin = self.q_proj(xq, impl), self.k_proj(xk, impl), self.v_proj(xv, impl)
@@ -120,11 +110,6 @@ class Attention(nnx.Module):
         v = v_lin.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
         cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, gate
-
-    def _decode_qkv(self, x: jax.Array):
-        """q, k, v projections of one token as one product with [Wq | Wk | Wv] (DECODE_QKV_CONCAT)."""
-        ws = (self.q_proj.kernel[...], self.k_proj.kernel[...], self.v_proj.kernel[...])
-        return self._split_qkv(jnp.einsum("...i,io->...o", x, jnp.concatenate(ws, axis=1)))
 
     def _split_qkv(self, y: jax.Array):
         """[..., q + k + v] -> q (with the gate half when gated), k, v."""

@@ -35,18 +35,18 @@ class RecurrentPending(NamedTuple):
 # (pallas_kernels/gdn_decode.py; 17.1 vs 21.4 us a 27B layer on the H200). False routes them to
 # the XLA form: an A/B switch for measurements (`scripts/bench_e2e.py --override`).
 DECODE_KERNEL = True
-# Layout switch (off until measured in the model): GatedDeltaNet modules built while it is True hold
-# the b and a projections as one [hidden, 2 Hv] weight (`in_proj_ba`, b columns first). XLA's dot
-# merger joins the two separate ones in a verify by concatenating the weights every pass (48
-# launches of ~6.5 us a 27B step, docs/benchmarks.md section 1); stored merged there is nothing to
-# concatenate. Checkpoints in either layout load (converters/layout.py).
-MERGED_BA = False
-# Layout switch: GatedDeltaNet modules built while it is True hold the qkv and z projections as
-# one [hidden, conv_dim + value_dim] weight (`in_proj_qkv_z`, qkv columns first). A DDTree verify
-# keeps them apart (`unmerged_inputs`: XLA's merged Triton GEMM was slower there than cuBLAS on the
-# separate weights), so stored merged they are one cuBLAS GEMM instead of two; decoding reads the
-# same bytes either way (XLA merges the two GEMVs). Checkpoints in either layout load.
-MERGED_QKV_Z = False
+# Layout switches (on: measured together with models.layers.MERGED_GATE_UP, see there).
+# MERGED_BA: GatedDeltaNet modules built while it is True hold the b and a projections as one
+# [hidden, 2 Hv] weight (`in_proj_ba`, b columns first). XLA's dot merger joins the two separate
+# ones in a verify by concatenating the weights every pass (48 launches of ~6.5 us a 27B step,
+# docs/benchmarks.md section 1); stored merged there is nothing to concatenate.
+MERGED_BA = True
+# MERGED_QKV_Z: the qkv and z projections as one [hidden, conv_dim + value_dim] weight
+# (`in_proj_qkv_z`, qkv columns first). A DDTree verify keeps separate weights apart
+# (`unmerged_inputs`); stored merged they are one product: 44.6 us a 27B layer at 65 rows on the
+# H200 against 32.4 + 19.8 for the two (session 8 profile). Decoding reads the same bytes either
+# way (XLA merges the two GEMVs). Checkpoints in either layout load (converters/layout.py).
+MERGED_QKV_Z = True
 
 def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)

@@ -126,14 +126,17 @@ class GatedRMSNorm(nnx.Module):
         return gated_rms_norm(o, z, self.weight[...], self.eps)
 
 
-# Layout switch (off until measured in the model): SwiGLU modules built while it is True hold one
-# [hidden, 2 * inter] gate | up weight (`gate_up_proj`) and make one product where the separate
-# layout makes two. On the H200 (scripts/gpu_skinny_matmul.py --trace, session 7) XLA's product
-# over the 27B's merged 5120 x 34816 weight took 80.2 us at 1 row against 2 x 42.8 for the two
-# 5120 x 17408 ones, and 87.6 us at 65 rows against 2 x 51.9 (the 17408-wide products fill the
-# GPU's 132 SMs unevenly). Unmeasured in the model yet. HF checkpoints and converted ones in either
-# layout load into either (converters/layout.py joins / splits the weights).
-MERGED_GATE_UP = False
+# Layout switch (on): SwiGLU modules built while it is True hold one [hidden, 2 * inter] gate | up
+# weight (`gate_up_proj`) and make one product where the separate layout makes two. On the H200
+# (scripts/gpu_skinny_matmul.py --trace, session 7) XLA's product over the 27B's merged 5120 x 34816
+# weight took 80.2 us at 1 row against 2 x 42.8 for the two 5120 x 17408 ones, and 87.6 us at 65
+# rows against 2 x 51.9 (the 17408-wide products fill the GPU's 132 SMs unevenly). The four layout
+# switches (this one, attention.MERGED_QKV, gdn.MERGED_QKV_Z, gdn.MERGED_BA; converters.layout.SWITCHES)
+# measured together in the 27B model on the H200 (session 8, docs/benchmarks.md section 1): decode
+# step 14.32 -> 13.47 ms, verify kernels 19.07 -> 17.32 ms, DDTree-64 step ~22.4 -> 19.96 ms.
+# HF checkpoints and converted ones in either layout load into either (converters/layout.py joins
+# / splits the weights); False builds HF's separate layout.
+MERGED_GATE_UP = True
 
 
 class SwiGLU(nnx.Module):
