@@ -1,10 +1,10 @@
-"""Merged projection layouts: one weight where HF (and the default layout) hold several.
+"""Merged projection layouts (the defaults): one weight where HF holds several.
 
 A model built under `models.layers.MERGED_GATE_UP`, `models.attention.MERGED_QKV`,
 `models.gdn.MERGED_QKV_Z` or `models.gdn.MERGED_BA` holds `mlp/gate_up_proj` [in, gate | up],
 `self_attn/qkv_proj` [in, q | k | v], `linear_attn/in_proj_qkv_z` [in, qkv | z] or
 `linear_attn/in_proj_ba` [in, b | a] (columns in that order; biases likewise).
-HF checkpoints and converted checkpoints written in the default layout hold the parts. The key
+HF checkpoints and converted checkpoints written in the separate layout hold the parts. The key
 maps keep mapping HF tensors onto the parts; `map_into_layout` asks them for the parts a merged
 model needs and concatenates after, and `alternatives` lets a converted checkpoint saved in one
 layout be restored into a model built in the other.

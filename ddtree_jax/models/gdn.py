@@ -48,6 +48,7 @@ MERGED_BA = True
 # way (XLA merges the two GEMVs). Checkpoints in either layout load (converters/layout.py).
 MERGED_QKV_Z = True
 
+
 def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
