@@ -3,7 +3,9 @@
 Same 27B-shaped target, drafter and filled 4k caches as scripts/bench_e2e.py. Each phase (plain
 decode step; DDTree draft, tree build, verify, commit) runs `--inner` times inside one on-device
 loop under `jax.profiler.trace`; the trace's GPU plane is read back with `jax.profiler.ProfileData`
-and every kernel's time is summed by name and by kind (GEMM, Pallas/Triton, fusion, copy, ...).
+and every kernel's time is summed by name and by kind (GEMM, Pallas/Triton, fusion, copy, ...);
+`--sources` also names what each kernel computes (shape, op, source lines in our code: read from
+the phase's optimized HLO, scripts/hlo_index.py) and sums the time by source line.
 A GEMM sweep over the row count M (1 ... 128) at the model's projection shapes shows what a
 verify pass of M tree nodes costs per weight byte.
 
@@ -37,6 +39,7 @@ from ddtree_jax.models.target import TargetModel
 from ddtree_jax.spec import generate as gen
 from ddtree_jax.spec.dflash import DFlashProposer
 from ddtree_jax.spec.sampling import Sampling
+from scripts import hlo_index
 from scripts.bench_e2e import QWEN36_27B, SMOKE, _normal, drafter_config, filled_caches, random_params
 
 KINDS = (  # first match wins; matched against the lower-cased kernel name
@@ -76,8 +79,10 @@ def gpu_kernels(trace_dir: str) -> list[tuple[str, str, float]]:
     return out
 
 
-def profile(fn, iters: int, label: str, top: int) -> dict:
-    """Wall time per call (median of 5) and the kernel breakdown of `iters` traced calls."""
+def profile(fn, iters: int, label: str, top: int, index=None) -> dict:
+    """Wall time per call (median of 5) and the kernel breakdown of `iters` traced calls; with
+    `index` (scripts/hlo_index.py, from the same executable's HLO) also where in our code each
+    kernel comes from, and the kernel time grouped by that place (`by_source`)."""
     jax.block_until_ready(fn())
     times = []
     for _ in range(5):
@@ -91,20 +96,38 @@ def profile(fn, iters: int, label: str, top: int) -> dict:
     events = gpu_kernels(d)
     by_name = collections.defaultdict(lambda: [0, 0.0])
     by_kind = collections.defaultdict(float)
+    by_source = collections.defaultdict(lambda: [0, 0.0])
+    op_time = collections.defaultdict(lambda: collections.defaultdict(float))  # kernel -> hlo_op -> us
     for name, op, us in events:
         key = name[:90]
         by_name[key][0] += 1
         by_name[key][1] += us
         by_kind[kind_of(name)] += us
+        if index is not None:
+            where = hlo_index.describe(hlo_index.lookup(index, op or name))
+            by_source[where][0] += 1
+            by_source[where][1] += us
+            op_time[key][op or name] += us
     total = sum(us for _, _, us in events)
     rows = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
-    return {
+    top_rows = []
+    for k, (c, us) in rows:
+        row = {"kernel": k, "calls": c / iters, "ms": us / 1e3 / iters}
+        if index is not None:  # the instruction that spent most of this kernel name's time
+            op = max(op_time[k].items(), key=lambda kv: kv[1])[0]
+            row["source"] = hlo_index.describe(hlo_index.lookup(index, op))
+        top_rows.append(row)
+    out = {
         "wall_ms": statistics.median(times),
         "gpu_busy_ms": total / 1e3 / iters,
         "kernels_per_call": len(events) / iters,
         "by_kind_ms": {k: v / 1e3 / iters for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
-        "top": [{"kernel": k, "calls": c / iters, "ms": us / 1e3 / iters} for k, (c, us) in rows],
+        "top": top_rows,
     }
+    if index is not None:
+        src_rows = sorted(by_source.items(), key=lambda kv: -kv[1][1])[:top]
+        out["by_source"] = [{"source": k, "calls": c / iters, "ms": us / 1e3 / iters} for k, (c, us) in src_rows]
+    return out
 
 
 def gemm_sweep(cfg: TargetConfig, ms_list, repeats: int = 20) -> list[dict]:
@@ -164,6 +187,9 @@ def main(argv=None) -> int:
     ap.add_argument("--phases", default="step,draft,build,verify,commit")
     ap.add_argument("--verify-budgets", default="63,79,127",
                     help="extra budgets whose verify phase is timed (no trace): node count = budget + 1")
+    ap.add_argument("--sources", action="store_true",
+                    help="name each kernel's shape, op and source lines in our code (from the phase's optimized "
+                         "HLO: one more compile per phase) and add a table of kernel time by source line")
     ap.add_argument("--hlo-dir", default=None,
                     help="also write each phase's optimized HLO (gzipped text) here: the fusion names in the "
                          "kernel table are instruction names in it, so what each kernel computes can be read "
@@ -214,17 +240,23 @@ def main(argv=None) -> int:
         run = lambda n: (lambda: B._phase_loop(graphdef, params, dparams, st, logq, tree, res, eos, key, spec, phase,
                                                jnp.int32(n)))
         fn = run(args.inner)
-        if args.hlo_dir:
-            write_hlo(os.path.join(args.hlo_dir, f"{phase}.hlo.txt.gz"),
-                      B._phase_loop.lower(graphdef, params, dparams, st, logq, tree, res, eos, key, spec, phase,
-                                          args.inner).compile().as_text())
+        index = None
+        if args.hlo_dir or args.sources:  # the executable `fn` runs (same arguments, same compile)
+            text = B._phase_loop.lower(graphdef, params, dparams, st, logq, tree, res, eos, key, spec, phase,
+                                       jnp.int32(args.inner)).compile().as_text()
+            if args.hlo_dir:
+                write_hlo(os.path.join(args.hlo_dir, f"{phase}.hlo.txt.gz"), text)
+            if args.sources:
+                index = hlo_index.index_hlo(text)
         t0 = time.time()
-        p = profile(fn, args.iters, phase, args.top)
+        p = profile(fn, args.iters, phase, args.top, index)
+        per_run = lambda rows: [{**r, "calls": r["calls"] / args.inner, "ms": r["ms"] / args.inner} for r in rows]
         p = {**p, "wall_ms": p["wall_ms"] / args.inner, "gpu_busy_ms": p["gpu_busy_ms"] / args.inner,
              "kernels_per_call": p["kernels_per_call"] / args.inner,
              "by_kind_ms": {k: v / args.inner for k, v in p["by_kind_ms"].items()},
-             "top": [{**r, "calls": r["calls"] / args.inner, "ms": r["ms"] / args.inner} for r in p["top"]],
-             "seconds": time.time() - t0}
+             "top": per_run(p["top"]), "seconds": time.time() - t0}
+        if "by_source" in p:
+            p["by_source"] = per_run(p["by_source"])
         # wall time of one more phase run (n and 2n runs: the call's dispatch cancels), beside the
         # kernel sum: the gap is time between kernels, or the profiler's own cost if negative
         p["marginal_wall_ms"] = B.marginal_ms(lambda k: statistics.median(_timed(run(k)) for _ in range(5)),
@@ -236,7 +268,11 @@ def main(argv=None) -> int:
               f"{p['kernels_per_call']:.0f} kernels ({p['seconds']:.0f} s)", flush=True)
         print("   by kind: " + ", ".join(f"{k} {v:.2f}" for k, v in p["by_kind_ms"].items()))
         for r in p["top"]:
-            print(f"   {r['ms']:8.3f} ms {r['calls']:6.1f}x  {r['kernel']}")
+            print(f"   {r['ms']:8.3f} ms {r['calls']:6.1f}x  {r['kernel']}" + (f"  [{r['source']}]" if "source" in r else ""))
+        if "by_source" in p:
+            print("   by source line:")
+            for r in p["by_source"]:
+                print(f"   {r['ms']:8.3f} ms {r['calls']:6.1f}x  {r['source']}")
     report["verify_by_budget"] = {}
     for budget in [int(x) for x in args.verify_budgets.split(",") if x]:
         spec = dataclasses.replace(tree_spec, budget=budget)

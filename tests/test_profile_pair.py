@@ -20,7 +20,8 @@ def test_profile_pair_smoke(tmp_path):
 
 def test_profile_step_smoke_writes_hlo(tmp_path):
     """scripts/profile_step.py end to end at smoke size, with the optimized HLO of each phase
-    written gzipped (what the kernel table's fusion names refer to)."""
+    written gzipped (what the kernel table's fusion names refer to) and `--sources` (the same HLO
+    indexed: scripts/hlo_index.py)."""
     import gzip
     import json
 
@@ -28,7 +29,9 @@ def test_profile_step_smoke_writes_hlo(tmp_path):
 
     out, hlo = tmp_path / "p.json", tmp_path / "hlo"
     assert main(["--smoke", "--gemm-m", "", "--phases", "step,verify", "--verify-budgets", "", "--iters", "1",
-                 "--inner", "1", "--hlo-dir", str(hlo), "--out", str(out)]) == 0
-    assert set(json.loads(out.read_text())["phases"]) == {"step", "verify"}
+                 "--inner", "1", "--hlo-dir", str(hlo), "--sources", "--out", str(out)]) == 0
+    phases = json.loads(out.read_text())["phases"]
+    assert set(phases) == {"step", "verify"}
+    assert all("by_source" in p for p in phases.values())  # empty on a CPU: no GPU kernels in the trace
     for phase in ("step", "verify"):
         assert gzip.decompress((hlo / f"{phase}.hlo.txt.gz").read_bytes()).startswith(b"HloModule")
