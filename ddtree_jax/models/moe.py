@@ -8,10 +8,14 @@
     out = sum_k w_k down_k(relu(up_k(x'))^2)  (x' = fc1_latent(x) if latent, then fc2_latent(out))
         + shared_experts(x)                                        (relu^2 MLP, no gate)
 
-Experts are computed densely (every expert on every token, combined with a [T, E] weight matrix
-that is zero off the chosen experts): exact and simple; fine for the tiny test models and
-short verify blocks, wasteful for large prefill batches of big checkpoints (a grouped-matmul
-path is left for later).
+Two exact forms of the expert products, picked by how many expert weights each would read:
+- gathered (T * top_k assignments < E experts: decoding, small batches): each token's chosen
+  experts' weights are gathered and only those products made, so a decode step reads top_k of the
+  E expert matrices per token instead of all E (the bulk of a MoE checkpoint's bytes);
+- dense (otherwise: prefill, tree verify, large batches): every expert on every token, combined
+  with a [T, E] weight matrix that is zero off the chosen experts; each expert's weights are read
+  once for all T tokens. (A grouped matmul over tokens sorted by expert would do the chosen
+  products only here as well; not written yet.)
 """
 
 from __future__ import annotations
@@ -26,8 +30,14 @@ from ddtree_jax.models.layers import Linear, Relu2MLP, _init, relu2
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def route(logits_f32, bias, *, top_k, n_group, topk_group, norm, scale):
-    """Router logits [..., E] (float32) -> dense combine weights [..., E] (float32)."""
+def dense_combine(idx, weights, num_experts: int):
+    """Chosen experts idx [..., k] and their weights -> [..., E] weights, zero off the chosen."""
+    return jnp.sum(jax.nn.one_hot(idx, num_experts, dtype=jnp.float32) * weights[..., None], axis=-2)
+
+
+def route_top_k(logits_f32, bias, *, top_k, n_group, topk_group, norm, scale):
+    """Router logits [..., E] (float32) -> chosen experts [..., k] (int32) and their weights
+    [..., k] (float32)."""
     e = logits_f32.shape[-1]
     scores = jax.nn.sigmoid(logits_f32)
     choice = scores + bias
@@ -41,8 +51,7 @@ def route(logits_f32, bias, *, top_k, n_group, topk_group, norm, scale):
     weights = jnp.take_along_axis(scores, idx, axis=-1)
     if norm:
         weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
-    weights = weights * scale
-    return jnp.sum(jax.nn.one_hot(idx, e, dtype=jnp.float32) * weights[..., None], axis=-2)
+    return idx, weights * scale
 
 
 class NemotronMoE(nnx.Module):
@@ -64,14 +73,36 @@ class NemotronMoE(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.cfg
         logits = jnp.einsum("...h,he->...e", x.astype(jnp.float32), self.router[...].astype(jnp.float32), precision=HIGHEST)
-        combine = route(
+        idx, weights = route_top_k(
             logits, self.correction_bias[...].astype(jnp.float32), top_k=cfg.moe_top_k, n_group=cfg.moe_n_group,
             topk_group=cfg.moe_topk_group, norm=cfg.moe_norm_topk_prob, scale=cfg.moe_routed_scaling_factor,
         )
         xe = x if self.fc1_latent_proj is None else self.fc1_latent_proj(x)
-        hidden = relu2(jnp.einsum("...d,edi->...ei", xe, self.up_proj[...]))
-        out = jnp.einsum("...ei,eid->...ed", hidden, self.down_proj[...])
-        routed = jnp.einsum("...ed,...e->...d", out.astype(jnp.float32), combine).astype(x.dtype)
+        if gathered_reads_less(x, cfg.moe_top_k, cfg.moe_num_experts):
+            routed = self._gathered(xe, idx, weights).astype(x.dtype)
+        else:
+            routed = self._dense(xe, dense_combine(idx, weights, cfg.moe_num_experts)).astype(x.dtype)
         if self.fc2_latent_proj is not None:
             routed = self.fc2_latent_proj(routed)
         return routed + self.shared_experts(x)
+
+    def _dense(self, xe: jax.Array, combine: jax.Array) -> jax.Array:
+        """Every expert on every token; combine [..., E] is zero off the chosen experts."""
+        hidden = relu2(jnp.einsum("...d,edi->...ei", xe, self.up_proj[...]))
+        out = jnp.einsum("...ei,eid->...ed", hidden, self.down_proj[...])
+        return jnp.einsum("...ed,...e->...d", out.astype(jnp.float32), combine)
+
+    def _gathered(self, xe: jax.Array, idx: jax.Array, weights: jax.Array) -> jax.Array:
+        """Each token's chosen experts only: their weights gathered [..., k, in, out]."""
+        hidden = relu2(jnp.einsum("...d,...kdi->...ki", xe, self.up_proj[...][idx]))
+        out = jnp.einsum("...ki,...kid->...kd", hidden, self.down_proj[...][idx])
+        return jnp.einsum("...kd,...k->...d", out.astype(jnp.float32), weights)
+
+
+def gathered_reads_less(x: jax.Array, top_k: int, num_experts: int) -> bool:
+    """Whether gathering each token's top_k experts reads fewer expert matrices than the dense
+    form's E (static: from x's shape)."""
+    tokens = 1
+    for d in x.shape[:-1]:
+        tokens *= d
+    return tokens * top_k < num_experts
