@@ -12,12 +12,14 @@ compiled by pip's triton (ptxas included) for GPUTarget("cuda", 90, 32); `cuobjd
     PYTHONPATH=. python3 scripts/offline_triton_compile.py select --nodes 16    # budget 16
     PYTHONPATH=. python3 scripts/offline_triton_compile.py topk --nodes 8192    # rows of 8192
     PYTHONPATH=. python3 scripts/offline_triton_compile.py gdn_decode --nodes 1 # batch 1
+    PYTHONPATH=. python3 scripts/offline_triton_compile.py gdn_prologue --nodes 65
 
 Kernels: "ssd" (pallas_kernels/ssd_tree.py verify, NemotronH-8B-like layer: 128 heads x 64,
 8 groups, state 128), "gdn" (pallas_kernels/gdn_tree.py, Qwen3.6-27B layer: 16 k / 48 v heads
 of 128) "select" (pallas_kernels/tree_select.py, 15 draft depths, --nodes = the budget) and "topk"
 (pallas_kernels/row_top_k.py, --nodes = the row length, k = 16 and 32), "gdn_decode"
-(pallas_kernels/gdn_decode.py at the 27B GDN layer, --nodes = the batch). Each
+(pallas_kernels/gdn_decode.py at the 27B GDN layer, --nodes = the batch), "gdn_prologue"
+(pallas_kernels/gdn_tree_prologue.py at the 27B GDN layer, batch 1). Each
 sweeps a few block / warp settings and prints one row per setting.
 """
 
@@ -154,8 +156,22 @@ def gdn_decode_cases(batch: int):
         yield opts, warps, functools.partial(gdn_decode, num_k_heads=hk, eps=1e-6, impl="pallas", **opts), shapes
 
 
+def gdn_prologue_cases(nodes: int):
+    from pallas_kernels.gdn_tree_prologue import gdn_tree_prologue
+
+    hk, hv, dk, dv, taps = 16, 48, 128, 128, 4  # Qwen3.6-27B GDN layer
+    c = 2 * hk * dk + hv * dv
+    bf = jnp.bfloat16
+    shapes = (jax.ShapeDtypeStruct((1, nodes, c), bf), jax.ShapeDtypeStruct((1, taps - 1, c), bf),
+              jax.ShapeDtypeStruct((taps, c), bf), jax.ShapeDtypeStruct((1, nodes, taps), jnp.int32))
+    for warps in (2, 4, 8):
+        opts = dict(num_warps=warps)
+        yield opts, warps, functools.partial(gdn_tree_prologue, num_k_heads=hk, head_k_dim=dk, head_v_dim=dv,
+                                             impl="pallas", **opts), shapes
+
+
 CASES = {"ssd": ssd_cases, "gdn": gdn_cases, "select": select_cases, "topk": top_k_cases,
-         "gdn_decode": gdn_decode_cases}
+         "gdn_decode": gdn_decode_cases, "gdn_prologue": gdn_prologue_cases}
 
 
 def main(argv=None) -> int:

@@ -30,13 +30,29 @@ def _block(name: str, dtype):
     return BLOCKS[name, dtype]
 
 
-@settings(max_examples=12, deadline=None)
-@given(name=st.sampled_from(["nemo_a", "nemo_b"]), tokens=st.integers(1, 5), seed=st.integers(0, 2**31 - 1),
+@settings(max_examples=8, deadline=None)
+@given(name=st.sampled_from(["nemo_a", "nemo_b"]), tokens=st.sampled_from([1, 3]), seed=st.integers(0, 2**31 - 1),
        bf16=st.booleans())
 def test_gathered_form_equals_dense_form(name, tokens, seed, bf16):
     dtype = jnp.bfloat16 if bf16 else jnp.float32
     cfg, gd, params = _block(name, dtype)
     x = jnp.asarray(np.random.default_rng(seed).normal(size=(tokens, cfg.hidden_size)), dtype)
+
+    g, d, idx = _both(name, dtype)(params, x)
+    assert idx.shape == (tokens, cfg.moe_top_k) and len(np.unique(np.asarray(idx), axis=1)) == tokens
+    tol = 2e-2 if bf16 else 1e-5
+    np.testing.assert_allclose(np.asarray(g), np.asarray(d), rtol=tol, atol=tol * float(np.abs(np.asarray(d)).max()))
+
+
+FORMS = {}
+
+
+def _both(name, dtype):
+    """Jitted once per fixture and dtype (one compilation per token count serves every example):
+    (gathered, dense, chosen experts) of a block."""
+    if (name, dtype) in FORMS:
+        return FORMS[name, dtype]
+    cfg, gd, _ = _block(name, dtype)
 
     @jax.jit
     def both(p, x):
@@ -50,10 +66,8 @@ def test_gathered_form_equals_dense_form(name, tokens, seed, bf16):
         xe = x if m.fc1_latent_proj is None else m.fc1_latent_proj(x)
         return m._gathered(xe, idx, w), m._dense(xe, dense_combine(idx, w, cfg.moe_num_experts)), idx
 
-    g, d, idx = both(params, x)
-    assert idx.shape == (tokens, cfg.moe_top_k) and len(np.unique(np.asarray(idx), axis=1)) == tokens
-    tol = 2e-2 if bf16 else 1e-5
-    np.testing.assert_allclose(np.asarray(g), np.asarray(d), rtol=tol, atol=tol * float(np.abs(np.asarray(d)).max()))
+    FORMS[name, dtype] = both
+    return both
 
 
 @pytest.mark.parametrize("tokens,gathered", [(1, True), (2, True), (3, False), (8, False)])

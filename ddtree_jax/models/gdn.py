@@ -49,6 +49,14 @@ MERGED_BA = True
 MERGED_QKV_Z = True
 
 
+# Opt-in (unmeasured on the GPU yet): with kernels on, a tree verify runs the conv over each
+# node's path, SiLU, the head split, the q / k norms and the casts as one kernel
+# (pallas_kernels/gdn_tree_prologue.py) instead of ~5 XLA fusions and a window concatenation a
+# layer (docs/kernels_gdn.md, "Next"); lowered and compiled for sm_90 offline, exact against the
+# XLA form in the interpreter. On once the H200 shows it faster (docs/benchmarks.md section 4).
+TREE_PROLOGUE_KERNEL = False
+
+
 def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
@@ -224,6 +232,8 @@ class GatedDeltaNet(nnx.Module):
         """
         mixed, z, beta, g = self.project(x, impl)
         w = self.conv_weight[...]
+        if impl != "xla" and conv_src is not None and TREE_PROLOGUE_KERNEL and self._prologue_takes(x):
+            return self._tree_through_prologue(mixed, z, beta, g, cache, conv_src, bits, x.dtype, impl)
         if conv_src is None:
             conv = causal_conv(mixed, cache.conv, w)
         else:
@@ -249,6 +259,34 @@ class GatedDeltaNet(nnx.Module):
             path_g = jnp.einsum("bij,bhj->bhi", visible.astype(jnp.float32), g, precision=delta_rule.HIGHEST)
         o, _ = delta_rule.block(q, k, v, path_g, beta, cache.state, visible)
         return self.output(o, z, x.dtype, impl), RecurrentPending(mixed, k, v, g, beta)
+
+    def _prologue_takes(self, x: jax.Array) -> bool:
+        """Whether the prologue kernel takes this tree; if not, say why (a warning when traced)."""
+        from pallas_kernels.gdn_tree_prologue import kernel_problems
+
+        cfg = self.cfg
+        problems = kernel_problems(x.shape[1], cfg.gdn_num_k_heads, cfg.gdn_k_head_dim, cfg.gdn_num_v_heads,
+                                   cfg.gdn_v_head_dim)
+        if problems:
+            warnings.warn("the GDN tree prologue uses the XLA form, not the Pallas kernel: " + "; ".join(problems),
+                          stacklevel=4)
+        return not problems
+
+    def _tree_through_prologue(self, mixed, z, beta, g, cache: RecurrentCache, conv_src, bits, dtype, impl: str):
+        """`tree` with the conv .. casts in one kernel; the same outputs and pending (module constant
+        TREE_PROLOGUE_KERNEL)."""
+        from pallas_kernels.gdn_tree import gdn_tree_verify
+        from pallas_kernels.gdn_tree_prologue import gdn_tree_prologue
+
+        cfg = self.cfg
+        q, k, v, k32 = gdn_tree_prologue(mixed, cache.conv, self.conv_weight[...], conv_src,
+                                         num_k_heads=cfg.gdn_num_k_heads, head_k_dim=cfg.gdn_k_head_dim,
+                                         head_v_dim=cfg.gdn_v_head_dim, out_dtype=dtype, impl=impl)
+        beta, g = jnp.swapaxes(beta, 1, 2), jnp.swapaxes(g, 1, 2)
+        o = gdn_tree_verify(q, k, v, g, beta, cache.state, bits, impl=impl)  # key heads: the kernel repeats
+        rep = cfg.gdn_num_v_heads // cfg.gdn_num_k_heads
+        k_v = jnp.repeat(k32, rep, axis=1) if rep > 1 else k32  # the commit replays per value head
+        return self.output(o, z, dtype, impl), RecurrentPending(mixed, k_v, v.astype(jnp.float32), g, beta)
 
     @staticmethod
     def commit(pending: RecurrentPending, path, count, cache: RecurrentCache, impl: str = "xla") -> RecurrentCache:
