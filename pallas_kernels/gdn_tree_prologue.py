@@ -58,9 +58,10 @@ def _l2norm(a):
     return a * jax.lax.rsqrt(jnp.sum(a * a, axis=-1, keepdims=True) + 1e-6)
 
 
-def kernel_problems(n: int, num_k_heads: int, head_k_dim: int, num_v_heads: int, head_v_dim: int) -> list[str]:
+def kernel_problems(n: int, num_k_heads: int, head_k_dim: int, num_v_heads: int, head_v_dim: int,
+                    taps: int = 4) -> list[str]:
     """Why the kernel cannot take this shape (empty: it can)."""
-    out = []
+    out = [] if taps >= 2 else [f"a {taps}-tap conv has no window to read"]
     if not (is_pow2(n) or (n > 1 and is_pow2(n - 1))):
         out.append(f"{n} nodes: the kernel takes N or N - 1 a power of two")
     for name, v in (("key head dim", head_k_dim), ("value head dim", head_v_dim)):
@@ -124,7 +125,7 @@ def gdn_tree_prologue(mixed, window, conv_w, conv_src, *, num_k_heads: int, head
     if impl == "xla":
         return reference(mixed, window, conv_w, conv_src, num_k_heads=hk, head_k_dim=dk, head_v_dim=dv,
                          out_dtype=out_dtype)
-    problems = kernel_problems(n, hk, dk, hv, dv)
+    problems = kernel_problems(n, hk, dk, hv, dv, conv_w.shape[0])
     if problems:
         raise ValueError("gdn_tree_prologue: " + "; ".join(problems))
     taps = conv_w.shape[0]

@@ -61,6 +61,7 @@ def test_shapes_the_kernel_refuses():
     problems = kernel_problems(24, 16, 96, 40, 128)
     assert any("24 nodes" in p for p in problems) and any("key head dim 96" in p for p in problems)
     assert any("do not divide" in p for p in problems)
+    assert any("1-tap conv" in p for p in kernel_problems(17, 16, 128, 48, 128, taps=1))
     with pytest.raises(ValueError, match="24 nodes"):
         mixed, window, conv_w, _ = _inputs(16, 0, jnp.float32)
         gdn_tree_prologue(jnp.zeros((B, 24, D)), window, conv_w, jnp.zeros((B, 24, K), jnp.int32),

@@ -266,7 +266,7 @@ class GatedDeltaNet(nnx.Module):
 
         cfg = self.cfg
         problems = kernel_problems(x.shape[1], cfg.gdn_num_k_heads, cfg.gdn_k_head_dim, cfg.gdn_num_v_heads,
-                                   cfg.gdn_v_head_dim)
+                                   cfg.gdn_v_head_dim, self.conv_weight.shape[0])
         if problems:
             warnings.warn("the GDN tree prologue uses the XLA form, not the Pallas kernel: " + "; ".join(problems),
                           stacklevel=4)
