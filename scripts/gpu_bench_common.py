@@ -192,3 +192,28 @@ def print_timing_table(rows, lead, ok) -> None:
         print(" ".join(f"{cell(r, key, spec):>{w}}" for key, _, w, spec in lead) + f" {str(ok(r)):>5}"
               + "".join(f" {fmt(r.get(c + '_us')):>14}" for c in cols) + f"  {best}")
 
+
+def max_rel_err(want, got) -> float:
+    """max |got - want| / max |want| over pairs of arrays (float32 comparison), the largest pair."""
+    import numpy as np
+
+    errs = []
+    for w, g in zip(want, got):
+        w32, g32 = np.asarray(w, np.float32), np.asarray(g, np.float32)
+        errs.append(float(np.max(np.abs(g32 - w32))) / max(1e-9, float(np.max(np.abs(w32)))))
+    return max(errs)
+
+
+DTYPE_ERR_COLUMNS = [("float32_rel_err", "fp32 err", 9, ".1e"), ("bfloat16_rel_err", "bf16 err", 9, ".1e")]
+
+
+def finish_dtype_checked(report, lead, out: str) -> int:
+    """The end of a kernel script whose rows hold float32_ok / bfloat16_ok checks and `<variant>_us`
+    timings: the table (lead columns, then the error columns), and the exit code (1 if a row
+    failed a check or has an error)."""
+    ok = lambda r: bool(r.get("float32_ok") and r.get("bfloat16_ok"))
+    print_timing_table(report["rows"], list(lead) + DTYPE_ERR_COLUMNS, ok)
+    print(f"wrote {out}")
+    failed = [r for r in report["rows"] if not ok(r) or any(k.endswith("error") for k in r)]
+    return 1 if failed else 0
+
