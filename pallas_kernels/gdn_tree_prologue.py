@@ -31,6 +31,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from ddtree_jax.models.conv import tree_conv
+from ddtree_jax.models.gdn import l2_normalize
 from pallas_kernels._common import check_impl, compiler_params, is_pow2
 
 
@@ -41,21 +43,12 @@ def reference(mixed, window, conv_w, conv_src, *, num_k_heads: int, head_k_dim: 
     mixed [B, N, D] (D = 2 Hk dk + Hv dv: q | k | v channels), window [B, K - 1, D], conv_w [K, D],
     conv_src [B, N, K] int32 (indices into [window ; mixed])."""
     b, n, d = mixed.shape
-    taps_n = conv_w.shape[0]
-    seq = jnp.concatenate([window.astype(conv_w.dtype), mixed.astype(conv_w.dtype)], axis=1)
-    taps = jnp.take_along_axis(seq[:, :, None, :], conv_src[..., None], axis=1)  # [B, N, K, D]
-    conv = sum(taps[:, :, m] * conv_w[taps_n - 1 - m] for m in range(taps_n))
-    act = jax.nn.silu(conv).astype(out_dtype).astype(jnp.float32)
+    act = jax.nn.silu(tree_conv(mixed, window, conv_w, conv_src)).astype(out_dtype).astype(jnp.float32)
     kd = num_k_heads * head_k_dim
     heads = lambda a, dim: jnp.swapaxes(a.reshape(b, n, -1, dim), 1, 2)
     q, k, v = heads(act[..., :kd], head_k_dim), heads(act[..., kd : 2 * kd], head_k_dim), heads(act[..., 2 * kd :], head_v_dim)
-    k32 = _l2norm(k)
-    return (_l2norm(q) * head_k_dim**-0.5).astype(out_dtype), k32.astype(out_dtype), v.astype(out_dtype), k32
-
-
-def _l2norm(a):
-    """As models.gdn.l2_normalize (float32)."""
-    return a * jax.lax.rsqrt(jnp.sum(a * a, axis=-1, keepdims=True) + 1e-6)
+    k32 = l2_normalize(k)
+    return (l2_normalize(q) * head_k_dim**-0.5).astype(out_dtype), k32.astype(out_dtype), v.astype(out_dtype), k32
 
 
 def kernel_problems(n: int, num_k_heads: int, head_k_dim: int, num_v_heads: int, head_v_dim: int,
@@ -102,8 +95,8 @@ def _prologue_kernel(*refs, taps: int, rep: int, blocks, scale: float):
         idx_of = lambda m, rows=rows: src_ref[rows, m]
         q = act(x_q, win_q, w_q, idx_of)
         k = act(x_k, win_k, w_k, idx_of)
-        q_out[rows, :] = (_l2norm(q) * scale).astype(q_out.dtype)
-        k_n = _l2norm(k)
+        q_out[rows, :] = (l2_normalize(q) * scale).astype(q_out.dtype)
+        k_n = l2_normalize(k)
         k_out[rows, :] = k_n.astype(k_out.dtype)
         k32_out[rows, :] = k_n
         for r in range(rep):

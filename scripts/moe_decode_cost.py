@@ -25,7 +25,7 @@ from flax import nnx
 from ddtree_jax import atomic
 from ddtree_jax.bench import median_ms
 from ddtree_jax.config import TargetConfig
-from ddtree_jax.models.moe import NemotronMoE, dense_combine, route_top_k
+from ddtree_jax.models.moe import NemotronMoE, dense_combine
 
 
 def block_config(hidden: int, experts: int, top_k: int, inter: int, shared: int) -> TargetConfig:
@@ -67,21 +67,13 @@ def main(argv=None) -> int:
     gd, params = random_block(cfg, jnp.bfloat16)
     expert_bytes = 2 * args.hidden * args.inter * 2  # up + down of one expert, bf16
 
-    @jax.jit
-    def forms(p, x):
-        m = nnx.merge(gd, p)
-        logits = jnp.einsum("th,he->te", x.astype(jnp.float32), m.router[...])
-        idx, w = route_top_k(logits, m.correction_bias[...], top_k=cfg.moe_top_k, n_group=cfg.moe_n_group,
-                             topk_group=cfg.moe_topk_group, norm=cfg.moe_norm_topk_prob,
-                             scale=cfg.moe_routed_scaling_factor)
-        return idx, w
-
+    route = jax.jit(lambda p, x: nnx.merge(gd, p).route(x))
     gathered = jax.jit(lambda p, x, idx, w: nnx.merge(gd, p)._gathered(x, idx, w))
     dense = jax.jit(lambda p, x, idx, w: nnx.merge(gd, p)._dense(x, dense_combine(idx, w, cfg.moe_num_experts)))
     rows = []
     for t in [int(v) for v in args.tokens.split(",")]:
         x = jax.random.normal(jax.random.PRNGKey(t), (t, args.hidden), jnp.float32).astype(jnp.bfloat16)
-        idx, w = forms(params, x)
+        idx, w = route(params, x)
         ms_g = median_ms(lambda: gathered(params, x, idx, w), args.repeats)
         ms_d = median_ms(lambda: dense(params, x, idx, w), args.repeats)
         row = {"tokens": t, "gathered_ms": ms_g, "dense_ms": ms_d, "dense_over_gathered": ms_d / ms_g,

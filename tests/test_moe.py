@@ -56,14 +56,11 @@ def _both(name, dtype):
 
     @jax.jit
     def both(p, x):
-        from ddtree_jax.models.moe import dense_combine, route_top_k
+        from ddtree_jax.models.moe import dense_combine
 
         m = nnx.merge(gd, p)
-        logits = jnp.einsum("...h,he->...e", x.astype(jnp.float32), m.router[...], precision="highest")
-        idx, w = route_top_k(logits, m.correction_bias[...], top_k=cfg.moe_top_k, n_group=cfg.moe_n_group,
-                             topk_group=cfg.moe_topk_group, norm=cfg.moe_norm_topk_prob,
-                             scale=cfg.moe_routed_scaling_factor)
-        xe = x if m.fc1_latent_proj is None else m.fc1_latent_proj(x)
+        idx, w = m.route(x)
+        xe = m.expert_inputs(x)
         return m._gathered(xe, idx, w), m._dense(xe, dense_combine(idx, w, cfg.moe_num_experts)), idx
 
     FORMS[name, dtype] = both

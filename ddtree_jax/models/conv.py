@@ -22,6 +22,17 @@ def causal_conv(x: jax.Array, window: jax.Array, weight: jax.Array, bias: jax.Ar
     return out
 
 
+def tree_conv(xs: jax.Array, window: jax.Array, weight: jax.Array, conv_src: jax.Array, bias=None) -> jax.Array:
+    """Pre-activation conv outputs of tree nodes: node i's K taps are gathered through conv_src
+    [B, N, K] (tree.geometry: m-th ancestor of i, or a committed window column) from
+    concat(window [B, K-1, C], xs [B, N, C])."""
+    seq = jnp.concatenate([window.astype(weight.dtype), xs.astype(weight.dtype)], axis=1)
+    taps = jnp.take_along_axis(seq[:, :, None, :], conv_src[..., None], axis=1)  # [B, N, K, C]
+    kernel = weight.shape[0]
+    out = sum(taps[:, :, m] * weight[kernel - 1 - m] for m in range(kernel))
+    return out if bias is None else out + bias
+
+
 def next_window(x: jax.Array, window: jax.Array, n_valid: jax.Array) -> jax.Array:
     """Window after consuming the first n_valid[b] of the T inputs of each sequence."""
     keep = window.shape[1]

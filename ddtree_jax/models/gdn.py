@@ -17,7 +17,7 @@ from flax import nnx
 from ddtree_jax.cache import RecurrentCache
 from ddtree_jax.config import TargetConfig
 from ddtree_jax.models import delta_rule
-from ddtree_jax.models.conv import causal_conv, next_window
+from ddtree_jax.models.conv import causal_conv, next_window, tree_conv
 from ddtree_jax.models.layers import GatedRMSNorm, Linear, unmerged_inputs
 
 
@@ -232,27 +232,29 @@ class GatedDeltaNet(nnx.Module):
         """
         mixed, z, beta, g = self.project(x, impl)
         w = self.conv_weight[...]
-        if impl != "xla" and conv_src is not None and TREE_PROLOGUE_KERNEL and self._prologue_takes(x):
-            return self._tree_through_prologue(mixed, z, beta, g, cache, conv_src, bits, x.dtype, impl)
-        if conv_src is None:
-            conv = causal_conv(mixed, cache.conv, w)
-        else:
-            seq = jnp.concatenate([cache.conv.astype(w.dtype), mixed.astype(w.dtype)], axis=1)
-            taps = jnp.take_along_axis(seq[:, :, None, :], conv_src[..., None], axis=1)  # [B,N,K,D]
-            kernel = w.shape[0]
-            conv = sum(taps[:, :, m] * w[kernel - 1 - m] for m in range(kernel))
-        q, k, v = self.heads(jax.nn.silu(conv).astype(x.dtype))
         beta, g = jnp.swapaxes(beta, 1, 2), jnp.swapaxes(g, 1, 2)
-        if impl != "xla":  # trees and chains (linear DFlash): a chain is a tree of depth N - 1
-            from pallas_kernels.gdn_tree import gdn_tree_verify
+        if impl != "xla" and self._prologue_route(x, conv_src):
+            # the conv .. casts in one kernel: q / k per key head (the tree kernel maps value head
+            # j to key head j // rep), the float32 k for the commit repeated per value head
+            from pallas_kernels.gdn_tree_prologue import gdn_tree_prologue
 
+            cfg = self.cfg
+            q, k, v, k32 = gdn_tree_prologue(mixed, cache.conv, w, conv_src, num_k_heads=cfg.gdn_num_k_heads,
+                                             head_k_dim=cfg.gdn_k_head_dim, head_v_dim=cfg.gdn_v_head_dim,
+                                             out_dtype=x.dtype, impl=impl)
+            rep = cfg.gdn_num_v_heads // cfg.gdn_num_k_heads
+            return self._tree_kernel(q, k, v, g, beta, cache, bits, z, x.dtype, impl,
+                                     RecurrentPending(mixed, jnp.repeat(k32, rep, axis=1), v.astype(jnp.float32), g, beta))
+        conv = causal_conv(mixed, cache.conv, w) if conv_src is None else tree_conv(mixed, cache.conv, w, conv_src)
+        q, k, v = self.heads(jax.nn.silu(conv).astype(x.dtype))
+        if impl != "xla":  # trees and chains (linear DFlash): a chain is a tree of depth N - 1
             # 16-bit models hand the kernel q / k / v in the model dtype (as FLA takes them): its
             # loads halve and its float32 products run as one-pass TF32, below the bf16 rounding
             # of o (on the H200: 24 us per layer at 64 nodes with bf16 inputs, 68 us with float32).
             # The state stays exact: the commit replays the float32 k / v of `pending`.
             lo = (lambda a: a.astype(x.dtype)) if x.dtype in (jnp.bfloat16, jnp.float16) else (lambda a: a)
-            o = gdn_tree_verify(lo(q), lo(k), lo(v), g, beta, cache.state, bits, impl=impl)
-            return self.output(o, z, x.dtype, impl), RecurrentPending(mixed, k, v, g, beta)
+            return self._tree_kernel(lo(q), lo(k), lo(v), g, beta, cache, bits, z, x.dtype, impl,
+                                     RecurrentPending(mixed, k, v, g, beta))
         if conv_src is None:
             path_g = jnp.cumsum(g, axis=-1)
         else:
@@ -260,33 +262,29 @@ class GatedDeltaNet(nnx.Module):
         o, _ = delta_rule.block(q, k, v, path_g, beta, cache.state, visible)
         return self.output(o, z, x.dtype, impl), RecurrentPending(mixed, k, v, g, beta)
 
-    def _prologue_takes(self, x: jax.Array) -> bool:
-        """Whether the prologue kernel takes this tree; if not, say why (a warning when traced)."""
+    def _prologue_route(self, x: jax.Array, conv_src) -> bool:
+        """Whether a tree pass with kernels takes the prologue kernel (TREE_PROLOGUE_KERNEL); when it
+        is on but cannot be taken, say why (a warning when traced)."""
+        if not TREE_PROLOGUE_KERNEL:
+            return False
         from pallas_kernels.gdn_tree_prologue import kernel_problems
 
         cfg = self.cfg
-        problems = kernel_problems(x.shape[1], cfg.gdn_num_k_heads, cfg.gdn_k_head_dim, cfg.gdn_num_v_heads,
-                                   cfg.gdn_v_head_dim, self.conv_weight.shape[0])
+        problems = [] if conv_src is not None else ["a chain (linear DFlash) keeps the causal conv form"]
+        problems += kernel_problems(x.shape[1], cfg.gdn_num_k_heads, cfg.gdn_k_head_dim, cfg.gdn_num_v_heads,
+                                    cfg.gdn_v_head_dim, self.conv_weight.shape[0])
         if problems:
             warnings.warn("the GDN tree prologue uses the XLA form, not the Pallas kernel: " + "; ".join(problems),
                           stacklevel=4)
         return not problems
 
-    def _tree_through_prologue(self, mixed, z, beta, g, cache: RecurrentCache, conv_src, bits, dtype, impl: str):
-        """`tree` with the conv .. casts in one kernel; the same outputs and pending (module constant
-        TREE_PROLOGUE_KERNEL)."""
+    def _tree_kernel(self, q, k, v, g, beta, cache: RecurrentCache, bits, z, dtype, impl: str,
+                     pending: RecurrentPending):
+        """The tree delta-rule kernel over q / k / v (heads first) and the layer's output."""
         from pallas_kernels.gdn_tree import gdn_tree_verify
-        from pallas_kernels.gdn_tree_prologue import gdn_tree_prologue
 
-        cfg = self.cfg
-        q, k, v, k32 = gdn_tree_prologue(mixed, cache.conv, self.conv_weight[...], conv_src,
-                                         num_k_heads=cfg.gdn_num_k_heads, head_k_dim=cfg.gdn_k_head_dim,
-                                         head_v_dim=cfg.gdn_v_head_dim, out_dtype=dtype, impl=impl)
-        beta, g = jnp.swapaxes(beta, 1, 2), jnp.swapaxes(g, 1, 2)
-        o = gdn_tree_verify(q, k, v, g, beta, cache.state, bits, impl=impl)  # key heads: the kernel repeats
-        rep = cfg.gdn_num_v_heads // cfg.gdn_num_k_heads
-        k_v = jnp.repeat(k32, rep, axis=1) if rep > 1 else k32  # the commit replays per value head
-        return self.output(o, z, dtype, impl), RecurrentPending(mixed, k_v, v.astype(jnp.float32), g, beta)
+        o = gdn_tree_verify(q, k, v, g, beta, cache.state, bits, impl=impl)
+        return self.output(o, z, dtype, impl), pending
 
     @staticmethod
     def commit(pending: RecurrentPending, path, count, cache: RecurrentCache, impl: str = "xla") -> RecurrentCache:

@@ -36,7 +36,7 @@ from flax import nnx
 from ddtree_jax.cache import RecurrentCache
 from ddtree_jax.config import TargetConfig
 from ddtree_jax.models import ssd
-from ddtree_jax.models.conv import causal_conv, next_window
+from ddtree_jax.models.conv import causal_conv, next_window, tree_conv
 from ddtree_jax.models.layers import Linear, rms_normalize
 
 
@@ -47,17 +47,6 @@ class Mamba2Pending(NamedTuple):
     x: jax.Array  # [B, N, H, P] float32 SSM inputs
     b: jax.Array  # [B, N, G, Ns] float32
     dt: jax.Array  # [B, N, H] float32, already softplus'ed and clipped
-
-
-def tree_conv(xs: jax.Array, window: jax.Array, weight: jax.Array, conv_src: jax.Array, bias=None) -> jax.Array:
-    """Pre-activation conv outputs of tree nodes: node i's K taps are gathered through conv_src
-    [B, N, K] (tree.geometry: m-th ancestor of i, or a committed window column) from
-    concat(window [B, K-1, C], xs [B, N, C])."""
-    seq = jnp.concatenate([window.astype(weight.dtype), xs.astype(weight.dtype)], axis=1)
-    taps = jnp.take_along_axis(seq[:, :, None, :], conv_src[..., None], axis=1)  # [B, N, K, C]
-    kernel = weight.shape[0]
-    out = sum(taps[:, :, m] * weight[kernel - 1 - m] for m in range(kernel))
-    return out if bias is None else out + bias
 
 
 # The SSD tree-verify kernel beat the XLA form on the H200 at 16 nodes (82 vs 94 us, 128 heads x 64,

@@ -70,14 +70,23 @@ class NemotronMoE(nnx.Module):
         else:
             self.fc1_latent_proj = self.fc2_latent_proj = None
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Chosen experts [..., k] and their combine weights [..., k] (float32) of tokens x."""
         cfg = self.cfg
         logits = jnp.einsum("...h,he->...e", x.astype(jnp.float32), self.router[...].astype(jnp.float32), precision=HIGHEST)
-        idx, weights = route_top_k(
+        return route_top_k(
             logits, self.correction_bias[...].astype(jnp.float32), top_k=cfg.moe_top_k, n_group=cfg.moe_n_group,
             topk_group=cfg.moe_topk_group, norm=cfg.moe_norm_topk_prob, scale=cfg.moe_routed_scaling_factor,
         )
-        xe = x if self.fc1_latent_proj is None else self.fc1_latent_proj(x)
+
+    def expert_inputs(self, x: jax.Array) -> jax.Array:
+        """What the experts read: x, or its latent projection."""
+        return x if self.fc1_latent_proj is None else self.fc1_latent_proj(x)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        idx, weights = self.route(x)
+        xe = self.expert_inputs(x)
         if gathered_reads_less(x, cfg.moe_top_k, cfg.moe_num_experts):
             routed = self._gathered(xe, idx, weights).astype(x.dtype)
         else:
