@@ -19,14 +19,16 @@ B, HK, HV, DK, DV, K = 2, 2, 6, 16, 16, 4
 D = 2 * HK * DK + HV * DV
 
 
-def _inputs(n, seed, dtype):
+def _inputs(n, seed, dtype, extra=0):
+    """A random tree of n nodes and its conv inputs; `extra` columns after the conv's (the z part of
+    a merged qkv | z product) that the prologue must not read."""
     rng = np.random.default_rng(seed)
     parents = jnp.asarray(np.stack([[-1] + [int(rng.integers(max(0, i - 4), i)) for i in range(1, n)]
                                     for _ in range(B)]), jnp.int32)
     tree = make_tree(jnp.zeros((B, n), jnp.int32), parents, jnp.ones((B, n), bool), jnp.zeros((B,), jnp.int32),
                      max_depth=n - 1)
     conv_src = geometry(tree, K).conv_src
-    mixed = jnp.asarray(rng.normal(size=(B, n, D)), dtype)
+    mixed = jnp.asarray(rng.normal(size=(B, n, D + extra)), dtype)
     window = jnp.asarray(rng.normal(size=(B, K - 1, D)), dtype)
     conv_w = jnp.asarray(rng.normal(size=(K, D)) * 0.5, dtype)
     return mixed, window, conv_w, conv_src
@@ -37,14 +39,16 @@ KW = dict(num_k_heads=HK, head_k_dim=DK, head_v_dim=DV)
 PROLOGUE = {impl: jax.jit(functools.partial(gdn_tree_prologue, impl=impl, **KW)) for impl in ("xla", "pallas_interpret")}
 
 
-@settings(max_examples=8, deadline=None)
-@given(n=st.sampled_from([16, 17, 33]), seed=st.integers(0, 2**31 - 1), bf16=st.booleans())
-def test_kernel_equals_reference(n, seed, bf16):
-    """Random trees of 16 (one block), 17 and 33 nodes (root + a power-of-two block): q, k, v and
-    the float32 k agree (float32: to rounding; bf16: within a few bf16 ulps, the reference's conv
-    runs in bf16 arithmetic, the kernel's in float32)."""
+@settings(max_examples=10, deadline=None)
+@given(n=st.sampled_from([16, 17, 33]), seed=st.integers(0, 2**31 - 1), bf16=st.booleans(),
+       extra=st.sampled_from([0, 3 * DV]))
+def test_kernel_equals_reference(n, seed, bf16, extra):
+    """Random trees of 16 (one block), 17 and 33 nodes (root + a power-of-two block), conv inputs
+    alone or with z columns after them: q, k, v and the float32 k agree (float32: to rounding;
+    bf16: within a few bf16 ulps, the reference's conv runs in bf16 arithmetic, the kernel's in
+    float32)."""
     dtype = jnp.bfloat16 if bf16 else jnp.float32
-    args = _inputs(n, seed, dtype)
+    args = _inputs(n, seed, dtype, extra)
     want, got = PROLOGUE["xla"](*args), PROLOGUE["pallas_interpret"](*args)
     for name, w, g in zip(("q", "k", "v", "k32"), want, got):
         assert g.shape == w.shape and g.dtype == w.dtype, name
@@ -62,6 +66,10 @@ def test_shapes_the_kernel_refuses():
     assert any("24 nodes" in p for p in problems) and any("key head dim 96" in p for p in problems)
     assert any("do not divide" in p for p in problems)
     assert any("1-tap conv" in p for p in kernel_problems(17, 16, 128, 48, 128, taps=1))
+    assert any("!= value head dim" in p for p in kernel_problems(17, 16, 64, 48, 128))
+    mixed, window, conv_w, src = _inputs(17, 0, jnp.float32)
+    with pytest.raises(ValueError, match="fewer than the conv"):
+        gdn_tree_prologue(mixed[..., :-1], window, conv_w, src, impl="pallas_interpret", **KW)
     with pytest.raises(ValueError, match="24 nodes"):
         mixed, window, conv_w, _ = _inputs(16, 0, jnp.float32)
         gdn_tree_prologue(jnp.zeros((B, 24, D)), window, conv_w, jnp.zeros((B, 24, K), jnp.int32),

@@ -135,8 +135,12 @@ def test_plain_decoding_through_the_kernels():
 def test_bf16_model_feeds_the_gdn_kernel_bf16_and_commits_exactly():
     """A bf16 model hands the GDN tree kernel bf16 q / k / v (one-pass TF32 on the GPU): node
     logits stay within bf16 rounding of the XLA path. The first GDN layer's committed state (its
-    inputs are the embeddings on both paths) is replayed from the float32 pending k / v and matches
-    to float32 precision; later layers see bf16-rounded differences of the layers below."""
+    inputs are the embeddings on both paths) is replayed from the float32 pending k / v; its conv
+    activations come from the prologue kernel, which rounds as the GDN decode kernel does (float32
+    sum, one bf16 rounding before and one after SiLU) where XLA's bf16 conv rounds every tap, so
+    it agrees to bf16 rounding of the activations (0.7 % of the state's scale here; the decode
+    kernel and XLA's decode step differ by as much); later layers also see bf16-rounded
+    differences of the layers below."""
     cfg, gd, params = make_target(dict(head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
                                        dtype="bfloat16"), seed=32, base=HYBRID)
     rng = np.random.default_rng(4)
@@ -155,7 +159,8 @@ def test_bf16_model_feeds_the_gdn_kernel_bf16_and_commits_exactly():
     assert float(np.abs(np.asarray(got_logits) - np.asarray(ref_logits)).max()) <= 0.05 * scale
     recurrent = [(a, r) for a, r in zip(got_cache.layers, ref_cache.layers) if not isinstance(r, KVCache)]
     assert cfg.layer_types[0] == "gdn"
-    np.testing.assert_allclose(recurrent[0][0].state, recurrent[0][1].state, rtol=1e-5, atol=1e-5)
+    first_got, first_ref = (np.asarray(x.state) for x in recurrent[0])
+    assert float(np.abs(first_got - first_ref).max()) <= 0.01 * float(np.abs(first_ref).max())
     for a, r in recurrent[1:]:
         assert float(np.abs(np.asarray(a.state) - np.asarray(r.state)).max()) <= 0.02 * float(np.abs(np.asarray(r.state)).max())
 

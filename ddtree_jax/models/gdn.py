@@ -24,9 +24,9 @@ from ddtree_jax.models.layers import GatedRMSNorm, Linear, unmerged_inputs
 class RecurrentPending(NamedTuple):
     """Per-node inputs a GDN commit needs to replay an accepted path (never per-node states)."""
 
-    conv_in: jax.Array  # [B, N, conv_dim] conv inputs of every node
-    k: jax.Array  # [B, H, N, dk]
-    v: jax.Array  # [B, H, N, dv]
+    conv_in: jax.Array  # [B, N, >= conv_dim] conv inputs of every node (first conv_dim columns)
+    k: jax.Array  # [B, H or Hk, N, dk] float32 (per key head: value head j reads j // (H // Hk))
+    v: jax.Array  # [B, H, N, dv] float32, or the model dtype where v was rounded to it
     g: jax.Array  # [B, H, N]
     beta: jax.Array  # [B, H, N]
 
@@ -49,12 +49,13 @@ MERGED_BA = True
 MERGED_QKV_Z = True
 
 
-# Opt-in (unmeasured on the GPU yet): with kernels on, a tree verify runs the conv over each
-# node's path, SiLU, the head split, the q / k norms and the casts as one kernel
-# (pallas_kernels/gdn_tree_prologue.py) instead of ~5 XLA fusions and a window concatenation a
-# layer (docs/kernels_gdn.md, "Next"); lowered and compiled for sm_90 offline, exact against the
-# XLA form in the interpreter. On once the H200 shows it faster (docs/benchmarks.md section 4).
-TREE_PROLOGUE_KERNEL = False
+# With kernels on, a tree verify runs the conv over each node's path, SiLU, the head split, the
+# q / k norms and the casts as one kernel (pallas_kernels/gdn_tree_prologue.py), reading the conv
+# channels of the merged qkv | z product in place, instead of ~5 XLA fusions, a slice copy and a
+# window concatenation a layer. H200, 27B layer, 65 nodes (session 9): 6.2 us a layer in the
+# verify; isolated 9.2 us against 13.4 for the XLA form (batch 1), 26.7 vs 51.9 (batch 8).
+# False keeps the XLA form (announced by a warning when traced).
+TREE_PROLOGUE_KERNEL = True
 
 
 def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
@@ -109,8 +110,10 @@ class GatedDeltaNet(nnx.Module):
         self.out_proj = Linear(cfg.gdn_value_dim, h, dtype=dtype, rngs=rngs)
 
     # ---- pieces shared by every entry point ------------------------------------------
-    def project(self, x: jax.Array, impl: str = "xla"):
-        """Conv inputs [B,T,conv_dim], gate z [B,T,Hv,dv], beta and g [B,T,Hv] (float32)."""
+    def project(self, x: jax.Array, impl: str = "xla", wide_conv_in: bool = False):
+        """Conv inputs [B,T,conv_dim], gate z [B,T,Hv,dv], beta and g [B,T,Hv] (float32).
+        wide_conv_in: the conv inputs may carry more columns after the first conv_dim (the whole
+        merged qkv | z product, for a consumer that reads only its channel blocks: no slice copy)."""
         cfg = self.cfg
         b, t, _ = x.shape
         ba = getattr(self, "in_proj_ba", None)
@@ -118,7 +121,7 @@ class GatedDeltaNet(nnx.Module):
         qkv_z = getattr(self, "in_proj_qkv_z", None)
         if qkv_z is not None:
             x_qkv_z, x_ab = unmerged_inputs(x, (qkv_z,), ab_group)
-            mixed, z = self.qkv_z_outputs(x_qkv_z, impl)
+            mixed, z = self.qkv_z_outputs(x_qkv_z, impl, wide_conv_in)
         else:
             x_qkv, x_z, x_ab = unmerged_inputs(x, (self.in_proj_qkv,), (self.in_proj_z,), ab_group)
             mixed, z = self.in_proj_qkv(x_qkv, impl), self.in_proj_z(x_z, impl)
@@ -130,13 +133,15 @@ class GatedDeltaNet(nnx.Module):
         beta, g = gate_values(a_lin, b_lin, self.A_log[...], self.dt_bias[...])
         return mixed, z, beta, g
 
-    def qkv_z_outputs(self, x: jax.Array, impl: str = "xla") -> tuple[jax.Array, jax.Array]:
-        """Conv inputs [..., conv_dim] and the flat gate z [..., value_dim] in either layout."""
+    def qkv_z_outputs(self, x: jax.Array, impl: str = "xla", wide_conv_in: bool = False
+                      ) -> tuple[jax.Array, jax.Array]:
+        """Conv inputs [..., conv_dim] and the flat gate z [..., value_dim] in either layout
+        (wide_conv_in: see `project`)."""
         qkv_z = getattr(self, "in_proj_qkv_z", None)
         if qkv_z is None:
             return self.in_proj_qkv(x, impl), self.in_proj_z(x, impl)
         both = qkv_z(x, impl)
-        return both[..., : self.cfg.gdn_conv_dim], both[..., self.cfg.gdn_conv_dim :]
+        return (both if wide_conv_in else both[..., : self.cfg.gdn_conv_dim]), both[..., self.cfg.gdn_conv_dim :]
 
     def ab_kernels(self) -> tuple[jax.Array, jax.Array]:
         """The a and b projection weights [hidden, Hv] in either layout."""
@@ -225,26 +230,31 @@ class GatedDeltaNet(nnx.Module):
         visible [B, N, N]: ancestor-or-self. conv_src [B, N, K] (tree.geometry) gathers each
         node's conv window from its ancestors and the committed window; None means a chain
         (node i's parent is i - 1: linear DFlash), its conv computed with the plain causal form.
-        impl "pallas" / "pallas_interpret" run the nodes of a tree or a chain through the fused tree
-        delta-rule kernel (path sums from the ancestor `bits`, no per-node state anywhere); on the
+        impl "pallas" / "pallas_interpret" run the conv .. casts of a tree or a chain as one kernel
+        (TREE_PROLOGUE_KERNEL) and the nodes through the fused tree delta-rule kernel (path sums from the ancestor `bits`, no per-node state anywhere); on the
         H200 it took 8.9 us for 16 nodes where the XLA form (a triangular solve over dense
         visibility, ~8 kernels) took 41.5 (docs/benchmarks.md section 2).
         """
-        mixed, z, beta, g = self.project(x, impl)
+        prologue = impl != "xla" and self._prologue_route(x, conv_src)
+        mixed, z, beta, g = self.project(x, impl, wide_conv_in=prologue)
         w = self.conv_weight[...]
         beta, g = jnp.swapaxes(beta, 1, 2), jnp.swapaxes(g, 1, 2)
-        if impl != "xla" and self._prologue_route(x, conv_src):
-            # the conv .. casts in one kernel: q / k per key head (the tree kernel maps value head
-            # j to key head j // rep), the float32 k for the commit repeated per value head
+        if prologue:
+            # the conv .. casts in one kernel, reading the conv's channels of the whole qkv | z
+            # product; the commit takes the float32 k per key head and v in the model dtype (exact:
+            # v is rounded to it before the float32 cast) and the conv inputs' first conv_dim columns
             from pallas_kernels.gdn_tree_prologue import gdn_tree_prologue
 
             cfg = self.cfg
+            if conv_src is None:  # a chain: node i's m-th tap is node i - m, or the window before node 0
+                taps, n = w.shape[0], x.shape[1]
+                chain = (taps - 1) + jnp.arange(n, dtype=jnp.int32)[:, None] - jnp.arange(taps, dtype=jnp.int32)[None]
+                conv_src = jnp.broadcast_to(chain, (x.shape[0], n, taps))
             q, k, v, k32 = gdn_tree_prologue(mixed, cache.conv, w, conv_src, num_k_heads=cfg.gdn_num_k_heads,
                                              head_k_dim=cfg.gdn_k_head_dim, head_v_dim=cfg.gdn_v_head_dim,
                                              out_dtype=x.dtype, impl=impl)
-            rep = cfg.gdn_num_v_heads // cfg.gdn_num_k_heads
             return self._tree_kernel(q, k, v, g, beta, cache, bits, z, x.dtype, impl,
-                                     RecurrentPending(mixed, jnp.repeat(k32, rep, axis=1), v.astype(jnp.float32), g, beta))
+                                     RecurrentPending(mixed, k32, v, g, beta))
         conv = causal_conv(mixed, cache.conv, w) if conv_src is None else tree_conv(mixed, cache.conv, w, conv_src)
         q, k, v = self.heads(jax.nn.silu(conv).astype(x.dtype))
         if impl != "xla":  # trees and chains (linear DFlash): a chain is a tree of depth N - 1
@@ -266,12 +276,13 @@ class GatedDeltaNet(nnx.Module):
         """Whether a tree pass with kernels takes the prologue kernel (TREE_PROLOGUE_KERNEL); when it
         is on but cannot be taken, say why (a warning when traced)."""
         if not TREE_PROLOGUE_KERNEL:
+            warnings.warn("the GDN tree prologue uses the XLA form, not the Pallas kernel: "
+                          "ddtree_jax.models.gdn.TREE_PROLOGUE_KERNEL is False", stacklevel=4)
             return False
         from pallas_kernels.gdn_tree_prologue import kernel_problems
 
         cfg = self.cfg
-        problems = [] if conv_src is not None else ["a chain (linear DFlash) keeps the causal conv form"]
-        problems += kernel_problems(x.shape[1], cfg.gdn_num_k_heads, cfg.gdn_k_head_dim, cfg.gdn_num_v_heads,
+        problems = kernel_problems(x.shape[1], cfg.gdn_num_k_heads, cfg.gdn_k_head_dim, cfg.gdn_num_v_heads,
                                     cfg.gdn_v_head_dim, self.conv_weight.shape[0])
         if problems:
             warnings.warn("the GDN tree prologue uses the XLA form, not the Pallas kernel: " + "; ".join(problems),
@@ -291,16 +302,16 @@ class GatedDeltaNet(nnx.Module):
         """State after the accepted path (path [B, P], first count[b] real): a scan from the
         committed state over the path's nodes, and the conv window slid over their inputs.
         impl "pallas" / "pallas_interpret": the fused path-commit kernel (one launch, all heads)."""
-        conv_in = jnp.take_along_axis(pending.conv_in, path[:, :, None], axis=1)
+        conv_in = jnp.take_along_axis(pending.conv_in, path[:, :, None], axis=1)[..., : cache.conv.shape[-1]]
         window = next_window(conv_in, cache.conv, count)
         if impl != "xla":
             from pallas_kernels.gdn_commit import gdn_path_commit
 
             state = gdn_path_commit(pending.k, pending.v, pending.g, pending.beta, cache.state, path, count, impl=impl)
             return RecurrentCache(conv=window, state=state)
-        p = path.shape[1]
+        p, h = path.shape[1], pending.v.shape[1]
         on = (jnp.arange(p)[None, :] < count[:, None])[:, None, :]
-        take = lambda a: jnp.take_along_axis(a, path[:, None, :, None], axis=2)
+        take = lambda a: jnp.take_along_axis(jnp.repeat(a, h // a.shape[1], axis=1), path[:, None, :, None], axis=2)
         take1 = lambda a: jnp.where(on, jnp.take_along_axis(a, path[:, None, :], axis=2), 0.0)
         state = delta_rule.path_state(take(pending.k), take(pending.v), take1(pending.g), take1(pending.beta), cache.state)
         return RecurrentCache(conv=window, state=state)
