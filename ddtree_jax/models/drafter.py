@@ -31,7 +31,7 @@ from flax import nnx
 from ddtree_jax.cache import KVCache
 from ddtree_jax.drafter_config import DrafterConfig
 from ddtree_jax.models.attention import NEG_INF
-from ddtree_jax.models.layers import Linear, RMSNorm, SwiGLU, apply_rope, rope_cos_sin
+from ddtree_jax.models.layers import Linear, RMSNorm, SwiGLU, apply_rope, rope_cos_sin, unmerged_inputs
 
 
 class DrafterCache(NamedTuple):
@@ -91,12 +91,14 @@ class DrafterAttention(nnx.Module):
         self.q_norm = RMSNorm(hd, eps, zero_centered=False, dtype=dtype, rngs=rngs)
         self.k_norm = RMSNorm(hd, eps, zero_centered=False, dtype=dtype, rngs=rngs)
 
-    def kv(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """k (k_norm + RoPE), v of x [B, T, H]: each [B, T, kv, hd]."""
+    def kv(self, x: jax.Array, cos: jax.Array, sin: jax.Array, x_v: jax.Array | None = None
+           ) -> tuple[jax.Array, jax.Array]:
+        """k (k_norm + RoPE), v of x [B, T, H]: each [B, T, kv, hd]. x_v: v_proj's own handle on
+        the same values (`DrafterModel.extend`), default x."""
         b, t, _ = x.shape
         cfg = self.cfg
         k = self.k_norm(self.k_proj(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim))
-        v = self.v_proj(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        v = self.v_proj(x if x_v is None else x_v).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
         return apply_rope(k, cos, sin), v
 
     def __call__(self, x: jax.Array, cache: KVCache, lengths: jax.Array, cos, sin) -> jax.Array:
@@ -185,9 +187,13 @@ class DrafterModel(nnx.Module):
         cos, sin = self._rope(positions)
         # Padding rows go to an out-of-range slot and are dropped, so nothing valid is overwritten.
         slots = jnp.where(offs < n_valid[:, None], positions, cache.capacity)
+        # every layer's k / v projection reads ctx: XLA's dot merger would join them into products
+        # over weights concatenated (copied) every call; a distinct handle each keeps them apart
+        attn = [layer.self_attn for layer in self.layers]
+        handles = unmerged_inputs(ctx, *[(p,) for a in attn for p in (a.k_proj, a.v_proj)], min_rows=0)
         new_layers = []
-        for layer, lc in zip(self.layers, cache.layers):
-            k, v = layer.self_attn.kv(ctx, cos, sin)
+        for i, (layer, lc) in enumerate(zip(self.layers, cache.layers)):
+            k, v = layer.self_attn.kv(handles[2 * i], cos, sin, handles[2 * i + 1])
             new_layers.append(KVCache(_scatter_kv(lc.k, k, slots), _scatter_kv(lc.v, v, slots)))
         return DrafterCache(tuple(new_layers), cache.lengths + n_valid)
 

@@ -63,7 +63,7 @@ class Linear(nnx.Module):
 UNMERGED_MIN_ROWS = 32  # projections of at least this many rows keep their own GEMM
 
 
-def unmerged_inputs(x: jax.Array, *groups: tuple[Linear, ...]) -> tuple[jax.Array, ...]:
+def unmerged_inputs(x: jax.Array, *groups: tuple[Linear, ...], min_rows: int | None = None) -> tuple[jax.Array, ...]:
     """One copy of x per group of projections, that XLA cannot see as one shared operand.
 
     XLA's dot merger joins projections of the same input into one GEMM over the concatenated
@@ -72,11 +72,13 @@ def unmerged_inputs(x: jax.Array, *groups: tuple[Linear, ...]) -> tuple[jax.Arra
     verify's 65 rows XLA's Triton GEMM read those weights at 2.0-3.0 TB/s where cuBLAS reads the
     separate ones at ~3.7 (H200, 27B shape, docs/benchmarks.md section 1). An optimization barrier
     of x together with each group's first kernel gives every group a distinct operand (no copy);
-    projections inside one group may still merge."""
+    projections inside one group may still merge. min_rows (default UNMERGED_MIN_ROWS): 0 where
+    a merge would concatenate the weights as a copy every call (the drafter's context K / V of
+    all layers: a 73 MB concatenation, 45 us a DDTree step on the H200, session 9)."""
     rows = 1
     for d in x.shape[:-1]:
         rows *= d
-    if rows < UNMERGED_MIN_ROWS or len(groups) < 2:
+    if rows < (UNMERGED_MIN_ROWS if min_rows is None else min_rows) or len(groups) < 2:
         return (x,) * len(groups)
     return tuple(jax.lax.optimization_barrier((x, g[0].kernel[...]))[0] for g in groups)
 
@@ -151,13 +153,13 @@ class SwiGLU(nnx.Module):
             self.up_proj = Linear(hidden, inter, bias=bias, dtype=dtype, rngs=rngs)
         self.down_proj = Linear(inter, hidden, bias=bias, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, impl: str = "xla") -> jax.Array:
         merged = getattr(self, "gate_up_proj", None)
         if merged is not None:
-            gate, up = jnp.split(merged(x), 2, axis=-1)
+            gate, up = jnp.split(merged(x, impl), 2, axis=-1)
         else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(jax.nn.silu(gate) * up)
+            gate, up = self.gate_proj(x, impl), self.up_proj(x, impl)
+        return self.down_proj(jax.nn.silu(gate) * up, impl)
 
 
 def relu2(x: jax.Array) -> jax.Array:
@@ -173,8 +175,8 @@ class Relu2MLP(nnx.Module):
         self.up_proj = Linear(hidden, inter, bias=bias, dtype=dtype, rngs=rngs)
         self.down_proj = Linear(inter, hidden, bias=bias, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(relu2(self.up_proj(x)))
+    def __call__(self, x: jax.Array, impl: str = "xla") -> jax.Array:
+        return self.down_proj(relu2(self.up_proj(x, impl)), impl)
 
 
 class Embedding(nnx.Module):

@@ -139,10 +139,10 @@ class DecoderLayer(nnx.Module):
     def _post(self, residual, h, impl: str, fused: bool):
         if fused:
             x, normed = add_norm(self.post_attention_layernorm, residual, h, impl)
-            return Stream(x, self.mlp(normed))  # the next norm adds the MLP's output
+            return Stream(x, self.mlp(normed, impl))  # the next norm adds the MLP's output
         x = residual + h
         if self.block_ffn:
-            x = x + self.mlp(self.post_attention_layernorm(x))
+            x = x + self.mlp(self.post_attention_layernorm(x), impl)
         return x
 
     def _stateless(self, h):
