@@ -189,8 +189,9 @@ def correctness(impl, on_gpu, quick):
     return rows
 
 
-def sweep(impl, on_gpu, quick, hbm):
-    """Tile sweep at batch 1, 8k cache: tree (N = 64) and decode (N = 1). Returns best tunings."""
+def sweep(impl, on_gpu, quick, hbm, cache=8192, nodes=64):
+    """Tile sweep at batch 1 (default 8k cache): tree (default N = 64) and decode (N = 1). Returns
+    best tunings."""
     import jax
     import jax.numpy as jnp
 
@@ -200,7 +201,7 @@ def sweep(impl, on_gpu, quick, hbm):
         cap, shapes = 64, {"tree": 4, "decode": 1}
         nq, nkv, hd = 4, 2, 32
     else:
-        cap, shapes = 8192, {"tree": 64, "decode": 1}
+        cap, shapes = cache, {"tree": nodes, "decode": 1}
         nq, nkv, hd = NQ, NKV, HD
         cands = {
             "tree": [dict(block_r=br, block_k=bk, num_warps=w, num_stages=s)
@@ -429,6 +430,8 @@ def main(argv=None):
     ap.add_argument("--no-sweep", action="store_true", help="skip the tile sweep (use choose_config defaults)")
     ap.add_argument("--no-peers", action="store_true", help="skip the torch peers")
     ap.add_argument("--budget-s", type=float, default=200.0, help="skip optional work past this many seconds")
+    ap.add_argument("--sweep-cache", type=int, default=8192, help="cache length of the tile sweep")
+    ap.add_argument("--sweep-nodes", type=int, default=64, help="tree size of the tile sweep (65: DDTree-64)")
     ap.add_argument("--batches", default=None, help="comma list narrowing the sweep, e.g. 1,8")
     ap.add_argument("--caches", default=None, help="comma list of cache lengths, e.g. 8192,32768")
     ap.add_argument("--trees", default=None, help="comma list of tree sizes, e.g. 16,64,256")
@@ -482,7 +485,7 @@ def main(argv=None):
     best = {}
     if not (args.no_sweep or (args.quick and on_gpu)):
         try:
-            best, result["sweep"] = sweep(impl, on_gpu, quick, hbm)
+            best, result["sweep"] = sweep(impl, on_gpu, quick, hbm, args.sweep_cache, args.sweep_nodes)
         except Exception as e:
             traceback.print_exc()
             result["sweep"] = {"error": err_str(e)}

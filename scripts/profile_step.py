@@ -98,13 +98,20 @@ def profile(fn, iters: int, label: str, top: int, index=None) -> dict:
     by_kind = collections.defaultdict(float)
     by_source = collections.defaultdict(lambda: [0, 0.0])
     op_time = collections.defaultdict(lambda: collections.defaultdict(float))  # kernel -> hlo_op -> us
+    unmatched = []  # (kernel, hlo_op) pairs the index did not name: kept in the report to debug the mapping
+
+    def find(op, name):  # the trace's hlo_op stat first, then the kernel's own name (XLA fusions)
+        return (hlo_index.lookup(index, op) if op else None) or hlo_index.lookup(index, name)
     for name, op, us in events:
         key = name[:90]
         by_name[key][0] += 1
         by_name[key][1] += us
         by_kind[kind_of(name)] += us
         if index is not None:
-            where = hlo_index.describe(hlo_index.lookup(index, op or name))
+            inst = find(op, name)
+            if inst is None and len(unmatched) < 20 and (name, op) not in unmatched:
+                unmatched.append((name, op))
+            where = hlo_index.describe(inst)
             by_source[where][0] += 1
             by_source[where][1] += us
             op_time[key][op or name] += us
@@ -115,7 +122,7 @@ def profile(fn, iters: int, label: str, top: int, index=None) -> dict:
         row = {"kernel": k, "calls": c / iters, "ms": us / 1e3 / iters}
         if index is not None:  # the instruction that spent most of this kernel name's time
             op = max(op_time[k].items(), key=lambda kv: kv[1])[0]
-            row["source"] = hlo_index.describe(hlo_index.lookup(index, op))
+            row["source"] = hlo_index.describe(find(op, k))
         top_rows.append(row)
     out = {
         "wall_ms": statistics.median(times),
@@ -127,6 +134,7 @@ def profile(fn, iters: int, label: str, top: int, index=None) -> dict:
     if index is not None:
         src_rows = sorted(by_source.items(), key=lambda kv: -kv[1][1])[:top]
         out["by_source"] = [{"source": k, "calls": c / iters, "ms": us / 1e3 / iters} for k, (c, us) in src_rows]
+        out["unmatched"] = [{"kernel": k, "hlo_op": o} for k, o in unmatched]
     return out
 
 

@@ -15,9 +15,14 @@ def test_bench_e2e_smoke_writes_every_figure(tmp_path, monkeypatch):
     report = json.loads(out.read_text())
     assert report["overrides"] == {"ddtree_jax.models.gdn.DECODE_KERNEL": False}
     [row] = report["runs"]
-    for key in ("ar_loop_step_ms", "ddtree_loop_step_ms", "roofline_ms", "decode_fraction_of_roofline",
-                "ddtree_over_decode", "ar_loop_incl_dispatch_ms", "decode_fraction_of_roofline_incl_dispatch"):
+    import math
+
+    for key in ("roofline_ms", "ar_loop_incl_dispatch_ms", "decode_fraction_of_roofline_incl_dispatch"):
         assert row[key] > 0, key
+    # the marginal steps (T(32) - T(16)) / 16 of the smoke's microsecond-sized steps can come out
+    # at or below zero on a loaded CPU (timer noise); the figures and their ratios must exist
+    for key in ("ar_loop_step_ms", "ddtree_loop_step_ms", "decode_fraction_of_roofline", "ddtree_over_decode"):
+        assert isinstance(row[key], float) and math.isfinite(row[key]), key
     for mode in ("ar", "ddtree"):  # T(N) = N * marginal step + one call's dispatch
         total = row[f"{mode}_loop_incl_dispatch_ms"] * 16
         assert abs(row[f"{mode}_loop_step_ms"] * 16 + row[f"{mode}_dispatch_ms"] - total) < 1e-6 * total

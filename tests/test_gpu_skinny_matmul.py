@@ -17,3 +17,16 @@ def test_skinny_matmul_script_smoke(tmp_path):
     for r in report["rows"]:
         assert r["xla_us"] > 0
         assert all(v < 2e-2 for key, v in r.items() if key.endswith("_err")), r
+
+
+def test_weight_layout_script_cpu_smoke(tmp_path):
+    """scripts/gpu_weight_layout.py --cpu-smoke: both weight orientations give the same product and
+    a time per shape and row count."""
+    import json
+
+    from scripts.gpu_weight_layout import main
+
+    out = tmp_path / "wl.json"
+    assert main(["--cpu-smoke", "--rows", "1,5", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 4 and all(r["out_in_err"] < 1e-5 and r["in_out_us"] > 0 and r["out_in_us"] > 0 for r in rows)
