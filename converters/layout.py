@@ -3,7 +3,9 @@
 A model built under `models.layers.MERGED_GATE_UP`, `models.attention.MERGED_QKV`,
 `models.gdn.MERGED_QKV_Z` or `models.gdn.MERGED_BA` holds `mlp/gate_up_proj` [in, gate | up],
 `self_attn/qkv_proj` [in, q | k | v], `linear_attn/in_proj_qkv_z` [in, qkv | z] or
-`linear_attn/in_proj_ba` [in, b | a] (columns in that order; biases likewise).
+`linear_attn/in_proj_ba` [in, b | a] (columns in that order; biases likewise); under the opt-in
+`models.gdn.MERGED_QKVZ_BA`, `linear_attn/in_proj_qkvzba` [in, qkv | z | b | a] instead of the last
+two.
 HF checkpoints and converted checkpoints written in the separate layout hold the parts. The key
 maps keep mapping HF tensors onto the parts; `map_into_layout` asks them for the parts a merged
 model needs and concatenates after, and `alternatives` lets a converted checkpoint saved in one
@@ -29,6 +31,8 @@ SWITCHES = (
     "ddtree_jax.models.gdn.MERGED_QKV_Z",
     "ddtree_jax.models.gdn.MERGED_BA",
 )
+# Layout switches that are off by default (not yet timed on the GPU); SWITCHES on does not imply them.
+OPT_IN_SWITCHES = ("ddtree_jax.models.gdn.MERGED_QKVZ_BA",)
 
 # merged module name -> its parts, in column order
 MERGES = {
@@ -36,6 +40,8 @@ MERGES = {
     "self_attn/qkv_proj": ("self_attn/q_proj", "self_attn/k_proj", "self_attn/v_proj"),
     "linear_attn/in_proj_qkv_z": ("linear_attn/in_proj_qkv", "linear_attn/in_proj_z"),
     "linear_attn/in_proj_ba": ("linear_attn/in_proj_b", "linear_attn/in_proj_a"),
+    "linear_attn/in_proj_qkvzba": ("linear_attn/in_proj_qkv", "linear_attn/in_proj_z", "linear_attn/in_proj_b",
+                                   "linear_attn/in_proj_a"),
 }
 _MERGED = re.compile(r"(.*/)?(" + "|".join(re.escape(m) for m in MERGES) + r")/(kernel|bias)")
 Shapes = Mapping[str, tuple[tuple[int, ...], object]]
@@ -45,6 +51,14 @@ Plan = list[tuple[str, list[tuple[str, int]]]]  # merged path -> [(part path, wi
 def _widths(merged: str, total: int, kv_width: int | None, expected: Shapes, prefix: str) -> list[int]:
     """Column widths of a merged weight's parts. q | k | v needs the k / v width; qkv | z reads the
     z width off the layer's out_proj (its input is the gated z-normed value)."""
+    if merged == "linear_attn/in_proj_qkvzba":
+        out = expected.get(f"{prefix}linear_attn/out_proj/kernel")
+        a_log = expected.get(f"{prefix}linear_attn/A_log")
+        if out is None or a_log is None or total <= out[0][0] + 2 * a_log[0][0]:
+            raise ValueError(f"cannot split a {total}-wide qkv | z | b | a projection at {prefix!r} without its "
+                             "out_proj and A_log")
+        hv = a_log[0][0]
+        return [total - out[0][0] - 2 * hv, out[0][0], hv, hv]
     if merged == "linear_attn/in_proj_qkv_z":
         out = expected.get(f"{prefix}linear_attn/out_proj/kernel")
         if out is None or total <= out[0][0]:
@@ -91,7 +105,7 @@ def to_merged(expected: Shapes, kinds=None) -> tuple[dict, Plan]:
                     continue
                 prefix = path[: len(path) - len(suffix)]
                 parts = [f"{prefix}{name}/{leaf}" for name in names]
-                if not all(p in expected for p in parts):
+                if not all(p in expected for p in parts) or any(p in done for p in parts):
                     continue
                 shapes = [expected[p][0] for p in parts]
                 widths = [s[-1] for s in shapes]
@@ -139,10 +153,21 @@ def map_into_layout(names, load: Callable[[str], np.ndarray], rules, expected: S
     return join(map_checkpoint(names, load, rules, parts, **kw), plan)
 
 
+def _overlapping(kinds) -> bool:
+    """Whether two merged kinds claim the same part (qkv | z | b | a against qkv | z or b | a)."""
+    seen = set()
+    for m in kinds:
+        if seen & set(MERGES[m]):
+            return True
+        seen |= set(MERGES[m])
+    return False
+
+
 def alternatives(expected: Shapes, kv_width: int | None):
     """[(stored shapes, convert)] for a checkpoint saved in another layout than the model's:
-    every combination of merged / separate per kind of MERGES that the model has (at most 15
-    others); convert(flat of the stored shapes) gives the model's flat params."""
+    every combination of merged / separate per kind of MERGES that the model has, kinds that
+    claim the same part never together (at most 19 others); convert(flat of the stored shapes)
+    gives the model's flat params."""
     parts, model_plan = to_parts(expected, kv_width)
     present = [m for m in MERGES if to_merged(parts, {m})[1]]
     own = {merged for path, _ in model_plan for merged in MERGES if path.endswith(merged + "/kernel")
@@ -150,7 +175,7 @@ def alternatives(expected: Shapes, kv_width: int | None):
     out = []
     for mask in range(2 ** len(present)):
         kinds = {m for i, m in enumerate(present) if mask >> i & 1}
-        if kinds == own:
+        if kinds == own or _overlapping(kinds):
             continue
         stored, back = to_merged(parts, kinds)
         out.append((stored, lambda flat, back=back: join(split(flat, back), model_plan)))

@@ -2,6 +2,8 @@
 
     y, state, window = gdn_decode(mixed, z, x, w_a, w_b, a_log, dt_bias, window, conv_w, state, norm_w,
                                   n_valid, num_k_heads=..., eps=..., impl="xla" | "pallas" | "pallas_interpret")
+    y, state, window = gdn_decode_packed(proj, a_log, dt_bias, window, conv_w, state, norm_w, n_valid,
+                                         num_k_heads=..., head_v_dim=..., eps=..., impl=...)
 
 Inputs of one token per sequence: mixed [B, conv_dim] (the conv inputs q | k | v) and z [B, Hv, dv]
 (the output gate) from the layer's large projections; x [B, hidden] (the normed hidden state they
@@ -12,7 +14,10 @@ gated-normed output y [B, Hv, dv] in mixed's dtype (what out_proj reads), the ne
 new window: the a / b products and the gates (beta = sigmoid(b), g = -exp(a_log) softplus(a +
 dt_bias)), the causal conv + SiLU, the q / k l2 norms, the delta rule's recurrent step
 (delta_rule.recurrent_step) and the gated RMSNorm, as the model's XLA decode path computes them
-(`reference`; models/gdn.py).
+(`reference`; models/gdn.py). A layer that stores its b / a columns in the big projection's weight
+(`gdn.MERGED_QKVZ_BA`) calls `gdn_decode_packed` with that product, proj [B, conv_dim + Hv dv + 2 Hv]
+(qkv | z | b | a): the kernel reads the conv inputs, z and each head's b / a products from it in
+place (no slice copies, no a / b weight slices or transposes, no x).
 
 Why a kernel: XLA runs this part of a 27B-shaped GDN layer's decode step as ~9 launches (the a / b
 products as multiply + reduce fusions in two stages, the gates, conv + SiLU + norms, the key
@@ -48,14 +53,17 @@ DEFAULT_WARPS = 4
 
 
 def reference(mixed, z, x, w_a, w_b, a_log, dt_bias, window, conv_w, state, norm_w, n_valid, *,
-              num_k_heads: int, eps: float):
+              num_k_heads: int, eps: float, ba=None):
     """The model's XLA decode path for one token, through the model's own pieces (models/gdn.py
     gate_values / split_heads, conv.causal_conv / next_window, delta_rule.recurrent_step,
     layers.gated_rms_norm)."""
     hv, dv = z.shape[1], z.shape[2]
     dk = state.shape[2]
     dtype = mixed.dtype
-    beta, g = gate_values(jnp.einsum("bi,io->bo", x, w_a), jnp.einsum("bi,io->bo", x, w_b), a_log, dt_bias)
+    if ba is None:
+        beta, g = gate_values(jnp.einsum("bi,io->bo", x, w_a), jnp.einsum("bi,io->bo", x, w_b), a_log, dt_bias)
+    else:
+        beta, g = gate_values(ba[:, hv:], ba[:, :hv], a_log, dt_bias)
     act = jax.nn.silu(causal_conv(mixed[:, None], window, conv_w)[:, 0]).astype(dtype)
     q, k, v = split_heads(act, num_k_heads, dk, hv, dv)
     on = (n_valid > 0)[:, None]
@@ -64,23 +72,35 @@ def reference(mixed, z, x, w_a, w_b, a_log, dt_bias, window, conv_w, state, norm
     return y, new_state, next_window(mixed[:, None], window, n_valid)
 
 
-def _kernel(nv_ref, mixed_ref, z_ref, x_ref, wa_ref, wb_ref, alog_ref, dtb_ref, win_ref, w_ref, s_ref, nw_ref,
-            y_ref, s_out, win_out, *, kd, dk, dv, rep, taps, eps, hidden, chunk):
+def _kernel(*refs, kd, dk, dv, rep, hv, taps, eps, hidden, chunk, packed):
+    if packed:  # one [B, conv_dim + Hv dv + 2 Hv] product: qkv | z | b | a
+        nv_ref, mixed_ref, alog_ref, dtb_ref, win_ref, w_ref, s_ref, nw_ref, y_ref, s_out, win_out = refs
+        z_ref = None
+    else:
+        (nv_ref, mixed_ref, z_ref, x_ref, wa_ref, wb_ref, alog_ref, dtb_ref, win_ref, w_ref, s_ref, nw_ref,
+         y_ref, s_out, win_out) = refs
     f32 = jnp.float32
     b, h = pl.program_id(0), pl.program_id(1)
     kh = h // rep
-    dtype, wdtype, cdtype, xdtype = mixed_ref.dtype, w_ref.dtype, win_ref.dtype, x_ref.dtype
+    conv_dim = 2 * kd + hv * dv
+    dtype, wdtype, cdtype = mixed_ref.dtype, w_ref.dtype, win_ref.dtype
+    xdtype = dtype if packed else x_ref.dtype
     live = nv_ref[b] > 0
 
-    # the a / b products of this head: float32 sums over the hidden size, rounded as the XLA
-    # einsum's output is; then the gates as GatedDeltaNet.project computes them
-    acc_a = acc_b = f32(0.0)
-    for c0 in range(0, hidden, chunk):
-        xs = load(x_ref, (b, pl.ds(c0, chunk))).astype(f32)
-        acc_a += jnp.sum(xs * load(wa_ref, (h, pl.ds(c0, chunk))).astype(f32))
-        acc_b += jnp.sum(xs * load(wb_ref, (h, pl.ds(c0, chunk))).astype(f32))
-    a_x = acc_a.astype(xdtype).astype(f32)
-    b_x = acc_b.astype(xdtype).astype(f32)
+    if packed:  # the layer's product made them: this head's b and a columns
+        b_x = mixed_ref[b, conv_dim + hv * dv + h].astype(f32)
+        a_x = mixed_ref[b, conv_dim + hv * dv + hv + h].astype(f32)
+    else:
+        # the a / b products of this head: float32 sums over the hidden size, rounded as the XLA
+        # einsum's output is
+        acc_a = acc_b = f32(0.0)
+        for c0 in range(0, hidden, chunk):
+            xs = load(x_ref, (b, pl.ds(c0, chunk))).astype(f32)
+            acc_a += jnp.sum(xs * load(wa_ref, (h, pl.ds(c0, chunk))).astype(f32))
+            acc_b += jnp.sum(xs * load(wb_ref, (h, pl.ds(c0, chunk))).astype(f32))
+        a_x = acc_a.astype(xdtype).astype(f32)
+        b_x = acc_b.astype(xdtype).astype(f32)
+    # the gates as GatedDeltaNet.project computes them
     beta_h = jax.nn.sigmoid(b_x).astype(xdtype).astype(f32)
     sp = a_x + dtb_ref[h].astype(f32)
     softplus = jnp.maximum(sp, 0.0) + jnp.log(1.0 + jnp.exp(-jnp.abs(sp)))
@@ -118,7 +138,7 @@ def _kernel(nv_ref, mixed_ref, z_ref, x_ref, wa_ref, wb_ref, alog_ref, dtb_ref, 
     s_out[...] = s
     o = jnp.sum(s * q[:, None], axis=0).astype(dtype).astype(f32)
     normed = (o * lax.rsqrt(jnp.mean(o * o) + eps)).astype(dtype)
-    zf = z_ref[...].astype(f32)
+    zf = (load(mixed_ref, (b, pl.ds(conv_dim + h * dv, dv))) if packed else z_ref[...]).astype(f32)
     wn = (nw_ref[...] * normed).astype(f32)  # the norm weight times the normed output, in the weight's dtype
     y_ref[...] = (wn * (zf * jax.nn.sigmoid(zf))).astype(y_ref.dtype)
     first = jnp.full((dk,), h % rep == 0)  # one program per key head writes its q / k window columns
@@ -151,41 +171,53 @@ def kernel_problems(conv_dim: int, num_k_heads: int, num_v_heads: int, dk: int, 
 
 
 def _pallas(mixed, z, x, w_a, w_b, a_log, dt_bias, window, conv_w, state, norm_w, n_valid, *, num_k_heads, eps,
-            interpret, num_warps):
-    b, c = mixed.shape
-    hv, dv = z.shape[1], z.shape[2]
+            interpret, num_warps, head_v_dim=None):
+    """z None: `mixed` is the packed product qkv | z | b | a (gdn_decode_packed), else the x form."""
+    packed = z is None
+    b, width = mixed.shape
+    c = conv_w.shape[1]
+    hv = a_log.shape[0]
+    dv = head_v_dim if packed else z.shape[2]
     dk = state.shape[2]
     taps = conv_w.shape[0]
-    hidden = x.shape[1]
+    # packed, the kernel reads no hidden state: a hidden size that suits the check stands in
+    hidden = 16 if packed else x.shape[1]
     kd = num_k_heads * dk
     problems = kernel_problems(c, num_k_heads, hv, dk, dv, taps, hidden)
+    if packed and width != c + hv * dv + 2 * hv:
+        problems.append(f"the packed product has {width} columns, not conv_dim {c} + {hv} x {dv} + 2 x {hv}")
     if problems:
         raise ValueError("gdn_decode kernel: " + "; ".join(problems))
-    # the a / b weights as [Hv, hidden]: each program reads its head's row contiguously. Strided
-    # column reads of the [hidden, Hv] kernels cost ~8 us a launch on the H200 (scripts/gpu_gdn_decode.py
-    # at 8 warps, session 6: 29.1 us with columns, 21.4 with rows). The transpose is loop-invariant in
-    # a decode loop (XLA may hoist it; at worst one 480 KB transpose a layer).
-    w_a, w_b = w_a.T, w_b.T
-    kernel = functools.partial(_kernel, kd=kd, dk=dk, dv=dv, rep=hv // num_k_heads, taps=taps, eps=eps,
-                               hidden=hidden, chunk=hidden_chunk(hidden))
     full = lambda shape: pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))
     head = lambda *lead: pl.BlockSpec((None, None) + lead, lambda i, j: (i, j) + (0,) * len(lead))
+    if packed:
+        lead_args, lead_specs = (mixed,), [full((b, width))]
+    else:
+        # the a / b weights as [Hv, hidden]: each program reads its head's row contiguously. Strided
+        # column reads of the [hidden, Hv] kernels cost ~8 us a launch on the H200 (scripts/gpu_gdn_decode.py
+        # at 8 warps, session 6: 29.1 us with columns, 21.4 with rows). The transpose is loop-invariant in
+        # a decode loop (XLA may hoist it; at worst one 480 KB transpose a layer).
+        w_a, w_b = w_a.T, w_b.T
+        lead_args = (mixed, z, x, w_a, w_b)
+        lead_specs = [full((b, c)), head(dv), full(x.shape), full(w_a.shape), full(w_b.shape)]
+    kernel = functools.partial(_kernel, kd=kd, dk=dk, dv=dv, rep=hv // num_k_heads, hv=hv, taps=taps, eps=eps,
+                               hidden=hidden, chunk=hidden_chunk(hidden), packed=packed)
+    state_pos = 1 + len(lead_args) + 4  # n_valid, the lead inputs, a_log, dt_bias, window, conv_w
     y, new_state, new_window = pl.pallas_call(
         kernel,
         grid=(b, hv),
-        in_specs=[full((b,)), full((b, c)), head(dv), full(x.shape), full(w_a.shape), full(w_b.shape),
-                  full((hv,)), full((hv,)), full(window.shape), full(conv_w.shape), head(dk, dv), full((dv,))],
+        in_specs=[full((b,))] + lead_specs
+                 + [full((hv,)), full((hv,)), full(window.shape), full(conv_w.shape), head(dk, dv), full((dv,))],
         out_specs=[head(dv), head(dk, dv), full(window.shape)],
-        out_shape=[jax.ShapeDtypeStruct(z.shape, mixed.dtype), jax.ShapeDtypeStruct(state.shape, jnp.float32),
+        out_shape=[jax.ShapeDtypeStruct((b, hv, dv), mixed.dtype), jax.ShapeDtypeStruct(state.shape, jnp.float32),
                    jax.ShapeDtypeStruct(window.shape, window.dtype)],
         # the state in place (each program reads and writes only its head's tile); the window to a new
         # buffer: programs of one key head read q / k columns that another one rewrites
-        input_output_aliases={10: 1},
+        input_output_aliases={state_pos: 1},
         compiler_params=None if interpret else compiler_params(num_warps or DEFAULT_WARPS, 1),
         interpret=interpret,
         name="gdn_decode",
-    )(n_valid.astype(jnp.int32), mixed, z, x, w_a, w_b, a_log, dt_bias, window, conv_w, state.astype(jnp.float32),
-      norm_w)
+    )(n_valid.astype(jnp.int32), *lead_args, a_log, dt_bias, window, conv_w, state.astype(jnp.float32), norm_w)
     return y, new_state, new_window
 
 
@@ -198,3 +230,22 @@ def gdn_decode(mixed, z, x, w_a, w_b, a_log, dt_bias, window, conv_w, state, nor
         return reference(*args, num_k_heads=num_k_heads, eps=eps)
     return _pallas(*args, num_k_heads=num_k_heads, eps=eps, interpret=impl == "pallas_interpret",
                    num_warps=num_warps)
+
+
+def gdn_decode_packed(proj, a_log, dt_bias, window, conv_w, state, norm_w, n_valid, *, num_k_heads: int,
+                      head_v_dim: int, eps: float, impl: str = "xla", num_warps: int | None = None):
+    """`gdn_decode` of a layer whose one product proj [B, conv_dim + Hv dv + 2 Hv] holds the conv
+    inputs, z and the b | a products (gdn.MERGED_QKVZ_BA); the kernel reads them all in place."""
+    check_impl(impl)
+    b, width = proj.shape
+    c, hv, dv = conv_w.shape[1], a_log.shape[0], head_v_dim
+    if width != c + hv * dv + 2 * hv:
+        raise ValueError(f"gdn_decode_packed: the product has {width} columns, not conv_dim {c} + {hv} x {dv} "
+                         f"+ 2 x {hv} (qkv | z | b | a)")
+    if impl == "xla":
+        mixed, z, ba = proj[:, :c], proj[:, c : c + hv * dv].reshape(b, hv, dv), proj[:, c + hv * dv :]
+        return reference(mixed, z, None, None, None, a_log, dt_bias, window, conv_w, state, norm_w, n_valid,
+                         num_k_heads=num_k_heads, eps=eps, ba=ba)
+    return _pallas(proj, None, None, None, None, a_log, dt_bias, window, conv_w, state, norm_w, n_valid,
+                   num_k_heads=num_k_heads, eps=eps, interpret=impl == "pallas_interpret", num_warps=num_warps,
+                   head_v_dim=dv)

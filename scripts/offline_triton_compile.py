@@ -154,6 +154,14 @@ def gdn_decode_cases(batch: int):
     for warps in (4, 8, 16):
         opts = dict(num_warps=warps)
         yield opts, warps, functools.partial(gdn_decode, num_k_heads=hk, eps=1e-6, impl="pallas", **opts), shapes
+    # gdn.MERGED_QKVZ_BA: one product qkv | z | b | a read in place (gdn_decode_packed)
+    from pallas_kernels.gdn_decode import gdn_decode_packed
+
+    packed_shapes = (jax.ShapeDtypeStruct((batch, c + hv * dv + 2 * hv), bf),) + shapes[5:]
+    for warps in (4,):
+        opts = dict(num_warps=warps)
+        yield dict(opts, packed=True), warps, functools.partial(
+            gdn_decode_packed, num_k_heads=hk, head_v_dim=dv, eps=1e-6, impl="pallas", **opts), packed_shapes
 
 
 def gdn_prologue_cases(nodes: int):

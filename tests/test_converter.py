@@ -512,8 +512,9 @@ def test_layout_plans_round_trip():
     flat = {k: rng.normal(size=s) for k, (s, _) in expected.items()}
     back = layout.join(layout.split(dict(flat), layout.to_merged(parts)[1]), plan)
     assert set(back) == set(flat) and all(np.array_equal(back[k], flat[k]) for k in flat)
-    # the other layouts a checkpoint of this merged model may be stored in: 2^4 - 1
-    assert len(layout.alternatives(expected, kv_width=4)) == 15
+    # the other layouts a checkpoint of this merged model may be stored in: 2^4 - 1 with the GDN
+    # projections as qkv | z and b | a (merged or not), + 2^2 with them as one qkv | z | b | a
+    assert len(layout.alternatives(expected, kv_width=4)) == 19
     with pytest.raises(ValueError, match="qkv | z"):
         layout.to_parts({k: v for k, v in expected.items() if "out_proj" not in k}, kv_width=4)
 
@@ -557,6 +558,38 @@ def test_converted_checkpoint_restores_across_layouts(models, tmp_path, monkeypa
     np.testing.assert_allclose(jax_logits(cfg, gd, params), want, rtol=1e-5, atol=1e-5)
 
 
+def test_qkvzba_layout_loads_hf_and_converted_checkpoints(models, tmp_path, monkeypatch):
+    """gdn.MERGED_QKVZ_BA (opt-in): a model holding one qkv | z | b | a weight per GDN layer loads
+    the HF tensors and a checkpoint converted in the default layout, with the default's logits;
+    a checkpoint converted in it restores into the default layout; a qkv | z | b | a weight
+    without its layer's A_log cannot be cut and says so."""
+    from converters import layout
+    from ddtree_jax.models import gdn
+
+    cfg = TargetConfig.from_hf_dict(models["q35_config"])
+    sd = models["q35_sd"]
+    gd0, p0 = target_params_from_tensors(cfg, sd.keys(), sd.__getitem__)
+    want = jax_logits(cfg, gd0, p0)
+    src = models["root"] / "q35_sharded"
+    convert_target(src, tmp_path / "default", progress=False)
+    monkeypatch.setattr(gdn, "MERGED_QKVZ_BA", True)
+    gd1, p1 = target_params_from_tensors(cfg, sd.keys(), sd.__getitem__)
+    flat = flat_params(p1)
+    assert any(k.endswith("linear_attn/in_proj_qkvzba/kernel") for k in flat)
+    assert not any(k.endswith("in_proj_ba/kernel") or k.endswith("in_proj_qkv_z/kernel") for k in flat)
+    np.testing.assert_allclose(jax_logits(cfg, gd1, p1), want, rtol=1e-5, atol=1e-5)
+    _, gd, params = load_target(tmp_path / "default")
+    np.testing.assert_allclose(jax_logits(cfg, gd, params), want, rtol=1e-5, atol=1e-5)
+    convert_target(src, tmp_path / "qkvzba", progress=False)
+    monkeypatch.setattr(gdn, "MERGED_QKVZ_BA", False)
+    _, gd, params = load_target(tmp_path / "qkvzba")
+    assert any(k.endswith("linear_attn/in_proj_qkv_z/kernel") for k in flat_params(params))
+    np.testing.assert_allclose(jax_logits(cfg, gd, params), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="qkv \\| z \\| b \\| a"):
+        layout.to_parts({"layers/1/linear_attn/in_proj_qkvzba/kernel": ((8, 20), np.float32),
+                         "layers/1/linear_attn/out_proj/kernel": ((5, 8), np.float32)}, kv_width=4)
+
+
 def test_export_cuts_merged_weights_into_hf_tensors(models, monkeypatch):
     """params_to_hf (the demo pair's HF export) writes the same tensors from a merged-layout model
     as from the separate one."""
@@ -570,9 +603,15 @@ def test_export_cuts_merged_weights_into_hf_tensors(models, monkeypatch):
     _, sep = target_params_from_tensors(cfg, sd.keys(), sd.__getitem__)
     _merged_layout(monkeypatch, True)
     _, merged = target_params_from_tensors(cfg, sd.keys(), sd.__getitem__)
+    from ddtree_jax.models import gdn
+
+    monkeypatch.setattr(gdn, "MERGED_QKVZ_BA", True)  # the opt-in qkv | z | b | a weight too
+    _, whole = target_params_from_tensors(cfg, sd.keys(), sd.__getitem__)
     rules = qwen3.rules_for(cfg)
     want = params_to_hf(sep, rules, prefix="model.", no_prefix=("lm_head.",), dtype="float32")
-    got = params_to_hf(merged, rules, prefix="model.", no_prefix=("lm_head.",), dtype="float32", kv_width=kv_width(cfg))
-    assert set(got) == set(want)
-    for name in want:
-        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    for params in (merged, whole):
+        got = params_to_hf(params, rules, prefix="model.", no_prefix=("lm_head.",), dtype="float32",
+                           kv_width=kv_width(cfg))
+        assert set(got) == set(want)
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name], err_msg=name)

@@ -111,3 +111,25 @@ def test_gpu_script_smoke(tmp_path):
     assert main(["--cpu-smoke", "--out", str(out)]) == 0
     [row] = json.loads(out.read_text())["rows"]
     assert row["float32_ok"] and row["bfloat16_ok"] and row["kernel_us"] > 0 and row["xla_us"] > 0
+
+
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 2e-6), (jnp.bfloat16, 2e-2)])
+def test_packed_product_form_equals_the_x_form(dtype, tol):
+    """gdn_decode_packed (gdn.MERGED_QKVZ_BA: one product qkv | z | b | a) gives, kernel and
+    reference alike, what gdn_decode gives with x, w_a, w_b making the same b / a products; a
+    product of the wrong width is refused."""
+    from pallas_kernels.gdn_decode import gdn_decode_packed
+
+    args = draw(7, dtype)
+    mixed, z, x, w_a, w_b = args[:5]
+    b = mixed.shape[0]
+    ba = jnp.concatenate([jnp.einsum("bi,io->bo", x, w_b), jnp.einsum("bi,io->bo", x, w_a)], axis=-1).astype(dtype)
+    proj = jnp.concatenate([mixed, z.reshape(b, -1), ba], axis=-1)
+    run = lambda impl, p=proj: gdn_decode_packed(p, *args[5:], num_k_heads=HK, head_v_dim=DV, eps=1e-6, impl=impl)
+    want, got, full = run("xla"), run("pallas_interpret"), _decode(*args, impl="xla")
+    for name, w, g, f in zip(("y", "state", "window"), want, got, full):
+        w, g, f = (np.asarray(a, np.float32) for a in (w, g, f))
+        np.testing.assert_allclose(g, w, rtol=tol, atol=tol * np.abs(w).max(), err_msg=name)
+        np.testing.assert_allclose(w, f, rtol=tol, atol=tol * np.abs(f).max(), err_msg=name)
+    with pytest.raises(ValueError, match="qkv \\| z \\| b \\| a"):
+        run("pallas_interpret", proj[:, :-1])

@@ -273,3 +273,47 @@ def test_merged_qkv_and_ba_layouts_compute_the_same_model(monkeypatch):
     got = [verify_and_commit(g, p, c, tokens, parents, jnp.ones((B, N), bool), paths, counts, impl="pallas_interpret")[0]
            for (g, p), c in zip(((gd, params), (gm, pm)), caches)]
     np.testing.assert_allclose(np.asarray(got[1]), np.asarray(got[0]), rtol=1e-4, atol=1e-4)
+
+
+def test_qkvzba_layout_computes_the_same_model(monkeypatch):
+    """gdn.MERGED_QKVZ_BA (opt-in): one [hidden, conv_dim + value_dim + 2 Hv] GDN weight, qkv | z |
+    b | a. With the default model's qkv | z and b | a weights joined into it, a decode step (the
+    decode kernel reading the b / a products instead of multiplying x itself) and a tree verify +
+    commit give the default layout's outputs, and the verify makes one product fewer per GDN layer."""
+    from ddtree_jax.models import gdn
+
+    cfg, gd, params = MODEL
+    base = nnx.merge(gd, params)
+    monkeypatch.setattr(gdn, "MERGED_QKVZ_BA", True)
+    whole = type(base)(cfg, rngs=nnx.Rngs(5))
+    nnx.update(whole, nnx.state(base, lambda path, _: "in_proj" not in "/".join(map(str, path))))
+    for lb, lw in zip(base.layers, whole.layers):
+        if lb.kind == "gdn":
+            a, m = lb.linear_attn, lw.linear_attn
+            assert not hasattr(m, "in_proj_qkv_z") and not hasattr(m, "in_proj_ba")
+            m.in_proj_qkvzba.kernel[...] = jnp.concatenate([a.in_proj_qkv_z.kernel[...], a.in_proj_ba.kernel[...]], 1)
+    gw, pw = nnx.split(whole)
+    models = ((gd, params), (gw, pw))
+
+    rng = np.random.default_rng(9)
+    prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, 10)), jnp.int32)
+    lens = jnp.asarray([10, 7], jnp.int32)
+    caches = [decode.prefill(g, p, init_target_cache(cfg, B, CAP), prompt, lens).cache for g, p in models]
+    tok = jnp.asarray([3, 7], jnp.int32)
+    step = lambda g, p, c: nnx.merge(g, p)(tok[:, None], c, jnp.ones((B,), jnp.int32), chunked=False,
+                                           impl="pallas_interpret")
+    outs = [jax.jit(step, static_argnums=0)(g, p, c) for (g, p), c in zip(models, caches)]
+    for w, o in zip(jax.tree_util.tree_leaves(outs[0]), jax.tree_util.tree_leaves(outs[1])):
+        np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(w, np.float32), rtol=1e-4, atol=1e-4)
+    parents = jnp.asarray(np.stack([[-1] + [int(rng.integers(max(0, i - 3), i)) for i in range(1, N)]] * B), jnp.int32)
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, N)), jnp.int32)
+    paths = jnp.asarray(np.stack([root_path(np.asarray(parents[0]), N - 1)[:4] + [0] * (N - 4)] * B), jnp.int32)
+    counts = jnp.asarray([4, 2], jnp.int32)
+    args = (tokens, parents, jnp.ones((B, N), bool), paths, counts)
+    got = [verify_and_commit(g, p, c, *args, impl="pallas_interpret") for (g, p), c in zip(models, caches)]
+    for w, o in zip(jax.tree_util.tree_leaves(got[0]), jax.tree_util.tree_leaves(got[1])):
+        np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(w, np.float32), rtol=1e-4, atol=1e-4)
+    verify = lambda g, p, c: nnx.merge(g, p).verify(
+        tokens, c, make_tree(tokens, parents, jnp.ones((B, N), bool), c.lengths, max_depth=N - 1), impl="pallas_interpret")
+    dots = [str(jax.make_jaxpr(functools.partial(verify, g))(p, c)).count("dot_general") for (g, p), c in zip(models, caches)]
+    assert dots[0] - dots[1] == sum(kind == "gdn" for kind in cfg.layer_types)

@@ -74,9 +74,14 @@ def test_gdn_decode_lowers_for_cuda_without_spills():
     from pallas_kernels.gdn_decode import DEFAULT_WARPS
     from scripts.offline_triton_compile import gdn_decode_cases
 
-    [(_, _, fn, shapes)] = [c for c in gdn_decode_cases(1) if c[1] == DEFAULT_WARPS]
-    [(name, ttir)] = capture_ttir(fn, *shapes)
-    assert "gdn_decode" in name
+    cases = [c for c in gdn_decode_cases(1) if c[1] == DEFAULT_WARPS]
+    assert [c[0].get("packed", False) for c in cases] == [False, True]  # also the packed product form
+    ttirs = []
+    for _, _, fn, shapes in cases:
+        [(name, ttir)] = capture_ttir(fn, *shapes)
+        assert "gdn_decode" in name
+        ttirs.append(ttir)
     pytest.importorskip("triton")
-    res = compile_ttir(ttir, num_warps=DEFAULT_WARPS, num_stages=1)
-    assert res["regs"] <= 255 and res["stack_bytes"] == 0, res
+    for ttir in ttirs:
+        res = compile_ttir(ttir, num_warps=DEFAULT_WARPS, num_stages=1)
+        assert res["regs"] <= 255 and res["stack_bytes"] == 0, res

@@ -47,6 +47,13 @@ MERGED_BA = True
 # H200 against 32.4 + 19.8 for the two (session 8 profile). Decoding reads the same bytes either
 # way (XLA merges the two GEMVs). Checkpoints in either layout load (converters/layout.py).
 MERGED_QKV_Z = True
+# MERGED_QKVZ_BA (opt-in, untimed): one [hidden, conv_dim + value_dim + 2 Hv] weight
+# (`in_proj_qkvzba`, columns qkv | z | b | a) instead of the two above. The 27B verify spends 3.9 us
+# a GDN layer on the b | a product and 1.9 us on its split-K reduce (session 9 profile) for 1 MB
+# of weights; inside the big product those columns cost ~0.2 us. The decode kernel then reads the
+# conv inputs, z and the b / a products from the one product in place (`gdn_decode_packed`: no
+# slice copies, no a / b weight slices or transposes). Overrides the two switches above.
+MERGED_QKVZ_BA = False
 
 
 # With kernels on, a tree verify runs the conv over each node's path, SiLU, the head split, the
@@ -90,14 +97,16 @@ class GatedDeltaNet(nnx.Module):
     def __init__(self, cfg: TargetConfig, *, dtype, rngs: nnx.Rngs):
         self.cfg = cfg
         h, hv = cfg.hidden_size, cfg.gdn_num_v_heads
-        if MERGED_QKV_Z:
+        if MERGED_QKVZ_BA:
+            self.in_proj_qkvzba = Linear(h, cfg.gdn_conv_dim + cfg.gdn_value_dim + 2 * hv, dtype=dtype, rngs=rngs)
+        elif MERGED_QKV_Z:
             self.in_proj_qkv_z = Linear(h, cfg.gdn_conv_dim + cfg.gdn_value_dim, dtype=dtype, rngs=rngs)
         else:
             self.in_proj_qkv = Linear(h, cfg.gdn_conv_dim, dtype=dtype, rngs=rngs)
             self.in_proj_z = Linear(h, cfg.gdn_value_dim, dtype=dtype, rngs=rngs)
-        if MERGED_BA:
+        if MERGED_BA and not MERGED_QKVZ_BA:
             self.in_proj_ba = Linear(h, 2 * hv, dtype=dtype, rngs=rngs)
-        else:
+        elif not MERGED_QKVZ_BA:
             self.in_proj_b = Linear(h, hv, dtype=dtype, rngs=rngs)
             self.in_proj_a = Linear(h, hv, dtype=dtype, rngs=rngs)
         k = cfg.conv_kernel
@@ -116,6 +125,12 @@ class GatedDeltaNet(nnx.Module):
         merged qkv | z product, for a consumer that reads only its channel blocks: no slice copy)."""
         cfg = self.cfg
         b, t, _ = x.shape
+        whole = getattr(self, "in_proj_qkvzba", None)
+        if whole is not None:  # one product: qkv | z | b | a
+            mixed, z, ba = self._split_qkvzba(whole(x, impl), wide_conv_in)
+            hv = cfg.gdn_num_v_heads
+            beta, g = gate_values(ba[..., hv:], ba[..., :hv], self.A_log[...], self.dt_bias[...])
+            return mixed, z.reshape(b, t, hv, cfg.gdn_v_head_dim), beta, g
         ba = getattr(self, "in_proj_ba", None)
         ab_group = (ba,) if ba is not None else (self.in_proj_b, self.in_proj_a)
         qkv_z = getattr(self, "in_proj_qkv_z", None)
@@ -133,10 +148,18 @@ class GatedDeltaNet(nnx.Module):
         beta, g = gate_values(a_lin, b_lin, self.A_log[...], self.dt_bias[...])
         return mixed, z, beta, g
 
+    def _split_qkvzba(self, whole: jax.Array, wide_conv_in: bool = False):
+        """(conv inputs, flat z, b | a) of the qkv | z | b | a product (wide_conv_in: see `project`)."""
+        c, vd = self.cfg.gdn_conv_dim, self.cfg.gdn_value_dim
+        return (whole if wide_conv_in else whole[..., :c]), whole[..., c : c + vd], whole[..., c + vd :]
+
     def qkv_z_outputs(self, x: jax.Array, impl: str = "xla", wide_conv_in: bool = False
                       ) -> tuple[jax.Array, jax.Array]:
         """Conv inputs [..., conv_dim] and the flat gate z [..., value_dim] in either layout
         (wide_conv_in: see `project`)."""
+        whole = getattr(self, "in_proj_qkvzba", None)
+        if whole is not None:
+            return self._split_qkvzba(whole(x, impl), wide_conv_in)[:2]
         qkv_z = getattr(self, "in_proj_qkv_z", None)
         if qkv_z is None:
             return self.in_proj_qkv(x, impl), self.in_proj_z(x, impl)
@@ -144,12 +167,16 @@ class GatedDeltaNet(nnx.Module):
         return (both if wide_conv_in else both[..., : self.cfg.gdn_conv_dim]), both[..., self.cfg.gdn_conv_dim :]
 
     def ab_kernels(self) -> tuple[jax.Array, jax.Array]:
-        """The a and b projection weights [hidden, Hv] in either layout."""
+        """The a and b projection weights [hidden, Hv] in any layout (slices of a merged weight)."""
+        hv = self.cfg.gdn_num_v_heads
+        whole = getattr(self, "in_proj_qkvzba", None)
+        if whole is not None:
+            w = whole.kernel[...][:, -2 * hv :]
+            return w[:, hv:], w[:, :hv]
         ba = getattr(self, "in_proj_ba", None)
         if ba is None:
             return self.in_proj_a.kernel[...], self.in_proj_b.kernel[...]
         w = ba.kernel[...]
-        hv = w.shape[1] // 2
         return w[:, hv:], w[:, :hv]
 
     def heads(self, conv_out: jax.Array):
@@ -213,6 +240,15 @@ class GatedDeltaNet(nnx.Module):
 
         cfg = self.cfg
         b = x.shape[0]
+        whole = getattr(self, "in_proj_qkvzba", None)
+        if whole is not None:  # one product holds the conv inputs, z and the b / a products: read in place
+            from pallas_kernels.gdn_decode import gdn_decode_packed
+
+            y, state, window = gdn_decode_packed(
+                whole(x)[:, 0], self.A_log[...], self.dt_bias[...], cache.conv, self.conv_weight[...], cache.state,
+                self.norm.weight[...], n_valid, num_k_heads=cfg.gdn_num_k_heads, head_v_dim=cfg.gdn_v_head_dim,
+                eps=self.norm.eps, impl=impl)
+            return self.out_proj(y.reshape(b, 1, -1)), RecurrentCache(conv=window, state=state)
         mixed, z = self.qkv_z_outputs(x)
         mixed, z = mixed[:, 0], z.reshape(b, cfg.gdn_num_v_heads, cfg.gdn_v_head_dim)
         w_a, w_b = self.ab_kernels()
