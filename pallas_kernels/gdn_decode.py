@@ -56,7 +56,8 @@ def reference(mixed, z, x, w_a, w_b, a_log, dt_bias, window, conv_w, state, norm
               num_k_heads: int, eps: float, ba=None):
     """The model's XLA decode path for one token, through the model's own pieces (models/gdn.py
     gate_values / split_heads, conv.causal_conv / next_window, delta_rule.recurrent_step,
-    layers.gated_rms_norm)."""
+    layers.gated_rms_norm). ba [B, 2 Hv]: the b | a products already made (x, w_a, w_b unused;
+    `gdn_decode_packed`)."""
     hv, dv = z.shape[1], z.shape[2]
     dk = state.shape[2]
     dtype = mixed.dtype
