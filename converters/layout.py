@@ -1,11 +1,11 @@
 """Merged projection layouts (the defaults): one weight where HF holds several.
 
-A model built under `models.layers.MERGED_GATE_UP`, `models.attention.MERGED_QKV`,
-`models.gdn.MERGED_QKV_Z` or `models.gdn.MERGED_BA` holds `mlp/gate_up_proj` [in, gate | up],
-`self_attn/qkv_proj` [in, q | k | v], `linear_attn/in_proj_qkv_z` [in, qkv | z] or
-`linear_attn/in_proj_ba` [in, b | a] (columns in that order; biases likewise); under the opt-in
-`models.gdn.MERGED_QKVZ_BA`, `linear_attn/in_proj_qkvzba` [in, qkv | z | b | a] instead of the last
-two.
+A model built under `models.layers.MERGED_GATE_UP`, `models.attention.MERGED_QKV` and
+`models.gdn.MERGED_QKVZ_BA` (the defaults) holds `mlp/gate_up_proj` [in, gate | up],
+`self_attn/qkv_proj` [in, q | k | v] and `linear_attn/in_proj_qkvzba` [in, qkv | z | b | a]
+(columns in that order; biases likewise). With MERGED_QKVZ_BA off, `models.gdn.MERGED_QKV_Z` and
+`models.gdn.MERGED_BA` give `linear_attn/in_proj_qkv_z` [in, qkv | z] and `linear_attn/in_proj_ba`
+[in, b | a] instead.
 HF checkpoints and converted checkpoints written in the separate layout hold the parts. The key
 maps keep mapping HF tensors onto the parts; `map_into_layout` asks them for the parts a merged
 model needs and concatenates after, and `alternatives` lets a converted checkpoint saved in one
@@ -30,9 +30,8 @@ SWITCHES = (
     "ddtree_jax.models.attention.MERGED_QKV",
     "ddtree_jax.models.gdn.MERGED_QKV_Z",
     "ddtree_jax.models.gdn.MERGED_BA",
+    "ddtree_jax.models.gdn.MERGED_QKVZ_BA",
 )
-# Layout switches that are off by default (not yet timed on the GPU); SWITCHES on does not imply them.
-OPT_IN_SWITCHES = ("ddtree_jax.models.gdn.MERGED_QKVZ_BA",)
 
 # merged module name -> its parts, in column order
 MERGES = {

@@ -43,7 +43,7 @@ def test_engine_on_converted_pair_matches_hf_dirs(dirs):
 
 def test_merged_layouts_generate_what_the_separate_ones_do(dirs, monkeypatch):
     """With every merged projection layout on (models.layers.MERGED_GATE_UP for target and
-    drafter, attention.MERGED_QKV, gdn.MERGED_QKV_Z, gdn.MERGED_BA) the engine loads the HF pair and the pair
+    drafter, attention.MERGED_QKV, gdn.MERGED_QKVZ_BA) the engine loads the HF pair and the pair
     converted in the separate layout, and generates the separate layout's DDTree tokens."""
     from converters.layout import SWITCHES
 
@@ -57,6 +57,6 @@ def test_merged_layouts_generate_what_the_separate_ones_do(dirs, monkeypatch):
     for t, d in ((target, drafter), (str(root / "target_ckpt"), str(root / "drafter_ckpt"))):
         engine = Engine.load(t, d)
         assert "gate_up_proj" in str(engine.drafter_params) and "qkv_proj" in str(engine.params)
-        assert "in_proj_qkv_z" in str(engine.params)
+        assert "in_proj_qkvzba" in str(engine.params)
         got = engine.generate([[5, 6, 7, 8]], mode="ddtree", budget=8, max_new_tokens=12)[0]
         assert got.token_ids == want.token_ids

@@ -53,19 +53,30 @@ def test_layout_plans_round_trip():
 
 
 def test_hf_checkpoint_loads_into_merged_layouts(models, monkeypatch):
-    """A model built with merged gate | up, q | k | v and b | a weights loads the same HF tensors
-    (joined by the converter) and computes the separate layout's logits."""
+    """A model built with merged gate | up, q | k | v and qkv | z | b | a weights (the defaults), or
+    with qkv | z and b | a, loads the same HF tensors (joined by the converter) and computes the
+    separate layout's logits."""
+    from ddtree_jax.models import gdn
+
     cfg = TargetConfig.from_hf_dict(models["q35_config"])
     sd = dict(models["q35_sd"])  # a copy: one tensor is dropped below
+    _merged_layout(monkeypatch, False)
     gd_sep, sep = target_params_from_tensors(cfg, sd.keys(), sd.__getitem__)
+    assert any(k.endswith("linear_attn/in_proj_a/kernel") for k in flat_params(sep))
+    want = jax_logits(cfg, gd_sep, sep)
     _merged_layout(monkeypatch, True)
     gd_m, merged = target_params_from_tensors(cfg, sd.keys(), sd.__getitem__)
     flat = flat_params(merged)
     assert any(k.endswith("mlp/gate_up_proj/kernel") for k in flat)
     assert any(k.endswith("self_attn/qkv_proj/kernel") for k in flat)
+    assert any(k.endswith("linear_attn/in_proj_qkvzba/kernel") for k in flat)
+    np.testing.assert_allclose(jax_logits(cfg, gd_m, merged), want, rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(gdn, "MERGED_QKVZ_BA", False)  # the two-weight GDN layout
+    gd_m, merged = target_params_from_tensors(cfg, sd.keys(), sd.__getitem__)
+    flat = flat_params(merged)
     assert any(k.endswith("linear_attn/in_proj_ba/kernel") for k in flat)
     assert any(k.endswith("linear_attn/in_proj_qkv_z/kernel") for k in flat)
-    np.testing.assert_allclose(jax_logits(cfg, gd_m, merged), jax_logits(cfg, gd_sep, sep), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(jax_logits(cfg, gd_m, merged), want, rtol=1e-5, atol=1e-5)
     del sd[next(k for k in sd if k.endswith("mlp.up_proj.weight"))]
     with pytest.raises(CheckpointError, match=r"missing tensor for 'layers/\d+/mlp/up_proj/kernel'"):
         target_params_from_tensors(cfg, sd.keys(), sd.__getitem__)
@@ -92,31 +103,32 @@ def test_converted_checkpoint_restores_across_layouts(models, tmp_path, monkeypa
 
 
 def test_qkvzba_layout_loads_hf_and_converted_checkpoints(models, tmp_path, monkeypatch):
-    """gdn.MERGED_QKVZ_BA (opt-in): a model holding one qkv | z | b | a weight per GDN layer loads
-    the HF tensors and a checkpoint converted in the default layout, with the default's logits;
-    a checkpoint converted in it restores into the default layout; a qkv | z | b | a weight
-    without its layer's A_log cannot be cut and says so."""
+    """gdn.MERGED_QKVZ_BA (the default) against the two-weight GDN layout (qkv | z and b | a): a
+    checkpoint converted in either restores into the other with the same logits, both load the HF
+    tensors; a qkv | z | b | a weight without its layer's A_log cannot be cut and says so."""
     from converters import layout
     from ddtree_jax.models import gdn
 
     cfg = TargetConfig.from_hf_dict(models["q35_config"])
     sd = models["q35_sd"]
     gd0, p0 = target_params_from_tensors(cfg, sd.keys(), sd.__getitem__)
-    want = jax_logits(cfg, gd0, p0)
-    src = models["root"] / "q35_sharded"
-    convert_target(src, tmp_path / "default", progress=False)
-    monkeypatch.setattr(gdn, "MERGED_QKVZ_BA", True)
-    gd1, p1 = target_params_from_tensors(cfg, sd.keys(), sd.__getitem__)
-    flat = flat_params(p1)
+    flat = flat_params(p0)
     assert any(k.endswith("linear_attn/in_proj_qkvzba/kernel") for k in flat)
     assert not any(k.endswith("in_proj_ba/kernel") or k.endswith("in_proj_qkv_z/kernel") for k in flat)
-    np.testing.assert_allclose(jax_logits(cfg, gd1, p1), want, rtol=1e-5, atol=1e-5)
-    _, gd, params = load_target(tmp_path / "default")
-    np.testing.assert_allclose(jax_logits(cfg, gd, params), want, rtol=1e-5, atol=1e-5)
+    want = jax_logits(cfg, gd0, p0)
+    src = models["root"] / "q35_sharded"
     convert_target(src, tmp_path / "qkvzba", progress=False)
     monkeypatch.setattr(gdn, "MERGED_QKVZ_BA", False)
+    gd1, p1 = target_params_from_tensors(cfg, sd.keys(), sd.__getitem__)
+    assert any(k.endswith("linear_attn/in_proj_qkv_z/kernel") for k in flat_params(p1))
+    np.testing.assert_allclose(jax_logits(cfg, gd1, p1), want, rtol=1e-5, atol=1e-5)
     _, gd, params = load_target(tmp_path / "qkvzba")
-    assert any(k.endswith("linear_attn/in_proj_qkv_z/kernel") for k in flat_params(params))
+    assert any(k.endswith("linear_attn/in_proj_ba/kernel") for k in flat_params(params))
+    np.testing.assert_allclose(jax_logits(cfg, gd, params), want, rtol=1e-5, atol=1e-5)
+    convert_target(src, tmp_path / "pair", progress=False)
+    monkeypatch.setattr(gdn, "MERGED_QKVZ_BA", True)
+    _, gd, params = load_target(tmp_path / "pair")
+    assert any(k.endswith("linear_attn/in_proj_qkvzba/kernel") for k in flat_params(params))
     np.testing.assert_allclose(jax_logits(cfg, gd, params), want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="qkv \\| z \\| b \\| a"):
         layout.to_parts({"layers/1/linear_attn/in_proj_qkvzba/kernel": ((8, 20), np.float32),
@@ -138,7 +150,7 @@ def test_export_cuts_merged_weights_into_hf_tensors(models, monkeypatch):
     _, merged = target_params_from_tensors(cfg, sd.keys(), sd.__getitem__)
     from ddtree_jax.models import gdn
 
-    monkeypatch.setattr(gdn, "MERGED_QKVZ_BA", True)  # the opt-in qkv | z | b | a weight too
+    monkeypatch.setattr(gdn, "MERGED_QKVZ_BA", False)  # the two-weight GDN layout too
     _, whole = target_params_from_tensors(cfg, sd.keys(), sd.__getitem__)
     rules = qwen3.rules_for(cfg)
     want = params_to_hf(sep, rules, prefix="model.", no_prefix=("lm_head.",), dtype="float32")

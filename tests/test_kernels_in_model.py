@@ -275,14 +275,16 @@ def test_merged_qkv_and_ba_layouts_compute_the_same_model(monkeypatch):
 
 
 def test_qkvzba_layout_computes_the_same_model(monkeypatch):
-    """gdn.MERGED_QKVZ_BA (opt-in): one [hidden, conv_dim + value_dim + 2 Hv] GDN weight, qkv | z |
-    b | a. With the default model's qkv | z and b | a weights joined into it, a decode step (the
+    """gdn.MERGED_QKVZ_BA (the default): one [hidden, conv_dim + value_dim + 2 Hv] GDN weight, qkv |
+    z | b | a. With a two-weight model's qkv | z and b | a weights joined into it, a decode step (the
     decode kernel reading the b / a products instead of multiplying x itself) and a tree verify +
-    commit give the default layout's outputs, and the verify makes one product fewer per GDN layer."""
+    commit give the two-weight layout's outputs, and the verify makes one product fewer per GDN layer."""
     from ddtree_jax.models import gdn
 
-    cfg, gd, params = MODEL
-    base = nnx.merge(gd, params)
+    cfg = MODEL[0]
+    monkeypatch.setattr(gdn, "MERGED_QKVZ_BA", False)
+    base = type(nnx.merge(*MODEL[1:]))(cfg, rngs=nnx.Rngs(4))
+    gd, params = nnx.split(base)
     monkeypatch.setattr(gdn, "MERGED_QKVZ_BA", True)
     whole = type(base)(cfg, rngs=nnx.Rngs(5))
     nnx.update(whole, nnx.state(base, lambda path, _: "in_proj" not in "/".join(map(str, path))))

@@ -47,13 +47,14 @@ MERGED_BA = True
 # H200 against 32.4 + 19.8 for the two (session 8 profile). Decoding reads the same bytes either
 # way (XLA merges the two GEMVs). Checkpoints in either layout load (converters/layout.py).
 MERGED_QKV_Z = True
-# MERGED_QKVZ_BA (opt-in, untimed): one [hidden, conv_dim + value_dim + 2 Hv] weight
-# (`in_proj_qkvzba`, columns qkv | z | b | a) instead of the two above. The 27B verify spends 3.9 us
-# a GDN layer on the b | a product and 1.9 us on its split-K reduce (session 9 profile) for 1 MB
-# of weights; inside the big product those columns cost ~0.2 us. The decode kernel then reads the
-# conv inputs, z and the b / a products from the one product in place (`gdn_decode_packed`: no
-# slice copies, no a / b weight slices or transposes). Overrides the two switches above.
-MERGED_QKVZ_BA = False
+# MERGED_QKVZ_BA (the default since session 10): one [hidden, conv_dim + value_dim + 2 Hv] weight
+# (`in_proj_qkvzba`, columns qkv | z | b | a) instead of the two above. The 27B verify spent 3.9 us
+# a GDN layer on a separate b | a product and 1.9 us on its split-K reduce (session 9 profile) for
+# 1 MB of weights. The decode kernel reads the conv inputs, z and the b / a products from the one
+# product in place (`gdn_decode_packed`: no slice copies, no a / b weight slices or transposes).
+# H200, 27B, batch 1, same session (docs/benchmarks.md section 1, session 10): decode 13.71 ->
+# 13.22 ms, DDTree-64 19.35 -> 19.03 ms. Overrides the two switches above.
+MERGED_QKVZ_BA = True
 
 
 # With kernels on, a tree verify runs the conv over each node's path, SiLU, the head split, the
