@@ -27,6 +27,13 @@ when N is a power of two and as node 0 alone + a block of N - 1 when N - 1 is (D
 `mixed` may carry more columns than the conv reads (the layer's merged qkv | z product): the
 kernel reads the conv's channel blocks only, so the product need not be sliced (a copy) first.
 
+Gates (optional, `gates=(a_log, dt_bias), ba_col=c`): where `mixed` is the whole qkv | z | b | a
+product (`gdn.MERGED_QKVZ_BA`), each value-head program also computes its head's gates from the
+b and a columns at `c + head` and `c + Hv + head`, as the decode kernel does (gdn_decode: beta =
+sigmoid(b) rounded to the model dtype, g = -exp(A_log) softplus(a + dt_bias) in float32), and
+stores g and beta [B, Hv, N] heads-first: two XLA fusions (~1.7 us each a 27B layer, session 10
+profile) fewer per GDN layer.
+
 impl="xla" is the reference, "pallas" the Triton kernel, "pallas_interpret" the same kernel in the
 Pallas interpreter (CPU tests).
 """
@@ -40,16 +47,19 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from ddtree_jax.models.conv import tree_conv
-from ddtree_jax.models.gdn import l2_normalize
+from ddtree_jax.models.gdn import gate_values, l2_normalize
 from pallas_kernels._common import check_impl, compiler_params, is_pow2
 
 
 def reference(mixed, window, conv_w, conv_src, *, num_k_heads: int, head_k_dim: int, head_v_dim: int,
-              out_dtype):
-    """(q, k, v in out_dtype, k float32): q, k [B, Hk, N, dk], v [B, Hv, N, dv] (module doc).
+              out_dtype, gates=None, ba_col: int | None = None):
+    """(q, k, v in out_dtype, k float32): q, k [B, Hk, N, dk], v [B, Hv, N, dv] (module doc); with
+    `gates` also (g, beta) [B, Hv, N] float32.
 
     mixed [B, N, >= D] (its first D = 2 Hk dk + Hv dv columns: q | k | v channels), window
-    [B, K - 1, D], conv_w [K, D], conv_src [B, N, K] int32 (indices into [window ; mixed])."""
+    [B, K - 1, D], conv_w [K, D], conv_src [B, N, K] int32 (indices into [window ; mixed]);
+    gates = (a_log, dt_bias) [Hv] with the b columns of mixed at [ba_col, ba_col + Hv) and the a
+    columns after them."""
     b, n, _ = mixed.shape
     d = conv_w.shape[1]
     act = jax.nn.silu(tree_conv(mixed[..., :d], window, conv_w, conv_src)).astype(out_dtype).astype(jnp.float32)
@@ -57,7 +67,13 @@ def reference(mixed, window, conv_w, conv_src, *, num_k_heads: int, head_k_dim: 
     heads = lambda a, dim: jnp.swapaxes(a.reshape(b, n, -1, dim), 1, 2)
     q, k, v = heads(act[..., :kd], head_k_dim), heads(act[..., kd : 2 * kd], head_k_dim), heads(act[..., 2 * kd :], head_v_dim)
     k32 = l2_normalize(k)
-    return (l2_normalize(q) * head_k_dim**-0.5).astype(out_dtype), k32.astype(out_dtype), v.astype(out_dtype), k32
+    out = (l2_normalize(q) * head_k_dim**-0.5).astype(out_dtype), k32.astype(out_dtype), v.astype(out_dtype), k32
+    if gates is None:
+        return out
+    hv = v.shape[1]
+    ba = mixed[..., ba_col : ba_col + 2 * hv]
+    beta, g = gate_values(ba[..., hv:], ba[..., :hv], *gates)
+    return (*out, jnp.swapaxes(g, 1, 2), jnp.swapaxes(beta, 1, 2))
 
 
 def kernel_problems(n: int, num_k_heads: int, head_k_dim: int, num_v_heads: int, head_v_dim: int,
@@ -76,11 +92,18 @@ def kernel_problems(n: int, num_k_heads: int, head_k_dim: int, num_v_heads: int,
     return out
 
 
-def _prologue_kernel(src_ref, w_ref, x_ref, win_ref, q_out, k_out, k32_out, v_out, *, taps: int, blocks,
-                     scale: float):
+def _prologue_kernel(src_ref, w_ref, x_ref, win_ref, *refs, taps: int, blocks, scale: float, rep: int,
+                     num_v_heads: int, ba_col: int | None):
     """One (batch row, key head, channel group): silu(conv) of the group's channels over the node
-    blocks, then q (normed, scaled), k (normed; also float32) or v, by group."""
+    blocks, then q (normed, scaled), k (normed; also float32) or v, by group; value-head groups
+    also the head's gates when `ba_col` is set (refs then hold the whole-row product, A_log and
+    dt_bias before the outputs, and g / beta after them)."""
+    if ba_col is None:
+        q_out, k_out, k32_out, v_out = refs
+    else:
+        whole_ref, alog_ref, dtb_ref, q_out, k_out, k32_out, v_out, g_out, beta_out = refs
     group = pl.program_id(2)
+    head = pl.program_id(1) * rep + jnp.maximum(group - 2, 0)  # the value head of a value group
     f32 = jnp.float32
     back = taps - 1  # window rows before node 0 in [window ; mixed]
 
@@ -117,13 +140,24 @@ def _prologue_kernel(src_ref, w_ref, x_ref, win_ref, q_out, k_out, k32_out, v_ou
         @pl.when(group >= 2)
         def _():
             v_out[rows, :] = a.astype(v_out.dtype)
+            if ba_col is not None:  # this value head's gates, as gdn_decode computes them
+                xdt = whole_ref.dtype
+                b_x = whole_ref[rows, ba_col + head].astype(f32)
+                a_x = whole_ref[rows, ba_col + num_v_heads + head].astype(f32)
+                beta_out[rows] = jax.nn.sigmoid(b_x).astype(xdt).astype(f32)
+                sp = a_x + dtb_ref[head].astype(f32)
+                softplus = jnp.maximum(sp, 0.0) + jnp.log(1.0 + jnp.exp(-jnp.abs(sp)))
+                g_out[rows] = -jnp.exp(alog_ref[head].astype(f32)) * softplus
 
 
 def gdn_tree_prologue(mixed, window, conv_w, conv_src, *, num_k_heads: int, head_k_dim: int, head_v_dim: int,
-                      out_dtype=None, impl: str = "xla", num_warps: int | None = None):
+                      out_dtype=None, impl: str = "xla", num_warps: int | None = None, gates=None,
+                      ba_col: int | None = None):
     """(q, k, v, k32) of a GDN tree verify: q, k [B, Hk, N, dk] and v [B, Hv, N, dv] in out_dtype
     (default: mixed's dtype) for `gdn_tree_verify`, and k [B, Hk, N, dk] float32 for the commit
-    (`gdn_path_commit` maps value head j to key head j // rep itself). Inputs as `reference`.
+    (`gdn_path_commit` maps value head j to key head j // rep itself); with gates = (A_log,
+    dt_bias) also (g, beta) [B, Hv, N] float32 from the b | a columns at ba_col (module doc).
+    Inputs as `reference`.
     impl "xla" | "pallas" | "pallas_interpret". num_warps (Triton): by default 8 for node blocks
     of 32 or more (offline sm_90 compile at the 27B layer, 65 nodes: 91 registers at 8 warps, 248
     at 4, both without spills), else 4."""
@@ -137,11 +171,17 @@ def gdn_tree_prologue(mixed, window, conv_w, conv_src, *, num_k_heads: int, head
     if window.shape != (b, taps - 1, d) or conv_src.shape != (b, n, taps):
         bad.append(f"window {window.shape} / conv_src {conv_src.shape} do not fit a {taps}-tap conv of {d} "
                    f"channels over {n} nodes")
+    if gates is not None:
+        if ba_col is None or ba_col < d or ba_col + 2 * hv > width:
+            bad.append(f"gates need the b | a columns ({2 * hv}) inside mixed's {width} after the conv's {d}, "
+                       f"got ba_col={ba_col}")
+        if any(a.shape != (hv,) for a in gates):
+            bad.append(f"A_log / dt_bias {[a.shape for a in gates]} are not [{hv}]")
     if bad:
         raise ValueError("gdn_tree_prologue: " + "; ".join(bad))
     if impl == "xla":
         return reference(mixed, window, conv_w, conv_src, num_k_heads=hk, head_k_dim=dk, head_v_dim=dv,
-                         out_dtype=out_dtype)
+                         out_dtype=out_dtype, gates=gates, ba_col=ba_col)
     problems = kernel_problems(n, hk, dk, hv, dv, taps)
     if problems:
         raise ValueError("gdn_tree_prologue: " + "; ".join(problems))
@@ -160,12 +200,23 @@ def gdn_tree_prologue(mixed, window, conv_w, conv_src, *, num_k_heads: int, head
     v_head = pl.BlockSpec((None, None, n, dv), lambda i, j, g: (i, j * rep + jnp.maximum(g - 2, 0), 0, 0))
     out_shape = [jax.ShapeDtypeStruct((b, hk, n, dk), out_dtype), jax.ShapeDtypeStruct((b, hk, n, dk), out_dtype),
                  jax.ShapeDtypeStruct((b, hk, n, dk), jnp.float32), jax.ShapeDtypeStruct((b, hv, n, dv), out_dtype)]
+    out_specs = [head, head, head, v_head]
+    args = [conv_src.astype(jnp.int32), conv_w, mixed, window]
+    if gates is not None:  # the whole row of the product (gate columns by index), A_log, dt_bias
+        in_specs += [pl.BlockSpec((None, n, width), lambda i, j, g: (i, 0, 0)),
+                     pl.BlockSpec((hv,), lambda i, j, g: (0,)), pl.BlockSpec((hv,), lambda i, j, g: (0,))]
+        args += [mixed, *gates]
+        gate_spec = pl.BlockSpec((None, None, n), lambda i, j, g: (i, j * rep + jnp.maximum(g - 2, 0), 0))
+        out_specs += [gate_spec, gate_spec]
+        out_shape += [jax.ShapeDtypeStruct((b, hv, n), jnp.float32)] * 2
     interpret = impl == "pallas_interpret"
     warps = num_warps or (8 if max(size for _, size in blocks) >= 32 else 4)
     params = {} if interpret else {"compiler_params": compiler_params(warps, 1)}
-    q, k, k32, v = pl.pallas_call(
-        functools.partial(_prologue_kernel, taps=taps, blocks=blocks, scale=dk**-0.5),
-        grid=(b, hk, 2 + rep), in_specs=in_specs, out_specs=[head, head, head, v_head], out_shape=out_shape,
+    out = pl.pallas_call(
+        functools.partial(_prologue_kernel, taps=taps, blocks=blocks, scale=dk**-0.5, rep=rep, num_v_heads=hv,
+                          ba_col=None if gates is None else ba_col),
+        grid=(b, hk, 2 + rep), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         interpret=interpret, name="gdn_tree_prologue", **params,
-    )(conv_src.astype(jnp.int32), conv_w, mixed, window)
-    return q, k, v, k32
+    )(*args)
+    q, k, k32, v = out[:4]
+    return (q, k, v, k32) if gates is None else (q, k, v, k32, *out[4:])

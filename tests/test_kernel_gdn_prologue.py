@@ -61,6 +61,34 @@ def test_kernel_equals_reference(n, seed, bf16, extra):
     assert got[0].shape == (B, HK, n, DK) and got[2].shape == (B, HV, n, DV) and got[3].dtype == jnp.float32
 
 
+GATED = {impl: jax.jit(functools.partial(gdn_tree_prologue, impl=impl, ba_col=D + HV * DV, **KW))
+         for impl in ("xla", "pallas_interpret")}
+
+
+@settings(max_examples=6, deadline=None)
+@given(n=st.sampled_from([16, 17]), seed=st.integers(0, 2**31 - 1), bf16=st.booleans())
+def test_kernel_gates_equal_reference(n, seed, bf16):
+    """gates=(A_log, dt_bias) on the whole qkv | z | b | a product (gdn.MERGED_QKVZ_BA): g and beta
+    [B, Hv, N] equal gate_values of the b | a columns (the reference), heads first; q / k / v are
+    those of the gate-less call."""
+    dtype = jnp.bfloat16 if bf16 else jnp.float32
+    rng = np.random.default_rng(seed)
+    mixed, window, conv_w, src = _inputs(n, seed, dtype, extra=HV * DV + 2 * HV)
+    gates = (jnp.asarray(rng.normal(size=HV), dtype), jnp.asarray(rng.normal(size=HV), dtype))
+    want = GATED["xla"](mixed, window, conv_w, src, gates=gates)
+    got = GATED["pallas_interpret"](mixed, window, conv_w, src, gates=gates)
+    plain = PROLOGUE["pallas_interpret"](mixed, window, conv_w, src)
+    assert len(got) == 6 and got[4].shape == (B, HV, n) and got[5].dtype == jnp.float32
+    # beta: the kernel rounds the float32 sigmoid(b) to the model dtype as the decode kernel does;
+    # XLA:CPU's bf16 logistic rounds exp(-b) to bf16 and divides in float32: two bf16 ulps apart
+    for name, w, g, tol in zip(("g", "beta"), want[4:], got[4:], (1e-5, 2**-7 if bf16 else 1e-5)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=tol, atol=1e-6, err_msg=name)
+    for w, g in zip(plain, got[:4]):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+    with pytest.raises(ValueError, match="b \\| a columns"):
+        gdn_tree_prologue(mixed[..., : D + 1], window, conv_w, src, gates=gates, ba_col=D, impl="pallas_interpret", **KW)
+
+
 def test_shapes_the_kernel_refuses():
     assert kernel_problems(65, 16, 128, 48, 128) == [] and kernel_problems(16, 16, 128, 48, 128) == []
     problems = kernel_problems(24, 16, 96, 40, 128)
@@ -89,9 +117,16 @@ def test_lowers_for_sm90_at_the_27b_layer():
     fn = functools.partial(gdn_tree_prologue, num_k_heads=hk, head_k_dim=dk, head_v_dim=dv, impl="pallas")
     [(name, ttir)] = capture_ttir(fn, *shapes)
     assert "gdn_tree_prologue" in name
+    # the default qkv | z | b | a product with the gates computed in the kernel
+    wide = (jax.ShapeDtypeStruct((1, 65, c + hv * dv + 2 * hv), jnp.bfloat16), *shapes[1:])
+    gated = lambda m, win, w, src: gdn_tree_prologue(
+        m, win, w, src, num_k_heads=hk, head_k_dim=dk, head_v_dim=dv, impl="pallas",
+        gates=(jnp.zeros((hv,), jnp.bfloat16), jnp.zeros((hv,), jnp.bfloat16)), ba_col=c + hv * dv)
+    [(_, ttir_gated)] = capture_ttir(gated, *wide)
     pytest.importorskip("triton")
-    res = compile_ttir(ttir, num_warps=8, num_stages=1)
-    assert res["regs"] <= 255 and res["stack_bytes"] == 0, res
+    for text in (ttir, ttir_gated):
+        res = compile_ttir(text, num_warps=8, num_stages=1)
+        assert res["regs"] <= 255 and res["stack_bytes"] == 0, res
 
 
 def test_model_route_gives_the_xla_forms_outputs(monkeypatch):

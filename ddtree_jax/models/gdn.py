@@ -273,9 +273,17 @@ class GatedDeltaNet(nnx.Module):
         visibility, ~8 kernels) took 41.5 (docs/benchmarks.md section 2).
         """
         prologue = impl != "xla" and self._prologue_route(x, conv_src)
-        mixed, z, beta, g = self.project(x, impl, wide_conv_in=prologue)
         w = self.conv_weight[...]
-        beta, g = jnp.swapaxes(beta, 1, 2), jnp.swapaxes(g, 1, 2)
+        whole = getattr(self, "in_proj_qkvzba", None)
+        if prologue and whole is not None:  # the prologue kernel computes the gates from the b | a columns too
+            cfg = self.cfg
+            mixed, z, _ = self._split_qkvzba(whole(x, impl), wide_conv_in=True)
+            z = z.reshape(*x.shape[:2], cfg.gdn_num_v_heads, cfg.gdn_v_head_dim)
+            gates, g, beta = (self.A_log[...], self.dt_bias[...]), None, None
+        else:
+            mixed, z, beta, g = self.project(x, impl, wide_conv_in=prologue)
+            beta, g = jnp.swapaxes(beta, 1, 2), jnp.swapaxes(g, 1, 2)
+            gates = None
         if prologue:
             # the conv .. casts in one kernel, reading the conv's channels of the whole qkv | z
             # product; the commit takes the float32 k per key head and v in the model dtype (exact:
@@ -287,9 +295,12 @@ class GatedDeltaNet(nnx.Module):
                 taps, n = w.shape[0], x.shape[1]
                 chain = (taps - 1) + jnp.arange(n, dtype=jnp.int32)[:, None] - jnp.arange(taps, dtype=jnp.int32)[None]
                 conv_src = jnp.broadcast_to(chain, (x.shape[0], n, taps))
-            q, k, v, k32 = gdn_tree_prologue(mixed, cache.conv, w, conv_src, num_k_heads=cfg.gdn_num_k_heads,
-                                             head_k_dim=cfg.gdn_k_head_dim, head_v_dim=cfg.gdn_v_head_dim,
-                                             out_dtype=x.dtype, impl=impl)
+            out = gdn_tree_prologue(mixed, cache.conv, w, conv_src, num_k_heads=cfg.gdn_num_k_heads,
+                                    head_k_dim=cfg.gdn_k_head_dim, head_v_dim=cfg.gdn_v_head_dim, out_dtype=x.dtype,
+                                    impl=impl, gates=gates, ba_col=cfg.gdn_conv_dim + cfg.gdn_value_dim)
+            q, k, v, k32 = out[:4]
+            if gates is not None:
+                g, beta = out[4:]
             return self._tree_kernel(q, k, v, g, beta, cache, bits, z, x.dtype, impl,
                                      RecurrentPending(mixed, k32, v, g, beta))
         conv = causal_conv(mixed, cache.conv, w) if conv_src is None else tree_conv(mixed, cache.conv, w, conv_src)
