@@ -145,6 +145,50 @@ def test_two_stage_top_k_equals_lax_top_k(seed, n, k, levels):
         np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i), err_msg=backend)
 
 
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 1500), k=st.integers(1, 24), block=st.sampled_from([4, 8, 16]),
+       levels=st.sampled_from([3, 50, 0]), staged=st.booleans())
+def test_prefiltered_top_k_equals_lax_top_k(seed, n, k, block, levels, staged):
+    """The block-max prefilter (the GPU form for long vocabulary rows) gives lax.top_k's values and
+    indices: ties (quantized values, -inf, +0.0 against -0.0) to the lower index, rows that are not
+    a multiple of the block, fewer blocks than k (plain top_k)."""
+    from ddtree_jax.spec.build import prefiltered_top_k
+
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(2, 3, n)).astype(np.float32)
+    if levels:
+        x = np.round(x * levels) / levels
+    x[rng.random(x.shape) < 0.05] = -np.inf
+    x[rng.random(x.shape) < 0.05] = -0.0
+    x[rng.random(x.shape) < 0.05] = 0.0
+    k = min(k, n)
+    want_v, want_i = jax.lax.top_k(jnp.asarray(x), k)
+    got_v, got_i = prefiltered_top_k(jnp.asarray(x), k, block=block, staged=staged)
+    np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_v))
+    np.testing.assert_array_equal(np.signbit(np.asarray(got_v)), np.signbit(np.asarray(want_v)))
+    np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
+
+
+def test_long_vocabulary_rows_take_the_prefilter(monkeypatch):
+    """Off the CPU, the build's vocabulary top-k of rows >= PREFILTER_MIN_RATIO * k * block goes
+    through the prefilter (same candidates as lax.top_k); on the CPU lax.top_k runs alone."""
+    from ddtree_jax.spec import build
+
+    rng = np.random.default_rng(5)
+    logq = jnp.asarray(np.round(rng.normal(size=(1, 2, 4096)) * 20) / 20, jnp.float32)
+    want = jax.lax.top_k(logq, 4)
+    calls = []
+    real = build.prefiltered_top_k
+    monkeypatch.setattr(build, "PREFILTER_BLOCK", 16)
+    monkeypatch.setattr(build, "prefiltered_top_k", lambda x, k: calls.append(k) or real(x, k, block=16))
+    for backend, used in (("cpu", False), ("gpu", True)):
+        monkeypatch.setattr(jax, "default_backend", lambda b=backend: b)
+        got = build._vocab_top_k(logq, 4, "xla")
+        assert bool(calls) == used, backend
+        for w, g in zip(want, got):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
 @pytest.mark.parametrize("budget", [1, 2, 7, 16, 33, 64, 100, 256])
 def test_gpu_beam_forms_build_the_same_tree(budget, monkeypatch):
     """Off the CPU the beam selects by pairwise ranks (rows <= RANK_SELECT_MAX: budgets <= 33 here)
