@@ -38,7 +38,7 @@ class ScriptedProposer:
     def extend(self, params, state, features, n_valid):
         return state._replace(lengths=state.lengths + n_valid)
 
-    def propose(self, params, state, target, bonus, start):
+    def propose(self, params, state, target, bonus, start, impl="xla"):
         depth = self.block_size - 1
         b = bonus.shape[0]
         pos = start[:, None] + 1 + jnp.arange(depth)[None, :]
@@ -85,5 +85,5 @@ class RecordingProposer:
         feats = jax.vmap(lambda buf, p, f: buf.at[p].set(f.astype(buf.dtype), mode="drop"))(state.features, pos, features)
         return RecordState(self.inner.extend(params, state.inner, features, n_valid), feats)
 
-    def propose(self, params, state, target, bonus, start):
-        return self.inner.propose(params, state.inner, target, bonus, start)
+    def propose(self, params, state, target, bonus, start, impl="xla"):
+        return self.inner.propose(params, state.inner, target, bonus, start, impl=impl)

@@ -14,11 +14,11 @@ from tests.tiny_models import HYBRID, make_target, random_params
 NEW = 128
 
 
-def drafter_for(cfg, seed=0, block_size=5):
+def drafter_for(cfg, seed=0, block_size=5, head_dim=8):
     raw = {
         "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": cfg.hidden_size,
         "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 8, "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "vocab_size": cfg.vocab_size,
+        "head_dim": head_dim, "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "vocab_size": cfg.vocab_size,
         "num_target_layers": cfg.num_layers, "block_size": block_size,
         "dflash_config": {"mask_token_id": cfg.vocab_size - 1, "target_layer_ids": [0, 2]},
     }

@@ -321,3 +321,50 @@ def test_qkvzba_layout_computes_the_same_model(monkeypatch):
         tokens, c, make_tree(tokens, parents, jnp.ones((B, N), bool), c.lengths, max_depth=N - 1), impl="pallas_interpret")
     dots = [str(jax.make_jaxpr(functools.partial(verify, g))(p, c)).count("dot_general") for (g, p), c in zip(models, caches)]
     assert dots[0] - dots[1] == sum(kind == "gdn" for kind in cfg.layer_types)
+
+
+def test_drafter_attention_through_the_kernel(monkeypatch):
+    """models.drafter.ATTENTION_KERNEL: with kernels, the DFlash drafter's (non-causal, unwindowed)
+    layers attend through the tree-attention kernel as an all-visible block over the context up to
+    each row's length: the same draft logits as the XLA form (float32), one kernel per layer, and
+    with the switch off the XLA form, announced by a warning; a DDTree generation with the real
+    drafter and kernels equals plain greedy."""
+    import warnings
+
+    from ddtree_jax.models import drafter as drafter_mod
+    from ddtree_jax.models.drafter import init_drafter_cache
+    from tests.test_dflash_generate import drafter_for
+
+    cfg, gd, params = MODEL
+    proposer, dparams = drafter_for(cfg, seed=4, head_dim=16)
+    rng = np.random.default_rng(6)
+    lengths = jnp.asarray([9, 4], jnp.int32)
+    dstate = init_drafter_cache(proposer.cfg, B, 32)
+    feats = jnp.asarray(rng.normal(size=(B, 9, proposer.cfg.fc_in_dim)), jnp.float32)
+    dstate = proposer.extend(dparams, dstate, feats, lengths)
+    bonus = jnp.asarray([3, 5], jnp.int32)
+    target = nnx.merge(gd, params)
+
+    def draft(on, impl):
+        monkeypatch.setattr(drafter_mod, "ATTENTION_KERNEL", on)
+        fn = lambda p, s: proposer.propose(p, s, target, bonus, s.lengths, impl=impl)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            text = str(jax.make_jaxpr(fn)(dparams, dstate))
+            out = jax.jit(fn)(dparams, dstate)
+        return out, text.count("name=tree_attention"), [w for w in caught if "drafter's attention" in str(w.message)]
+
+    want, n_want, _ = draft(True, "xla")
+    got, n_got, warned = draft(True, "pallas_interpret")
+    off, n_off, warned_off = draft(False, "pallas_interpret")
+    assert n_want == 0 and n_got == proposer.cfg.num_layers and not warned
+    assert n_off == 0 and warned_off and "ATTENTION_KERNEL is False" in str(warned_off[0].message)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(off), np.asarray(want), rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(drafter_mod, "ATTENTION_KERNEL", True)
+    prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, 10)), jnp.int32)
+    lens = jnp.asarray([10, 6], jnp.int32)
+    ref = generate(gd, params, prompt, lens, mode="ar", max_new_tokens=12)
+    res = generate(gd, params, prompt, lens, proposer=proposer, drafter_params=dparams, mode="ddtree", budget=8,
+                   max_new_tokens=12, kernels="pallas_interpret")
+    np.testing.assert_array_equal(np.asarray(res.tokens), np.asarray(ref.tokens))

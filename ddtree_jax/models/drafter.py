@@ -22,6 +22,7 @@ projected once (`extend_context`); `draft_hidden` never writes the block into th
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import NamedTuple
 
 import jax
@@ -32,6 +33,15 @@ from ddtree_jax.cache import KVCache
 from ddtree_jax.drafter_config import DrafterConfig
 from ddtree_jax.models.attention import NEG_INF
 from ddtree_jax.models.layers import Linear, RMSNorm, SwiGLU, apply_rope, rope_cos_sin, unmerged_inputs
+
+# With kernels on, a drafter layer that sees its whole context and the whole block (non-causal, no
+# sliding window: the DFlash default) attends through the tree-attention kernel
+# (pallas_kernels/tree_attention.py) as a tree whose every node sees every block position: it
+# reads the context K / V up to each row's length, where XLA's einsums over the whole capacity
+# padded a copy of the cache every layer (27B drafter on the H200, session 10: ~0.19 ms a
+# draft in pads, transposes, split-K reduces and GEMMs). False keeps the XLA form (announced
+# by a warning when traced).
+ATTENTION_KERNEL = True
 
 
 class DrafterCache(NamedTuple):
@@ -101,16 +111,44 @@ class DrafterAttention(nnx.Module):
         v = self.v_proj(x if x_v is None else x_v).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
         return apply_rope(k, cos, sin), v
 
-    def __call__(self, x: jax.Array, cache: KVCache, lengths: jax.Array, cos, sin) -> jax.Array:
-        """x [B, Bs, H] (already input-normed) at positions lengths[b] + j; cache holds the context."""
+    def kernel_problems(self, q: jax.Array, cache: KVCache) -> list[str]:
+        """Why this layer's attention cannot go through the tree-attention kernel (empty: it can)."""
+        hd = self.cfg.head_dim
+        out = [] if ATTENTION_KERNEL else ["ddtree_jax.models.drafter.ATTENTION_KERNEL is False"]
+        if self.causal or self.window is not None:
+            out.append("the layer is causal or windowed inside the block")
+        if hd < 16 or hd & (hd - 1):
+            out.append(f"head_dim {hd} is not a power of two >= 16")
+        if cache.k.dtype != q.dtype:
+            out.append(f"the context cache is {cache.k.dtype}, the queries {q.dtype}")
+        return out
+
+    def __call__(self, x: jax.Array, cache: KVCache, lengths: jax.Array, cos, sin, impl: str = "xla") -> jax.Array:
+        """x [B, Bs, H] (already input-normed) at positions lengths[b] + j; cache holds the context.
+        impl "pallas" / "pallas_interpret": the tree-attention kernel (ATTENTION_KERNEL) where the
+        layer takes it; a layer that cannot is announced by a warning when traced."""
         cfg = self.cfg
         b, t, _ = x.shape
         nh, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         g = nh // kvh
         q = apply_rope(self.q_norm(self.q_proj(x).reshape(b, t, nh, hd)), cos, sin)
         k_blk, v_blk = self.kv(x, cos, sin)
-        qg = q.reshape(b, t, kvh, g, hd)
         scale = hd**-0.5
+        if impl != "xla":
+            problems = self.kernel_problems(q, cache)
+            if not problems:
+                from pallas_kernels.tree_attention import tree_attention
+
+                # every block position sees every other: bit j of each row's words set for j < t
+                lanes = jnp.arange(-(-t // 32) * 32, dtype=jnp.uint32).reshape(-1, 32)
+                words = jnp.sum(jnp.where(lanes < t, jnp.left_shift(jnp.uint32(1), lanes % 32), 0), axis=-1,
+                                dtype=jnp.uint32)
+                bits = jnp.broadcast_to(words, (b, t, words.shape[0]))
+                out = tree_attention(q, cache.k, cache.v, lengths, k_blk, v_blk, bits, scale=scale, impl=impl)
+                return self.o_proj(out.reshape(b, t, nh * hd).astype(x.dtype))
+            warnings.warn("the drafter's attention uses the XLA form, not the tree-attention kernel: "
+                          + "; ".join(problems), stacklevel=2)
+        qg = q.reshape(b, t, kvh, g, hd)
         # Scores against the cached context and the block separately (no copy of the cache).
         s_ctx = jnp.einsum("btkgd,bksd->bkgts", qg, cache.k.astype(q.dtype)).astype(jnp.float32) * scale
         s_blk = jnp.einsum("btkgd,bskd->bkgts", qg, k_blk.astype(q.dtype)).astype(jnp.float32) * scale
@@ -153,8 +191,8 @@ class DrafterLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(h, eps, zero_centered=False, dtype=dtype, rngs=rngs)
         self.mlp = SwiGLU(h, dcfg.intermediate_size, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, cache: KVCache, lengths, cos, sin):
-        x = x + self.self_attn(self.input_layernorm(x), cache, lengths, cos, sin)
+    def __call__(self, x, cache: KVCache, lengths, cos, sin, impl: str = "xla"):
+        x = x + self.self_attn(self.input_layernorm(x), cache, lengths, cos, sin, impl)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -197,25 +235,27 @@ class DrafterModel(nnx.Module):
             new_layers.append(KVCache(_scatter_kv(lc.k, k, slots), _scatter_kv(lc.v, v, slots)))
         return DrafterCache(tuple(new_layers), cache.lengths + n_valid)
 
-    def __call__(self, block_embeds: jax.Array, cache: DrafterCache) -> jax.Array:
-        """block_embeds [B, Bs, H] at positions cache.lengths[b] + j -> final-normed hidden [B, Bs, H]."""
+    def __call__(self, block_embeds: jax.Array, cache: DrafterCache, impl: str = "xla") -> jax.Array:
+        """block_embeds [B, Bs, H] at positions cache.lengths[b] + j -> final-normed hidden [B, Bs, H].
+        impl: "xla", or "pallas" / "pallas_interpret" for the attention kernel (DrafterAttention)."""
         t = block_embeds.shape[1]
         positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
         cos, sin = self._rope(positions)
         x = block_embeds.astype(self.fc.kernel.dtype)
         for layer, lc in zip(self.layers, cache.layers):
-            x = layer(x, lc, cache.lengths, cos, sin)
+            x = layer(x, lc, cache.lengths, cos, sin, impl)
         return self.norm(x)
 
 
-    def draft(self, target, bonus: jax.Array, cache: DrafterCache, block_size: int | None = None) -> jax.Array:
+    def draft(self, target, bonus: jax.Array, cache: DrafterCache, block_size: int | None = None,
+              impl: str = "xla") -> jax.Array:
         """Draft logits float32 [B, Bs-1, V] for block positions 1..Bs-1 after the bonus tokens [B],
-        with the target model's embedding and lm_head. The cache is not modified."""
+        with the target model's embedding and lm_head. The cache is not modified. impl: see __call__."""
         dcfg = self.cfg
         embeds = target.embed_tokens(make_block(dcfg, bonus, block_size))
         if dcfg.input_embedding_scale != 1.0:
             embeds = embeds * jnp.asarray(dcfg.input_embedding_scale, embeds.dtype)
-        return logits_from_hidden(dcfg, target, self(embeds, cache)[:, 1:])
+        return logits_from_hidden(dcfg, target, self(embeds, cache, impl)[:, 1:])
 
 
 # ---- pure entry points (graphdef static, as ddtree_jax/decode.py) -------------------

@@ -45,6 +45,6 @@ class DFlashProposer:
     def extend(self, params, state: DrafterCache, features, n_valid) -> DrafterCache:
         return nnx.merge(self.graphdef, params).extend(state, features, n_valid)
 
-    def propose(self, params, state: DrafterCache, target, bonus, start):
-        logits = nnx.merge(self.graphdef, params).draft(target, bonus, state)
+    def propose(self, params, state: DrafterCache, target, bonus, start, impl: str = "xla"):
+        logits = nnx.merge(self.graphdef, params).draft(target, bonus, state, impl=impl)
         return jax.nn.log_softmax(logits, axis=-1)

@@ -119,7 +119,7 @@ def _emit(out, n_out, done, new_tokens, n_new, eos_ids, max_new):
 
 # ---- the phases of one speculative step ------------------------------------------------
 def propose(model, drafter_params, s: LoopState, spec: GenSpec) -> jax.Array:
-    return spec.proposer.propose(drafter_params, s.dstate, model, s.bonus, s.cache.lengths)
+    return spec.proposer.propose(drafter_params, s.dstate, model, s.bonus, s.cache.lengths, impl=spec.kernels)
 
 
 def build(logq: jax.Array, s: LoopState, spec: GenSpec) -> Tree:

@@ -22,6 +22,9 @@ class Proposer(Protocol):
     def extend(self, params: Any, state: Any, features: jax.Array | None, n_valid: jax.Array) -> Any:
         """Append the target features [B, T, F] of newly committed tokens (first n_valid[b] real)."""
 
-    def propose(self, params: Any, state: Any, target, bonus: jax.Array, start: jax.Array) -> jax.Array:
+    def propose(self, params: Any, state: Any, target, bonus: jax.Array, start: jax.Array,
+                impl: str = "xla") -> jax.Array:
         """Log-probs [B, block_size - 1, V] of the draft tokens at positions start+1 .. start+block_size-1,
-        given the bonus token at position `start`. `target` is the merged target model (embedding, head)."""
+        given the bonus token at position `start`. `target` is the merged target model (embedding, head);
+        impl: the generation's kernel choice ("xla" | "pallas" | "pallas_interpret"), for drafters
+        that have kernels."""
