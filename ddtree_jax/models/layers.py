@@ -41,9 +41,39 @@ def skinny_route_takes(x: jax.Array, kernel: jax.Array) -> bool:
             and SKINNY_OUT[0] <= n <= SKINNY_OUT[1])
 
 
+# The Mosaic GPU skinny matmul route (pallas_kernels/wgmma_skinny.py: TMA weight streaming, wgmma
+# with the tokens on its N side, stream-K / split-K over all SMs), opt-in: the products that beat
+# XLA's dot in isolation on the H200 (scripts/gpu_wgmma_skinny.py, session 10, 65 rows, same
+# harness for both): the 27B's MLP down (17408 x 5120) 58.3 vs 60.3 us and the out / o
+# projections (6144 x 5120) 25.5 vs 29.0 us; it lost the wide products (gate | up 114 vs 95 us).
+# impl "pallas" only (the kernel runs on sm_90 GPUs; the CPU interpreter cannot run it).
+WGMMA_SKINNY = False
+WGMMA_ROWS = (17, 128)
+WGMMA_SHAPES = {(17408, 5120): "stream_k", (6144, 5120): "split_k"}  # (K, N) -> schedule measured best
+
+
+def wgmma_route_takes(x: jax.Array, kernel: jax.Array) -> bool:
+    """Whether x @ kernel is a product the Mosaic GPU route is measured to win."""
+    rows = 1
+    for d in x.shape[:-1]:
+        rows *= d
+    return (x.dtype == kernel.dtype == jnp.bfloat16 and WGMMA_ROWS[0] <= rows <= WGMMA_ROWS[1]
+            and tuple(kernel.shape) in WGMMA_SHAPES)
+
+
+def _wgmma_product(x: jax.Array, kernel: jax.Array) -> jax.Array:
+    from pallas_kernels.wgmma_skinny import WgmmaSkinnyConfig, wgmma_skinny
+
+    config = (WgmmaSkinnyConfig(tile_k=128, stages=3) if WGMMA_SHAPES[tuple(kernel.shape)] == "stream_k"
+              else WgmmaSkinnyConfig(schedule="split_k"))
+    y = wgmma_skinny(x.reshape(-1, x.shape[-1]), kernel, impl="mosaic", config=config)
+    return y.reshape(*x.shape[:-1], kernel.shape[1])
+
+
 class Linear(nnx.Module):
     """y = x @ kernel (+ bias); kernel is [in, out]. impl != "xla" with SKINNY_MATMUL on sends the
-    products of the skinny matmul's window through it (`skinny_route_takes`)."""
+    products of the skinny matmul's window through it (`skinny_route_takes`); impl "pallas" with
+    WGMMA_SKINNY on those of the Mosaic GPU kernel's (`wgmma_route_takes`)."""
 
     def __init__(self, d_in: int, d_out: int, *, bias: bool = False, dtype="float32", rngs: nnx.Rngs):
         self.kernel = nnx.Param(_init(rngs, (d_in, d_out), dtype, d_in**-0.5))
@@ -51,7 +81,9 @@ class Linear(nnx.Module):
 
     def __call__(self, x: jax.Array, impl: str = "xla") -> jax.Array:
         kernel = self.kernel[...]
-        if impl != "xla" and SKINNY_MATMUL and skinny_route_takes(x, kernel):
+        if impl == "pallas" and WGMMA_SKINNY and wgmma_route_takes(x, kernel):
+            y = _wgmma_product(x, kernel)
+        elif impl != "xla" and SKINNY_MATMUL and skinny_route_takes(x, kernel):
             y = skinny_matmul(x, kernel, impl=impl)
         else:
             y = jnp.einsum("...i,io->...o", x, kernel)
