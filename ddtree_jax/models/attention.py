@@ -30,6 +30,11 @@ DECODE_KERNEL = True
 # concatenated the separate weights at trace time: the same product plus a weight copy.)
 # Checkpoints in either layout load (converters/layout.py).
 MERGED_QKV = True
+# With kernels on (impl != "xla"), a merged-layout layer's q / k norms and RoPE run as one kernel
+# reading the q | k | v product in place (pallas_kernels/attn_prologue.py) instead of ~6 XLA
+# launches (two slices, two norms, two rope concatenations: ~12 us of a 27B verify's attention
+# layer, ~7 us of a decode step's; session 10 profile). Opt-in until timed on the H200.
+PROLOGUE_KERNEL = False
 
 
 def write_kv(cache: KVCache, k_new: jax.Array, v_new: jax.Array, start: jax.Array) -> KVCache:
@@ -96,6 +101,21 @@ class Attention(nnx.Module):
         cfg = self.cfg
         b, t, _ = x.shape
         merged = getattr(self, "qkv_proj", None)
+        if merged is not None and impl != "xla" and PROLOGUE_KERNEL and self._prologue_takes():
+            from pallas_kernels.attn_prologue import attn_prologue
+
+            proj = merged(x, impl)
+            cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta)
+            q, k, v = attn_prologue(proj, self.q_norm.weight[...], self.k_norm.weight[...], cos, sin,
+                                    num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                                    gated=cfg.attn_output_gate, eps=self.q_norm.eps,
+                                    zero_centered=self.q_norm.zero_centered, impl=impl)
+            gate = None
+            if cfg.attn_output_gate:
+                nq = 2 * cfg.num_heads * cfg.head_dim
+                gate = proj[..., :nq].reshape(b, t, cfg.num_heads, 2 * cfg.head_dim)[..., cfg.head_dim :]
+                gate = gate.reshape(b, t, -1)
+            return q, k, v, gate
         if merged is not None:
             q, k_lin, v_lin = self._split_qkv(merged(x, impl))
         else:
@@ -110,6 +130,20 @@ class Attention(nnx.Module):
         v = v_lin.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
         cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, gate
+
+    def _prologue_takes(self) -> bool:
+        """Whether the prologue kernel takes this layer (PROLOGUE_KERNEL on); if not, say why (a
+        warning when traced)."""
+        from pallas_kernels.attn_prologue import kernel_problems
+
+        cfg = self.cfg
+        problems = kernel_problems(cfg.head_dim, cfg.rotary_dim)
+        if not cfg.qk_norm or self.q_norm.weight_fp32 or self.k_norm.weight_fp32 or self.q_norm.eps != self.k_norm.eps:
+            problems.append("q / k norms with float32 weights or different eps")
+        if problems:
+            warnings.warn("the attention prologue uses the XLA form, not the Pallas kernel: " + "; ".join(problems),
+                          stacklevel=4)
+        return not problems
 
     def _split_qkv(self, y: jax.Array):
         """[..., q + k + v] -> q (with the gate half when gated), k, v."""

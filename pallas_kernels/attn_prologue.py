@@ -1,0 +1,176 @@
+"""The inputs of an attention layer from its merged q | k | v product, in one kernel (Pallas /
+Triton kernel + its pure-jnp reference).
+
+    q, k, v = attn_prologue(proj, q_weight, k_weight, cos, sin, num_heads=, num_kv_heads=, head_dim=,
+                            gated=, eps=, zero_centered=, impl="xla" | "pallas" | "pallas_interpret")
+
+Between the q | k | v projection and the attention kernel a Qwen3 / Qwen3.5 layer slices the
+product into heads, RMS-normalizes q and k per head (`models.layers.RMSNorm`) and rotates their
+first `rotary_dim` features (`apply_rope`, non-interleaved halves). XLA runs that as ~6 launches a
+layer (two slices, two norms, two rope concatenations: ~12 us of a 27B verify's attention layer,
+~7 us of a decode step's; session 10 profile). Here it is one launch.
+
+    proj [B, T, W]: per q head h the columns [h * hd, (h + 1) * hd) (gated: [2 h hd, 2 h hd + hd),
+    the gate half after each head is left to the output), then kv heads of k, then of v.
+    q = rope(rmsnorm(q_h) * w_q), k = rope(rmsnorm(k_j) * w_k), v = v_j        (float32 math)
+
+Norm rounding follows `RMSNorm`: zero-centered weights scale in float32 (normed * (1 + w)), then
+round; plain weights round the normed row to the model dtype first and multiply in it. RoPE takes
+cos / sin rounded to the model dtype (as `apply_rope`) and rounds once after its float32 sum.
+
+Kernel: one program per (batch row, head) over all T rows; heads are q heads, then k heads, then v
+heads, each one hd-wide block of columns of the product (read in place: no slice copies). T rows
+go as power-of-two row blocks of at most 16 (Triton values are powers of two; larger blocks spill
+at hd 256): 65 = 4 x 16 + 1. The rotation's
+partner features are a second, gathered load of the same row (column c + rot/2 or c - rot/2).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from ddtree_jax.models.layers import apply_rope, rms_normalize
+from pallas_kernels._common import check_impl, compiler_params, is_pow2, load, store
+
+
+def _norm(x32, w, eps: float, zero_centered: bool, dtype):
+    """RMSNorm of rows x32 (float32) with weight w, rounded as models.layers.RMSNorm rounds."""
+    normed = rms_normalize(x32, eps)
+    if zero_centered:
+        return (normed * (1.0 + w.astype(jnp.float32))).astype(dtype)
+    return w.astype(dtype) * normed.astype(dtype)
+
+
+def reference(proj, q_weight, k_weight, cos, sin, *, num_heads: int, num_kv_heads: int, head_dim: int, gated: bool,
+              eps: float, zero_centered: bool):
+    """(q [B, T, nh, hd], k, v [B, T, kv, hd]) in proj's dtype; cos / sin [B, T, rot] float32."""
+    b, t, _ = proj.shape
+    nh, kv, hd = num_heads, num_kv_heads, head_dim
+    nq = nh * hd * (2 if gated else 1)
+    q = proj[..., :nq].reshape(b, t, nh, -1)[..., :hd]
+    k = proj[..., nq : nq + kv * hd].reshape(b, t, kv, hd)
+    v = proj[..., nq + kv * hd : nq + 2 * kv * hd].reshape(b, t, kv, hd)
+    norm = lambda a, w: _norm(a.astype(jnp.float32), w, eps, zero_centered, proj.dtype)
+    return apply_rope(norm(q, q_weight), cos, sin), apply_rope(norm(k, k_weight), cos, sin), v
+
+
+def kernel_problems(head_dim: int, rotary_dim: int) -> list[str]:
+    """Why the kernel cannot take this layer (empty: it can)."""
+    out = [] if is_pow2(head_dim) and head_dim >= 16 else [f"head_dim {head_dim} is not a power of two >= 16"]
+    if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+        out.append(f"rotary_dim {rotary_dim} is not an even count within head_dim {head_dim}")
+    return out
+
+
+def _row_blocks(t: int, max_rows: int = 16):
+    """[(start, size)] power-of-two blocks of at most max_rows covering t rows (65 -> 4 x 16 + 1):
+    a block's six float32 [rows, hd] values stay in registers (hd 256, 16 rows, 4 warps: no spills
+    on sm_90; 64-row blocks spilled)."""
+    out, start = [], 0
+    while t - start >= max_rows:
+        out.append((start, max_rows))
+        start += max_rows
+    rest = t - start
+    for bit in reversed(range(rest.bit_length())):
+        size = 1 << bit
+        if rest & size:
+            out.append((start, size))
+            start += size
+    return tuple(out)
+
+
+def _prologue_kernel(x_ref, wq_ref, wk_ref, cos_ref, sin_ref, q_ref, k_ref, v_ref, *, num_heads: int, kv: int,
+                     rot: int, eps: float, zero_centered: bool, blocks):
+    head = pl.program_id(1)
+    hd = x_ref.shape[-1]
+    f32 = jnp.float32
+    dtype = q_ref.dtype
+    half = rot // 2
+    c = jnp.arange(hd, dtype=jnp.int32)
+    partner = jnp.where(c < half, c + half, jnp.where(c < rot, c - half, c))
+    sign = jnp.where(c < half, -1.0, 1.0).astype(f32)
+    in_rot = c < rot
+    tab = jnp.minimum(c, rot - 1)
+
+    def roped(rows, w_ref):
+        """rope(norm(x)) [size, hd] of the block's rows, with the partner features gathered."""
+        r = (rows.start + jnp.arange(rows.size, dtype=jnp.int32))[:, None]
+        x = x_ref[rows, :].astype(f32)
+        xp = load(x_ref, (r, partner[None, :])).astype(f32)
+        inv = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+        w, wp = w_ref[...].astype(f32), load(w_ref, (partner,)).astype(f32)
+        if zero_centered:
+            y = (x * inv * (1.0 + w)[None, :]).astype(dtype).astype(f32)
+            yp = (xp * inv * (1.0 + wp)[None, :]).astype(dtype).astype(f32)
+        else:
+            y = (w.astype(dtype)[None, :] * (x * inv).astype(dtype)).astype(f32)
+            yp = (wp.astype(dtype)[None, :] * (xp * inv).astype(dtype)).astype(f32)
+        cs = load(cos_ref, (r, tab[None, :])).astype(dtype).astype(f32)
+        sn = load(sin_ref, (r, tab[None, :])).astype(dtype).astype(f32)
+        return jnp.where(in_rot[None, :], y * cs + sign[None, :] * yp * sn, y).astype(dtype)
+
+    for start, size in blocks:
+        rows = pl.ds(start, size)
+
+        @pl.when(head < num_heads)
+        def _():
+            store(q_ref, (rows, slice(None)), roped(rows, wq_ref))
+
+        @pl.when((head >= num_heads) & (head < num_heads + kv))
+        def _():
+            store(k_ref, (rows, slice(None)), roped(rows, wk_ref))
+
+        @pl.when(head >= num_heads + kv)
+        def _():
+            store(v_ref, (rows, slice(None)), x_ref[rows, :])
+
+
+def attn_prologue(proj, q_weight, k_weight, cos, sin, *, num_heads: int, num_kv_heads: int, head_dim: int,
+                  gated: bool, eps: float, zero_centered: bool, impl: str = "xla", num_warps: int = 4):
+    """q [B, T, nh, hd] (normed, rotated), k [B, T, kv, hd] (likewise) and v [B, T, kv, hd] from the
+    layer's q | k | v product proj [B, T, W] (module doc); cos / sin [B, T, rotary_dim] float32
+    (`models.layers.rope_cos_sin`). impl "xla" | "pallas" | "pallas_interpret"."""
+    check_impl(impl)
+    b, t, width = proj.shape
+    nh, kv, hd = num_heads, num_kv_heads, head_dim
+    nq = nh * hd * (2 if gated else 1)
+    rot = cos.shape[-1]
+    bad = [] if width >= nq + 2 * kv * hd else [f"proj has {width} columns, fewer than q | k | v's {nq + 2 * kv * hd}"]
+    if cos.shape != (b, t, rot) or sin.shape != cos.shape:
+        bad.append(f"cos / sin {cos.shape} / {sin.shape} are not [{b}, {t}, rotary_dim]")
+    if q_weight.shape != (hd,) or k_weight.shape != (hd,):
+        bad.append(f"q / k norm weights {q_weight.shape} / {k_weight.shape} are not [{hd}]")
+    if impl != "xla":
+        bad += kernel_problems(hd, rot)
+    if bad:
+        raise ValueError("attn_prologue: " + "; ".join(bad))
+    if impl == "xla":
+        return reference(proj, q_weight, k_weight, cos, sin, num_heads=nh, num_kv_heads=kv, head_dim=hd,
+                         gated=gated, eps=eps, zero_centered=zero_centered)
+    q_stride = 2 if gated else 1
+
+    def col_block(j, h):  # the hd-wide column block of head h (q heads, then k heads, then v heads)
+        return jnp.where(h < nh, h * q_stride, nq // hd + (h - nh))
+
+    in_specs = [pl.BlockSpec((None, t, hd), lambda i, h: (i, 0, col_block(i, h))),
+                pl.BlockSpec((hd,), lambda i, h: (0,)), pl.BlockSpec((hd,), lambda i, h: (0,)),
+                pl.BlockSpec((None, t, rot), lambda i, h: (i, 0, 0)), pl.BlockSpec((None, t, rot), lambda i, h: (i, 0, 0))]
+    clamp = lambda h, lo, n: jnp.clip(h - lo, 0, n - 1)
+    out_specs = [pl.BlockSpec((None, t, None, hd), lambda i, h: (i, 0, clamp(h, 0, nh), 0)),
+                 pl.BlockSpec((None, t, None, hd), lambda i, h: (i, 0, clamp(h, nh, kv), 0)),
+                 pl.BlockSpec((None, t, None, hd), lambda i, h: (i, 0, clamp(h, nh + kv, kv), 0))]
+    out_shape = [jax.ShapeDtypeStruct((b, t, nh, hd), proj.dtype), jax.ShapeDtypeStruct((b, t, kv, hd), proj.dtype),
+                 jax.ShapeDtypeStruct((b, t, kv, hd), proj.dtype)]
+    interpret = impl == "pallas_interpret"
+    params = {} if interpret else {"compiler_params": compiler_params(num_warps, 1)}
+    q, k, v = pl.pallas_call(
+        functools.partial(_prologue_kernel, num_heads=nh, kv=kv, rot=rot, eps=eps, zero_centered=zero_centered,
+                          blocks=_row_blocks(t)),
+        grid=(b, nh + 2 * kv), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        interpret=interpret, name="attn_prologue", **params,
+    )(proj, q_weight, k_weight, cos.astype(jnp.float32), sin.astype(jnp.float32))
+    return q, k, v

@@ -1,0 +1,133 @@
+"""pallas_kernels/attn_prologue.py: the q / k norms and RoPE of an attention layer from its merged
+q | k | v product in one kernel, against its jnp reference (interpreter), its sm_90 lowering
+(offline, no GPU), and the model route (`models.attention.PROLOGUE_KERNEL`) against the XLA form."""
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ddtree_jax.models.layers import rope_cos_sin
+from pallas_kernels.attn_prologue import _row_blocks, attn_prologue, kernel_problems
+
+B, NH, KV, HD, ROT = 2, 4, 2, 32, 8
+
+
+def _inputs(t, seed, dtype, gated):
+    rng = np.random.default_rng(seed)
+    width = NH * HD * (2 if gated else 1) + 2 * KV * HD + 3  # extra columns the kernel must not read
+    proj = jnp.asarray(rng.normal(size=(B, t, width)), dtype)
+    qw, kw = (jnp.asarray(rng.normal(size=HD) * 0.3, dtype) for _ in range(2))
+    cos, sin = rope_cos_sin(jnp.asarray(rng.integers(0, 4096, (B, t))), ROT, 10000.0)
+    return proj, qw, kw, cos, sin
+
+
+PROLOGUE = {(impl, gated, zc): jax.jit(functools.partial(attn_prologue, impl=impl, num_heads=NH, num_kv_heads=KV,
+                                                         head_dim=HD, gated=gated, eps=1e-6, zero_centered=zc))
+            for impl in ("xla", "pallas_interpret") for gated in (False, True) for zc in (False, True)}
+
+
+@settings(max_examples=12, deadline=None)
+@given(t=st.sampled_from([1, 16, 17]), seed=st.integers(0, 2**31 - 1), bf16=st.booleans(), gated=st.booleans(),
+       zc=st.booleans())
+def test_kernel_equals_reference(t, seed, bf16, gated, zc):
+    """One token (decode), 16 and 17 rows (a DFlash block, a DDTree-16 verify: 16 + 1 row blocks),
+    gated (Qwen3.5: a gate half after each q head) or not, zero-centered norm weights or plain:
+    q, k, v agree (float32 to rounding; bf16 within one ulp of the value: the reference's RoPE
+    rounds each product)."""
+    dtype = jnp.bfloat16 if bf16 else jnp.float32
+    args = _inputs(t, seed, dtype, gated)
+    want, got = PROLOGUE[("xla", gated, zc)](*args), PROLOGUE[("pallas_interpret", gated, zc)](*args)
+    for name, w, g in zip("qkv", want, got):
+        assert g.shape == w.shape and g.dtype == w.dtype, name
+        w32, g32 = np.asarray(w, np.float32), np.asarray(g, np.float32)
+        if bf16:
+            np.testing.assert_allclose(g32, w32, rtol=2**-7, atol=2**-7, err_msg=name)
+        else:
+            np.testing.assert_allclose(g32, w32, rtol=1e-5, atol=1e-5, err_msg=name)
+    np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(want[2]))  # v: a copy
+
+
+def test_row_blocks_and_refusals():
+    assert _row_blocks(65) == ((0, 16), (16, 16), (32, 16), (48, 16), (64, 1)) and _row_blocks(1) == ((0, 1),)
+    assert _row_blocks(13) == ((0, 8), (8, 4), (12, 1)) and _row_blocks(100, 64) == ((0, 64), (64, 32), (96, 4))
+    assert kernel_problems(256, 64) == [] and "power of two" in kernel_problems(96, 32)[0]
+    assert "rotary_dim" in kernel_problems(128, 0)[0]
+    proj, qw, kw, cos, sin = _inputs(3, 0, jnp.float32, False)
+    with pytest.raises(ValueError, match="fewer than q \\| k \\| v"):
+        attn_prologue(proj[..., :10], qw, kw, cos, sin, num_heads=NH, num_kv_heads=KV, head_dim=HD, gated=False,
+                      eps=1e-6, zero_centered=False, impl="pallas_interpret")
+    with pytest.raises(ValueError, match="cos / sin"):
+        attn_prologue(proj, qw, kw, cos[:, :2], sin, num_heads=NH, num_kv_heads=KV, head_dim=HD, gated=False,
+                      eps=1e-6, zero_centered=False, impl="pallas_interpret")
+
+
+@pytest.mark.parametrize("t", [65, 1])
+def test_lowers_for_sm90_at_the_27b_layer(t):
+    """The 27B attention layer (24 q heads gated, 4 kv heads of 256, rotary 64) at a DDTree-64
+    verify's 65 rows and a decode step's 1 lowers to one Triton kernel; with pip's triton,
+    compiled for sm_90 without spills."""
+    from scripts.offline_triton_compile import capture_ttir, compile_ttir
+
+    nh, kv, hd, rot = 24, 4, 256, 64
+    shapes = (jax.ShapeDtypeStruct((1, t, 2 * nh * hd + 2 * kv * hd), jnp.bfloat16),
+              jax.ShapeDtypeStruct((hd,), jnp.bfloat16), jax.ShapeDtypeStruct((hd,), jnp.bfloat16),
+              jax.ShapeDtypeStruct((1, t, rot), jnp.float32), jax.ShapeDtypeStruct((1, t, rot), jnp.float32))
+    fn = functools.partial(attn_prologue, num_heads=nh, num_kv_heads=kv, head_dim=hd, gated=True, eps=1e-6,
+                           zero_centered=True, impl="pallas")
+    [(name, ttir)] = capture_ttir(fn, *shapes)
+    assert "attn_prologue" in name
+    pytest.importorskip("triton")
+    res = compile_ttir(ttir, num_warps=4, num_stages=1)
+    assert res["regs"] <= 255 and res["stack_bytes"] == 0, res
+
+
+def test_model_route_gives_the_xla_forms_outputs(monkeypatch):
+    """models.attention.PROLOGUE_KERNEL on: a tiny hybrid target's decode step and tree verify +
+    commit through the kernels give the XLA prologue's logits and caches, one kernel per attention
+    layer and call."""
+    from flax import nnx
+
+    from ddtree_jax import decode
+    from ddtree_jax.cache import init_target_cache
+    from ddtree_jax.models import attention
+    from ddtree_jax.tree import make_tree
+    from tests.tiny_models import HYBRID, make_target
+
+    cfg, gd, params = make_target(dict(head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16), seed=43,
+                                  base=HYBRID)
+    rng = np.random.default_rng(4)
+    n = 17
+    prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, 9)), jnp.int32)
+    cache = decode.prefill(gd, params, init_target_cache(cfg, B, 64), prompt, jnp.asarray([9, 6], jnp.int32)).cache
+    parents = jnp.asarray(np.stack([[-1] + [int(rng.integers(max(0, i - 3), i)) for i in range(1, n)]] * B), jnp.int32)
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, n)), jnp.int32)
+    path = jnp.asarray(np.stack([[0, 1, 2, 3] + [0] * (n - 4)] * B), jnp.int32)
+    counts = jnp.asarray([3, 1], jnp.int32)
+    tok = jnp.asarray([3, 7], jnp.int32)
+
+    def run(on):
+        monkeypatch.setattr(attention, "PROLOGUE_KERNEL", on)
+
+        def fn(p, c):  # a fresh function per setting: the switch is read when traced
+            model = nnx.merge(gd, p)
+            tree = make_tree(tokens, parents, jnp.ones((B, n), bool), c.lengths, max_depth=n - 1)
+            h, _, pending = model.verify(tokens, c, tree, impl="pallas_interpret")
+            step = model(tok[:, None], c, jnp.ones((B,), jnp.int32), chunked=False, impl="pallas_interpret")
+            return model.logits(h), model.commit(pending, path, counts, c, "pallas_interpret"), step
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)  # the kernel route takes these layers silently
+            text = str(jax.make_jaxpr(fn)(params, cache))
+        return jax.jit(fn)(params, cache), text.count("name=attn_prologue")
+
+    (want, n_off), (got, n_on) = run(False), run(True)
+    attn_layers = sum(kind == "attention" for kind in cfg.layer_types)
+    assert n_off == 0 and n_on == 2 * attn_layers  # the verify's and the decode step's
+    for w, g in zip(jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(got)):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=1e-4, atol=1e-4)
