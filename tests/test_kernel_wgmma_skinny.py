@@ -125,6 +125,10 @@ def test_model_route_lowers_for_cuda(monkeypatch):
 
     monkeypatch.setattr(layers, "WGMMA_SKINNY", True)
     lin = layers.Linear(6144, 5120, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    with pytest.warns(UserWarning, match="not an sm_90 GPU"):  # this CPU: XLA's dot, announced
+        assert "dot_general" in str(jax.make_jaxpr(lambda a: lin(a, "pallas"))(
+            jax.ShapeDtypeStruct((1, 65, 6144), jnp.bfloat16)))
+    monkeypatch.setattr(layers, "_hopper", lambda: True)  # lowering for an H200 from here
     x = jax.ShapeDtypeStruct((1, 65, 6144), jnp.bfloat16)
     assert layers.wgmma_route_takes(x, lin.kernel[...])
     assert not layers.wgmma_route_takes(jax.ShapeDtypeStruct((1, 1, 6144), jnp.bfloat16), lin.kernel[...])

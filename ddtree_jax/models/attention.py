@@ -33,7 +33,10 @@ MERGED_QKV = True
 # With kernels on (impl != "xla"), a merged-layout layer's q / k norms and RoPE run as one kernel
 # reading the q | k | v product in place (pallas_kernels/attn_prologue.py) instead of ~6 XLA
 # launches (two slices, two norms, two rope concatenations: ~12 us of a 27B verify's attention
-# layer, ~7 us of a decode step's; session 10 profile). Opt-in until timed on the H200.
+# layer, ~7 us of a decode step's; session 10 profile). Timed on the H200 (session 10): the decode
+# step's kernels 13.45 -> 13.34 ms (64 fewer launches), but at a verify's 65 rows the kernel takes
+# 22.3 us a layer (32 programs at batch 1, five row blocks each) and the verify's kernels went
+# 16.69 -> 16.83 ms. Off: a decode-only route or more programs per layer would be the next form.
 PROLOGUE_KERNEL = False
 
 

@@ -6,6 +6,8 @@ Parameters use the layouts the converters write: linear kernels [in, out], embed
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -46,7 +48,11 @@ def skinny_route_takes(x: jax.Array, kernel: jax.Array) -> bool:
 # XLA's dot in isolation on the H200 (scripts/gpu_wgmma_skinny.py, session 10, 65 rows, same
 # harness for both): the 27B's MLP down (17408 x 5120) 58.3 vs 60.3 us and the out / o
 # projections (6144 x 5120) 25.5 vs 29.0 us; it lost the wide products (gate | up 114 vs 95 us).
-# impl "pallas" only (the kernel runs on sm_90 GPUs; the CPU interpreter cannot run it).
+# In the 27B model (same session, batch 1, bench_e2e): DDTree-64 18.60 ms with it against 18.80
+# without (the two GPUs of one machine), 18.90 against 19.07 (one GPU, both with the attention
+# prologue on); decode unchanged. Off until a kernel-time profile confirms it: both profile runs
+# with it on outran their time limits (the Mosaic kernels' compile), see docs/benchmarks.md.
+# impl "pallas" on sm_90 GPUs only (elsewhere a warning, and XLA's dot).
 WGMMA_SKINNY = False
 WGMMA_ROWS = (17, 128)
 WGMMA_SHAPES = {(17408, 5120): "stream_k", (6144, 5120): "split_k"}  # (K, N) -> schedule measured best
@@ -59,6 +65,12 @@ def wgmma_route_takes(x: jax.Array, kernel: jax.Array) -> bool:
         rows *= d
     return (x.dtype == kernel.dtype == jnp.bfloat16 and WGMMA_ROWS[0] <= rows <= WGMMA_ROWS[1]
             and tuple(kernel.shape) in WGMMA_SHAPES)
+
+
+def _hopper() -> bool:
+    """Whether the default device is an sm_90 GPU (the Mosaic GPU kernel's wgmma / TMA target)."""
+    device = jax.devices()[0]
+    return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9")
 
 
 def _wgmma_product(x: jax.Array, kernel: jax.Array) -> jax.Array:
@@ -81,7 +93,10 @@ class Linear(nnx.Module):
 
     def __call__(self, x: jax.Array, impl: str = "xla") -> jax.Array:
         kernel = self.kernel[...]
-        if impl == "pallas" and WGMMA_SKINNY and wgmma_route_takes(x, kernel):
+        if impl == "pallas" and WGMMA_SKINNY and wgmma_route_takes(x, kernel) and not _hopper():
+            warnings.warn("models.layers.WGMMA_SKINNY is on but the device is not an sm_90 GPU: XLA's dot "
+                          "runs the skinny products", stacklevel=2)
+        if impl == "pallas" and WGMMA_SKINNY and wgmma_route_takes(x, kernel) and _hopper():
             y = _wgmma_product(x, kernel)
         elif impl != "xla" and SKINNY_MATMUL and skinny_route_takes(x, kernel):
             y = skinny_matmul(x, kernel, impl=impl)
