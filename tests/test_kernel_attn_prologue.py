@@ -93,22 +93,12 @@ def test_model_route_gives_the_xla_forms_outputs(monkeypatch):
     layer and call."""
     from flax import nnx
 
-    from ddtree_jax import decode
-    from ddtree_jax.cache import init_target_cache
     from ddtree_jax.models import attention
     from ddtree_jax.tree import make_tree
-    from tests.tiny_models import HYBRID, make_target
+    from tests.tree_harness import kernel_route_case
 
-    cfg, gd, params = make_target(dict(head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16), seed=43,
-                                  base=HYBRID)
-    rng = np.random.default_rng(4)
-    n = 17
-    prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, 9)), jnp.int32)
-    cache = decode.prefill(gd, params, init_target_cache(cfg, B, 64), prompt, jnp.asarray([9, 6], jnp.int32)).cache
-    parents = jnp.asarray(np.stack([[-1] + [int(rng.integers(max(0, i - 3), i)) for i in range(1, n)]] * B), jnp.int32)
-    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, n)), jnp.int32)
-    path = jnp.asarray(np.stack([[0, 1, 2, 3] + [0] * (n - 4)] * B), jnp.int32)
-    counts = jnp.asarray([3, 1], jnp.int32)
+    cfg, gd, params, cache, tokens, parents, path, counts = kernel_route_case(43, 4)
+    n = tokens.shape[1]
     tok = jnp.asarray([3, 7], jnp.int32)
 
     def run(on):

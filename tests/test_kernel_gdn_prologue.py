@@ -132,24 +132,14 @@ def test_lowers_for_sm90_at_the_27b_layer():
 def test_model_route_gives_the_xla_forms_outputs(monkeypatch):
     """models.gdn.TREE_PROLOGUE_KERNEL on: a tiny hybrid target's tree verify + commit through the
     kernels gives the same logits and committed caches as with it off (the XLA prologue)."""
-    from ddtree_jax import decode
-    from ddtree_jax.cache import init_target_cache
     from flax import nnx
 
     from ddtree_jax.models import gdn
-    from tests.tiny_models import HYBRID, make_target
+    from tests.tree_harness import kernel_route_case
 
-    cfg, gd, params = make_target(dict(head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16), seed=41,
-                                  base=HYBRID)
-    assert not kernel_problems(17, cfg.gdn_num_k_heads, cfg.gdn_k_head_dim, cfg.gdn_num_v_heads, cfg.gdn_v_head_dim)
-    rng = np.random.default_rng(3)
-    n = 17
-    prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, 9)), jnp.int32)
-    cache = decode.prefill(gd, params, init_target_cache(cfg, B, 64), prompt, jnp.asarray([9, 6], jnp.int32)).cache
-    parents = jnp.asarray(np.stack([[-1] + [int(rng.integers(max(0, i - 3), i)) for i in range(1, n)]] * B), jnp.int32)
-    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, n)), jnp.int32)
-    path = jnp.asarray(np.stack([[0, 1, 2, 3] + [0] * (n - 4)] * B), jnp.int32)
-    counts = jnp.asarray([3, 1], jnp.int32)
+    cfg, gd, params, cache, tokens, parents, path, counts = kernel_route_case(41, 3)
+    n = tokens.shape[1]
+    assert not kernel_problems(n, cfg.gdn_num_k_heads, cfg.gdn_k_head_dim, cfg.gdn_num_v_heads, cfg.gdn_v_head_dim)
 
     def run(on):
         monkeypatch.setattr(gdn, "TREE_PROLOGUE_KERNEL", on)

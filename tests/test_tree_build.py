@@ -154,13 +154,9 @@ def test_prefiltered_top_k_equals_lax_top_k(seed, n, k, block, levels, staged):
     a multiple of the block, fewer blocks than k (plain top_k)."""
     from ddtree_jax.spec.build import prefiltered_top_k
 
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(2, 3, n)).astype(np.float32)
-    if levels:
-        x = np.round(x * levels) / levels
-    x[rng.random(x.shape) < 0.05] = -np.inf
-    x[rng.random(x.shape) < 0.05] = -0.0
-    x[rng.random(x.shape) < 0.05] = 0.0
+    from tests.tree_harness import tie_heavy_rows
+
+    x = tie_heavy_rows(seed, (2, 3, n), levels)
     k = min(k, n)
     want_v, want_i = jax.lax.top_k(jnp.asarray(x), k)
     got_v, got_i = prefiltered_top_k(jnp.asarray(x), k, block=block, staged=staged)

@@ -108,3 +108,35 @@ def assert_same_committed_state(got, ref, tol=1e-5):
             assert float(jnp.max(jnp.abs(layer_got.conv - layer_ref.conv))) <= tol
 
 
+
+
+def kernel_route_case(model_seed: int, rng_seed: int, n: int = 17, batch: int = 2):
+    """A tiny hybrid target (kernel-friendly head dims of 16) with a prefilled cache, a random tree
+    of n nodes (parents within 3 of each node), its tokens and a short accepted path: the common
+    setup of the kernel-route tests (a route on vs off must give the same logits and caches)."""
+    from tests.tiny_models import HYBRID, make_target
+
+    cfg, gd, params = make_target(dict(head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16),
+                                  seed=model_seed, base=HYBRID)
+    rng = np.random.default_rng(rng_seed)
+    prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, 9)), jnp.int32)
+    lens = jnp.asarray([9, 6][:batch] + [9] * max(0, batch - 2), jnp.int32)
+    cache = decode.prefill(gd, params, init_target_cache(cfg, batch, 64), prompt, lens).cache
+    parents = jnp.asarray(np.stack([[-1] + [int(rng.integers(max(0, i - 3), i)) for i in range(1, n)]] * batch),
+                          jnp.int32)
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, n)), jnp.int32)
+    path = jnp.asarray(np.stack([[0, 1, 2, 3] + [0] * (n - 4)] * batch), jnp.int32)
+    counts = jnp.asarray([3, 1][:batch] + [2] * max(0, batch - 2), jnp.int32)
+    return cfg, gd, params, cache, tokens, parents, path, counts
+
+
+def tie_heavy_rows(seed: int, shape, levels: int, p: float = 0.05) -> np.ndarray:
+    """float32 normal rows with ties: values rounded to 1 / levels (0: no rounding), and a fraction p
+    of the entries each set to -inf, -0.0 and +0.0 (lax.top_k's order puts -0.0 below +0.0)."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=shape).astype(np.float32)
+    if levels:
+        x = np.round(x * levels) / levels
+    for value in (-np.inf, -0.0, 0.0):
+        x[rng.random(x.shape) < p] = value
+    return x
