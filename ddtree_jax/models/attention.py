@@ -36,7 +36,8 @@ MERGED_QKV = True
 # layer, ~7 us of a decode step's; session 10 profile). Timed on the H200 (session 10): the decode
 # step's kernels 13.45 -> 13.34 ms (64 fewer launches), but at a verify's 65 rows the kernel takes
 # 22.3 us a layer (32 programs at batch 1, five row blocks each) and the verify's kernels went
-# 16.69 -> 16.83 ms. Off: a decode-only route or more programs per layer would be the next form.
+# 16.69 -> 16.83 ms. The kernel now runs a program per (head, 16-row block), 160 at batch 1: off
+# until that form is timed.
 PROLOGUE_KERNEL = False
 
 
