@@ -86,7 +86,8 @@ def test_kernel_gates_equal_reference(n, seed, bf16):
     for w, g in zip(plain, got[:4]):
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
     with pytest.raises(ValueError, match="b \\| a columns"):
-        gdn_tree_prologue(mixed[..., : D + 1], window, conv_w, src, gates=gates, ba_col=D, impl="pallas_interpret", **KW)
+        gdn_tree_prologue(mixed[..., : D + 1], window, conv_w, src, gates=gates, ba_col=D, impl="pallas_interpret",
+                          **KW)
 
 
 def test_shapes_the_kernel_refuses():

@@ -275,7 +275,8 @@ def _vocab_top_k(logq: jax.Array, k: int, impl: str):
     return _routed(impl, n <= ROW_TOP_K_MAX_LEN and k <= ROW_TOP_K_MAX_K, lambda: row_top_k(logq, k, impl=impl),
                    lambda: prefiltered_top_k(logq, k) if long_row else top_k(logq, k),
                    f"the DDTree vocabulary top-{k} over {n} entries uses the XLA form (sorts, behind a block-max "
-                   f"prefilter for long rows), not the Pallas kernel: it takes rows up to {ROW_TOP_K_MAX_LEN} and k up to {ROW_TOP_K_MAX_K} (pallas_kernels/row_top_k.py)")
+                   f"prefilter for long rows), not the Pallas kernel: it takes rows up to {ROW_TOP_K_MAX_LEN} "
+                   f"and k up to {ROW_TOP_K_MAX_K} (pallas_kernels/row_top_k.py)")
 
 
 def build_tree(logq: jax.Array, root_tokens: jax.Array, start: jax.Array, budget: int, max_candidates=None,
