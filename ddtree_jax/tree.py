@@ -79,6 +79,14 @@ def bits_to_dense(bits: jax.Array, n: int) -> jax.Array:
     return (jnp.right_shift(word, (j % WORD).astype(jnp.uint32)) & 1).astype(bool)
 
 
+def all_visible_bits(batch: int, n: int) -> jax.Array:
+    """[B, N, ceil(N/32)] uint32 bitsets where every one of n nodes sees every node (a DFlash
+    block's non-causal attention; n = 1: a decode step's one query seeing itself)."""
+    lanes = jnp.arange(-(-n // WORD) * WORD, dtype=jnp.uint32).reshape(-1, WORD)
+    words = jnp.sum(jnp.where(lanes < n, jnp.left_shift(jnp.uint32(1), lanes % WORD), 0), axis=-1, dtype=jnp.uint32)
+    return jnp.broadcast_to(words, (batch, n, words.shape[0]))
+
+
 def make_tree(tokens, parents, valid, start, max_depth: int, impl: str = "xla") -> Tree:
     """Assemble a Tree from tokens / parents / valid [B, N] and committed lengths start [B].
 

@@ -8,7 +8,7 @@ Between the q | k | v projection and the attention kernel a Qwen3 / Qwen3.5 laye
 product into heads, RMS-normalizes q and k per head (`models.layers.RMSNorm`) and rotates their
 first `rotary_dim` features (`apply_rope`, non-interleaved halves). XLA runs that as ~6 launches a
 layer (two slices, two norms, two rope concatenations: ~12 us of a 27B verify's attention layer,
-~7 us of a decode step's; session 10 profile). Here it is one launch.
+~7 us of a decode step's; H200, 2026-11-30, docs/benchmarks.md section 1). Here it is one launch.
 
     proj [B, T, W]: per q head h the columns [h * hd, (h + 1) * hd) (gated: [2 h hd, 2 h hd + hd),
     the gate half after each head is left to the output), then kv heads of k, then of v.
@@ -22,7 +22,7 @@ Kernel: one program per (batch row, head, block of up to 16 rows); heads are q h
 heads, then v heads, each one hd-wide block of columns of the product (read in place: no slice
 copies). 65 rows are 5 blocks of 16, the last masked: 160 programs for the 27B layer at batch 1
 (the first version ran a head's row blocks one after another in one program: 32 programs, 22.3 us
-in the H200 verify against ~12 us for the XLA launches it replaced, session 10). Larger blocks
+in the H200 verify against ~12 us for the XLA launches it replaced, docs/kernels_attention.md). Larger blocks
 spill at hd 256. The rotation's partner features are a second, gathered load of the same row
 (column c + rot/2 or c - rot/2).
 """
@@ -35,16 +35,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from ddtree_jax.models.layers import apply_rope, rms_normalize
+from ddtree_jax.models.layers import apply_rope, rms_norm
 from pallas_kernels._common import check_impl, compiler_params, is_pow2, load, store
-
-
-def _norm(x32, w, eps: float, zero_centered: bool, dtype):
-    """RMSNorm of rows x32 (float32) with weight w, rounded as models.layers.RMSNorm rounds."""
-    normed = rms_normalize(x32, eps)
-    if zero_centered:
-        return (normed * (1.0 + w.astype(jnp.float32))).astype(dtype)
-    return w.astype(dtype) * normed.astype(dtype)
 
 
 def reference(proj, q_weight, k_weight, cos, sin, *, num_heads: int, num_kv_heads: int, head_dim: int, gated: bool,
@@ -56,7 +48,7 @@ def reference(proj, q_weight, k_weight, cos, sin, *, num_heads: int, num_kv_head
     q = proj[..., :nq].reshape(b, t, nh, -1)[..., :hd]
     k = proj[..., nq : nq + kv * hd].reshape(b, t, kv, hd)
     v = proj[..., nq + kv * hd : nq + 2 * kv * hd].reshape(b, t, kv, hd)
-    norm = lambda a, w: _norm(a.astype(jnp.float32), w, eps, zero_centered, proj.dtype)
+    norm = lambda a, w: rms_norm(a, w, eps, zero_centered=zero_centered)
     return apply_rope(norm(q, q_weight), cos, sin), apply_rope(norm(k, k_weight), cos, sin), v
 
 

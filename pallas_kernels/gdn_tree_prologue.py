@@ -31,8 +31,8 @@ Gates (optional, `gates=(a_log, dt_bias), ba_col=c`): where `mixed` is the whole
 product (`gdn.MERGED_QKVZ_BA`), each value-head program also computes its head's gates from the
 b and a columns at `c + head` and `c + Hv + head`, as the decode kernel does (gdn_decode: beta =
 sigmoid(b) rounded to the model dtype, g = -exp(A_log) softplus(a + dt_bias) in float32), and
-stores g and beta [B, Hv, N] heads-first: two XLA fusions (~1.7 us each a 27B layer, session 10
-profile) fewer per GDN layer.
+stores g and beta [B, Hv, N] heads-first: two XLA fusions (~1.7 us each a 27B layer; H200,
+2026-11-30: docs/kernels_gdn.md) fewer per GDN layer.
 
 impl="xla" is the reference, "pallas" the Triton kernel, "pallas_interpret" the same kernel in the
 Pallas interpreter (CPU tests).

@@ -120,3 +120,21 @@ def test_model_route_gives_the_xla_forms_outputs(monkeypatch):
     assert n_off == 0 and n_on == 2 * attn_layers  # the verify's and the decode step's
     for w, g in zip(jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(got)):
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=1e-4, atol=1e-4)
+
+
+def test_separate_projections_announce_the_xla_form(monkeypatch):
+    """PROLOGUE_KERNEL on but a layer holding separate q / k / v weights: the kernel needs the
+    merged product, so the XLA form runs and a warning says why."""
+    from flax import nnx
+
+    from ddtree_jax.models import attention
+    from tests.tiny_models import HYBRID, make_target
+
+    cfg = make_target(dict(head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16), seed=43, base=HYBRID)[0]
+    monkeypatch.setattr(attention, "MERGED_QKV", False)
+    monkeypatch.setattr(attention, "PROLOGUE_KERNEL", True)
+    layer = attention.Attention(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    x = jnp.ones((1, 3, cfg.hidden_size), jnp.float32)
+    with pytest.warns(UserWarning, match="separate q / k / v projections"):
+        text = str(jax.make_jaxpr(lambda a: layer.project(a, jnp.zeros((1, 3), jnp.int32), "pallas_interpret"))(x))
+    assert "attn_prologue" not in text

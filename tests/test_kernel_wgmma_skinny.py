@@ -96,11 +96,7 @@ def _lower(m, k, n, cfg):
     x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((k, n), jnp.bfloat16)
     f = jax.jit(lambda x, w: wgmma_skinny(x, w, impl="mosaic", config=cfg))
-    try:
-        traced = f.trace(x, w)
-    except AttributeError:  # pragma: no cover - jax without the trace / lower API
-        pytest.skip("jax.jit(...).trace unavailable")
-    return traced.lower(lowering_platforms=("cuda",)).as_text()
+    return f.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
 
 
 @pytest.mark.parametrize("m", [65, 16])

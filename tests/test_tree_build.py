@@ -242,3 +242,15 @@ def test_select_in_index_order_equals_sorted_top_k(seed, width, levels):
     got = np.asarray(_select(jnp.asarray(x), width))
     np.testing.assert_array_equal(got, want)
 
+
+
+@pytest.mark.parametrize("n", [1, 16, 33])
+def test_all_visible_bits(n):
+    """Every node sees every node (the drafter's block, a decode step's single query), and no bit
+    past n is set."""
+    from ddtree_jax.tree import all_visible_bits, bits_to_dense
+
+    bits = all_visible_bits(2, n)
+    assert bits.shape == (2, n, -(-n // 32)) and bits.dtype == jnp.uint32
+    assert bool(jnp.all(bits_to_dense(bits, n)))
+    assert int(jnp.sum(jax.lax.population_count(bits))) == 2 * n * n

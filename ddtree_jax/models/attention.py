@@ -33,10 +33,10 @@ MERGED_QKV = True
 # With kernels on (impl != "xla"), a merged-layout layer's q / k norms and RoPE run as one kernel
 # reading the q | k | v product in place (pallas_kernels/attn_prologue.py) instead of ~6 XLA
 # launches (two slices, two norms, two rope concatenations: ~12 us of a 27B verify's attention
-# layer, ~7 us of a decode step's; session 10 profile). Timed on the H200 (session 10): the decode
-# step's kernels 13.45 -> 13.34 ms (64 fewer launches), but at a verify's 65 rows the kernel takes
-# 22.3 us a layer (32 programs at batch 1, five row blocks each) and the verify's kernels went
-# 16.69 -> 16.83 ms. The kernel now runs a program per (head, 16-row block), 160 at batch 1: off
+# layer, ~7 us of a decode step's). Timed on the H200 (2026-11-30, docs/benchmarks.md section 1,
+# session 10): the decode step's kernels 13.45 -> 13.34 ms (64 fewer launches), but at a verify's
+# 65 rows the kernel took 22.3 us a layer (32 programs at batch 1, five row blocks each) and the
+# verify's kernels went 16.69 -> 16.83 ms. The kernel now runs a program per (head, 16-row block), 160 at batch 1: off
 # until that form is timed.
 PROLOGUE_KERNEL = False
 
@@ -105,7 +105,7 @@ class Attention(nnx.Module):
         cfg = self.cfg
         b, t, _ = x.shape
         merged = getattr(self, "qkv_proj", None)
-        if merged is not None and impl != "xla" and PROLOGUE_KERNEL and self._prologue_takes():
+        if impl != "xla" and PROLOGUE_KERNEL and self._prologue_takes():
             from pallas_kernels.attn_prologue import attn_prologue
 
             proj = merged(x, impl)
@@ -142,6 +142,8 @@ class Attention(nnx.Module):
 
         cfg = self.cfg
         problems = kernel_problems(cfg.head_dim, cfg.rotary_dim)
+        if getattr(self, "qkv_proj", None) is None:
+            problems.append("separate q / k / v projections (the kernel reads the merged product: MERGED_QKV)")
         if not cfg.qk_norm or self.q_norm.weight_fp32 or self.k_norm.weight_fp32 or self.q_norm.eps != self.k_norm.eps:
             problems.append("q / k norms with float32 weights or different eps")
         if problems:
@@ -182,8 +184,10 @@ class Attention(nnx.Module):
         if impl != "xla" and t == 1 and DECODE_KERNEL:
             from pallas_kernels.tree_attention import tree_attention
 
-            itself = jnp.ones((x.shape[0], 1, 1), jnp.uint32)  # the one node sees itself (bit 0)
-            attn = tree_attention(q, cache.k, cache.v, start, k, v, itself, scale=self.cfg.head_dim**-0.5, impl=impl)
+            from ddtree_jax.tree import all_visible_bits
+
+            attn = tree_attention(q, cache.k, cache.v, start, k, v, all_visible_bits(x.shape[0], 1),  # sees itself
+                                  scale=self.cfg.head_dim**-0.5, impl=impl)
             return self.output(attn, gate, impl), write_kv(cache, k, v, start)
         cache = write_kv(cache, k, v, start)
         key_pos = jnp.arange(cache.capacity, dtype=jnp.int32)

@@ -38,9 +38,9 @@ from ddtree_jax.models.layers import Linear, RMSNorm, SwiGLU, apply_rope, rope_c
 # sliding window: the DFlash default) attends through the tree-attention kernel
 # (pallas_kernels/tree_attention.py) as a tree whose every node sees every block position: it
 # reads the context K / V up to each row's length, where XLA's einsums over the whole capacity
-# padded a copy of the cache every layer (27B drafter on the H200, session 10: ~0.19 ms a
-# draft in pads, transposes, split-K reduces and GEMMs). False keeps the XLA form (announced
-# by a warning when traced).
+# padded a copy of the cache every layer. 27B drafter, H200, 2026-11-30 (docs/benchmarks.md
+# section 1, session 10): draft kernels 1.73 -> 1.54 ms, 155 -> 102 launches. False keeps the
+# XLA form (announced by a warning when traced).
 ATTENTION_KERNEL = True
 
 
@@ -139,12 +139,11 @@ class DrafterAttention(nnx.Module):
             if not problems:
                 from pallas_kernels.tree_attention import tree_attention
 
-                # every block position sees every other: bit j of each row's words set for j < t
-                lanes = jnp.arange(-(-t // 32) * 32, dtype=jnp.uint32).reshape(-1, 32)
-                words = jnp.sum(jnp.where(lanes < t, jnp.left_shift(jnp.uint32(1), lanes % 32), 0), axis=-1,
-                                dtype=jnp.uint32)
-                bits = jnp.broadcast_to(words, (b, t, words.shape[0]))
-                out = tree_attention(q, cache.k, cache.v, lengths, k_blk, v_blk, bits, scale=scale, impl=impl)
+                from ddtree_jax.tree import all_visible_bits
+
+                # every block position sees every other
+                out = tree_attention(q, cache.k, cache.v, lengths, k_blk, v_blk, all_visible_bits(b, t), scale=scale,
+                                     impl=impl)
                 return self.o_proj(out.reshape(b, t, nh * hd).astype(x.dtype))
             warnings.warn("the drafter's attention uses the XLA form, not the tree-attention kernel: "
                           + "; ".join(problems), stacklevel=2)

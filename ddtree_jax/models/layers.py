@@ -45,8 +45,8 @@ def skinny_route_takes(x: jax.Array, kernel: jax.Array) -> bool:
 
 # The Mosaic GPU skinny matmul route (pallas_kernels/wgmma_skinny.py: TMA weight streaming, wgmma
 # with the tokens on its N side, stream-K / split-K over all SMs), opt-in: the products that beat
-# XLA's dot in isolation on the H200 (scripts/gpu_wgmma_skinny.py, session 10, 65 rows, same
-# harness for both): the 27B's MLP down (17408 x 5120) 58.3 vs 60.3 us and the out / o
+# XLA's dot in isolation on the H200 (2026-11-30, scripts/gpu_wgmma_skinny.py, docs/kernels_dense.md;
+# 65 rows, same harness for both): the 27B's MLP down (17408 x 5120) 58.3 vs 60.3 us and the out / o
 # projections (6144 x 5120) 25.5 vs 29.0 us; it lost the wide products (gate | up 114 vs 95 us).
 # In the 27B model (same session, batch 1, bench_e2e): DDTree-64 18.60 ms with it against 18.80
 # without (the two GPUs of one machine), 18.90 against 19.07 (one GPU, both with the attention
@@ -148,14 +148,21 @@ class RMSNorm(nnx.Module):
         self.weight = nnx.Param(jnp.zeros((dim,), dtype) if zero_centered else jnp.ones((dim,), dtype))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        normed = rms_normalize(x, self.eps)
-        w = self.weight[...].astype(jnp.float32)
-        if self.zero_centered:
-            return (normed * (1.0 + w)).astype(x.dtype)
-        if self.weight_fp32:
-            return (w * normed).astype(x.dtype)
-        # Plain Qwen3 / Llama order: cast to the input dtype first, then scale.
-        return w.astype(x.dtype) * normed.astype(x.dtype)
+        return rms_norm(x, self.weight[...], self.eps, zero_centered=self.zero_centered, weight_fp32=self.weight_fp32)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, *, zero_centered: bool,
+             weight_fp32: bool = False) -> jax.Array:
+    """RMSNorm of x over the last axis with `RMSNorm`'s roundings (also the reference of kernels that
+    fuse it, e.g. pallas_kernels/attn_prologue.py)."""
+    normed = rms_normalize(x, eps)
+    w = weight.astype(jnp.float32)
+    if zero_centered:
+        return (normed * (1.0 + w)).astype(x.dtype)
+    if weight_fp32:
+        return (w * normed).astype(x.dtype)
+    # Plain Qwen3 / Llama order: cast to the input dtype first, then scale.
+    return w.astype(x.dtype) * normed.astype(x.dtype)
 
 
 def gated_rms_norm(o: jax.Array, z: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

@@ -106,7 +106,8 @@ def prefiltered_top_k(x: jax.Array, k: int, block: int = PREFILTER_BLOCK, staged
     the k best blocks' entries, gathered in block order so "lower position" stays "lower index",
     is the row's top k. Cost on the GPU: one max-reduce pass over the row and a top-k of k *
     block candidates, where `top_k`'s first stage sorts every 2048-entry chunk of the row: the
-    27B's 248320-entry rows at k = 64 took 0.19 ms of sorts a DDTree step (H200, session 10)."""
+    27B's 248320-entry rows at k = 64 took 0.19 ms of sorts a DDTree step (H200, 2026-11-30:
+    docs/kernels_tree_build.md)."""
     n = x.shape[-1]
     n_blocks = -(-n // block)
     if n_blocks < k:
