@@ -19,10 +19,12 @@ Pallas kernel (Triton lowering), flash-decoding shaped:
   row blocks. Each program streams its split of the cache in block_k keys (one tl.dot for
   Q K^T of [block_r, hd] x [hd, block_k], one for P V), online softmax in base 2.
 - split-K: split s of batch row b covers [s * L_b, min((s + 1) * L_b, lengths[b])) with
-  L_b = round_up(cdiv(lengths[b], S), block_k), so any mix of lengths spreads evenly and the
+  L_b = round_up(cdiv(lengths[b] + T, S), block_k), so any mix of lengths spreads evenly and the
   loops skip everything past the length. The last split also runs the tree keys: N keys in
   blocks of block_t, visibility read from the compact bits (one 32-bit word per row per 32
-  keys; no dense mask anywhere).
+  keys; no dense mask anywhere). T = the tree keys rounded up to block_t
+  (`BALANCE_TREE_KEYS`), so the last split takes that many fewer cache keys (at 4k / 65 nodes:
+  9 blocks on the longest split instead of 10).
 - each program writes its normalised partial output (S x R x hd, in partial_dtype) and the
   row max / sum (float32); a small XLA epilogue merges the S partials and transposes the rows
   back to [B, N, nh, hd].
@@ -55,6 +57,7 @@ from pallas_kernels._common import (
 )
 
 H200_SMS = 132
+BALANCE_TREE_KEYS = True  # count the tree keys in the split length (module docstring, split-K)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -179,6 +182,20 @@ def choose_config(batch, n_nodes, kv_heads, group, head_dim, capacity, *, itemsi
 # ---------------------------------------------------------------------------------------------
 # kernel
 # ---------------------------------------------------------------------------------------------
+def split_bounds(length, split, n_splits: int, block_k: int, tree_keys: int):
+    """[start, end) of the committed keys that cache split `split` runs (ints or traced int32).
+
+    The last split also runs the tree keys (tree_keys = the node count rounded up to block_t):
+    with BALANCE_TREE_KEYS they count in the split length, so the last split takes that many
+    fewer cache keys and does not run ~2 blocks longer than the others (the kernel ends with its
+    slowest program)."""
+    extra = tree_keys if BALANCE_TREE_KEYS else 0
+    split_len = ((length + extra + n_splits - 1) // n_splits + block_k - 1) // block_k * block_k
+    start = split * split_len
+    end = jnp.maximum(jnp.minimum(start + split_len, length), start)
+    return start, end
+
+
 def _online_update(carry, s2, mask, v, prec, guard):
     """One flash step in base 2: s2 [R, K] scores * scale * log2(e), mask [R, K], v [K, hd].
 
@@ -220,9 +237,7 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, kt_ref, vt_ref, bits_ref, o_ref, m_ref
 
     # ---- committed cache: this program's split of [0, length) ----
     length = len_ref[...]
-    split_len = ((length + n_splits - 1) // n_splits + bk - 1) // bk * bk
-    start = split * split_len
-    end = jnp.maximum(jnp.minimum(start + split_len, length), start)
+    start, end = split_bounds(length, split, n_splits, bk, cdiv(n_nodes, bt) * bt)
     n_blocks = (end - start + bk - 1) // bk
     kcol = jnp.arange(bk, dtype=jnp.int32)
 

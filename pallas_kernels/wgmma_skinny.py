@@ -76,9 +76,6 @@ class WgmmaSkinnyConfig:
     swizzle: SMEM swizzle in bytes of both operands (0: the largest that N allows). The weight's
       SMEM tiles are swizzle / 2 columns wide and TMA wants N a multiple of that, so
       N = 16480 (a multiple of 32, not 64) takes 64.
-    in_flight: wgmma groups left running when a pipeline step returns (0 or 1). 1 releases each
-      step's SMEM slot one step later (the pipeline's delay_release) so the next step's wgmma can
-      be issued before the previous one finished; the first H200 run used 0 (not yet timed with 1).
     """
 
     tile_k: int = 64
@@ -88,7 +85,6 @@ class WgmmaSkinnyConfig:
     schedule: str = "stream_k"
     split_k: int = 0
     swizzle: int = 0
-    in_flight: int = 0
 
     def check(self) -> None:
         bad = []
@@ -106,10 +102,6 @@ class WgmmaSkinnyConfig:
             bad.append(f"split_k = {self.split_k} (>= 0; 0 picks one)")
         if self.split_k and self.schedule != "split_k":
             bad.append(f"split_k = {self.split_k} needs schedule='split_k'")
-        if self.in_flight not in (0, 1):
-            bad.append(f"in_flight = {self.in_flight} (0 or 1)")
-        elif self.in_flight >= self.stages:
-            bad.append(f"in_flight = {self.in_flight} needs stages > in_flight")
         if self.swizzle not in (0, *SWIZZLES):
             bad.append(f"swizzle = {self.swizzle} (0 or one of {SWIZZLES})")
         if bad:
@@ -230,11 +222,9 @@ def _mosaic_yt(xp, w, config: WgmmaSkinnyConfig):
                 memory_registers=40,
                 in_specs=[
                     plgpu.BlockSpec((tk, bn), lambda s: (k_base + s, n_idx),
-                                    transforms=transforms, memory_space=plgpu.SMEM,
-                                    delay_release=config.in_flight),
+                                    transforms=transforms, memory_space=plgpu.SMEM),
                     plgpu.BlockSpec((mp, tk), lambda s: (0, k_base + s),
-                                    transforms=transforms, memory_space=plgpu.SMEM,
-                                    delay_release=config.in_flight),
+                                    transforms=transforms, memory_space=plgpu.SMEM),
                 ],
                 wg_axis="wg",
                 num_compute_wgs=2,
@@ -265,8 +255,6 @@ def _mosaic_yt(xp, w, config: WgmmaSkinnyConfig):
                     @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wn, mp), jnp.float32))
                     def _acc_scope(acc_ref):
                         eval_pipeline(acc_ref)
-                        if config.in_flight:
-                            plgpu.wgmma_wait(config.in_flight)  # the last steps' products landed
                         acc = acc_ref[...]
                         for i in range(wn // 64):  # 64 rows at a time through one SMEM tile
                             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # its last copy read
@@ -282,7 +270,7 @@ def _mosaic_yt(xp, w, config: WgmmaSkinnyConfig):
                     a = plgpu.transpose_ref(w_smem.at[:, pl.ds(wg * wn, wn)], (1, 0))  # [wn, tk]
                     b = plgpu.transpose_ref(x_smem, (1, 0))  # [tk, Mp]
                     plgpu.wgmma(acc_ref, a, b)
-                    plgpu.wgmma_wait(config.in_flight)
+                    plgpu.wgmma_wait(0)
                     return acc_ref
 
                 make_pipeline(steps, k_base, n_idx, mma_body, compute_context)(

@@ -45,9 +45,6 @@ def configs():
         "sk_n256_k64_s4": C(block_n=256, tile_k=64, stages=4),
         "sk_n128_k128_s3": C(block_n=128, tile_k=128, stages=3),
         "split_n128_k64_s6": C(block_n=128, tile_k=64, stages=6, schedule="split_k"),
-        # one wgmma group left in flight per step (delay_release 1): not in the first H200 run
-        "sk_n128_k128_s3_if1": C(block_n=128, tile_k=128, stages=3, in_flight=1),
-        "split_n128_k64_s6_if1": C(block_n=128, tile_k=64, stages=6, schedule="split_k", in_flight=1),
     }
 
 

@@ -40,6 +40,11 @@ FLAG_SETS = {
     # session 7: XLA's product over the 27B's merged gate | up weight beat the two separate ones
     # (80.2 vs 2 x 42.8 us at 1 row); a merger threshold above the 178 MB weights lets XLA merge them
     "merge_mlp": "--xla_gpu_dot_merger_threshold_mb=512",
+    # session 11, for the verify's 65-row GEMMs (XLA's split-K + reduce on the 5120-wide products):
+    # every Triton tiling instead of the pruned list, that with Triton for any GEMM, cuDNN's GEMMs
+    "exhaustive": "--xla_gpu_exhaustive_tiling_search=true",
+    "exhaustive_triton_any": "--xla_gpu_exhaustive_tiling_search=true --xla_gpu_triton_gemm_any=true",
+    "cudnn_gemm": "--xla_gpu_cudnn_gemm_fusion_level=3",
 }
 
 

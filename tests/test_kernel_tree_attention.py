@@ -203,3 +203,22 @@ def test_zz_error_summary():
     print("worst relative errors:", worst)
     if "float32" in worst:
         assert worst["float32"] < 1e-5
+
+
+@settings(max_examples=200, deadline=None)
+@given(length=st.integers(0, 9000), splits=st.integers(1, 16), block_k=st.sampled_from([16, 32, 64]),
+       nodes=st.integers(1, 300), block_t=st.sampled_from([16, 32, 64]))
+def test_split_bounds_cover_the_cache_and_balance_the_tree_keys(length, splits, block_k, nodes, block_t):
+    """The splits cover [0, length) once, in order; the last one (which also runs the tree keys)
+    is no longer than the split length, and no split runs more than the balanced share."""
+    from pallas_kernels.tree_attention import split_bounds
+
+    tree_keys = -(-nodes // block_t) * block_t
+    bounds = [tuple(int(x) for x in split_bounds(length, s, splits, block_k, tree_keys)) for s in range(splits)]
+    covered = [k for a, e in bounds for k in range(a, e)]
+    assert covered == list(range(length))
+    share = -(-(-(-(length + tree_keys) // splits)) // block_k) * block_k  # round_up(cdiv(L + T, S), block_k)
+    work = [e - a for a, e in bounds]
+    work[-1] += tree_keys
+    assert max(work[:-1] + [0]) <= share
+    assert work[-1] <= max(share, tree_keys)

@@ -24,8 +24,6 @@ LOWER_CONFIGS = {
     "bn256_s4": C(block_n=256, stages=4),
     "k128_s3": C(tile_k=128, stages=3),
     "split_k": C(schedule="split_k"),
-    "stream_k_in_flight": C(tile_k=128, stages=3, in_flight=1),
-    "split_k_in_flight": C(schedule="split_k", in_flight=1),
 }
 
 
@@ -47,7 +45,7 @@ def test_reference_is_float32_accumulated_matmul():
 @pytest.mark.parametrize("cfg, word", [
     (C(tile_k=96), "tile_k"), (C(stages=1), "stages"), (C(num_ctas=200), "num_ctas"),
     (C(schedule="rows"), "schedule"), (C(split_k=4), "split_k"), (C(swizzle=48), "swizzle"),
-    (C(block_n=64), "block_n"), (C(in_flight=2), "in_flight"),
+    (C(block_n=64), "block_n"),
 ])
 def test_bad_config_is_named(cfg, word):
     with pytest.raises(ValueError, match=word):

@@ -49,9 +49,11 @@ def skinny_route_takes(x: jax.Array, kernel: jax.Array) -> bool:
 # 65 rows, same harness for both): the 27B's MLP down (17408 x 5120) 58.3 vs 60.3 us and the out / o
 # projections (6144 x 5120) 25.5 vs 29.0 us; it lost the wide products (gate | up 114 vs 95 us).
 # In the 27B model (same session, batch 1, bench_e2e): DDTree-64 18.60 ms with it against 18.80
-# without (the two GPUs of one machine), 18.90 against 19.07 (one GPU, both with the attention
-# prologue on); decode unchanged. Off until a kernel-time profile confirms it: both profile runs
-# with it on outran their time limits (the Mosaic kernels' compile), see docs/benchmarks.md.
+# without (the two GPUs of one machine), 18.90 against 19.07 (one GPU). Off: the kernel-time
+# profile (2026-11-30 session 11, docs/benchmarks.md) has the verify at 16.93 ms of kernels with
+# it against 16.69-16.80 without. Its 128 launches (36.4 us each, down + out) take 4.66 ms against
+# XLA's 4.48 ms of GEMMs + 0.32 ms of split-K reduces, but the pad of x to 72 rows, the zeroed
+# output and the transpose back add 0.72 ms (112 more launches).
 # impl "pallas" on sm_90 GPUs only (elsewhere a warning, and XLA's dot).
 WGMMA_SKINNY = False
 WGMMA_ROWS = (17, 128)
