@@ -23,6 +23,7 @@ from flax import nnx
 from ddtree_jax.engine import Engine, bucket
 from ddtree_jax.spec import generate as gen
 from ddtree_jax.spec.sampling import Sampling
+from ddtree_jax.tree import Tree, make_tree
 
 
 @dataclasses.dataclass
@@ -85,6 +86,31 @@ def _build(logq, s, spec):
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec"))
 def _verify(graphdef, params, s, tree, spec, key):
     return gen.verify(nnx.merge(graphdef, params), s, tree, spec, key)
+
+
+def deep_parents(n: int, seed: int, max_depth: int = 15) -> np.ndarray:
+    """A DDTree-like parent array in topological order: node i extends node i - 1 half the time
+    (while it is shallower than max_depth), else branches from a random shallower node. What a
+    trained drafter's confident blocks give (a long main path with side branches), where a random
+    drafter's flat distributions put every node at depth 1."""
+    rng = np.random.default_rng(seed)
+    parents, depth = [-1], [0]
+    for i in range(1, n):
+        if depth[i - 1] < max_depth and rng.random() < 0.5:
+            p = i - 1
+        else:
+            p = int(rng.choice([j for j in range(i) if depth[j] < max_depth]))
+        parents.append(p)
+        depth.append(depth[p] + 1)
+    return np.asarray(parents, np.int32)
+
+
+def deep_tree(tree: Tree, start: jax.Array, seed: int = 0, max_depth: int = 15) -> Tree:
+    """`tree`'s tokens on a `deep_parents` shape (same size, every node valid; batch rows share
+    it): to time the verify / commit of a deep tree with random weights."""
+    b, n = tree.tokens.shape
+    parents = jnp.broadcast_to(jnp.asarray(deep_parents(n, seed, max_depth)), (b, n))
+    return make_tree(tree.tokens, parents, jnp.ones((b, n), bool), start, max_depth)
 
 
 def _checksum(tree) -> jax.Array:

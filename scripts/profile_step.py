@@ -195,6 +195,12 @@ def main(argv=None) -> int:
     ap.add_argument("--phases", default="step,draft,build,verify,commit")
     ap.add_argument("--verify-budgets", default="63,79,127",
                     help="extra budgets whose verify phase is timed (no trace): node count = budget + 1")
+    ap.add_argument("--tree-shape", choices=("built", "deep"), default="built",
+                    help="tree of the verify / commit phases: the one the build makes from the random "
+                         "drafter (random weights: nearly flat draft distributions, so every node sits at "
+                         "depth 1), or 'deep': the built tokens on a DDTree-like random tree of depth <= 15 "
+                         "(what a trained drafter's confident blocks give; the GDN solve runs one step per "
+                         "depth level)")
     ap.add_argument("--sources", action="store_true",
                     help="name each kernel's shape, op and source lines in our code (from the phase's optimized "
                          "HLO: one more compile per phase) and add a table of kernel time by source line")
@@ -241,6 +247,10 @@ def main(argv=None) -> int:
     ar_spec = gen.GenSpec("ar", args.budget, None, 10**6, Sampling(), capacity, None, kernels)
     logq = B._propose(graphdef, params, dparams, s, tree_spec)
     tree = B._build(logq, s, tree_spec)
+    if args.tree_shape == "deep":
+        tree = B.deep_tree(tree, s.cache.lengths, seed=0)
+    report["tree_shape"] = args.tree_shape
+    report["tree_max_depth"] = int(jnp.max(tree.depths))
     res = B._verify(graphdef, params, s, tree, tree_spec, key)
     for phase in args.phases.split(","):
         spec = ar_spec if phase == "step" else tree_spec

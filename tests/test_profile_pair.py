@@ -35,3 +35,38 @@ def test_profile_step_smoke_writes_hlo(tmp_path):
     assert all("by_source" in p for p in phases.values())  # empty on a CPU: no GPU kernels in the trace
     for phase in ("step", "verify"):
         assert gzip.decompress((hlo / f"{phase}.hlo.txt.gz").read_bytes()).startswith(b"HloModule")
+
+
+def test_profile_step_deep_tree(tmp_path):
+    """--tree-shape deep: the verify / commit phases run on a DDTree-like tree of depth <= 15
+    (bench.deep_tree) instead of the random drafter's depth-1 tree."""
+    from scripts.profile_step import main
+
+    out = tmp_path / "p.json"
+    assert main(["--smoke", "--gemm-m", "", "--phases", "verify,commit", "--verify-budgets", "", "--iters", "1",
+                 "--inner", "1", "--tree-shape", "deep", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["tree_shape"] == "deep" and 5 <= report["tree_max_depth"] <= 15
+    assert set(report["phases"]) == {"verify", "commit"}
+
+
+def test_deep_parents_is_a_topological_tree_of_bounded_depth():
+    import numpy as np
+
+    from ddtree_jax.bench import deep_parents, deep_tree
+    from ddtree_jax.tree import Tree, root_path
+
+    for seed in range(5):
+        parents = deep_parents(65, seed)
+        assert parents[0] == -1 and all(0 <= p < i for i, p in enumerate(parents) if i)
+        depth = [len(root_path(parents.tolist(), i)) - 1 for i in range(65)]
+        assert max(depth) <= 15 and max(depth) >= 8  # a long main path, as a confident drafter gives
+        assert (deep_parents(65, seed) == parents).all()  # seeded
+    import jax.numpy as jnp
+
+    flat = Tree(jnp.arange(65, dtype=jnp.int32)[None], jnp.zeros((1, 65), jnp.int32), jnp.zeros((1, 65), jnp.int32),
+                jnp.zeros((1, 65), jnp.int32), jnp.ones((1, 65), bool), jnp.zeros((1, 65, 3), jnp.uint32))
+    deep = deep_tree(flat, jnp.array([10]), seed=1)
+    assert (np.asarray(deep.parents[0]) == deep_parents(65, 1)).all()
+    assert (np.asarray(deep.tokens) == np.asarray(flat.tokens)).all()
+    assert (np.asarray(deep.positions[0]) == 10 + np.asarray(deep.depths[0])).all()
