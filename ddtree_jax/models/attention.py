@@ -36,9 +36,12 @@ MERGED_QKV = True
 # layer, ~7 us of a decode step's). Timed on the H200 (2026-11-30, docs/benchmarks.md section 1,
 # session 10): the decode step's kernels 13.45 -> 13.34 ms (64 fewer launches), but at a verify's
 # 65 rows the kernel took 22.3 us a layer (32 programs at batch 1, five row blocks each) and the
-# verify's kernels went 16.69 -> 16.83 ms. The kernel now runs a program per (head, 16-row block), 160 at batch 1: off
-# until that form is timed.
-PROLOGUE_KERNEL = False
+# verify's kernels went 16.69 -> 16.83 ms. The kernel now runs a program per (head, 16-row block),
+# 160 at batch 1; timed on the H200 (2026-11-30, session 11, docs/benchmarks.md section 1): 3.9 us a
+# verify layer, the verify's kernels 16.62 ms in 876 launches against 16.64-16.80 ms in 940-1004,
+# the decode step unchanged end to end (13.10 vs 13.05 ms, same GPU). On. Layers without q / k
+# norms (NemotronH, Mamba2 hybrids) have nothing for it to fuse and keep the XLA form quietly.
+PROLOGUE_KERNEL = True
 
 
 def write_kv(cache: KVCache, k_new: jax.Array, v_new: jax.Array, start: jax.Array) -> KVCache:
@@ -105,7 +108,7 @@ class Attention(nnx.Module):
         cfg = self.cfg
         b, t, _ = x.shape
         merged = getattr(self, "qkv_proj", None)
-        if impl != "xla" and PROLOGUE_KERNEL and self._prologue_takes():
+        if impl != "xla" and PROLOGUE_KERNEL and cfg.qk_norm and self._prologue_takes():
             from pallas_kernels.attn_prologue import attn_prologue
 
             proj = merged(x, impl)
@@ -144,7 +147,7 @@ class Attention(nnx.Module):
         problems = kernel_problems(cfg.head_dim, cfg.rotary_dim)
         if getattr(self, "qkv_proj", None) is None:
             problems.append("separate q / k / v projections (the kernel reads the merged product: MERGED_QKV)")
-        if not cfg.qk_norm or self.q_norm.weight_fp32 or self.k_norm.weight_fp32 or self.q_norm.eps != self.k_norm.eps:
+        if self.q_norm.weight_fp32 or self.k_norm.weight_fp32 or self.q_norm.eps != self.k_norm.eps:
             problems.append("q / k norms with float32 weights or different eps")
         if problems:
             warnings.warn("the attention prologue uses the XLA form, not the Pallas kernel: " + "; ".join(problems),
