@@ -51,10 +51,12 @@ except ImportError:  # pragma: no cover
     pltriton = None
 
 from pallas_kernels._common import (  # noqa: E402
-    SCALAR_LANES, check_impl, expand_heads, join_root, pack_scalars, pow2_at_least, shift_bits, unpack_scalars,
+    SCALAR_LANES, check_impl, expand_heads, join_root, pack_scalars, pow2_at_least, shift_bits, store,
+    unpack_scalars,
 )
 
 PRECISIONS = ("ieee", "tf32x3", "tf32", "bf16x3")
+ROOT_ROWS = 16  # the peeled root's tiles: node 0 in row 0 (a tl.dot operand needs >= 16 rows)
 
 
 
@@ -128,6 +130,17 @@ def _tree_kernel(*refs, n, c, bk, p_in, p32, peel, in_place=False):
         m = bits == 1
         return (m | eye) if s == r else m
 
+    def row_depths(r):
+        """[c] depths of block r's rows (ancestor count - 1): popcounts of their ancestor words
+        with self forced (padding rows have none and sit at depth 0), not a sum over mask tiles."""
+        node = r * c + lax.broadcasted_iota(jnp.int32, (c,), 0)
+        count = 0
+        for w in range(max(1, n // WORD)):
+            word = bits_ref[pl.ds(w * n + r * c, c)]
+            word = jnp.where(node // WORD == w, word | jnp.left_shift(jnp.int32(1), node % WORD), word)
+            count = count + lax.population_count(word)
+        return count - 1
+
     def rows_of(r):
         return pl.ds(off + r * c, c)
 
@@ -142,62 +155,68 @@ def _tree_kernel(*refs, n, c, bk, p_in, p32, peel, in_place=False):
         return kk, qk
 
     if peel:  # node 0 as a one-node block solved first (module docstring: "Root peel")
+        # Node 0 travels as row 0 of 16-row tiles (zeros below), so its products with the state
+        # and with the block rows run as small matmuls: as row reductions over dk across the
+        # threads (the first form) they were much of the kernel's shuffle / shared-memory traffic
+        # (Nsight Compute on the H200, 2026-11-30, docs/kernels_gdn.md).
+        top = lax.broadcasted_iota(jnp.int32, (ROOT_ROWS, 1), 0) == 0
+        first_row = lambda x: jnp.where(top, x[None, :], jnp.zeros((), x.dtype))  # [ROOT_ROWS, w]
         if in_place:
             lane = lax.broadcasted_iota(jnp.int32, (SCALAR_LANES,), 0)
             first = lambda ref: jnp.sum(jnp.where(lane == 0, ref[pl.ds(0, SCALAR_LANES)].astype(f32), 0.0))
             g0, beta0 = first(g_ref), first(beta_ref)
-            k0 = [k_ref[0, kc].astype(f32) for kc in kchunks]
-            q0 = [q_ref[0, kc].astype(f32) for kc in kchunks]
-            v0 = v_ref[0, :]
+            k0 = [first_row(k_ref[0, kc]) for kc in kchunks]
+            q0 = [first_row(q_ref[0, kc]) for kc in kchunks]
+            v0 = first_row(v_ref[0, :].astype(f32))
         else:
             g0, beta0 = unpack_scalars(gb0_ref, 2)
-            k0 = [k0_ref[kc].astype(f32) for kc in kchunks]
-            q0 = [q0_ref[kc].astype(f32) for kc in kchunks]
-            v0 = v0_ref[...]
-        ks0 = qs0 = 0.0
-        qk00 = 0.0
+            k0 = [first_row(k0_ref[kc]) for kc in kchunks]
+            q0 = [first_row(q0_ref[kc]) for kc in kchunks]
+            v0 = first_row(v0_ref[...].astype(f32))
+        ks0 = qs0 = qk00 = None  # k_0 S0, q_0 S0, q_0 . k_0 (row 0; the other rows are zero)
         for i, kc in enumerate(kchunks):
             s_c = s_ref[kc, :].astype(f32)
-            ks0 = ks0 + jnp.sum(k0[i][:, None] * s_c, axis=0)
-            qs0 = qs0 + jnp.sum(q0[i][:, None] * s_c, axis=0)
-            qk00 = qk00 + jnp.sum(q0[i] * k0[i])
+            parts = (_dot(k0[i].astype(f32), s_c, p32), _dot(q0[i].astype(f32), s_c, p32),
+                     _dot(q0[i], k0[i], p_in, trans_b=True))
+            ks0, qs0, qk00 = parts if ks0 is None else (ks0 + parts[0], qs0 + parts[1], qk00 + parts[2])
         e0 = jnp.exp(g0)
-        u0 = beta0 * (v0.astype(f32) - e0 * ks0)
+        u0 = beta0 * (v0 - e0 * ks0)  # [ROOT_ROWS, dv]: u_0 in row 0, zeros below
+        o0 = e0 * qs0 + _dot(qk00, u0, p32)
         if in_place:
-            o_ref[0, :] = (e0 * qs0 + qk00 * u0).astype(o_ref.dtype)
+            store(o_ref, (pl.ds(0, ROOT_ROWS), slice(None)), o0.astype(o_ref.dtype),
+                  mask=jnp.broadcast_to(top, o0.shape))
         else:
-            o0_ref[...] = (e0 * qs0 + qk00 * u0).astype(o0_ref.dtype)
+            o0_ref[...] = jnp.sum(jnp.where(top, o0, 0.0), axis=0).astype(o0_ref.dtype)
 
     big_g, big_u = [], []
     for r in range(nb):
         rows = rows_of(r)  # in the row refs (q, k, v, g, beta, o)
-        g_r, depth = 0.0, -1  # path sums and depths of the block's rows (popcount - 1)
+        g_r = 0.0  # path sums of the block's rows
         for s in range(r + 1):
-            m = mask(r, s)
-            g_r = g_r + jnp.sum(jnp.where(m, g_blk[s][None, :], 0.0), axis=1)
-            depth = depth + jnp.sum(m.astype(jnp.int32), axis=1)
+            g_r = g_r + jnp.sum(jnp.where(mask(r, s), g_blk[s][None, :], 0.0), axis=1)
+        depth = row_depths(r)
         if peel:
             under0 = m0_ref[pl.ds(r * c, c)] > 0  # row descends from node 0 (node-relative rows)
             g_r = g_r + jnp.where(under0, g0, 0.0)
         beta_r = beta_ref[rows]
         eg = jnp.exp(g_r)
         ks = qs = None  # K_r S0 and Q_r S0, contracted over dk in chunks (state chunks reloaded)
-        kk0 = qk0 = 0.0  # K_r k_0 and Q_r k_0 (peel only)
+        kk0 = qk0 = None  # K_r k_0^T and Q_r k_0^T [c, ROOT_ROWS]: column 0 (peel only)
         for i, kc in enumerate(kchunks):
             s_c = s_ref[kc, :].astype(f32)
-            k_rc, q_rc = k_ref[rows, kc].astype(f32), q_ref[rows, kc].astype(f32)
-            ks_c = _dot(k_rc, s_c, p32)
-            qs_c = _dot(q_rc, s_c, p32)
+            k_in, q_in = k_ref[rows, kc], q_ref[rows, kc]
+            ks_c = _dot(k_in.astype(f32), s_c, p32)
+            qs_c = _dot(q_in.astype(f32), s_c, p32)
             ks, qs = (ks_c, qs_c) if ks is None else (ks + ks_c, qs + qs_c)
             if peel:
-                kk0 = kk0 + jnp.sum(k_rc * k0[i][None, :], axis=1)
-                qk0 = qk0 + jnp.sum(q_rc * k0[i][None, :], axis=1)
+                kk_c, qk_c = _dot(k_in, k0[i], p_in, trans_b=True), _dot(q_in, k0[i], p_in, trans_b=True)
+                kk0, qk0 = (kk_c, qk_c) if kk0 is None else (kk0 + kk_c, qk0 + qk_c)
         rhs = beta_r[:, None] * (v_ref[rows, :].astype(f32) - eg[:, None] * ks)
         o = eg[:, None] * qs
-        if peel:  # mask before exp, as below
+        if peel:  # the rank-1 parts of node 0 as [c, ROOT_ROWS] x [ROOT_ROWS, dv]; mask before exp
             d0 = jnp.exp(jnp.where(under0, g_r - g0, -jnp.inf))
-            rhs = rhs - (beta_r * kk0 * d0)[:, None] * u0[None, :]
-            o = o + (qk0 * d0)[:, None] * u0[None, :]
+            rhs = rhs - _dot((beta_r * d0)[:, None] * kk0, u0, p32)
+            o = o + _dot(d0[:, None] * qk0, u0, p32)
         for s in range(r + 1):
             # Mask BEFORE exp: non-ancestor pairs can carry large positive exponents.
             decay = jnp.exp(jnp.where(mask(r, s), g_r[:, None] - (g_r if s == r else big_g[s])[None, :], -jnp.inf))
