@@ -57,6 +57,10 @@ from pallas_kernels._common import (  # noqa: E402
 
 PRECISIONS = ("ieee", "tf32x3", "tf32", "bf16x3")
 ROOT_ROWS = 16  # the peeled root's tiles: node 0 in row 0 (a tl.dot operand needs >= 16 rows)
+# 16-bit q / k: the products with the float32 state as two 16-bit passes, S0 = hi + lo (q / k are
+# exact in 16 bits, each product exact, float32 sums: ~16 mantissa bits against TF32's 10), so q / k
+# stay 16-bit in shared memory and are not widened to float32 first. Opt-in until timed on the H200.
+SPLIT_STATE = False
 
 
 
@@ -96,7 +100,17 @@ def _fp32_precision(name: str, interpret: bool):
     }[name]
 
 
-def _tree_kernel(*refs, n, c, bk, p_in, p32, peel, in_place=False):
+def _state_products(xs, s_c, p32, split: bool):
+    """[x @ s_c for x in xs] (s_c the float32 state chunk): TF32 (x widened to float32), or with
+    `split` two passes over the 16-bit x: s_c = hi + lo, both in x's dtype (SPLIT_STATE)."""
+    if not split:
+        return [_dot(x.astype(jnp.float32), s_c, p32) for x in xs]
+    hi = s_c.astype(xs[0].dtype)
+    lo = (s_c - hi.astype(jnp.float32)).astype(xs[0].dtype)
+    return [_dot(x, hi, None) + _dot(x, lo, None) for x in xs]
+
+
+def _tree_kernel(*refs, n, c, bk, p_in, p32, peel, in_place=False, split_state=False):
     """in_place (root peel only): q / k / v / g / beta / o hold all N + 1 rows, node 0 first, and
     the blocked tree reads and writes rows 1.. (no slices of the inputs, no packed root scalars,
     no concatenation of the outputs outside the kernel)."""
@@ -176,8 +190,7 @@ def _tree_kernel(*refs, n, c, bk, p_in, p32, peel, in_place=False):
         ks0 = qs0 = qk00 = None  # k_0 S0, q_0 S0, q_0 . k_0 (row 0; the other rows are zero)
         for i, kc in enumerate(kchunks):
             s_c = s_ref[kc, :].astype(f32)
-            parts = (_dot(k0[i].astype(f32), s_c, p32), _dot(q0[i].astype(f32), s_c, p32),
-                     _dot(q0[i], k0[i], p_in, trans_b=True))
+            parts = (*_state_products((k0[i], q0[i]), s_c, p32, split_state), _dot(q0[i], k0[i], p_in, trans_b=True))
             ks0, qs0, qk00 = parts if ks0 is None else (ks0 + parts[0], qs0 + parts[1], qk00 + parts[2])
         e0 = jnp.exp(g0)
         u0 = beta0 * (v0 - e0 * ks0)  # [ROOT_ROWS, dv]: u_0 in row 0, zeros below
@@ -205,8 +218,7 @@ def _tree_kernel(*refs, n, c, bk, p_in, p32, peel, in_place=False):
         for i, kc in enumerate(kchunks):
             s_c = s_ref[kc, :].astype(f32)
             k_in, q_in = k_ref[rows, kc], q_ref[rows, kc]
-            ks_c = _dot(k_in.astype(f32), s_c, p32)
-            qs_c = _dot(q_in.astype(f32), s_c, p32)
+            ks_c, qs_c = _state_products((k_in, q_in), s_c, p32, split_state)
             ks, qs = (ks_c, qs_c) if ks is None else (ks + ks_c, qs + qs_c)
             if peel:
                 kk_c, qk_c = _dot(k_in, k0[i], p_in, trans_b=True), _dot(q_in, k0[i], p_in, trans_b=True)
@@ -318,7 +330,9 @@ def _pallas(q, k, v, g, beta, state, ancestor_bits, *, interpret, block_n, block
         precision = "tf32x3" if in_dtype == jnp.float32 else "tf32"
     p32 = _fp32_precision(precision, interpret)
     p_in = p32 if in_dtype == jnp.float32 else None
-    kernel = functools.partial(_tree_kernel, n=n_pad, c=bn, bk=bk, p_in=p_in, p32=p32, peel=peel, in_place=in_place)
+    split_state = SPLIT_STATE and in_dtype in (jnp.bfloat16, jnp.float16)
+    kernel = functools.partial(_tree_kernel, n=n_pad, c=bn, bk=bk, p_in=p_in, p32=p32, peel=peel, in_place=in_place,
+                               split_state=split_state)
     qk_spec = pl.BlockSpec((None, None, rows, dk_pad), lambda i, j, t: (i, j // rep, 0, 0))
     vec_spec = pl.BlockSpec((None, None, rows), lambda i, j, t: (i, j, 0))
     tile_spec = lambda nr: pl.BlockSpec((None, None, nr, bdv), lambda i, j, t: (i, j, 0, t))
