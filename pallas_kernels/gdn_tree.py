@@ -59,8 +59,10 @@ PRECISIONS = ("ieee", "tf32x3", "tf32", "bf16x3")
 ROOT_ROWS = 16  # the peeled root's tiles: node 0 in row 0 (a tl.dot operand needs >= 16 rows)
 # 16-bit q / k: the products with the float32 state as two 16-bit passes, S0 = hi + lo (q / k are
 # exact in 16 bits, each product exact, float32 sums: ~16 mantissa bits against TF32's 10), so q / k
-# stay 16-bit in shared memory and are not widened to float32 first. Opt-in until timed on the H200.
-SPLIT_STATE = False
+# stay 16-bit in shared memory and are not widened to float32 first. H200, 27B verify (2026-11-30,
+# session 11, docs/benchmarks.md): 17.0 -> 13.3 us a layer on the random drafter's tree, 22.4 ->
+# 18.5 on a depth-15 tree (-0.18 ms a verify); offline 3,064 SASS instructions against 3,304.
+SPLIT_STATE = True
 
 
 

@@ -305,3 +305,31 @@ def test_shift_bits_drops_node_zero():
         got = {j for j in range(69) if (int(shifted[i - 1, j // 32]) >> (j % 32)) & 1}
         assert got == want
         assert bit0[i - 1] == 1.0
+
+
+@settings(max_examples=4, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), kind=st.sampled_from(SHAPES), n=st.sampled_from([17, 30]))
+def test_split_state_products(seed, kind, n):
+    """SPLIT_STATE: the products with the float32 state as two bf16 passes (S0 = hi + lo) keep ~16
+    mantissa bits (bf16 inputs, in place and sliced root peels); float32 inputs ignore it."""
+    import pallas_kernels.gdn_tree as gt
+
+    _, bits = tree_case(seed, kind, n, n)
+    q, k, v, g, beta, state = draw_inputs(seed, n, DK, DV)
+    bf = lambda a: jnp.asarray(a, jnp.bfloat16)
+    args = (bf(q), bf(k), bf(v), *f32(g, beta, state), bits)
+    f32_args = (*f32(q, k, v, g, beta, state), bits)
+    # a new partial per call: jax caches traces by function, and the switch is read when tracing
+    run = lambda *a: jax.jit(functools.partial(gdn_tree_verify, impl="pallas_interpret", block_n=16, block_dv=16))(*a)
+    old = gt.SPLIT_STATE
+    try:
+        gt.SPLIT_STATE = True
+        split, split32 = run(*args), run(*f32_args)
+        gt.SPLIT_STATE = False
+        exact, exact32 = run(*args), run(*f32_args)  # the interpreter's exact float32 products
+    finally:
+        gt.SPLIT_STATE = old
+    assert_close(split, ref_fn()(*args), 1e-4)
+    assert_close(split32, ref_fn()(*f32_args), 1e-5)
+    assert not np.array_equal(np.asarray(split), np.asarray(exact))  # the split path did run
+    assert np.array_equal(np.asarray(split32), np.asarray(exact32))  # float32 inputs: untouched
