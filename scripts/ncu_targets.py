@@ -51,7 +51,7 @@ def parents_of(kind: str, n: int) -> np.ndarray:
     return deep_parents(n, seed=0)
 
 
-def gdn_call(parents, key):
+def gdn_call(parents, key, impl="pallas"):
     from pallas_kernels.gdn_tree import gdn_tree_verify
 
     n, hk, hv, d = len(parents), 16, 48, 128
@@ -64,11 +64,11 @@ def gdn_call(parents, key):
     beta = jax.random.uniform(ks[4], (1, hv, n), minval=0.05, maxval=1.0)
     state = 0.5 * jax.random.normal(ks[5], (1, hv, d, d))
     bits = ancestor_bits_from_parents(jnp.asarray(parents)[None], 15)
-    f = jax.jit(lambda *a: gdn_tree_verify(*a, impl="pallas"))
+    f = jax.jit(lambda *a: gdn_tree_verify(*a, impl=impl))
     return lambda: f(q, k, v, g, beta, state, bits)
 
 
-def attention_call(parents, key):
+def attention_call(parents, key, impl="pallas"):
     from pallas_kernels.tree_attention import tree_attention
 
     n, nh, kv, hd, length = len(parents), 24, 4, 256, 4096
@@ -82,7 +82,7 @@ def attention_call(parents, key):
     vt = jax.random.normal(ks[4], (1, n, kv, hd)).astype(bf)
     lengths = jnp.array([length], jnp.int32)
     bits = ancestor_bits_from_parents(jnp.asarray(parents)[None], 15)
-    f = jax.jit(lambda *a: tree_attention(*a, scale=hd**-0.5, impl="pallas"))
+    f = jax.jit(lambda *a: tree_attention(*a, scale=hd**-0.5, impl=impl))
     return lambda: f(q, kc, vc, lengths, kt, vt, bits)
 
 
@@ -104,13 +104,15 @@ def main(argv=None) -> int:
     ap.add_argument("--tree", choices=("star", "deep"), default="star")
     ap.add_argument("--nodes", type=int, default=65)
     ap.add_argument("--launches", type=int, default=4)
+    ap.add_argument("--impl", choices=("pallas", "xla"), default="pallas",
+                    help="xla: the kernels' references (the script's check on a machine without a GPU)")
     args = ap.parse_args(argv)
     parents = parents_of(args.tree, args.nodes)
     key = jax.random.PRNGKey(0)
     if args.kernel == "gemm":
         call = gemm_call(args.nodes, args.weight, key)
     else:
-        call = (gdn_call if args.kernel == "gdn" else attention_call)(parents, key)
+        call = (gdn_call if args.kernel == "gdn" else attention_call)(parents, key, args.impl)
     out = jax.block_until_ready(call())  # compile (and autotune) outside the profiled range
     profiler = cuda_profiler()
     profiler(True)

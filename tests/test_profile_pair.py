@@ -70,3 +70,14 @@ def test_deep_parents_is_a_topological_tree_of_bounded_depth():
     assert (np.asarray(deep.parents[0]) == deep_parents(65, 1)).all()
     assert (np.asarray(deep.tokens) == np.asarray(flat.tokens)).all()
     assert (np.asarray(deep.positions[0]) == 10 + np.asarray(deep.depths[0])).all()
+
+
+def test_ncu_targets_runs_every_kernel_on_the_cpu(capsys):
+    """scripts/ncu_targets.py (the Nsight Compute target): each kernel's call at the 27B shape runs
+    end to end (references here; the profiler brackets are no-ops without a CUDA driver)."""
+    from scripts.ncu_targets import main
+
+    for argv in (["gdn", "--tree", "deep"], ["attention"], ["gemm", "--weight", "out"]):
+        assert main([*argv, "--launches", "1", "--impl", "xla"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("finite=True") == 3
