@@ -88,11 +88,12 @@ def _verify(graphdef, params, s, tree, spec, key):
     return gen.verify(nnx.merge(graphdef, params), s, tree, spec, key)
 
 
-def deep_parents(n: int, seed: int, max_depth: int = 15) -> np.ndarray:
+def deep_parents(n: int, seed, max_depth: int = 15) -> np.ndarray:
     """A DDTree-like parent array in topological order: node i extends node i - 1 half the time
     (while it is shallower than max_depth), else branches from a random shallower node. What a
     trained drafter's confident blocks give (a long main path with side branches), where a random
-    drafter's flat distributions put every node at depth 1."""
+    drafter's flat distributions put every node at depth 1. seed: an int or a numpy Generator
+    (drawn from in place: scripts/gpu_gdn.py draws several trees and then the inputs from one)."""
     rng = np.random.default_rng(seed)
     parents, depth = [-1], [0]
     for i in range(1, n):

@@ -112,7 +112,7 @@ def _state_products(xs, s_c, p32, split: bool):
     return [_dot(x, hi, None) + _dot(x, lo, None) for x in xs]
 
 
-def _tree_kernel(*refs, n, c, bk, p_in, p32, peel, in_place=False, split_state=False):
+def _tree_kernel(*refs, n, c, bk, p_in, p32, peel, in_place=False, split_state=False, root_tiles=False):
     """in_place (root peel only): q / k / v / g / beta / o hold all N + 1 rows, node 0 first, and
     the blocked tree reads and writes rows 1.. (no slices of the inputs, no packed root scalars,
     no concatenation of the outputs outside the kernel)."""
@@ -171,37 +171,51 @@ def _tree_kernel(*refs, n, c, bk, p_in, p32, peel, in_place=False, split_state=F
         return kk, qk
 
     if peel:  # node 0 as a one-node block solved first (module docstring: "Root peel")
-        # Node 0 travels as row 0 of 16-row tiles (zeros below), so its products with the state
-        # and with the block rows run as small matmuls: as row reductions over dk across the
-        # threads (the first form) they were much of the kernel's shuffle / shared-memory traffic
-        # (Nsight Compute on the H200, 2026-11-30, docs/kernels_gdn.md).
+        # 16-bit inputs (root_tiles): node 0 travels as row 0 of 16-row tiles (zeros below), so its
+        # products with the state and with the block rows run as small matmuls; as row reductions
+        # over dk across the threads they were much of the kernel's shuffle / shared-memory traffic
+        # (offline compile and Nsight Compute, 2026-11-30, docs/kernels_gdn.md). float32 inputs keep
+        # the reductions: their 3-pass TF32 tile products spilled far more (offline compile).
         top = lax.broadcasted_iota(jnp.int32, (ROOT_ROWS, 1), 0) == 0
         first_row = lambda x: jnp.where(top, x[None, :], jnp.zeros((), x.dtype))  # [ROOT_ROWS, w]
+        as_root = first_row if root_tiles else (lambda x: x.astype(f32))
         if in_place:
             lane = lax.broadcasted_iota(jnp.int32, (SCALAR_LANES,), 0)
             first = lambda ref: jnp.sum(jnp.where(lane == 0, ref[pl.ds(0, SCALAR_LANES)].astype(f32), 0.0))
             g0, beta0 = first(g_ref), first(beta_ref)
-            k0 = [first_row(k_ref[0, kc]) for kc in kchunks]
-            q0 = [first_row(q_ref[0, kc]) for kc in kchunks]
-            v0 = first_row(v_ref[0, :].astype(f32))
+            k0 = [as_root(k_ref[0, kc]) for kc in kchunks]
+            q0 = [as_root(q_ref[0, kc]) for kc in kchunks]
+            v0 = as_root(v_ref[0, :].astype(f32))
         else:
             g0, beta0 = unpack_scalars(gb0_ref, 2)
-            k0 = [first_row(k0_ref[kc]) for kc in kchunks]
-            q0 = [first_row(q0_ref[kc]) for kc in kchunks]
-            v0 = first_row(v0_ref[...].astype(f32))
-        ks0 = qs0 = qk00 = None  # k_0 S0, q_0 S0, q_0 . k_0 (row 0; the other rows are zero)
+            k0 = [as_root(k0_ref[kc]) for kc in kchunks]
+            q0 = [as_root(q0_ref[kc]) for kc in kchunks]
+            v0 = as_root(v0_ref[...].astype(f32))
+        ks0 = qs0 = qk00 = None  # k_0 S0, q_0 S0, q_0 . k_0 (tiles: in row 0, the other rows zero)
         for i, kc in enumerate(kchunks):
             s_c = s_ref[kc, :].astype(f32)
-            parts = (*_state_products((k0[i], q0[i]), s_c, p32, split_state), _dot(q0[i], k0[i], p_in, trans_b=True))
+            if root_tiles:
+                parts = (*_state_products((k0[i], q0[i]), s_c, p32, split_state),
+                         _dot(q0[i], k0[i], p_in, trans_b=True))
+            else:
+                parts = (jnp.sum(k0[i][:, None] * s_c, axis=0), jnp.sum(q0[i][:, None] * s_c, axis=0),
+                         jnp.sum(q0[i] * k0[i]))
             ks0, qs0, qk00 = parts if ks0 is None else (ks0 + parts[0], qs0 + parts[1], qk00 + parts[2])
         e0 = jnp.exp(g0)
-        u0 = beta0 * (v0 - e0 * ks0)  # [ROOT_ROWS, dv]: u_0 in row 0, zeros below
-        o0 = e0 * qs0 + _dot(qk00, u0, p32)
-        if in_place:
-            store(o_ref, (pl.ds(0, ROOT_ROWS), slice(None)), o0.astype(o_ref.dtype),
-                  mask=jnp.broadcast_to(top, o0.shape))
+        u0 = beta0 * (v0 - e0 * ks0)  # tiles: [ROOT_ROWS, dv], u_0 in row 0; else [dv]
+        if root_tiles:
+            o0 = e0 * qs0 + _dot(qk00, u0, p32)
+            if in_place:
+                store(o_ref, (pl.ds(0, ROOT_ROWS), slice(None)), o0.astype(o_ref.dtype),
+                      mask=jnp.broadcast_to(top, o0.shape))
+            else:
+                o0_ref[...] = jnp.sum(jnp.where(top, o0, 0.0), axis=0).astype(o0_ref.dtype)
         else:
-            o0_ref[...] = jnp.sum(jnp.where(top, o0, 0.0), axis=0).astype(o0_ref.dtype)
+            o0 = e0 * qs0 + qk00 * u0
+            if in_place:
+                o_ref[0, :] = o0.astype(o_ref.dtype)
+            else:
+                o0_ref[...] = o0.astype(o0_ref.dtype)
 
     big_g, big_u = [], []
     for r in range(nb):
@@ -216,21 +230,29 @@ def _tree_kernel(*refs, n, c, bk, p_in, p32, peel, in_place=False, split_state=F
         beta_r = beta_ref[rows]
         eg = jnp.exp(g_r)
         ks = qs = None  # K_r S0 and Q_r S0, contracted over dk in chunks (state chunks reloaded)
-        kk0 = qk0 = None  # K_r k_0^T and Q_r k_0^T [c, ROOT_ROWS]: column 0 (peel only)
+        kk0 = qk0 = None  # K_r k_0 and Q_r k_0 (peel only; tiles: [c, ROOT_ROWS], column 0)
         for i, kc in enumerate(kchunks):
             s_c = s_ref[kc, :].astype(f32)
             k_in, q_in = k_ref[rows, kc], q_ref[rows, kc]
             ks_c, qs_c = _state_products((k_in, q_in), s_c, p32, split_state)
             ks, qs = (ks_c, qs_c) if ks is None else (ks + ks_c, qs + qs_c)
-            if peel:
+            if peel and root_tiles:
                 kk_c, qk_c = _dot(k_in, k0[i], p_in, trans_b=True), _dot(q_in, k0[i], p_in, trans_b=True)
+            elif peel:
+                kk_c = jnp.sum(k_in.astype(f32) * k0[i][None, :], axis=1)
+                qk_c = jnp.sum(q_in.astype(f32) * k0[i][None, :], axis=1)
+            if peel:
                 kk0, qk0 = (kk_c, qk_c) if kk0 is None else (kk0 + kk_c, qk0 + qk_c)
         rhs = beta_r[:, None] * (v_ref[rows, :].astype(f32) - eg[:, None] * ks)
         o = eg[:, None] * qs
-        if peel:  # the rank-1 parts of node 0 as [c, ROOT_ROWS] x [ROOT_ROWS, dv]; mask before exp
+        if peel:  # node 0's rank-1 parts (tiles: [c, ROOT_ROWS] x [ROOT_ROWS, dv]); mask before exp
             d0 = jnp.exp(jnp.where(under0, g_r - g0, -jnp.inf))
-            rhs = rhs - _dot((beta_r * d0)[:, None] * kk0, u0, p32)
-            o = o + _dot(d0[:, None] * qk0, u0, p32)
+            if root_tiles:
+                rhs = rhs - _dot((beta_r * d0)[:, None] * kk0, u0, p32)
+                o = o + _dot(d0[:, None] * qk0, u0, p32)
+            else:
+                rhs = rhs - (beta_r * kk0 * d0)[:, None] * u0[None, :]
+                o = o + (qk0 * d0)[:, None] * u0[None, :]
         for s in range(r + 1):
             # Mask BEFORE exp: non-ancestor pairs can carry large positive exponents.
             decay = jnp.exp(jnp.where(mask(r, s), g_r[:, None] - (g_r if s == r else big_g[s])[None, :], -jnp.inf))
@@ -332,9 +354,9 @@ def _pallas(q, k, v, g, beta, state, ancestor_bits, *, interpret, block_n, block
         precision = "tf32x3" if in_dtype == jnp.float32 else "tf32"
     p32 = _fp32_precision(precision, interpret)
     p_in = p32 if in_dtype == jnp.float32 else None
-    split_state = SPLIT_STATE and in_dtype in (jnp.bfloat16, jnp.float16)
+    sixteen_bit = in_dtype in (jnp.bfloat16, jnp.float16)
     kernel = functools.partial(_tree_kernel, n=n_pad, c=bn, bk=bk, p_in=p_in, p32=p32, peel=peel, in_place=in_place,
-                               split_state=split_state)
+                               split_state=SPLIT_STATE and sixteen_bit, root_tiles=sixteen_bit)
     qk_spec = pl.BlockSpec((None, None, rows, dk_pad), lambda i, j, t: (i, j // rep, 0, 0))
     vec_spec = pl.BlockSpec((None, None, rows), lambda i, j, t: (i, j, 0))
     tile_spec = lambda nr: pl.BlockSpec((None, None, nr, bdv), lambda i, j, t: (i, j, 0, t))

@@ -160,20 +160,16 @@ def rotations_for(nbytes, cap=16):
 # problems
 # ---------------------------------------------------------------------------------------------
 def random_parents(rng, n, kind="ddtree"):
-    """Topological parent array: a chain, or DDTree-like (extend the last node often, else branch
-    from a random shallower node), depth <= MAX_DEPTH."""
+    """Topological parent array: a chain, a star (every node under the root: what the random-weight
+    benchmark's drafter gives), or DDTree-like (ddtree_jax.bench.deep_parents: extend the last
+    node often, else branch from a random shallower node), depth <= MAX_DEPTH."""
     if kind == "chain":
         return [-1] + list(range(n - 1))
-    parents, depth = [-1], [0]
-    for i in range(1, n):
-        if depth[i - 1] < MAX_DEPTH and rng.random() < 0.5:
-            p = i - 1
-        else:
-            cands = [j for j in range(i) if depth[j] < MAX_DEPTH]
-            p = int(rng.choice(cands))
-        parents.append(p)
-        depth.append(depth[p] + 1)
-    return parents
+    if kind == "star":
+        return [-1] + [0] * (n - 1)
+    from ddtree_jax.bench import deep_parents
+
+    return deep_parents(n, rng, MAX_DEPTH).tolist()
 
 
 def pack_bits(parents):

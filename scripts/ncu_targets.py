@@ -15,22 +15,22 @@ Kernels: "gdn" (gdn_tree_verify: 16 k / 48 v heads of 128, bf16 q / k / v, 65 no
 "attention" (tree_attention: 24 q / 4 kv heads of 256, 4096 committed keys, 65 nodes, batch 1) and
 "gemm" (XLA's dot of 65 rows by a 27B weight, --weight down | out | qkvzba | gate_up: what the
 verify's cuBLAS / Triton GEMMs read, e.g. `--kernel-name regex:"nvjet|gemm"`).
---tree star puts every node under the root (what the random-weight benchmark's drafter gives),
-deep a DDTree-like tree of depth <= 15 (ddtree_jax.bench.deep_parents). Inputs are random
-(never zeros); --launches calls in a row (default 4).
+The inputs are the benchmark scripts' own problems (scripts/gpu_gdn.py, gpu_attention_problems.py):
+random, never zeros. For "gdn", --tree star puts every node under the root (what the random-weight
+benchmark's drafter gives), deep a DDTree-like tree of depth <= 15 (ddtree_jax.bench.deep_parents);
+--launches calls in a row (default 4).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the problems of gpu_gdn.py / gpu_attention_problems.py
 
-from ddtree_jax.bench import deep_parents
-from ddtree_jax.tree import ancestor_bits_from_parents
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 
 
 def cuda_profiler():
@@ -45,45 +45,26 @@ def cuda_profiler():
     return lambda on: (lib.cuProfilerStart if on else lib.cuProfilerStop)()
 
 
-def parents_of(kind: str, n: int) -> np.ndarray:
-    if kind == "star":
-        return np.asarray([-1] + [0] * (n - 1), np.int32)
-    return deep_parents(n, seed=0)
-
-
-def gdn_call(parents, key, impl="pallas"):
+def gdn_call(nodes: int, tree: str, impl: str = "pallas"):
+    """gdn_tree_verify on scripts/gpu_gdn.py's problem (seed 0: its "ddtree" tree is
+    profile_step.py --tree-shape deep's)."""
+    from gpu_gdn import jax_args, make_problem
     from pallas_kernels.gdn_tree import gdn_tree_verify
 
-    n, hk, hv, d = len(parents), 16, 48, 128
-    ks = jax.random.split(key, 6)
-    unit = lambda a: a / jnp.linalg.norm(a, axis=-1, keepdims=True)
-    q = (unit(jax.random.normal(ks[0], (1, hk, n, d))) * d**-0.5).astype(jnp.bfloat16)
-    k = unit(jax.random.normal(ks[1], (1, hk, n, d))).astype(jnp.bfloat16)
-    v = jax.random.normal(ks[2], (1, hv, n, d)).astype(jnp.bfloat16)
-    g = -jax.random.uniform(ks[3], (1, hv, n), minval=0.01, maxval=1.0)
-    beta = jax.random.uniform(ks[4], (1, hv, n), minval=0.05, maxval=1.0)
-    state = 0.5 * jax.random.normal(ks[5], (1, hv, d, d))
-    bits = ancestor_bits_from_parents(jnp.asarray(parents)[None], 15)
+    args = jax_args(make_problem(0, 1, nodes, "ddtree" if tree == "deep" else tree), jnp.bfloat16)
     f = jax.jit(lambda *a: gdn_tree_verify(*a, impl=impl))
-    return lambda: f(q, k, v, g, beta, state, bits)
+    return lambda: f(*args)
 
 
-def attention_call(parents, key, impl="pallas"):
+def attention_call(nodes: int, impl: str = "pallas"):
+    """tree_attention on scripts/gpu_attention_problems.py's problem: 4096 committed keys of a
+    4160-slot cache, a random tree of depth <= 15 (the shape barely matters to this kernel)."""
+    from gpu_attention_problems import make_problem
     from pallas_kernels.tree_attention import tree_attention
 
-    n, nh, kv, hd, length = len(parents), 24, 4, 256, 4096
-    cap = length + 64
-    ks = jax.random.split(key, 5)
-    bf = jnp.bfloat16
-    q = jax.random.normal(ks[0], (1, n, nh, hd)).astype(bf)
-    kc = jax.random.normal(ks[1], (1, kv, cap, hd)).astype(bf)
-    vc = jax.random.normal(ks[2], (1, kv, cap, hd)).astype(bf)
-    kt = jax.random.normal(ks[3], (1, n, kv, hd)).astype(bf)
-    vt = jax.random.normal(ks[4], (1, n, kv, hd)).astype(bf)
-    lengths = jnp.array([length], jnp.int32)
-    bits = ancestor_bits_from_parents(jnp.asarray(parents)[None], 15)
-    f = jax.jit(lambda *a: tree_attention(*a, scale=hd**-0.5, impl=impl))
-    return lambda: f(q, kc, vc, lengths, kt, vt, bits)
+    (args,), _ = make_problem(jax.random.PRNGKey(0), 1, nodes, 4096 + 64, [4096], jnp.bfloat16)
+    f = jax.jit(lambda *a: tree_attention(*a, scale=args[0].shape[-1] ** -0.5, impl=impl))
+    return lambda: f(*args)
 
 
 GEMM_WEIGHTS = {"down": (17408, 5120), "out": (6144, 5120), "qkvzba": (5120, 16480), "gate_up": (5120, 34816)}
@@ -107,12 +88,12 @@ def main(argv=None) -> int:
     ap.add_argument("--impl", choices=("pallas", "xla"), default="pallas",
                     help="xla: the kernels' references (the script's check on a machine without a GPU)")
     args = ap.parse_args(argv)
-    parents = parents_of(args.tree, args.nodes)
-    key = jax.random.PRNGKey(0)
     if args.kernel == "gemm":
-        call = gemm_call(args.nodes, args.weight, key)
+        call = gemm_call(args.nodes, args.weight, jax.random.PRNGKey(0))
+    elif args.kernel == "gdn":
+        call = gdn_call(args.nodes, args.tree, args.impl)
     else:
-        call = (gdn_call if args.kernel == "gdn" else attention_call)(parents, key, args.impl)
+        call = attention_call(args.nodes, args.impl)
     out = jax.block_until_ready(call())  # compile (and autotune) outside the profiled range
     profiler = cuda_profiler()
     profiler(True)

@@ -13,13 +13,15 @@ compiled by pip's triton (ptxas included) for GPUTarget("cuda", 90, 32); `cuobjd
     PYTHONPATH=. python3 scripts/offline_triton_compile.py topk --nodes 8192    # rows of 8192
     PYTHONPATH=. python3 scripts/offline_triton_compile.py gdn_decode --nodes 1 # batch 1
     PYTHONPATH=. python3 scripts/offline_triton_compile.py gdn_prologue --nodes 65
+    PYTHONPATH=. python3 scripts/offline_triton_compile.py attention --nodes 65 # 4k cache
 
 Kernels: "ssd" (pallas_kernels/ssd_tree.py verify, NemotronH-8B-like layer: 128 heads x 64,
 8 groups, state 128), "gdn" (pallas_kernels/gdn_tree.py, Qwen3.6-27B layer: 16 k / 48 v heads
 of 128) "select" (pallas_kernels/tree_select.py, 15 draft depths, --nodes = the budget) and "topk"
 (pallas_kernels/row_top_k.py, --nodes = the row length, k = 16 and 32), "gdn_decode"
 (pallas_kernels/gdn_decode.py at the 27B GDN layer, --nodes = the batch), "gdn_prologue"
-(pallas_kernels/gdn_tree_prologue.py at the 27B GDN layer, batch 1). Each
+(pallas_kernels/gdn_tree_prologue.py at the 27B GDN layer, batch 1), "attention"
+(pallas_kernels/tree_attention.py at the 27B attention layer, 4k context, batch 1). Each
 sweeps a few block / warp settings and prints one row per setting.
 """
 
@@ -63,7 +65,8 @@ def capture_ttir(fn, *args) -> list[tuple[str, str]]:
 
 
 def compile_ttir(ttir: str, num_warps: int, num_stages: int) -> dict:
-    """Registers, spill stack (bytes) and shared memory of the kernel compiled for sm_90."""
+    """Registers, spill stack (bytes), shared memory and the SASS size (instructions, shuffles,
+    barriers) of the kernel compiled for sm_90: an issue-bound kernel's first proxy."""
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -78,10 +81,13 @@ def compile_ttir(ttir: str, num_warps: int, num_stages: int) -> dict:
             f.write(compiled.asm["cubin"])
         tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
         usage = subprocess.run([tool, "--dump-resource-usage", cubin], capture_output=True, text=True).stdout
+        sass = subprocess.run([tool, "-sass", cubin], capture_output=True, text=True).stdout
     regs = re.search(r"REG:(\d+)", usage)
     stack = re.search(r"STACK:(\d+)", usage)
     return {"regs": int(regs.group(1)) if regs else None, "stack_bytes": int(stack.group(1)) if stack else None,
-            "shared_bytes": compiled.metadata.shared}
+            "shared_bytes": compiled.metadata.shared,
+            "sass_instructions": len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/", sass, re.M)),
+            "shfl": sass.count("SHFL"), "bar_sync": sass.count("BAR.SYNC")}
 
 
 def ssd_cases(nodes: int):
@@ -104,9 +110,12 @@ def ssd_cases(nodes: int):
 
 
 def gdn_cases(nodes: int):
-    from pallas_kernels.gdn_tree import gdn_tree_verify
+    from pallas_kernels._common import is_pow2, pow2_at_least
+    from pallas_kernels.gdn_tree import default_blocks, gdn_tree_verify
 
     b, hk, h, dk, dv = 1, 16, 48, 128, 128
+    blocked = nodes - 1 if nodes > 1 and is_pow2(nodes - 1) else nodes  # the root peel's blocked rows
+    default_warps = default_blocks(pow2_at_least(blocked), dk, dv, b * h)[3]
     for dtype in (jnp.bfloat16, jnp.float32):
         shapes = (
             jax.ShapeDtypeStruct((b, hk, nodes, dk), dtype), jax.ShapeDtypeStruct((b, hk, nodes, dk), dtype),
@@ -114,10 +123,13 @@ def gdn_cases(nodes: int):
             jax.ShapeDtypeStruct((b, h, nodes), jnp.float32), jax.ShapeDtypeStruct((b, h, dk, dv), jnp.float32),
             jax.ShapeDtypeStruct((b, nodes, max(1, -(-nodes // 32))), jnp.uint32),
         )
-        for bdv in (None, 32):
-            opts = dict(block_dv=bdv)
+        variants = [dict(block_dv=None), dict(block_dv=32)]
+        if dtype == jnp.bfloat16:  # 16 warps (registers capped at 128), Triton's 3-pass bf16 products
+            variants += [dict(block_dv=None, num_warps=16), dict(block_dv=32, num_warps=16),
+                         dict(block_dv=None, precision="bf16x3")]
+        for opts in variants:
             label = dict(opts, inputs=jnp.dtype(dtype).name)
-            yield label, 8, functools.partial(gdn_tree_verify, impl="pallas", **opts), shapes
+            yield label, opts.get("num_warps") or default_warps, functools.partial(gdn_tree_verify, impl="pallas", **opts), shapes
 
 
 def select_cases(budget: int):
@@ -178,8 +190,23 @@ def gdn_prologue_cases(nodes: int):
                                              impl="pallas", **opts), shapes
 
 
+def attention_cases(nodes: int):
+    from pallas_kernels.tree_attention import tree_attention
+
+    b, nh, kv, hd, cap = 1, 24, 4, 256, 4096 + 64  # Qwen3.6-27B attention layer, 4k context
+    bf = jnp.bfloat16
+    shapes = (jax.ShapeDtypeStruct((b, nodes, nh, hd), bf), jax.ShapeDtypeStruct((b, kv, cap, hd), bf),
+              jax.ShapeDtypeStruct((b, kv, cap, hd), bf), jax.ShapeDtypeStruct((b,), jnp.int32),
+              jax.ShapeDtypeStruct((b, nodes, kv, hd), bf), jax.ShapeDtypeStruct((b, nodes, kv, hd), bf),
+              jax.ShapeDtypeStruct((b, nodes, max(1, -(-nodes // 32))), jnp.uint32))
+    # the defaults at 65 nodes (128 rows x 64 keys, 8 warps, 2 stages), 16 warps, 64-row blocks
+    for br, bk, warps, stages in ((128, 64, 8, 2), (128, 64, 16, 2), (64, 64, 8, 2), (128, 64, 8, 1)):
+        opts = dict(block_r=br, block_k=bk, num_warps=warps, num_stages=stages)
+        yield opts, warps, functools.partial(tree_attention, scale=hd**-0.5, impl="pallas", **opts), shapes
+
+
 CASES = {"ssd": ssd_cases, "gdn": gdn_cases, "select": select_cases, "topk": top_k_cases,
-         "gdn_decode": gdn_decode_cases, "gdn_prologue": gdn_prologue_cases}
+         "gdn_decode": gdn_decode_cases, "gdn_prologue": gdn_prologue_cases, "attention": attention_cases}
 
 
 def main(argv=None) -> int:
@@ -198,7 +225,7 @@ def main(argv=None) -> int:
             if not kernels:
                 raise RuntimeError("no pallas_call found")
             warps = opts.get("num_warps") or warps
-            row.update(compile_ttir(kernels[0][1], warps, args.num_stages))
+            row.update(compile_ttir(kernels[0][1], warps, opts.get("num_stages") or args.num_stages))
         except Exception as e:  # one failing setting never hides the others
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         rows.append(row)

@@ -34,6 +34,7 @@ def test_compile_reports_registers():
     [(_, ttir)] = capture_ttir(functools.partial(ssd_tree_verify, impl="pallas"), *_ssd_shapes())
     res = compile_ttir(ttir, num_warps=4, num_stages=1)
     assert 0 < res["regs"] <= 255 and res["stack_bytes"] is not None
+    assert res["sass_instructions"] > 100 and res["bar_sync"] >= 0 and res["shfl"] >= 0
 
 
 def test_tree_select_lowers_for_cuda_without_spills():
@@ -85,3 +86,26 @@ def test_gdn_decode_lowers_for_cuda_without_spills():
     for ttir in ttirs:
         res = compile_ttir(ttir, num_warps=DEFAULT_WARPS, num_stages=1)
         assert res["regs"] <= 255 and res["stack_bytes"] == 0, res
+
+
+def test_gdn_tree_kernel_spills_no_more_than_before():
+    """The GDN tree kernel at the 27B layer (16 k / 48 v heads of 128), default tiles and warps:
+    bf16 at 65 nodes (the root peel on 16-row tiles, SPLIT_STATE) compiles for sm_90 without
+    spilling (64 B before session 11); float32 keeps the peel's reductions (its tile form had
+    spilled 8.8 KB at 17 nodes, 3.9 KB at 65) and spills no more than before them (1776 / 2240 B)."""
+    from scripts.offline_triton_compile import gdn_cases
+
+    picked = {}
+    for nodes in (65, 17):
+        for label, warps, fn, shapes in gdn_cases(nodes):
+            if set(label) == {"block_dv", "inputs"} and label["block_dv"] is None:
+                [(name, ttir)] = capture_ttir(fn, *shapes)
+                assert "gdn_tree_verify" in name
+                picked[(nodes, label["inputs"])] = (ttir, warps)
+    assert set(picked) == {(65, "bfloat16"), (65, "float32"), (17, "bfloat16"), (17, "float32")}
+    pytest.importorskip("triton")
+    limits = {(65, "bfloat16"): 0, (17, "bfloat16"): 0, (65, "float32"): 2240, (17, "float32"): 1776}
+    for key, limit in limits.items():
+        ttir, warps = picked[key]
+        res = compile_ttir(ttir, num_warps=warps, num_stages=1)
+        assert res["stack_bytes"] <= limit, (key, res)
