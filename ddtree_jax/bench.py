@@ -124,9 +124,10 @@ def _checksum(tree) -> jax.Array:
 def _phase_loop(graphdef, params, dparams, s, logq, tree, res, eos, key, spec, phase: str, n):
     """Run one phase n times on device (n traced: one compilation for every n); each iteration
     perturbs an input by the loop index so nothing is hoisted out of the loop, and a checksum of
-    the output keeps it from being dropped. The plain decoding step ("step") instead carries its
-    state from iteration to iteration, as the generation loop does: with only a checksum of each
-    output, XLA dropped the recurrent-state and cache writebacks and copied the K cache per layer
+    the output keeps it from being dropped. The plain decoding step ("step") and the whole
+    speculative step ("loop": draft, build, verify, commit and the loop's bookkeeping, gen._advance)
+    instead carry their state from iteration to iteration, as the generation loop does: with only a
+    checksum of each output, XLA dropped the recurrent-state and cache writebacks and copied the K cache per layer
     instead of updating it in place (the session-5 HLO of scripts/profile_step.py)."""
     model = nnx.merge(graphdef, params)
     vocab = model.cfg.vocab_size
@@ -138,6 +139,9 @@ def _phase_loop(graphdef, params, dparams, s, logq, tree, res, eos, key, spec, p
 
         last, acc = jax.lax.fori_loop(0, n, carried, (s, jnp.float32(0)))
         return acc + _checksum(last)
+    if phase == "loop":  # the whole speculative step as generation runs it: n steps of gen._advance
+        last = gen._advance(model, dparams, s, eos, spec, n)
+        return _checksum(last)
 
     def body(i, acc):
         bumped = s._replace(bonus=(s.bonus + i) % vocab)
