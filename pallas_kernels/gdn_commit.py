@@ -95,6 +95,10 @@ def _pallas(k, v, g, beta, state, path, count, *, interpret, block_dv, num_warps
         ],
         out_specs=pl.BlockSpec((None, None, dk, bdv), lambda i, j, t: (i, j, 0, t)),
         out_shape=jax.ShapeDtypeStruct(state.shape, jnp.float32),
+        # in place: each program reads its state tile whole before it writes the same tile. Inside
+        # the generation loop a fresh output cost a 3 MB copy into the carried buffer per layer
+        # (48 of the 27B DDTree step's memcpy kernels, 2026-11-30 session 12)
+        input_output_aliases={6: 0},
         interpret=interpret,
         name="gdn_path_commit",
         **params,

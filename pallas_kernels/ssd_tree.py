@@ -335,6 +335,7 @@ def _commit_pallas(x, dt, A, B, state, path, count, *, interpret, block_p, num_w
         ],
         out_specs=tile,
         out_shape=jax.ShapeDtypeStruct(state.shape, jnp.float32),
+        input_output_aliases={4: 0},  # in place, as gdn_path_commit: each program owns its tile
         interpret=interpret,
         name="ssd_path_commit",
         **params,
