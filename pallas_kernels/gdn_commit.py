@@ -10,8 +10,13 @@ pending inputs (no gather pass in XLA); a dynamic-length loop runs exactly count
 The recurrence is element-wise (no matmul), so it has no 16-wide minimum: dv tiles of 8 keep
 many programs in flight, which is what a bandwidth-bound 16-step scan needs.
 
-The conv window commit stays in XLA (models/conv.next_window): a [B, K-1, conv_dim] gather of
-a few columns, far below a kernel launch.
+With `window` and `conv_in` the same launch also slides the conv window: the last K - 1 rows of
+[window ; conv_in[path[:count]]] (models/conv.next_window), in place. Inside the generation loop
+XLA's form of that slide was a fusion plus a copy into the loop-carried window per GDN layer (96
+launches of the 27B DDTree step, ~0.1 ms; 2026-11-30 session 12). The window's channels go in
+blocks of `wb` (a power of two dividing conv_dim, <= 128) to the first conv_dim / wb programs of
+the (head, dv tile) grid, after their state tiles; each reads the K - 1 rows it needs (a window row
+or a path node's conv input, chosen per row) before it writes any.
 """
 
 from __future__ import annotations
@@ -48,10 +53,43 @@ def reference(k, v, g, beta, state, path, count):
     return delta_rule.path_state(take(k), take(v), take1(g), take1(beta), f32(state))
 
 
-def _commit_kernel(path_ref, count_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, *, n, p):
+def window_reference(window, conv_in, path, count):
+    """Conv window [B, K - 1, C] after the accepted path's conv inputs conv_in [B, N, >= C]."""
+    from ddtree_jax.models.conv import next_window
+
+    n = conv_in.shape[1]
+    rows = jnp.take_along_axis(conv_in, jnp.clip(path, 0, n - 1)[:, :, None], axis=1)[..., : window.shape[-1]]
+    return next_window(rows, window, count)
+
+
+def _window_block(c: int) -> int:
+    wb = 1
+    while wb < 128 and c % (2 * wb) == 0:
+        wb *= 2
+    return wb
+
+
+def _commit_kernel(path_ref, count_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, *refs, n, p, window):
     b = pl.program_id(0)
     f32 = jnp.float32
     steps = jnp.clip(count_ref[b], 0, p)
+    if window:
+        x_ref, w_ref, o_ref, wo_ref = refs
+        keep, blocks, per_head = window
+        prog = pl.program_id(1) * per_head + pl.program_id(2)
+
+        @pl.when(prog < blocks)
+        def _():
+            rows = []
+            for r in range(keep):  # row r of the new window: position steps + r of [window ; path]
+                pos = steps + r
+                node = jnp.clip(path_ref[b, jnp.clip(pos - keep, 0, p - 1)], 0, n - 1)
+                old = w_ref[jnp.clip(pos, 0, keep - 1), :]
+                rows.append(jnp.where(pos < keep, old, x_ref[node, :].astype(old.dtype)))
+            for r in range(keep):  # every read above happens before the first write (in place)
+                wo_ref[r, :] = rows[r]
+    else:
+        (o_ref,) = refs
 
     def step(t, s):
         node = jnp.clip(path_ref[b, t], 0, n - 1)
@@ -64,7 +102,7 @@ def _commit_kernel(path_ref, count_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_
     o_ref[...] = lax.fori_loop(0, steps, step, s_ref[...].astype(f32))
 
 
-def _pallas(k, v, g, beta, state, path, count, *, interpret, block_dv, num_warps, num_stages):
+def _pallas(k, v, g, beta, state, path, count, window, conv_in, *, interpret, block_dv, num_warps, num_stages):
     b, h, n, dv = v.shape
     hk, dk = k.shape[1], k.shape[3]
     if h % hk:
@@ -80,30 +118,52 @@ def _pallas(k, v, g, beta, state, path, count, *, interpret, block_dv, num_warps
     params = {}
     if pltriton is not None and not interpret:
         params["compiler_params"] = pltriton.CompilerParams(num_warps=num_warps or 1, num_stages=num_stages)
-    kernel = functools.partial(_commit_kernel, n=n, p=p)
+    tiles = dv // bdv
+    in_specs = [
+        pl.BlockSpec((b, p), lambda i, j, t: (0, 0)),
+        pl.BlockSpec((b,), lambda i, j, t: (0,)),
+        pl.BlockSpec((None, None, n, dk), lambda i, j, t: (i, j // rep, 0, 0)),
+        pl.BlockSpec((None, None, n, bdv), lambda i, j, t: (i, j, 0, t)),
+        pl.BlockSpec((None, None, n), lambda i, j, t: (i, j, 0)),
+        pl.BlockSpec((None, None, n), lambda i, j, t: (i, j, 0)),
+        pl.BlockSpec((None, None, dk, bdv), lambda i, j, t: (i, j, 0, t)),
+    ]
+    state_spec = pl.BlockSpec((None, None, dk, bdv), lambda i, j, t: (i, j, 0, t))
+    args = [path.astype(jnp.int32), count.astype(jnp.int32), k, v, g.astype(jnp.float32), beta.astype(jnp.float32),
+            state.astype(jnp.float32)]
+    # in place: each program reads its state tile whole before it writes the same tile. Inside the
+    # generation loop a fresh output cost a 3 MB copy into the carried buffer per layer (48 of the
+    # 27B DDTree step's memcpy kernels, 2026-11-30 session 12)
+    aliases = {6: 0}
+    out_specs = state_spec
+    out_shape = jax.ShapeDtypeStruct(state.shape, jnp.float32)
+    window_opts = None
+    if window is not None:
+        keep, c = window.shape[1], window.shape[2]
+        wb = _window_block(c)
+        blocks = c // wb
+        if blocks > h * tiles:
+            raise ValueError(f"the window's {blocks} channel blocks of {wb} need more than the {h * tiles} programs "
+                             f"of the commit grid: use a smaller block_dv")
+        blk = lambda i, j, t: (i, 0, (j * tiles + t) % blocks)
+        in_specs += [pl.BlockSpec((None, n, wb), blk), pl.BlockSpec((None, keep, wb), blk)]
+        args += [conv_in, window]
+        aliases[8] = 1
+        out_specs = [state_spec, pl.BlockSpec((None, keep, wb), blk)]
+        out_shape = [out_shape, jax.ShapeDtypeStruct(window.shape, window.dtype)]
+        window_opts = (keep, blocks, tiles)
+    kernel = functools.partial(_commit_kernel, n=n, p=p, window=window_opts)
     return pl.pallas_call(
         kernel,
-        grid=(b, h, dv // bdv),
-        in_specs=[
-            pl.BlockSpec((b, p), lambda i, j, t: (0, 0)),
-            pl.BlockSpec((b,), lambda i, j, t: (0,)),
-            pl.BlockSpec((None, None, n, dk), lambda i, j, t: (i, j // rep, 0, 0)),
-            pl.BlockSpec((None, None, n, bdv), lambda i, j, t: (i, j, 0, t)),
-            pl.BlockSpec((None, None, n), lambda i, j, t: (i, j, 0)),
-            pl.BlockSpec((None, None, n), lambda i, j, t: (i, j, 0)),
-            pl.BlockSpec((None, None, dk, bdv), lambda i, j, t: (i, j, 0, t)),
-        ],
-        out_specs=pl.BlockSpec((None, None, dk, bdv), lambda i, j, t: (i, j, 0, t)),
-        out_shape=jax.ShapeDtypeStruct(state.shape, jnp.float32),
-        # in place: each program reads its state tile whole before it writes the same tile. Inside
-        # the generation loop a fresh output cost a 3 MB copy into the carried buffer per layer
-        # (48 of the 27B DDTree step's memcpy kernels, 2026-11-30 session 12)
-        input_output_aliases={6: 0},
+        grid=(b, h, tiles),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        input_output_aliases=aliases,
         interpret=interpret,
         name="gdn_path_commit",
         **params,
-    )(path.astype(jnp.int32), count.astype(jnp.int32), k, v, g.astype(jnp.float32),
-      beta.astype(jnp.float32), state.astype(jnp.float32))
+    )(*args)
 
 
 def gdn_path_commit(
@@ -115,12 +175,16 @@ def gdn_path_commit(
     path,
     count,
     *,
+    window=None,
+    conv_in=None,
     impl: str = "xla",
     block_dv: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 1,
 ):
-    """New state [B, H, dk, dv] float32: `state` advanced along path[b, :count[b]].
+    """New state [B, H, dk, dv] float32: `state` advanced along path[b, :count[b]]; with the conv
+    window [B, K - 1, C] and the nodes' conv inputs conv_in [B, N, >= C] (first C columns read),
+    (new state, new window) (`window_reference`), in the same launch.
 
     k [B, Hk, N, dk] (l2-normed; Hk divides H, value head j reads key head j // (H // Hk));
     v [B, H, N, dv]; g, beta [B, H, N] per node; state [B, H, dk, dv] float32; path [B, P]
@@ -130,10 +194,18 @@ def gdn_path_commit(
     Pallas options: block_dv (dv tile per program, power of two, default 16), num_warps
     (default 1), num_stages. dk and dv must be powers of two for the kernel.
     """
+    if (window is None) != (conv_in is None):
+        raise ValueError("gdn_path_commit: pass both window and conv_in, or neither")
+    if window is not None and (window.shape[0] != v.shape[0] or conv_in.shape[:2] != v.shape[:1] + v.shape[2:3]
+                               or conv_in.shape[2] < window.shape[2]):
+        raise ValueError(f"gdn_path_commit: window {window.shape} and conv_in {conv_in.shape} do not fit "
+                         f"{v.shape[0]} sequences of {v.shape[2]} nodes")
     if impl == "xla":
-        return reference(k, v, g, beta, state, path, count)
+        state = reference(k, v, g, beta, state, path, count)
+        return state if window is None else (state, window_reference(window, conv_in, path, count))
     check_impl(impl)
-    return _pallas(
-        k, v, g, beta, state, path, count, interpret=impl == "pallas_interpret",
+    out = _pallas(
+        k, v, g, beta, state, path, count, window, conv_in, interpret=impl == "pallas_interpret",
         block_dv=block_dv, num_warps=num_warps, num_stages=num_stages,
     )
+    return tuple(out) if window is not None else out

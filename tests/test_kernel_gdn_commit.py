@@ -9,6 +9,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from ddtree_jax.cache import RecurrentCache
@@ -102,6 +103,44 @@ def test_every_count_along_one_path():
             np.testing.assert_array_equal(np.asarray(out), np.asarray(state, np.float32))
 
 
+KEEP, C = 3, 96  # conv window rows (K - 1) and channels: 96 = 3 blocks of 32
+
+
+@settings(max_examples=10)
+@given(seed=st.integers(0, 2**31 - 1), path=paths, count=counts, block_dv=st.sampled_from([8, 32]),
+       wide=st.booleans())
+def test_kernel_slides_the_conv_window(seed, path, count, block_dv, wide):
+    """With window / conv_in the kernel also returns the conv window after the path (in place),
+    equal to models.conv.next_window over the path's conv inputs; conv_in may be wider than the
+    window (the merged product's columns after conv_dim are not read); the state is unchanged."""
+    k, v, g, beta, state = draw_inputs(seed)
+    rng = np.random.default_rng(seed)
+    window = jnp.asarray(rng.normal(size=(B, KEEP, C)), jnp.bfloat16)
+    conv_in = jnp.asarray(rng.normal(size=(B, N, C + (40 if wide else 0))), jnp.bfloat16)
+    path, count = jnp.asarray(path, jnp.int32), jnp.asarray(count, jnp.int32)
+    args = (*f32(k, v, g, beta, state), path, count)
+    state_ref, window_ref = ref_fn(*args, window=window, conv_in=conv_in)
+    state_got, window_got = kernel(block_dv=block_dv)(*args, window=window, conv_in=conv_in)
+    assert window_got.dtype == window.dtype
+    np.testing.assert_array_equal(np.asarray(window_got, np.float32), np.asarray(window_ref, np.float32))
+    assert_close(state_got, state_ref, 1e-5)
+    assert_close(state_got, ref_fn(*args), 1e-5)
+    for b in range(B):  # oracle: the last KEEP rows of [window ; conv_in[path[:count]]]
+        seq = np.concatenate([np.asarray(window[b], np.float32),
+                              np.asarray(conv_in[b, np.asarray(path[b, : int(count[b])]), :C], np.float32)])
+        np.testing.assert_array_equal(np.asarray(window_got[b], np.float32), seq[-KEEP:])
+
+
+def test_window_arguments_are_checked():
+    k, v, g, beta, state = f32(*draw_inputs(1))
+    path, count = jnp.zeros((B, P), jnp.int32), jnp.ones((B,), jnp.int32)
+    window = jnp.zeros((B, KEEP, C))
+    with pytest.raises(ValueError, match="both window and conv_in"):
+        gdn_path_commit(k, v, g, beta, state, path, count, window=window)
+    with pytest.raises(ValueError, match="do not fit"):
+        gdn_path_commit(k, v, g, beta, state, path, count, window=window, conv_in=jnp.zeros((B, N, C - 1)))
+
+
 def test_reference_matches_gdn_commit():
     """The xla impl is exactly what GatedDeltaNet.commit does to the recurrent state."""
     k, v, g, beta, state = f32(*draw_inputs(9))
@@ -111,6 +150,12 @@ def test_reference_matches_gdn_commit():
     cache = RecurrentCache(conv=jnp.zeros((B, 3, 4)), state=state)
     want = GatedDeltaNet.commit(pending, path, count, cache).state
     np.testing.assert_allclose(gdn_path_commit(k, v, g, beta, state, path, count), want, rtol=1e-6, atol=1e-6)
+    # GatedDeltaNet.commit with kernels: state and conv window from the one launch, as the XLA form
+    pending = pending._replace(conv_in=jnp.asarray(np.random.default_rng(3).normal(size=(B, N, 6)), jnp.float32))
+    want = GatedDeltaNet.commit(pending, path, count, cache)
+    got = GatedDeltaNet.commit(pending, path, count, cache, impl="pallas_interpret")
+    np.testing.assert_allclose(got.state, want.state, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(got.conv), np.asarray(want.conv))
 
 
 def test_commit_then_step_equals_tree_output():

@@ -349,14 +349,16 @@ class GatedDeltaNet(nnx.Module):
     def commit(pending: RecurrentPending, path, count, cache: RecurrentCache, impl: str = "xla") -> RecurrentCache:
         """State after the accepted path (path [B, P], first count[b] real): a scan from the
         committed state over the path's nodes, and the conv window slid over their inputs.
-        impl "pallas" / "pallas_interpret": the fused path-commit kernel (one launch, all heads)."""
-        conv_in = jnp.take_along_axis(pending.conv_in, path[:, :, None], axis=1)[..., : cache.conv.shape[-1]]
-        window = next_window(conv_in, cache.conv, count)
+        impl "pallas" / "pallas_interpret": the fused path-commit kernel (one launch, all heads, the
+        conv window slid in the same launch; state and window in place)."""
         if impl != "xla":
             from pallas_kernels.gdn_commit import gdn_path_commit
 
-            state = gdn_path_commit(pending.k, pending.v, pending.g, pending.beta, cache.state, path, count, impl=impl)
+            state, window = gdn_path_commit(pending.k, pending.v, pending.g, pending.beta, cache.state, path, count,
+                                            window=cache.conv, conv_in=pending.conv_in, impl=impl)
             return RecurrentCache(conv=window, state=state)
+        conv_in = jnp.take_along_axis(pending.conv_in, path[:, :, None], axis=1)[..., : cache.conv.shape[-1]]
+        window = next_window(conv_in, cache.conv, count)
         p, h = path.shape[1], pending.v.shape[1]
         on = (jnp.arange(p)[None, :] < count[:, None])[:, None, :]
         take = lambda a: jnp.take_along_axis(jnp.repeat(a, h // a.shape[1], axis=1), path[:, None, :, None], axis=2)
