@@ -12,11 +12,6 @@ Why a kernel: between two GEMVs of a decode step XLA runs the residual add, the 
 and the normalize as three launches of ~1.4-1.6 us each for a 5120-wide row (the 127-128-launch
 add / reduce / convert fusions of the 27B decode profile, ~0.56 ms a step: docs/benchmarks.md
 section 1); here one program per row loads both inputs once, writes the sum and the normed row.
-
-delta may also be split-K partial sums: float32 [S, ..., H], S products over slices of the
-contraction of the projection that produced it (models.layers.SplitKParts). The kernel adds the S
-rows in float32 and rounds the sum to x's dtype, what XLA's split-K GEMM and its reduce fusion
-give, so the reduce's launch (2-4 us for 65 rows, 128 a 27B step) goes away.
 """
 
 from __future__ import annotations
@@ -45,33 +40,18 @@ def _normed(s, w, eps: float, mode: str, dtype):
     return w.astype(dtype) * normed.astype(dtype)
 
 
-def _dense(x, delta):
-    """delta as one [..., H] array: split-K partial sums [S, ..., H] added in float32, rounded."""
-    if delta.ndim == x.ndim + 1:
-        return jnp.sum(delta.astype(jnp.float32), axis=0).astype(x.dtype)
-    return delta
-
-
 def reference(x, delta, weight, *, eps: float, mode: str):
-    stream = (x + _dense(x, delta)).astype(x.dtype)
+    stream = (x + delta).astype(x.dtype)
     return stream, _normed(stream, weight, eps, mode, x.dtype)
 
 
-def _kernel(x_ref, d_ref, w_ref, s_ref, n_ref, *, h, hp, eps, mode, parts):
+def _kernel(x_ref, d_ref, w_ref, s_ref, n_ref, *, h, hp, eps, mode):
     f32 = jnp.float32
     idx = jax.lax.broadcasted_iota(jnp.int32, (hp,), 0)
     mask = None if hp == h else idx < h
     get = lambda ref: load(ref, (pl.ds(0, hp),)) if mask is None else load(ref, (pl.ds(0, hp),), mask=mask, other=0)
     put = lambda ref, v: store(ref, (pl.ds(0, hp),), v, mask=mask)
-    if parts:  # split-K partial sums: add in float32, round as the unsplit product would be
-        pp = next_pow2(parts)
-        both = (jax.lax.broadcasted_iota(jnp.int32, (pp, hp), 0) < parts) & (
-            True if mask is None else mask[None, :])
-        d = load(d_ref, (pl.ds(0, pp), pl.ds(0, hp)), mask=None if pp == parts and mask is None else both, other=0)
-        delta = jnp.sum(d.astype(f32), axis=0).astype(s_ref.dtype)
-    else:
-        delta = get(d_ref)
-    stream = (get(x_ref).astype(f32) + delta.astype(f32)).astype(s_ref.dtype)
+    stream = (get(x_ref).astype(f32) + get(d_ref).astype(f32)).astype(s_ref.dtype)
     put(s_ref, stream)
     s32 = stream.astype(f32)
     inv = jax.lax.rsqrt(jnp.sum(s32 * s32) / h + eps)  # padded lanes are zero: the sum is the row's
@@ -90,17 +70,15 @@ def _kernel(x_ref, d_ref, w_ref, s_ref, n_ref, *, h, hp, eps, mode, parts):
 def _pallas(x, delta, weight, eps: float, mode: str, *, interpret: bool, num_warps: int | None):
     *lead, h = x.shape
     rows_x = x.reshape(-1, h)
+    rows_d = delta.reshape(-1, h)
     r = rows_x.shape[0]
-    parts = delta.shape[0] if delta.ndim == x.ndim + 1 else 0
-    rows_d = delta.reshape(parts, r, h) if parts else delta.reshape(-1, h)
     hp = next_pow2(h)
-    kernel = functools.partial(_kernel, h=h, hp=hp, eps=eps, mode=mode, parts=parts)
+    kernel = functools.partial(_kernel, h=h, hp=hp, eps=eps, mode=mode)
     row = pl.BlockSpec((None, h), lambda i: (i, 0))
-    delta_spec = pl.BlockSpec((parts, None, h), lambda i: (0, i, 0)) if parts else row
     stream, normed = pl.pallas_call(
         kernel,
         grid=(r,),
-        in_specs=[row, delta_spec, pl.BlockSpec((h,), lambda i: (0,))],
+        in_specs=[row, row, pl.BlockSpec((h,), lambda i: (0,))],
         out_specs=[row, row],
         out_shape=[jax.ShapeDtypeStruct((r, h), x.dtype), jax.ShapeDtypeStruct((r, h), x.dtype)],
         compiler_params=None if interpret else compiler_params(num_warps or DEFAULT_WARPS, 1),
@@ -111,16 +89,12 @@ def _pallas(x, delta, weight, eps: float, mode: str, *, interpret: bool, num_war
 
 
 def add_rms_norm(x, delta, weight, *, eps: float, mode: str, impl: str = "xla", num_warps: int | None = None):
-    """(x + delta, RMSNorm(x + delta)) over the last axis, both in x's dtype; delta [..., H] like
-    x, or float32 split-K partial sums [S, ..., H] (added, then rounded to x's dtype)."""
+    """(x + delta, RMSNorm(x + delta)) over the last axis, both in x's dtype."""
     check_impl(impl)
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    parts = delta.ndim == x.ndim + 1
-    if (delta.shape[parts:] != x.shape or weight.shape != x.shape[-1:]
-            or (parts and (delta.dtype != jnp.float32 or delta.shape[0] < 1))):
-        raise ValueError(f"add_rms_norm: x {x.shape}, delta {delta.shape} {delta.dtype} and weight {weight.shape} do "
-                         "not match (delta is [..., H] like x, or float32 split-K partial sums [S, ..., H])")
+    if x.shape != delta.shape or weight.shape != x.shape[-1:]:
+        raise ValueError(f"add_rms_norm: x {x.shape}, delta {delta.shape} and weight {weight.shape} do not match")
     if impl == "xla":
         return reference(x, delta, weight, eps=eps, mode=mode)
     return _pallas(x, delta, weight, eps, mode, interpret=impl == "pallas_interpret", num_warps=num_warps)

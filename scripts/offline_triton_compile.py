@@ -14,7 +14,6 @@ compiled by pip's triton (ptxas included) for GPUTarget("cuda", 90, 32); `cuobjd
     PYTHONPATH=. python3 scripts/offline_triton_compile.py gdn_decode --nodes 1 # batch 1
     PYTHONPATH=. python3 scripts/offline_triton_compile.py gdn_prologue --nodes 65
     PYTHONPATH=. python3 scripts/offline_triton_compile.py attention --nodes 65 # 4k cache
-    PYTHONPATH=. python3 scripts/offline_triton_compile.py add_norm --nodes 65
 
 Kernels: "ssd" (pallas_kernels/ssd_tree.py verify, NemotronH-8B-like layer: 128 heads x 64,
 8 groups, state 128), "gdn" (pallas_kernels/gdn_tree.py, Qwen3.6-27B layer: 16 k / 48 v heads
@@ -22,8 +21,7 @@ of 128) "select" (pallas_kernels/tree_select.py, 15 draft depths, --nodes = the 
 (pallas_kernels/row_top_k.py, --nodes = the row length, k = 16 and 32), "gdn_decode"
 (pallas_kernels/gdn_decode.py at the 27B GDN layer, --nodes = the batch), "gdn_prologue"
 (pallas_kernels/gdn_tree_prologue.py at the 27B GDN layer, batch 1), "attention"
-(pallas_kernels/tree_attention.py at the 27B attention layer, 4k context, batch 1), "add_norm"
-(pallas_kernels/add_rms_norm.py on --nodes rows of 5120, delta plain or split-K partial sums). Each
+(pallas_kernels/tree_attention.py at the 27B attention layer, 4k context, batch 1). Each
 sweeps a few block / warp settings and prints one row per setting.
 """
 
@@ -207,21 +205,8 @@ def attention_cases(nodes: int):
         yield opts, warps, functools.partial(tree_attention, scale=hd**-0.5, impl="pallas", **opts), shapes
 
 
-def add_norm_cases(rows: int):
-    from pallas_kernels.add_rms_norm import add_rms_norm
-
-    h, bf = 5120, jnp.bfloat16  # the 27B residual stream; delta plain, then split-K partial sums
-    for parts in (0, 2, 4, 8):
-        delta = (jax.ShapeDtypeStruct((parts, rows, h), jnp.float32) if parts
-                 else jax.ShapeDtypeStruct((rows, h), bf))
-        shapes = (jax.ShapeDtypeStruct((rows, h), bf), delta, jax.ShapeDtypeStruct((h,), bf))
-        yield dict(parts=parts, num_warps=4), 4, functools.partial(add_rms_norm, eps=1e-6, mode="zero_centered",
-                                                                   impl="pallas", num_warps=4), shapes
-
-
 CASES = {"ssd": ssd_cases, "gdn": gdn_cases, "select": select_cases, "topk": top_k_cases,
-         "gdn_decode": gdn_decode_cases, "gdn_prologue": gdn_prologue_cases, "attention": attention_cases,
-         "add_norm": add_norm_cases}
+         "gdn_decode": gdn_decode_cases, "gdn_prologue": gdn_prologue_cases, "attention": attention_cases}
 
 
 def main(argv=None) -> int:

@@ -4,7 +4,6 @@ are named; a decode step and a verify with kernels route every add + norm of a Q
 stack through it (A/B switch announced when off) and keep the DFlash features exact."""
 
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
@@ -47,34 +46,12 @@ def test_add_rms_norm_matches_the_module(mode, dtype, seed, scale):
     np.testing.assert_allclose(np.asarray(ref_normed, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("parts", [1, 2, 4, 8])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_add_rms_norm_sums_split_k_partials(parts, dtype):
-    """delta as float32 split-K partial sums [S, ..., H]: the kernel adds them in float32 and rounds
-    to x's dtype before the residual add, as the reference (and XLA's split-K GEMM + reduce) do."""
-    rng = np.random.default_rng(parts)
-    h = 80
-    x = jnp.asarray(rng.normal(size=(2, 3, h)), dtype)
-    d = jnp.asarray(rng.normal(size=(parts, 2, 3, h)), jnp.float32)
-    w = jnp.asarray(rng.normal(size=(h,)) * 0.5, dtype)
-    want_delta = jnp.sum(d, axis=0).astype(dtype)
-    for mode in MODES:
-        want_stream, want = _run(x, want_delta, w, mode, "xla")
-        for impl in ("xla", "pallas_interpret"):
-            stream, normed = _run(x, d, w, mode, impl)
-            np.testing.assert_array_equal(np.asarray(stream), np.asarray(want_stream))
-            tol = 1e-5 if dtype == "float32" else 1e-2
-            np.testing.assert_allclose(np.asarray(normed, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol)
-
-
 def test_add_rms_norm_names_bad_inputs():
     x = jnp.zeros((2, 8))
     with pytest.raises(ValueError, match="mode must be one of"):
         add_rms_norm(x, x, jnp.zeros(8), eps=1e-6, mode="layer")
     with pytest.raises(ValueError, match="do not match"):
         add_rms_norm(x, x[:, :4], jnp.zeros(8), eps=1e-6, mode="plain")
-    with pytest.raises(ValueError, match="split-K partial sums"):  # partial sums must be float32
-        add_rms_norm(x, jnp.zeros((2, 2, 8), jnp.bfloat16), jnp.zeros(8), eps=1e-6, mode="plain")
     with pytest.raises(ValueError, match="impl must be one of"):
         add_rms_norm(x, x, jnp.zeros(8), eps=1e-6, mode="plain", impl="cuda")
 
@@ -112,54 +89,3 @@ def test_model_routes_add_and_norm_through_the_kernel(monkeypatch):
     with pytest.warns(UserWarning, match="target.ADD_NORM_KERNEL is False"):
         text = str(jax.make_jaxpr(functools.partial(step, impl="pallas_interpret"))(cache, tok))
     assert "add_rms_norm" not in text
-
-
-def test_model_hands_split_k_partials_to_the_kernel(monkeypatch):
-    """The products that feed the residual stream (mixer output and MLP down projections, 2 a layer)
-    reach the add + norm kernels as split-K partial sums (models.layers.SplitKParts: one batched
-    dot_general each, no reduce of their own) in a decode step and a tree verify; the results equal
-    the unsplit route's; SPLIT_K_PARTS=False (and ADD_NORM_KERNEL=False) give plain products."""
-    from ddtree_jax.cache import init_target_cache
-    from ddtree_jax.models import layers, target
-    from ddtree_jax.tree import make_tree
-    from tests.tiny_models import HYBRID, make_target
-
-    cfg, gd, params = make_target(dict(head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16),
-                                  seed=34, base=HYBRID)
-    cache = init_target_cache(cfg, 2, 32)
-    tok = jnp.asarray([3, 7], jnp.int32)
-
-    def step(c, t):
-        return nnx.merge(gd, params)(t[:, None], c, jnp.ones((2,), jnp.int32), chunked=False, impl="pallas_interpret",
-                                     hidden_ids=(1, cfg.num_layers))[:2]
-
-    parents = jnp.asarray([[-1, 0, 0, 1, 2], [-1, 0, 1, 2, 2]], jnp.int32)
-    tree = make_tree(jnp.asarray([[3, 4, 5, 6, 7], [7, 1, 2, 3, 4]], jnp.int32), parents, jnp.ones((2, 5), bool),
-                     cache.lengths, 4)
-
-    def verify(c):
-        return nnx.merge(gd, params).verify(tree.tokens, c, tree, hidden_ids=(1, cfg.num_layers),
-                                            impl="pallas_interpret")[:2]
-
-    def batched_dots(fn, *args):  # dot_generals with batch dimensions; a fresh trace (no cache hit)
-        text = str(jax.make_jaxpr(lambda *a: fn(*a))(*args))
-        return len(re.findall(r"dimension_numbers=\(\(\[[^]]*\], \[[^]]*\]\), \(\[\d", text))
-
-    def run():  # fresh closures: the module switches are read when traced
-        return jax.jit(lambda c, t: step(c, t))(cache, tok), jax.jit(lambda c: verify(c))(cache)
-
-    split_dots = batched_dots(step, cache, tok), batched_dots(verify, cache)
-    split = run()
-    monkeypatch.setattr(layers, "SPLIT_K_PARTS", False)  # attention's own batched dots stay
-    assert split_dots[0] - batched_dots(step, cache, tok) == 2 * cfg.num_layers
-    assert split_dots[1] - batched_dots(verify, cache) == 2 * cfg.num_layers
-    whole = run()
-    for got, want in zip(jax.tree_util.tree_leaves(split), jax.tree_util.tree_leaves(whole)):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
-    monkeypatch.setattr(layers, "SPLIT_K_PARTS", True)
-    monkeypatch.setattr(target, "ADD_NORM_KERNEL", False)
-    with pytest.warns(UserWarning, match="target.ADD_NORM_KERNEL is False"):
-        plain = run()
-    assert split_dots[0] - batched_dots(step, cache, tok) == 0
-    for got, want in zip(jax.tree_util.tree_leaves(plain), jax.tree_util.tree_leaves(whole)):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
