@@ -254,12 +254,15 @@ def tree_fn(impl, **tuning):
     return f
 
 
-def commit_fn(impl, path, count, **tuning):
+def commit_fn(impl, path, count, window=None, conv_in=None, **tuning):
     from pallas_kernels.gdn_commit import gdn_path_commit
 
     def f(a):
         k, v, g, beta, state = a
-        return gdn_path_commit(k, v, g, beta, state, path, count, impl=impl, **tuning)
+        if window is None:
+            return gdn_path_commit(k, v, g, beta, state, path, count, impl=impl, **tuning)
+        return gdn_path_commit(k, v, g, beta, state, path, count, window=window, conv_in=conv_in, impl=impl,
+                               **tuning)[0]
 
     return f
 
@@ -430,16 +433,19 @@ def commit_benchmark(cfg, result, hbm):
     rows = result["commit"]
     p = cfg.p
     n = 64 if not cfg.cpu else 16
-    for b in cfg.batches:
+    for b, accepted in [(b, c) for b in cfg.batches for c in cfg.commit_counts]:
         pb = make_problem(3000 + b, b, n, **cfg.shape)
         lp = [leaf_path(t, p) for t in pb["trees"]]
         path = jnp.asarray([x for x, _ in lp], jnp.int32)
-        count = jnp.full((b,), p, jnp.int32)  # all P accepted (the path may revisit 0 past its end)
-        nbytes = commit_bytes(b, p, **cfg.dims)
+        count = jnp.full((b,), min(accepted, p), jnp.int32)  # the path may revisit 0 past its end
+        nbytes = commit_bytes(b, min(accepted, p), **cfg.dims)
         nrot = rotations_for(nbytes) if cfg.on_gpu else 1
         _, k, v, g, beta, state, _ = jax_args(pb, jnp.bfloat16)
         sets = [(k, v, g, beta, state * (1 + 1e-3 * r)) for r in range(nrot)]
-        common = {"b": b, "p": p, "n": n, "bytes": nbytes}
+        common = {"b": b, "p": p, "count": int(min(accepted, p)), "n": n, "bytes": nbytes}
+        conv_dim = 2 * cfg.dims["hk"] * cfg.dims["dk"] + cfg.dims["hv"] * cfg.dims["dv"]
+        window = jnp.ones((b, 3, conv_dim), jnp.bfloat16)
+        conv_in = jnp.ones((b, n, conv_dim + cfg.dims["hv"] * cfg.dims["dv"]), jnp.bfloat16)
 
         def record(impl_name, t, info=None, **extra):
             row = dict(common, impl=impl_name, us=t * 1e6, GBps=nbytes / t / 1e9, pct_hbm=100 * nbytes / t / 1e9 / hbm, **extra)
@@ -448,12 +454,16 @@ def commit_benchmark(cfg, result, hbm):
             rows.append(row)
             log("commit", {k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items() if k != "timing"})
 
-        variants = [{}]
+        variants = [{}, {"window": True}]  # the model's form slides the conv window in the same launch
         if cfg.sweep and b == cfg.batches[0]:
-            variants += [{"block_dv": 8}, {"block_dv": 32}, {"block_dv": 32, "num_warps": 2}, {"block_dv": 64, "num_warps": 4}]
+            variants += [{"block_dv": 8}, {"block_dv": 16, "num_warps": 2}, {"block_dv": 32},
+                         {"block_dv": 32, "num_warps": 2}, {"block_dv": 64, "num_warps": 4}]
         for tv in variants:
             try:
-                t, info, _ = time_jax(commit_fn(cfg.impl, path, count, **tv), sets, 5e-6, carry=4, on_gpu=cfg.on_gpu)
+                kw = dict(tv)
+                if kw.pop("window", False):
+                    kw.update(window=window, conv_in=conv_in)
+                t, info, _ = time_jax(commit_fn(cfg.impl, path, count, **kw), sets, 5e-6, carry=4, on_gpu=cfg.on_gpu)
                 record("ours (pallas)" + (f" {tv}" if tv else ""), t, info)
             except Exception as ex:
                 rows.append(dict(common, impl=f"ours (pallas) {tv}", error=err_str(ex)))
@@ -500,10 +510,10 @@ def print_tables(result):
             notes.append(r["error"][:80])
         print(f"  {r['case']:<9}{r['b']:>3} {r['impl'][:51]:<52}{fmt(r.get('us')):>10}{fmt(r.get('GBps'), '.0f'):>9}"
               f"{fmt(r.get('pct_hbm'), '.0f'):>7}  {'; '.join(notes)}")
-    print("\n=== path commit (P accepted nodes, state fp32 read + written once) ===")
-    print(f"  {'B':>3} {'P':>3} {'impl':<52}{'us':>10}{'GB/s':>9}{'%HBM':>7}")
+    print("\n=== path commit (count of P accepted nodes, state fp32 read + written once) ===")
+    print(f"  {'B':>3} {'cnt':>3} {'impl':<52}{'us':>10}{'GB/s':>9}{'%HBM':>7}")
     for r in result["commit"]:
-        print(f"  {r['b']:>3} {r['p']:>3} {r['impl'][:51]:<52}{fmt(r.get('us')):>10}{fmt(r.get('GBps'), '.0f'):>9}"
+        print(f"  {r['b']:>3} {r.get('count', r['p']):>3} {r['impl'][:51]:<52}{fmt(r.get('us')):>10}{fmt(r.get('GBps'), '.0f'):>9}"
               f"{fmt(r.get('pct_hbm'), '.0f'):>7}  {r.get('error', '')[:80]}")
     print(f"\n  total {elapsed():.0f}s; env {result['env']}")
 
@@ -521,6 +531,9 @@ def main(argv=None):
     ap.add_argument("--budget-s", type=float, default=190.0, help="skip optional work past this many seconds")
     ap.add_argument("--batches", default=None, help="comma list narrowing the sweep, e.g. 8")
     ap.add_argument("--sizes", default=None, help="comma list of tree sizes, e.g. 256")
+    ap.add_argument("--steps", default="bandwidth,correctness,tree,commit", help="comma list of the steps to run")
+    ap.add_argument("--commit-counts", default="16",
+                    help="accepted nodes of the timed commits (comma list; random-weight drafters accept 1-2)")
     ap.add_argument("--out", default=None, help="JSON path (default $OUT/gdn.json when $OUT is set)")
     args = ap.parse_args(argv)
 
@@ -540,6 +553,7 @@ def main(argv=None):
     cfg.peers = not args.no_peers
     cfg.budget_s = args.budget_s
     cfg.p = 16 if not cfg.cpu else 8
+    cfg.commit_counts = [int(x) for x in args.commit_counts.split(",")]
     if cfg.cpu:
         cfg.sizes, cfg.batches = [16, 32], [1, 2]
         cfg.shape = {"hk": 2, "hv": 4, "dk": 32, "dv": 32}
@@ -565,7 +579,8 @@ def main(argv=None):
         ("tree", lambda: tree_benchmark(cfg, result, result["bandwidth"].get("hbm_read_GBps", 3000.0), fla_ops)),
         ("commit", lambda: commit_benchmark(cfg, result, result["bandwidth"].get("hbm_read_GBps", 3000.0))),
     ]
-    for name, step in steps:
+    wanted = args.steps.split(",")
+    for name, step in [(name, step) for name, step in steps if name in wanted]:
         try:
             log("step", name)
             step()
