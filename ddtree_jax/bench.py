@@ -79,8 +79,9 @@ def _propose(graphdef, params, dparams, s, spec):
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))
-def _build(logq, s, spec):
-    return gen.build(logq, s, spec)
+def _build(logq, s, spec, ids=None):
+    """The build phase; ids: the proposer's draft vocabulary (gen.vocab_ids), or None."""
+    return gen.build(logq, s, spec, ids)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec"))
@@ -148,7 +149,7 @@ def _phase_loop(graphdef, params, dparams, s, logq, tree, res, eos, key, spec, p
         if phase == "draft":
             out = gen.propose(model, dparams, bumped, spec)
         elif phase == "build":
-            out = gen.build(logq.at[:, 0, 0].add(i.astype(jnp.float32) * 1e-6), s, spec)
+            out = gen.build(logq.at[:, 0, 0].add(i.astype(jnp.float32) * 1e-6), s, spec, gen.vocab_ids(spec, dparams))
         elif phase == "verify":
             out = gen.verify(model, s, tree._replace(tokens=tree.tokens.at[:, 0].set((tree.tokens[:, 0] + i) % vocab)),
                              spec, key)
@@ -188,7 +189,7 @@ def phase_times_at(graphdef, params, dparams, s: gen.LoopState, spec: gen.GenSpe
     phases = ("step",) if spec.mode == "ar" else ("draft", "build", "verify", "commit")
     if spec.mode != "ar":
         logq = _propose(graphdef, params, dparams, s, spec)
-        tree = _build(logq, s, spec)
+        tree = _build(logq, s, spec, gen.vocab_ids(spec, dparams))
         res = _verify(graphdef, params, s, tree, spec, key)
     out = {}
     for phase in phases:

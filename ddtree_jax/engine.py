@@ -20,6 +20,7 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from ddtree_jax.config import TargetConfig
 from ddtree_jax.spec import generate as gen
@@ -63,7 +64,9 @@ class Engine:
     """A loaded target, optionally a DFlash drafter and a tokenizer; `generate` is the one API."""
 
     def __init__(self, cfg: TargetConfig, graphdef, params, *, proposer=None, drafter_params=None, tokenizer=None,
-                 max_context: int | None = None, kernels: str | None = None):
+                 max_context: int | None = None, kernels: str | None = None, draft_vocab=None):
+        """draft_vocab: draft from these token ids only (a size N for ids 0 .. N-1, a JSON file of
+        ids, or a sequence of ids; ddtree_jax/spec/draft_vocab.py). Output is unchanged."""
         self.cfg = cfg
         self.graphdef = graphdef
         self.params = params
@@ -77,12 +80,22 @@ class Engine:
             raise ValueError(f"kernels must be one of {gen.KERNELS}, got {self.kernels!r}")
         if proposer is not None:
             proposer.check_target(cfg)
+        if draft_vocab is not None:
+            from ddtree_jax.spec.draft_vocab import check_ids, load_ids
+
+            if proposer is None or not hasattr(proposer, "with_draft_vocab"):
+                raise ValueError("a draft vocabulary needs a DFlash drafter (--drafter)")
+            ids = (load_ids(draft_vocab, cfg.vocab_size) if isinstance(draft_vocab, (str, int))
+                   else check_ids(draft_vocab, cfg.vocab_size))
+            self.proposer, self.drafter_params = proposer.with_draft_vocab(
+                drafter_params, nnx.merge(graphdef, params), ids)
         self._warm: set = set()  # (spec, prompt shape) whose prefill and step loop ran once
 
     # ---- loading -------------------------------------------------------------------------
     @classmethod
     def load(cls, target: str | os.PathLike, drafter: str | os.PathLike | None = None, *, dtype=None,
-             max_context: int | None = None, progress: bool = False, kernels: str | None = None) -> "Engine":
+             max_context: int | None = None, progress: bool = False, kernels: str | None = None,
+             draft_vocab=None) -> "Engine":
         from converters.load import load_drafter, load_target
         from ddtree_jax.spec.dflash import DFlashProposer
 
@@ -92,7 +105,7 @@ class Engine:
             dcfg, dgraph, dparams = load_drafter(drafter, dtype=cfg.dtype)
             proposer = DFlashProposer(dgraph, dcfg)
         return cls(cfg, graphdef, params, proposer=proposer, drafter_params=dparams,
-                   tokenizer=load_tokenizer(target), max_context=max_context, kernels=kernels)
+                   tokenizer=load_tokenizer(target), max_context=max_context, kernels=kernels, draft_vocab=draft_vocab)
 
     # ---- text <-> ids ------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:

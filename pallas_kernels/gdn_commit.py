@@ -12,11 +12,13 @@ many programs in flight, which is what a bandwidth-bound 16-step scan needs.
 
 With `window` and `conv_in` the same launch also slides the conv window: the last K - 1 rows of
 [window ; conv_in[path[:count]]] (models/conv.next_window), in place. Inside the generation loop
-XLA's form of that slide was a fusion plus a copy into the loop-carried window per GDN layer (96
-launches of the 27B DDTree step, ~0.1 ms; 2026-11-30 session 12). The window's channels go in
-blocks of `wb` (a power of two dividing conv_dim, <= 128) to the first conv_dim / wb programs of
-the (head, dv tile) grid, after their state tiles; each reads the K - 1 rows it needs (a window row
-or a path node's conv input, chosen per row) before it writes any.
+XLA's form of that slide was a fusion plus a copy into the loop-carried window per GDN layer
+(2026-11-30 session 12). The window's channels go in blocks of `wb` (a power of two dividing
+conv_dim, <= 128) to programs of their own after the state programs (the grid is (batch, state
+programs + window blocks)): a window block costs two dependent loads (path, then a node's row),
+which on the state programs' critical path added 1.4 us a launch (H200, 27B layer). Each window
+program reads the K - 1 rows it needs (a window row or a path node's conv input, chosen per row)
+before it writes any.
 """
 
 from __future__ import annotations
@@ -69,27 +71,12 @@ def _window_block(c: int) -> int:
     return wb
 
 
-def _commit_kernel(path_ref, count_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, *refs, n, p, window):
+def _commit_kernel(path_ref, count_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, *refs, n, p, programs, window):
     b = pl.program_id(0)
+    j = pl.program_id(1)
     f32 = jnp.float32
     steps = jnp.clip(count_ref[b], 0, p)
-    if window:
-        x_ref, w_ref, o_ref, wo_ref = refs
-        keep, blocks, per_head = window
-        prog = pl.program_id(1) * per_head + pl.program_id(2)
-
-        @pl.when(prog < blocks)
-        def _():
-            rows = []
-            for r in range(keep):  # row r of the new window: position steps + r of [window ; path]
-                pos = steps + r
-                node = jnp.clip(path_ref[b, jnp.clip(pos - keep, 0, p - 1)], 0, n - 1)
-                old = w_ref[jnp.clip(pos, 0, keep - 1), :]
-                rows.append(jnp.where(pos < keep, old, x_ref[node, :].astype(old.dtype)))
-            for r in range(keep):  # every read above happens before the first write (in place)
-                wo_ref[r, :] = rows[r]
-    else:
-        (o_ref,) = refs
+    o_ref = refs[-2] if window else refs[-1]
 
     def step(t, s):
         node = jnp.clip(path_ref[b, t], 0, n - 1)
@@ -99,7 +86,24 @@ def _commit_kernel(path_ref, count_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, *r
         u = beta_ref[node] * (v_t - jnp.sum(s * k_t[:, None], axis=0))
         return s + k_t[:, None] * u[None, :]
 
-    o_ref[...] = lax.fori_loop(0, steps, step, s_ref[...].astype(f32))
+    @pl.when(j < programs)
+    def _():
+        o_ref[...] = lax.fori_loop(0, steps, step, s_ref[...].astype(f32))
+
+    if window:  # programs >= `programs` slide one channel block of the conv window each
+        x_ref, w_ref, _, wo_ref = refs
+        keep = window
+
+        @pl.when(j >= programs)
+        def _():
+            rows = []
+            for r in range(keep):  # row r of the new window: position steps + r of [window ; path]
+                pos = steps + r
+                node = jnp.clip(path_ref[b, jnp.clip(pos - keep, 0, p - 1)], 0, n - 1)
+                old = w_ref[jnp.clip(pos, 0, keep - 1), :]
+                rows.append(jnp.where(pos < keep, old, x_ref[node, :].astype(old.dtype)))
+            for r in range(keep):  # every read above happens before the first write (in place)
+                wo_ref[r, :] = rows[r]
 
 
 def _pallas(k, v, g, beta, state, path, count, window, conv_in, *, interpret, block_dv, num_warps, num_stages):
@@ -119,16 +123,19 @@ def _pallas(k, v, g, beta, state, path, count, window, conv_in, *, interpret, bl
     if pltriton is not None and not interpret:
         params["compiler_params"] = pltriton.CompilerParams(num_warps=num_warps or 1, num_stages=num_stages)
     tiles = dv // bdv
+    programs = h * tiles  # state programs: (value head, dv tile), flattened; window programs follow
+    head = lambda j: jnp.minimum(j, programs - 1) // tiles
+    tile = lambda j: jnp.minimum(j, programs - 1) % tiles
     in_specs = [
-        pl.BlockSpec((b, p), lambda i, j, t: (0, 0)),
-        pl.BlockSpec((b,), lambda i, j, t: (0,)),
-        pl.BlockSpec((None, None, n, dk), lambda i, j, t: (i, j // rep, 0, 0)),
-        pl.BlockSpec((None, None, n, bdv), lambda i, j, t: (i, j, 0, t)),
-        pl.BlockSpec((None, None, n), lambda i, j, t: (i, j, 0)),
-        pl.BlockSpec((None, None, n), lambda i, j, t: (i, j, 0)),
-        pl.BlockSpec((None, None, dk, bdv), lambda i, j, t: (i, j, 0, t)),
+        pl.BlockSpec((b, p), lambda i, j: (0, 0)),
+        pl.BlockSpec((b,), lambda i, j: (0,)),
+        pl.BlockSpec((None, None, n, dk), lambda i, j: (i, head(j) // rep, 0, 0)),
+        pl.BlockSpec((None, None, n, bdv), lambda i, j: (i, head(j), 0, tile(j))),
+        pl.BlockSpec((None, None, n), lambda i, j: (i, head(j), 0)),
+        pl.BlockSpec((None, None, n), lambda i, j: (i, head(j), 0)),
+        pl.BlockSpec((None, None, dk, bdv), lambda i, j: (i, head(j), 0, tile(j))),
     ]
-    state_spec = pl.BlockSpec((None, None, dk, bdv), lambda i, j, t: (i, j, 0, t))
+    state_spec = pl.BlockSpec((None, None, dk, bdv), lambda i, j: (i, head(j), 0, tile(j)))
     args = [path.astype(jnp.int32), count.astype(jnp.int32), k, v, g.astype(jnp.float32), beta.astype(jnp.float32),
             state.astype(jnp.float32)]
     # in place: each program reads its state tile whole before it writes the same tile. Inside the
@@ -137,25 +144,22 @@ def _pallas(k, v, g, beta, state, path, count, window, conv_in, *, interpret, bl
     aliases = {6: 0}
     out_specs = state_spec
     out_shape = jax.ShapeDtypeStruct(state.shape, jnp.float32)
-    window_opts = None
+    blocks = 0
     if window is not None:
         keep, c = window.shape[1], window.shape[2]
         wb = _window_block(c)
         blocks = c // wb
-        if blocks > h * tiles:
-            raise ValueError(f"the window's {blocks} channel blocks of {wb} need more than the {h * tiles} programs "
-                             f"of the commit grid: use a smaller block_dv")
-        blk = lambda i, j, t: (i, 0, (j * tiles + t) % blocks)
+        blk = lambda i, j: (i, 0, jnp.clip(j - programs, 0, blocks - 1))
         in_specs += [pl.BlockSpec((None, n, wb), blk), pl.BlockSpec((None, keep, wb), blk)]
         args += [conv_in, window]
         aliases[8] = 1
         out_specs = [state_spec, pl.BlockSpec((None, keep, wb), blk)]
         out_shape = [out_shape, jax.ShapeDtypeStruct(window.shape, window.dtype)]
-        window_opts = (keep, blocks, tiles)
-    kernel = functools.partial(_commit_kernel, n=n, p=p, window=window_opts)
+    kernel = functools.partial(_commit_kernel, n=n, p=p, programs=programs,
+                               window=window.shape[1] if window is not None else 0)
     return pl.pallas_call(
         kernel,
-        grid=(b, h, tiles),
+        grid=(b, programs + blocks),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,

@@ -149,6 +149,8 @@ def main(argv=None) -> int:
     ap.add_argument("--phase-inner", type=int, default=32,
                     help="iterations of each phase per timed call (the phase split is the difference of "
                          "calls of N and 2N iterations; at 8 the 27B commit phase drowned in dispatch jitter)")
+    ap.add_argument("--draft-vocab", type=int, default=0,
+                    help="draft from ids 0..N-1 only (ddtree_jax/spec/draft_vocab.py; 0 = the whole vocabulary)")
     ap.add_argument("--kernels", default=None,
                     help="tree kernels for the DDTree step: xla | pallas | pallas_interpret (default: fastest for the backend)")
     overrides.add_argument(ap)
@@ -186,6 +188,12 @@ def main(argv=None) -> int:
     print(f"[bench] weights on device in {time.time() - t0:.1f} s: target {report['target_params_GB']:.1f} GB, "
           f"drafter {report['drafter_params_GB']:.2f} GB", flush=True)
     proposer = DFlashProposer(dgraph, dcfg)
+    if args.draft_vocab:
+        from ddtree_jax.spec.draft_vocab import first_ids
+
+        proposer, dparams = proposer.with_draft_vocab(dparams, nnx.merge(graphdef, params),
+                                                      first_ids(args.draft_vocab, cfg.vocab_size))
+    report["draft_vocab"] = args.draft_vocab or None
     kernels = args.kernels or gen.default_kernels()
     report["kernels"] = kernels
     print(f"[bench] tree kernels: {kernels}", flush=True)

@@ -98,7 +98,7 @@ def main(argv=None) -> int:
         phases = [("step", lambda: _step_loop(g, p, dp, s, eos, spec, jnp.int32(args.inner)))]
         if mode != "ar":
             logq = B._propose(g, p, dp, s, spec)
-            tree = B._build(logq, s, spec)
+            tree = B._build(logq, s, spec, gen.vocab_ids(spec, dp))
             res = B._verify(g, p, s, tree, spec, key)
             for ph in ("draft", "build", "verify", "commit"):
                 phases.append((ph, functools.partial(B._phase_loop, g, p, dp, s, logq, tree, res, eos, key, spec, ph,

@@ -191,6 +191,7 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=3, help="traced calls per phase")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--kernels", default=None)
+    ap.add_argument("--draft-vocab", type=int, default=0, help="draft from ids 0..N-1 only (0 = whole vocabulary)")
     ap.add_argument("--gemm-m", default="1,8,16,32,48,64,65,72,80,96,128", help="'' skips the GEMM sweep")
     ap.add_argument("--phases", default="step,draft,build,verify,commit")
     ap.add_argument("--verify-budgets", default="63,79,127",
@@ -233,6 +234,12 @@ def main(argv=None) -> int:
     dgraph, dabstract = nnx.split(nnx.eval_shape(lambda: DrafterModel(dcfg, rngs=nnx.Rngs(0))))
     dparams = random_params(dabstract, 1)
     proposer = DFlashProposer(dgraph, dcfg)
+    if args.draft_vocab:
+        from ddtree_jax.spec.draft_vocab import first_ids
+
+        proposer, dparams = proposer.with_draft_vocab(dparams, nnx.merge(graphdef, params),
+                                                      first_ids(args.draft_vocab, cfg.vocab_size))
+    report["draft_vocab"] = args.draft_vocab or None
     kernels = args.kernels or gen.default_kernels()
     report["kernels"] = kernels
     capacity = context + 64
@@ -246,7 +253,7 @@ def main(argv=None) -> int:
     tree_spec = gen.GenSpec("ddtree", args.budget, None, 10**6, Sampling(), capacity, proposer, kernels)
     ar_spec = gen.GenSpec("ar", args.budget, None, 10**6, Sampling(), capacity, None, kernels)
     logq = B._propose(graphdef, params, dparams, s, tree_spec)
-    tree = B._build(logq, s, tree_spec)
+    tree = B._build(logq, s, tree_spec, gen.vocab_ids(tree_spec, dparams))
     if args.tree_shape == "deep":
         tree = B.deep_tree(tree, s.cache.lengths, seed=0)
     report["tree_shape"] = args.tree_shape
@@ -295,7 +302,7 @@ def main(argv=None) -> int:
     for budget in [int(x) for x in args.verify_budgets.split(",") if x]:
         spec = dataclasses.replace(tree_spec, budget=budget)
         lq = B._propose(graphdef, params, dparams, s, spec)
-        tr = B._build(lq, s, spec)
+        tr = B._build(lq, s, spec, gen.vocab_ids(spec, dparams))
         rs = B._verify(graphdef, params, s, tr, spec, key)
         fn = lambda n: (lambda: B._phase_loop(graphdef, params, dparams, s, lq, tr, rs, eos, key, spec, "verify", n))
         jax.block_until_ready(fn(args.inner)())

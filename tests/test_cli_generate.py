@@ -40,6 +40,21 @@ def test_all_modes_give_identical_greedy_text(ckpts, capsys):
     assert outs["ar"]["text"] == outs["ddtree"]["text"]
 
 
+def test_draft_vocab_flag_keeps_the_greedy_text(ckpts, capsys, tmp_path):
+    """--draft-vocab N and --draft-vocab FILE: the drafts come from those ids, the text is unchanged."""
+    target, drafter, _ = ckpts
+    hot = tmp_path / "hot.json"
+    hot.write_text(json.dumps(list(range(0, 128, 3))))
+    outs = []
+    for vocab in (None, "64", str(hot)):
+        extra = [] if vocab is None else ["--draft-vocab", vocab]
+        code, out, err = run(capsys, "--target", target, "--drafter", drafter, "--prompt", "def f(x):",
+                             "--max-new-tokens", "32", "--budget", "16", "--json", *extra)
+        assert code == 0, err
+        outs.append(json.loads(out)["token_ids"])
+    assert outs[0] == outs[1] == outs[2]
+
+
 def test_streaming_prints_text_and_stats(ckpts, capsys):
     target, drafter, _ = ckpts
     code, out, err = run(capsys, "--target", target, "--drafter", drafter, "--prompt", "x = ", "--max-new-tokens",
@@ -111,6 +126,8 @@ def test_prompt_from_stdin_and_ids(ckpts, capsys, monkeypatch):
         (["--prompt", "x" * 40, "--max-context", "32"], "context limit"),
         (["--mode", "ddtree", "--prompt", "x", "--no-drafter"], "needs a drafter"),
         (["--prompt", "x", "--mode", "beam"], "invalid choice"),
+        (["--prompt", "x", "--draft-vocab", "0"], "draft vocabulary size"),
+        (["--prompt", "x", "--draft-vocab", "missing.json"], "neither a size nor a JSON file"),
     ],
 )
 def test_bad_input_gives_one_clear_error(ckpts, capsys, argv, message):

@@ -11,7 +11,7 @@ import platform
 import sys
 
 from ddtree_jax import atomic, overrides
-from ddtree_jax.cli.common import die, non_negative_int, positive_int
+from ddtree_jax.cli.common import add_draft_vocab_argument, die, non_negative_int, positive_int
 
 EPILOG = """\
 examples:
@@ -48,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="timed passes over the prompts per mode / budget, interleaved pass by pass; tokens/s "
                         "is the median, every pass in bench.json (default 1)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None)
+    add_draft_vocab_argument(p)
     p.add_argument("--kernels", choices=["xla", "pallas", "pallas_interpret"], default=None,
                      help="tree verify / commit kernels (default: pallas on GPU, xla on CPU)")
     p.add_argument("--phase-repeats", type=non_negative_int, default=10,
@@ -99,7 +100,7 @@ def main(argv=None) -> int:
     from ddtree_jax import bench
     from ddtree_jax.cli.common import load_engine
 
-    engine = load_engine(args.target, args.drafter, args.dtype, kernels=args.kernels)
+    engine = load_engine(args.target, args.drafter, args.dtype, kernels=args.kernels, draft_vocab=args.draft_vocab)
     if engine.proposer is None and any(m != "ar" for m in modes):
         die("dflash / ddtree modes need a drafter (--drafter DIR)")
     prompts = read_prompts(args.prompts, engine)[: args.limit]
@@ -116,6 +117,7 @@ def main(argv=None) -> int:
         "backend": __import__("jax").default_backend(),
         "host": platform.node(),
         "target": args.target or "embedded demo", "drafter": args.drafter or "embedded demo",
+        "draft_vocab": getattr(engine.proposer, "draft_vocab", 0) or None,
         "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "batch": args.batch,
         "overrides": applied, "status": "partial", "results": [],
     }

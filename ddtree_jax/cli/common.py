@@ -44,7 +44,14 @@ def parse_ids(text: str) -> tuple[int, ...]:
     return ids
 
 
-def load_engine(target, drafter, dtype=None, max_context=None, kernels=None):
+def add_draft_vocab_argument(group) -> None:
+    group.add_argument("--draft-vocab", default=None, metavar="N|FILE",
+                       help="draft from N token ids only (ids 0..N-1) or from the ids in a JSON file "
+                       "(scripts/hot_tokens.py writes one from text): a smaller draft head, faster steps; "
+                       "output unchanged, drafts outside the ids are never proposed (default: whole vocabulary)")
+
+
+def load_engine(target, drafter, dtype=None, max_context=None, kernels=None, draft_vocab=None):
     """Engine from CLI paths (demo pair when target is None), with every load error as one line."""
     from converters.keymap import CheckpointError
     from ddtree_jax.config import ConfigError
@@ -66,7 +73,8 @@ def load_engine(target, drafter, dtype=None, max_context=None, kernels=None):
         if path is not None and not os.path.isdir(path):
             die(f"{name} checkpoint directory {path} does not exist")
     try:
-        return Engine.load(target, drafter, dtype=dtype, max_context=max_context, kernels=kernels)
+        return Engine.load(target, drafter, dtype=dtype, max_context=max_context, kernels=kernels,
+                           draft_vocab=draft_vocab)
     except (ConfigError, CheckpointError) as e:
         die(str(e))
     except (FileNotFoundError, ValueError) as e:

@@ -246,15 +246,21 @@ class DrafterModel(nnx.Module):
         return self.norm(x)
 
 
-    def draft(self, target, bonus: jax.Array, cache: DrafterCache, block_size: int | None = None,
-              impl: str = "xla") -> jax.Array:
-        """Draft logits float32 [B, Bs-1, V] for block positions 1..Bs-1 after the bonus tokens [B],
-        with the target model's embedding and lm_head. The cache is not modified. impl: see __call__."""
+    def draft_hidden(self, target, bonus: jax.Array, cache: DrafterCache, block_size: int | None = None,
+                     impl: str = "xla") -> jax.Array:
+        """Final-normed drafter hidden states [B, Bs-1, H] of block positions 1..Bs-1 after the bonus
+        tokens [B] (the block embedded by the target). The cache is not modified. impl: see __call__."""
         dcfg = self.cfg
         embeds = target.embed_tokens(make_block(dcfg, bonus, block_size))
         if dcfg.input_embedding_scale != 1.0:
             embeds = embeds * jnp.asarray(dcfg.input_embedding_scale, embeds.dtype)
-        return logits_from_hidden(dcfg, target, self(embeds, cache, impl)[:, 1:])
+        return self(embeds, cache, impl)[:, 1:]
+
+    def draft(self, target, bonus: jax.Array, cache: DrafterCache, block_size: int | None = None,
+              impl: str = "xla") -> jax.Array:
+        """Draft logits float32 [B, Bs-1, V] for block positions 1..Bs-1 after the bonus tokens [B],
+        with the target model's embedding and lm_head. The cache is not modified. impl: see __call__."""
+        return logits_from_hidden(self.cfg, target, self.draft_hidden(target, bonus, cache, block_size, impl))
 
 
 # ---- pure entry points (graphdef static, as ddtree_jax/decode.py) -------------------
@@ -292,7 +298,11 @@ def make_block(dcfg: DrafterConfig, bonus: jax.Array, block_size: int | None = N
 
 def logits_from_hidden(dcfg: DrafterConfig, target_model, hidden: jax.Array) -> jax.Array:
     """Target lm_head on drafter hidden states, with the drafter's output multiplier / softcap (float32)."""
-    logits = target_model.logits(hidden)
+    return finish_logits(dcfg, target_model.logits(hidden))
+
+
+def finish_logits(dcfg: DrafterConfig, logits: jax.Array) -> jax.Array:
+    """The drafter's output multiplier and softcap on float32 head logits."""
     if dcfg.output_multiplier != 1.0:
         logits = logits * dcfg.output_multiplier
     if dcfg.final_logit_softcapping is not None:

@@ -281,10 +281,11 @@ def _vocab_top_k(logq: jax.Array, k: int, impl: str):
 
 
 def build_tree(logq: jax.Array, root_tokens: jax.Array, start: jax.Array, budget: int, max_candidates=None,
-               impl: str = "xla") -> Tree:
+               impl: str = "xla", vocab_ids: jax.Array | None = None) -> Tree:
     """logq [B, D, V]: log-probs of the D draft depths; root_tokens, start [B]. Static budget;
     impl picks the Pallas kernels of the vocabulary top-k (rows <= 8192, k <= 32), the node
-    selection (budgets <= 64) and the ancestor bitsets (ddtree_jax.tree.make_tree).
+    selection (budgets <= 64) and the ancestor bitsets (ddtree_jax.tree.make_tree). vocab_ids
+    [V] (ascending): logq is over a draft vocabulary and index i stands for token vocab_ids[i].
 
     Returns a Tree of budget + 1 slots: root first, then the valid nodes by depth, each depth in
     lex order, then the invalid ones (fewer than `budget` prefixes with a finite score).
@@ -295,13 +296,19 @@ def build_tree(logq: jax.Array, root_tokens: jax.Array, start: jax.Array, budget
     top_val, top_tok = _vocab_top_k(logq, k, impl)  # [B, D, k], ties -> smaller token id first
     node_depth, rank, parent, valid = _select_nodes(top_val, budget, impl)
     tokens = jnp.take_along_axis(top_tok.reshape(b, depth * k), node_depth * k + rank, axis=-1)
+    if vocab_ids is not None:
+        tokens = jnp.take(vocab_ids, tokens)
     all_tokens = jnp.concatenate([root_tokens[:, None], tokens], axis=1)
     all_parents = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), parent], axis=1)
     all_valid = jnp.concatenate([jnp.ones((b, 1), bool), valid], axis=1)
     return make_tree(all_tokens, all_parents, all_valid, start, max_depth=depth, impl=impl)
 
 
-def build_chain(logq: jax.Array, root_tokens: jax.Array, start: jax.Array) -> Tree:
-    """Linear DFlash: the argmax of every depth, as a chain tree of D + 1 slots."""
+def build_chain(logq: jax.Array, root_tokens: jax.Array, start: jax.Array, vocab_ids: jax.Array | None = None
+                ) -> Tree:
+    """Linear DFlash: the argmax of every depth, as a chain tree of D + 1 slots (vocab_ids: see
+    build_tree)."""
     draft = jnp.argmax(logq, axis=-1).astype(jnp.int32)
+    if vocab_ids is not None:
+        draft = jnp.take(vocab_ids, draft)
     return chain_tree(jnp.concatenate([root_tokens[:, None].astype(jnp.int32), draft], axis=1), start)

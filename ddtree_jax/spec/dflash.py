@@ -8,7 +8,8 @@ import jax
 from flax import nnx
 
 from ddtree_jax.drafter_config import DrafterConfig, validate_against_target
-from ddtree_jax.models.drafter import DrafterCache, init_drafter_cache
+from ddtree_jax.models.drafter import DrafterCache, finish_logits, init_drafter_cache
+from ddtree_jax.spec.draft_vocab import HotParams, head_logits, make_draft_vocab
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,15 +18,33 @@ class DFlashProposer:
 
     graphdef: nnx.GraphDef
     cfg: DrafterConfig
+    draft_vocab: int = 0  # N > 0: drafts come from N chosen ids (spec/draft_vocab.py); params are HotParams
 
     def __hash__(self) -> int:
         # jit hashes its static GenSpec, and so this, on every call; a GraphDef's hash walks the
         # whole graph (0.2 ms for a 5-layer 27B-width drafter: scripts/dispatch_cost.py), so it is computed once
         h = self.__dict__.get("_hash")
         if h is None:
-            h = hash((self.graphdef, self.cfg))
+            h = hash((self.graphdef, self.cfg, self.draft_vocab))
             object.__setattr__(self, "_hash", h)
         return h
+
+    def with_draft_vocab(self, params, target, ids) -> tuple["DFlashProposer", HotParams]:
+        """(proposer, params) that draft from the token ids `ids` only; `target` is the merged
+        target model (its head's columns are sliced here, once)."""
+        drafter = params.drafter if isinstance(params, HotParams) else params
+        vocab = make_draft_vocab(target, ids)
+        return dataclasses.replace(self, draft_vocab=int(vocab.ids.shape[0])), HotParams(drafter, vocab)
+
+    def vocab_ids(self, params):
+        """Token ids of the draft indices ([N] int32), or None when drafts span the whole vocabulary."""
+        return params.vocab.ids if self.draft_vocab else None
+
+    def _drafter(self, params):
+        if self.draft_vocab and not isinstance(params, HotParams):
+            raise ValueError("this proposer drafts from a draft vocabulary: its params must be HotParams "
+                             "(DFlashProposer.with_draft_vocab)")
+        return params.drafter if self.draft_vocab else params
 
     @property
     def block_size(self) -> int:
@@ -43,8 +62,13 @@ class DFlashProposer:
         return init_drafter_cache(self.cfg, batch, capacity)
 
     def extend(self, params, state: DrafterCache, features, n_valid) -> DrafterCache:
-        return nnx.merge(self.graphdef, params).extend(state, features, n_valid)
+        return nnx.merge(self.graphdef, self._drafter(params)).extend(state, features, n_valid)
 
     def propose(self, params, state: DrafterCache, target, bonus, start, impl: str = "xla"):
-        logits = nnx.merge(self.graphdef, params).draft(target, bonus, state, impl=impl)
-        return jax.nn.log_softmax(logits, axis=-1)
+        """Draft log-probs [B, Bs-1, V], or [B, Bs-1, N] over the draft vocabulary (renormalised
+        over its ids; `vocab_ids` maps index i to its token)."""
+        model = nnx.merge(self.graphdef, self._drafter(params))
+        if not self.draft_vocab:
+            return jax.nn.log_softmax(model.draft(target, bonus, state, impl=impl), axis=-1)
+        hidden = model.draft_hidden(target, bonus, state, impl=impl)
+        return jax.nn.log_softmax(finish_logits(self.cfg, head_logits(params.vocab, hidden)), axis=-1)

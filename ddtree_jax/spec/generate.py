@@ -122,10 +122,17 @@ def propose(model, drafter_params, s: LoopState, spec: GenSpec) -> jax.Array:
     return spec.proposer.propose(drafter_params, s.dstate, model, s.bonus, s.cache.lengths, impl=spec.kernels)
 
 
-def build(logq: jax.Array, s: LoopState, spec: GenSpec) -> Tree:
+def vocab_ids(spec: GenSpec, drafter_params):
+    """Token ids of the proposer's draft indices, or None (drafts over the whole vocabulary)."""
+    get = getattr(spec.proposer, "vocab_ids", None)
+    return None if get is None else get(drafter_params)
+
+
+def build(logq: jax.Array, s: LoopState, spec: GenSpec, ids: jax.Array | None = None) -> Tree:
+    """The chain or tree of this step; ids: `vocab_ids` (logq over a draft vocabulary)."""
     if spec.mode == "dflash":
-        return build_chain(logq, s.bonus, s.cache.lengths)
-    return build_tree(logq, s.bonus, s.cache.lengths, spec.budget, spec.candidates, impl=spec.kernels)
+        return build_chain(logq, s.bonus, s.cache.lengths, ids)
+    return build_tree(logq, s.bonus, s.cache.lengths, spec.budget, spec.candidates, impl=spec.kernels, vocab_ids=ids)
 
 
 def verify(model, s: LoopState, tree: Tree, spec: GenSpec, key) -> VerifyResult:
@@ -165,7 +172,7 @@ def _step(model, drafter_params, s: LoopState, eos_ids, spec: GenSpec) -> LoopSt
         new, n_new = _ar_step(model, s, eos_ids, spec, key)
     else:
         logq = propose(model, drafter_params, s, spec)
-        tree = build(logq, s, spec)
+        tree = build(logq, s, spec, vocab_ids(spec, drafter_params))
         res = verify(model, s, tree, spec, key)
         new, n_new = commit_and_emit(model, drafter_params, s, tree, res, eos_ids, spec)
     hist = s.hist.at[jnp.where(active, n_new, spec.block + 1)].add(1, mode="drop")
