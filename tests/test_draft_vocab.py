@@ -110,3 +110,26 @@ def test_bad_draft_vocabularies_are_named(tmp_path):
     with pytest.raises(ValueError, match="repeated"):
         load_ids(str(path), 64)
     np.testing.assert_array_equal(load_ids("3", 64), [0, 1, 2])
+
+
+def test_hot_tokens_script_writes_a_vocabulary_the_cli_loads(tmp_path):
+    """scripts/hot_tokens.py counts ids with the target's tokenizer and writes the most frequent
+    ones (topped up in id order) with their coverage; load_ids reads the file back."""
+    from scripts.hot_tokens import hot_ids, main
+    from tests.cli_fixtures import write_target
+
+    import collections
+
+    assert hot_ids(collections.Counter({7: 3, 2: 3, 9: 1}), 4, 20) == [0, 2, 7, 9]
+    target = write_target(str(tmp_path / "target"))
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("def f(x):\n    return x + 1\n" * 20)
+    jl = tmp_path / "more.jsonl"
+    jl.write_text(json.dumps({"text": "print(f(2))"}) + "\n")
+    out = tmp_path / "hot.json"
+    assert main([str(corpus), str(jl), "--target", target, "--size", "40", "--vocab-size", "128",
+                 "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["size"] == 40 and 0 < report["coverage"] <= 1
+    np.testing.assert_array_equal(load_ids(str(out), 128), report["ids"])
+    assert main([str(corpus), "--target", target, "--size", "0", "--out", str(out)]) == 2
