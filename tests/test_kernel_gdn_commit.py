@@ -182,3 +182,16 @@ def test_commit_then_step_equals_tree_output():
         rep = lambda a: jnp.repeat(a, REP, axis=1)[:, :, i]
         step_o, _ = delta_rule.recurrent_step(rep(args[0]), rep(args[1]), args[2][:, :, i], args[3][:, :, i], args[4][:, :, i], s)
         np.testing.assert_allclose(o[:, :, i], step_o, rtol=1e-5, atol=1e-5)
+
+
+def test_the_kernel_writes_state_and_window_in_place():
+    """The state (and the window) are aliased input -> output: inside the generation loop a fresh
+    output made XLA copy it into the loop-carried buffer per layer (docs/kernels_gdn.md)."""
+    k, v, g, beta, state = f32(*draw_inputs(2))
+    path, count = jnp.zeros((B, P), jnp.int32), jnp.ones((B,), jnp.int32)
+    window, conv_in = jnp.zeros((B, KEEP, C), jnp.bfloat16), jnp.zeros((B, N, C), jnp.bfloat16)
+    for kw, want in (({}, ((6, 0),)), (dict(window=window, conv_in=conv_in), ((6, 0), (8, 1)))):
+        jaxpr = jax.make_jaxpr(lambda *a: gdn_path_commit(*a, impl="pallas_interpret", **kw))(
+            k, v, g, beta, state, path, count)
+        calls = [e for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
+        assert len(calls) == 1 and tuple(calls[0].params["input_output_aliases"]) == want
