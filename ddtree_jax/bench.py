@@ -126,10 +126,13 @@ def _phase_loop(graphdef, params, dparams, s, logq, tree, res, eos, key, spec, p
     """Run one phase n times on device (n traced: one compilation for every n); each iteration
     perturbs an input by the loop index so nothing is hoisted out of the loop, and a checksum of
     the output keeps it from being dropped. The plain decoding step ("step") and the whole
-    speculative step ("loop": draft, build, verify, commit and the loop's bookkeeping, gen._advance)
-    instead carry their state from iteration to iteration, as the generation loop does: with only a
-    checksum of each output, XLA dropped the recurrent-state and cache writebacks and copied the K cache per layer
-    instead of updating it in place (the session-5 HLO of scripts/profile_step.py)."""
+    speculative step ("loop": draft, build, verify, commit and the loop's bookkeeping, as
+    gen._advance runs them) instead carry their state from iteration to iteration, as generation
+    does: with only a checksum of each output, XLA dropped the recurrent-state and cache writebacks
+    and copied the K cache per layer instead of updating it in place (the session-5 HLO of
+    scripts/profile_step.py), and the separate phases miss the copies the loop itself makes into
+    its carried buffers (session 12). The inputs are not donated: each call first copies the
+    caches it will update (per call, not per iteration)."""
     model = nnx.merge(graphdef, params)
     vocab = model.cfg.vocab_size
     if phase == "step":

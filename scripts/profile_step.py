@@ -1,8 +1,9 @@
 """Where the time of one decode / DDTree step goes, kernel by kernel (run on the H200).
 
 Same 27B-shaped target, drafter and filled 4k caches as scripts/bench_e2e.py. Each phase (plain
-decode step; DDTree draft, tree build, verify, commit) runs `--inner` times inside one on-device
-loop under `jax.profiler.trace`; the trace's GPU plane is read back with `jax.profiler.ProfileData`
+decode step; DDTree draft, tree build, verify, commit; "loop", the whole DDTree step as
+generation runs it) runs `--inner` times inside one on-device loop under `jax.profiler.trace`;
+the trace's GPU plane is read back with `jax.profiler.ProfileData`
 and every kernel's time is summed by name and by kind (GEMM, Pallas/Triton, fusion, copy, ...);
 `--sources` also names what each kernel computes (shape, op, source lines in our code: read from
 the phase's optimized HLO, scripts/hlo_index.py) and sums the time by source line.
@@ -193,7 +194,11 @@ def main(argv=None) -> int:
     ap.add_argument("--kernels", default=None)
     ap.add_argument("--draft-vocab", type=int, default=0, help="draft from ids 0..N-1 only (0 = whole vocabulary)")
     ap.add_argument("--gemm-m", default="1,8,16,32,48,64,65,72,80,96,128", help="'' skips the GEMM sweep")
-    ap.add_argument("--phases", default="step,draft,build,verify,commit")
+    ap.add_argument("--phases", default="step,draft,build,verify,commit",
+                    help="comma list of step (plain decoding), draft, build, verify, commit, and loop: the "
+                         "whole DDTree step inside gen._advance with its state carried, as generation runs it "
+                         "(it shows the loop's own copies; its per-step figures include 1 / inner of the call's "
+                         "entry copies of the caches, which bench_e2e.py's marginal step cancels)")
     ap.add_argument("--verify-budgets", default="63,79,127",
                     help="extra budgets whose verify phase is timed (no trace): node count = budget + 1")
     ap.add_argument("--tree-shape", choices=("built", "deep"), default="built",
