@@ -34,7 +34,7 @@ import numpy as np
 from flax import nnx
 
 from ddtree_jax import atomic
-from ddtree_jax import overrides
+from ddtree_jax import autotune_cache, overrides
 from ddtree_jax.bench import marginal_ms, median_ms
 from ddtree_jax.cache import KVCache, RecurrentCache, TargetCache
 from ddtree_jax.config import TargetConfig
@@ -154,13 +154,17 @@ def main(argv=None) -> int:
     ap.add_argument("--kernels", default=None,
                     help="tree kernels for the DDTree step: xla | pallas | pallas_interpret (default: fastest for the backend)")
     overrides.add_argument(ap)
+    autotune_cache.add_argument(ap)
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "e2e.json"))
     args = ap.parse_args(argv)
+    # before the backend starts (the first device use): XLA reads its flags then
+    cache_dir = autotune_cache.use_autotune_cache(args.autotune_cache) if args.autotune_cache else None
     applied = overrides.apply_from_args(ap, args)
 
     report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "command": " ".join(["scripts/bench_e2e.py"] + (argv if argv is not None else sys.argv[1:])),
-              "device": jax.devices()[0].device_kind, "jax": jax.__version__, "overrides": applied, "runs": []}
+              "device": jax.devices()[0].device_kind, "jax": jax.__version__, "overrides": applied,
+              "autotune_cache": cache_dir, "runs": []}
 
     def save():
         atomic.write_json(args.out, report)

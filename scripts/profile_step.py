@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ddtree_jax import atomic
-from ddtree_jax import overrides
+from ddtree_jax import autotune_cache, overrides
 from ddtree_jax import bench as B
 from ddtree_jax.config import TargetConfig
 from ddtree_jax.models.drafter import DrafterModel
@@ -215,8 +215,11 @@ def main(argv=None) -> int:
                          "kernel table are instruction names in it, so what each kernel computes can be read "
                          "off the device")
     overrides.add_argument(ap)
+    autotune_cache.add_argument(ap)
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "profile.json"))
     args = ap.parse_args(argv)
+    # before the backend starts (the first device use): XLA reads its flags then
+    cache_dir = autotune_cache.use_autotune_cache(args.autotune_cache) if args.autotune_cache else None
     applied = overrides.apply_from_args(ap, args)
 
     cfg = TargetConfig.from_hf_dict(SMOKE if args.smoke else QWEN36_27B)
@@ -225,7 +228,7 @@ def main(argv=None) -> int:
     report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "command": " ".join(["scripts/profile_step.py"] + (argv if argv is not None else sys.argv[1:])),
               "device": jax.devices()[0].device_kind, "jax": jax.__version__, "budget": args.budget,
-              "batch": args.batch, "overrides": applied, "phases": {}}
+              "batch": args.batch, "overrides": applied, "autotune_cache": cache_dir, "phases": {}}
 
     def save():
         atomic.write_json(args.out, report)
