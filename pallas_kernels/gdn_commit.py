@@ -16,7 +16,8 @@ XLA's form of that slide was a fusion plus a copy into the loop-carried window p
 (2026-11-30 session 12). The window's channels go in blocks of `wb` (a power of two dividing
 conv_dim, <= 128) to programs of their own after the state programs (the grid is (batch, state
 programs + window blocks)): a window block costs two dependent loads (path, then a node's row),
-which on the state programs' critical path added 1.4 us a launch (H200, 27B layer). Each window
+which on the state programs lengthened the commit from 4.3 to 4.5 us a 27B layer inside the
+loop (H200, `profile_step.py --phases loop`); on programs of their own it is 4.2. Each window
 program reads the K - 1 rows it needs (a window row or a path node's conv input, chosen per row)
 before it writes any.
 """

@@ -113,6 +113,16 @@ def filled_caches(cfg: TargetConfig, dcfg: DrafterConfig, batch: int, context: i
     return TargetCache(tuple(layers), lengths), DrafterCache(tuple(dlayers), lengths)
 
 
+def with_first_ids(proposer, dparams, graphdef, params, n: int):
+    """(proposer, drafter params) drafting from ids 0..n-1 (`--draft-vocab n`), or as given for n = 0."""
+    if not n:
+        return proposer, dparams
+    from ddtree_jax.spec.draft_vocab import first_ids
+
+    target = nnx.merge(graphdef, params)
+    return proposer.with_draft_vocab(dparams, target, first_ids(n, target.cfg.vocab_size))
+
+
 def nbytes(tree) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree))
 
@@ -191,12 +201,7 @@ def main(argv=None) -> int:
     report["drafter_params_GB"] = nbytes(dparams) / 1e9
     print(f"[bench] weights on device in {time.time() - t0:.1f} s: target {report['target_params_GB']:.1f} GB, "
           f"drafter {report['drafter_params_GB']:.2f} GB", flush=True)
-    proposer = DFlashProposer(dgraph, dcfg)
-    if args.draft_vocab:
-        from ddtree_jax.spec.draft_vocab import first_ids
-
-        proposer, dparams = proposer.with_draft_vocab(dparams, nnx.merge(graphdef, params),
-                                                      first_ids(args.draft_vocab, cfg.vocab_size))
+    proposer, dparams = with_first_ids(DFlashProposer(dgraph, dcfg), dparams, graphdef, params, args.draft_vocab)
     report["draft_vocab"] = args.draft_vocab or None
     kernels = args.kernels or gen.default_kernels()
     report["kernels"] = kernels

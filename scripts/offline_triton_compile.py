@@ -14,6 +14,7 @@ compiled by pip's triton (ptxas included) for GPUTarget("cuda", 90, 32); `cuobjd
     PYTHONPATH=. python3 scripts/offline_triton_compile.py gdn_decode --nodes 1 # batch 1
     PYTHONPATH=. python3 scripts/offline_triton_compile.py gdn_prologue --nodes 65
     PYTHONPATH=. python3 scripts/offline_triton_compile.py attention --nodes 65 # 4k cache
+    PYTHONPATH=. python3 scripts/offline_triton_compile.py gdn_commit --nodes 65
 
 Kernels: "ssd" (pallas_kernels/ssd_tree.py verify, NemotronH-8B-like layer: 128 heads x 64,
 8 groups, state 128), "gdn" (pallas_kernels/gdn_tree.py, Qwen3.6-27B layer: 16 k / 48 v heads
@@ -21,7 +22,9 @@ of 128) "select" (pallas_kernels/tree_select.py, 15 draft depths, --nodes = the 
 (pallas_kernels/row_top_k.py, --nodes = the row length, k = 16 and 32), "gdn_decode"
 (pallas_kernels/gdn_decode.py at the 27B GDN layer, --nodes = the batch), "gdn_prologue"
 (pallas_kernels/gdn_tree_prologue.py at the 27B GDN layer, batch 1), "attention"
-(pallas_kernels/tree_attention.py at the 27B attention layer, 4k context, batch 1). Each
+(pallas_kernels/tree_attention.py at the 27B attention layer, 4k context, batch 1), "gdn_commit"
+(pallas_kernels/gdn_commit.py at the 27B GDN layer, --nodes tree nodes, with and without the conv
+window slide). Each
 sweeps a few block / warp settings and prints one row per setting.
 """
 
@@ -176,6 +179,25 @@ def gdn_decode_cases(batch: int):
             gdn_decode_packed, num_k_heads=hk, head_v_dim=dv, eps=1e-6, impl="pallas", **opts), packed_shapes
 
 
+def gdn_commit_cases(nodes: int):
+    from pallas_kernels.gdn_commit import gdn_path_commit
+
+    hk, hv, dk, dv, taps, p = 16, 48, 128, 128, 4, 16  # Qwen3.6-27B GDN layer, a 16-node path
+    c = 2 * hk * dk + hv * dv
+    bf, f32 = jnp.bfloat16, jnp.float32
+    shapes = (jax.ShapeDtypeStruct((1, hk, nodes, dk), bf), jax.ShapeDtypeStruct((1, hv, nodes, dv), bf),
+              jax.ShapeDtypeStruct((1, hv, nodes), f32), jax.ShapeDtypeStruct((1, hv, nodes), f32),
+              jax.ShapeDtypeStruct((1, hv, dk, dv), f32), jax.ShapeDtypeStruct((1, p), jnp.int32),
+              jax.ShapeDtypeStruct((1,), jnp.int32))
+    window = (jax.ShapeDtypeStruct((1, taps - 1, c), bf), jax.ShapeDtypeStruct((1, nodes, c + hv * dv + 2 * hv), bf))
+    for warps in (1, 2):
+        opts = dict(num_warps=warps)
+        yield dict(opts, window=False), warps, functools.partial(gdn_path_commit, impl="pallas", **opts), shapes
+        yield (dict(opts, window=True), warps,
+               lambda *a, o=opts: gdn_path_commit(*a[:7], window=a[7], conv_in=a[8], impl="pallas", **o),
+               shapes + window)
+
+
 def gdn_prologue_cases(nodes: int):
     from pallas_kernels.gdn_tree_prologue import gdn_tree_prologue
 
@@ -206,7 +228,8 @@ def attention_cases(nodes: int):
 
 
 CASES = {"ssd": ssd_cases, "gdn": gdn_cases, "select": select_cases, "topk": top_k_cases,
-         "gdn_decode": gdn_decode_cases, "gdn_prologue": gdn_prologue_cases, "attention": attention_cases}
+         "gdn_decode": gdn_decode_cases, "gdn_prologue": gdn_prologue_cases, "attention": attention_cases,
+         "gdn_commit": gdn_commit_cases}
 
 
 def main(argv=None) -> int:

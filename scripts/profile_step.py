@@ -41,7 +41,8 @@ from ddtree_jax.spec import generate as gen
 from ddtree_jax.spec.dflash import DFlashProposer
 from ddtree_jax.spec.sampling import Sampling
 from scripts import hlo_index
-from scripts.bench_e2e import QWEN36_27B, SMOKE, _normal, drafter_config, filled_caches, random_params
+from scripts.bench_e2e import (QWEN36_27B, SMOKE, _normal, drafter_config, filled_caches, random_params,
+                               with_first_ids)
 
 KINDS = (  # first match wins; matched against the lower-cased kernel name
     ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "matmul", "gemv", "dot")),
@@ -241,12 +242,7 @@ def main(argv=None) -> int:
     params = random_params(abstract, 0)
     dgraph, dabstract = nnx.split(nnx.eval_shape(lambda: DrafterModel(dcfg, rngs=nnx.Rngs(0))))
     dparams = random_params(dabstract, 1)
-    proposer = DFlashProposer(dgraph, dcfg)
-    if args.draft_vocab:
-        from ddtree_jax.spec.draft_vocab import first_ids
-
-        proposer, dparams = proposer.with_draft_vocab(dparams, nnx.merge(graphdef, params),
-                                                      first_ids(args.draft_vocab, cfg.vocab_size))
+    proposer, dparams = with_first_ids(DFlashProposer(dgraph, dcfg), dparams, graphdef, params, args.draft_vocab)
     report["draft_vocab"] = args.draft_vocab or None
     kernels = args.kernels or gen.default_kernels()
     report["kernels"] = kernels

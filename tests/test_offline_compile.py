@@ -109,3 +109,22 @@ def test_gdn_tree_kernel_spills_no_more_than_before():
         ttir, warps = picked[key]
         res = compile_ttir(ttir, num_warps=warps, num_stages=1)
         assert res["stack_bytes"] <= limit, (key, res)
+
+
+def test_gdn_commit_lowers_for_cuda_with_and_without_the_window():
+    """Both forms of the path commit (the conv window slide on programs of its own) lower for CUDA
+    at the 27B layer; where triton is installed they compile without spills."""
+    from scripts.offline_triton_compile import gdn_commit_cases
+
+    cases = list(gdn_commit_cases(65))
+    assert {c[0]["window"] for c in cases} == {False, True}
+    import importlib.util
+
+    has_triton = importlib.util.find_spec("triton") is not None
+    for opts, warps, fn, shapes in cases[:2]:
+        [(name, ttir)] = capture_ttir(fn, *shapes)
+        assert "gdn_path_commit" in name and "tt.func" in ttir
+        if not has_triton:
+            continue
+        res = compile_ttir(ttir, num_warps=warps, num_stages=1)
+        assert res["stack_bytes"] == 0 and res["regs"] <= 255, (opts, res)

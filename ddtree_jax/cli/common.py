@@ -47,8 +47,9 @@ def parse_ids(text: str) -> tuple[int, ...]:
 def add_draft_vocab_argument(group) -> None:
     group.add_argument("--draft-vocab", default=None, metavar="N|FILE",
                        help="draft from N token ids only (ids 0..N-1) or from the ids in a JSON file "
-                       "(scripts/hot_tokens.py writes one from text): a smaller draft head, faster steps; "
-                       "output unchanged, drafts outside the ids are never proposed (default: whole vocabulary)")
+                       "(scripts/hot_tokens.py writes one from text): a smaller draft head, shorter steps; "
+                       "output unchanged, but drafts outside the ids are never proposed, which costs acceptance "
+                       "unless the ids cover nearly all of the text (default: whole vocabulary)")
 
 
 def load_engine(target, drafter, dtype=None, max_context=None, kernels=None, draft_vocab=None):
