@@ -64,9 +64,11 @@ class Engine:
     """A loaded target, optionally a DFlash drafter and a tokenizer; `generate` is the one API."""
 
     def __init__(self, cfg: TargetConfig, graphdef, params, *, proposer=None, drafter_params=None, tokenizer=None,
-                 max_context: int | None = None, kernels: str | None = None, draft_vocab=None):
+                 max_context: int | None = None, kernels: str | None = None, draft_vocab=None,
+                 int8_drafter: bool = False):
         """draft_vocab: draft from these token ids only (a size N for ids 0 .. N-1, a JSON file of
-        ids, or a sequence of ids; ddtree_jax/spec/draft_vocab.py). Output is unchanged."""
+        ids, or a sequence of ids; ddtree_jax/spec/draft_vocab.py). int8_drafter: the drafter's
+        weights and its draft head as int8 (ddtree_jax/models/int8.py). Output is unchanged by both."""
         self.cfg = cfg
         self.graphdef = graphdef
         self.params = params
@@ -89,13 +91,18 @@ class Engine:
                    else check_ids(draft_vocab, cfg.vocab_size))
             self.proposer, self.drafter_params = proposer.with_draft_vocab(
                 drafter_params, nnx.merge(graphdef, params), ids)
+        if int8_drafter:
+            if self.proposer is None or not hasattr(self.proposer, "with_int8"):
+                raise ValueError("an int8 drafter needs a DFlash drafter (--drafter)")
+            self.proposer, self.drafter_params = self.proposer.with_int8(self.drafter_params,
+                                                                         nnx.merge(graphdef, params))
         self._warm: set = set()  # (spec, prompt shape) whose prefill and step loop ran once
 
     # ---- loading -------------------------------------------------------------------------
     @classmethod
     def load(cls, target: str | os.PathLike, drafter: str | os.PathLike | None = None, *, dtype=None,
              max_context: int | None = None, progress: bool = False, kernels: str | None = None,
-             draft_vocab=None) -> "Engine":
+             draft_vocab=None, int8_drafter: bool = False) -> "Engine":
         from converters.load import load_drafter, load_target
         from ddtree_jax.spec.dflash import DFlashProposer
 
@@ -105,7 +112,8 @@ class Engine:
             dcfg, dgraph, dparams = load_drafter(drafter, dtype=cfg.dtype)
             proposer = DFlashProposer(dgraph, dcfg)
         return cls(cfg, graphdef, params, proposer=proposer, drafter_params=dparams,
-                   tokenizer=load_tokenizer(target), max_context=max_context, kernels=kernels, draft_vocab=draft_vocab)
+                   tokenizer=load_tokenizer(target), max_context=max_context, kernels=kernels, draft_vocab=draft_vocab,
+                   int8_drafter=int8_drafter)
 
     # ---- text <-> ids ------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:

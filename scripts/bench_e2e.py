@@ -113,14 +113,28 @@ def filled_caches(cfg: TargetConfig, dcfg: DrafterConfig, batch: int, context: i
     return TargetCache(tuple(layers), lengths), DrafterCache(tuple(dlayers), lengths)
 
 
-def with_first_ids(proposer, dparams, graphdef, params, n: int):
-    """(proposer, drafter params) drafting from ids 0..n-1 (`--draft-vocab n`), or as given for n = 0."""
-    if not n:
-        return proposer, dparams
-    from ddtree_jax.spec.draft_vocab import first_ids
+def add_drafter_options(ap) -> None:
+    """The drafter variants bench_e2e.py and profile_step.py can time (`drafter_setup`)."""
+    ap.add_argument("--draft-vocab", type=int, default=0,
+                    help="draft from ids 0..N-1 only (ddtree_jax/spec/draft_vocab.py; 0 = the whole vocabulary)")
+    ap.add_argument("--int8-drafter", action="store_true",
+                    help="the drafter and its draft head with int8 weights (ddtree_jax/models/int8.py)")
 
+
+def drafter_setup(proposer, dparams, graphdef, params, args):
+    """(proposer, drafter params) as `add_drafter_options` asked: ids 0..n-1 (`--draft-vocab n`),
+    int8 weights (`--int8-drafter`), or as given."""
+    if not (args.draft_vocab or args.int8_drafter):
+        return proposer, dparams
     target = nnx.merge(graphdef, params)
-    return proposer.with_draft_vocab(dparams, target, first_ids(n, target.cfg.vocab_size))
+    if args.draft_vocab:
+        from ddtree_jax.spec.draft_vocab import first_ids
+
+        proposer, dparams = proposer.with_draft_vocab(dparams, target, first_ids(args.draft_vocab,
+                                                                                 target.cfg.vocab_size))
+    if args.int8_drafter:
+        proposer, dparams = proposer.with_int8(dparams, target)
+    return proposer, dparams
 
 
 def nbytes(tree) -> int:
@@ -159,8 +173,7 @@ def main(argv=None) -> int:
     ap.add_argument("--phase-inner", type=int, default=32,
                     help="iterations of each phase per timed call (the phase split is the difference of "
                          "calls of N and 2N iterations; at 8 the 27B commit phase drowned in dispatch jitter)")
-    ap.add_argument("--draft-vocab", type=int, default=0,
-                    help="draft from ids 0..N-1 only (ddtree_jax/spec/draft_vocab.py; 0 = the whole vocabulary)")
+    add_drafter_options(ap)
     ap.add_argument("--kernels", default=None,
                     help="tree kernels for the DDTree step: xla | pallas | pallas_interpret (default: fastest for the backend)")
     overrides.add_argument(ap)
@@ -201,8 +214,12 @@ def main(argv=None) -> int:
     report["drafter_params_GB"] = nbytes(dparams) / 1e9
     print(f"[bench] weights on device in {time.time() - t0:.1f} s: target {report['target_params_GB']:.1f} GB, "
           f"drafter {report['drafter_params_GB']:.2f} GB", flush=True)
-    proposer, dparams = with_first_ids(DFlashProposer(dgraph, dcfg), dparams, graphdef, params, args.draft_vocab)
+    proposer, dparams = drafter_setup(DFlashProposer(dgraph, dcfg), dparams, graphdef, params, args)
     report["draft_vocab"] = args.draft_vocab or None
+    report["int8_drafter"] = args.int8_drafter
+    if args.int8_drafter:
+        report["drafter_params_GB"] = nbytes(dparams) / 1e9  # int8 layers + the int8 draft head
+        print(f"[bench] int8 drafter: {report['drafter_params_GB']:.2f} GB with its draft head", flush=True)
     kernels = args.kernels or gen.default_kernels()
     report["kernels"] = kernels
     print(f"[bench] tree kernels: {kernels}", flush=True)

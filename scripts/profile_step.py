@@ -42,7 +42,7 @@ from ddtree_jax.spec.dflash import DFlashProposer
 from ddtree_jax.spec.sampling import Sampling
 from scripts import hlo_index
 from scripts.bench_e2e import (QWEN36_27B, SMOKE, _normal, drafter_config, filled_caches, random_params,
-                               with_first_ids)
+                               add_drafter_options, drafter_setup)
 
 KINDS = (  # first match wins; matched against the lower-cased kernel name
     ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "matmul", "gemv", "dot")),
@@ -193,7 +193,7 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=3, help="traced calls per phase")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--kernels", default=None)
-    ap.add_argument("--draft-vocab", type=int, default=0, help="draft from ids 0..N-1 only (0 = whole vocabulary)")
+    add_drafter_options(ap)
     ap.add_argument("--gemm-m", default="1,8,16,32,48,64,65,72,80,96,128", help="'' skips the GEMM sweep")
     ap.add_argument("--phases", default="step,draft,build,verify,commit",
                     help="comma list of step (plain decoding), draft, build, verify, commit, and loop: the "
@@ -242,8 +242,9 @@ def main(argv=None) -> int:
     params = random_params(abstract, 0)
     dgraph, dabstract = nnx.split(nnx.eval_shape(lambda: DrafterModel(dcfg, rngs=nnx.Rngs(0))))
     dparams = random_params(dabstract, 1)
-    proposer, dparams = with_first_ids(DFlashProposer(dgraph, dcfg), dparams, graphdef, params, args.draft_vocab)
+    proposer, dparams = drafter_setup(DFlashProposer(dgraph, dcfg), dparams, graphdef, params, args)
     report["draft_vocab"] = args.draft_vocab or None
+    report["int8_drafter"] = args.int8_drafter
     kernels = args.kernels or gen.default_kernels()
     report["kernels"] = kernels
     capacity = context + 64

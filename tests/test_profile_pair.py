@@ -50,6 +50,18 @@ def test_profile_step_deep_tree(tmp_path):
     assert set(report["phases"]) == {"verify", "commit"}
 
 
+def test_profile_step_int8_drafter_with_a_draft_vocabulary(tmp_path):
+    """--int8-drafter and --draft-vocab reach the drafter the draft phase profiles."""
+    from scripts.profile_step import main
+
+    out = tmp_path / "p.json"
+    assert main(["--smoke", "--gemm-m", "", "--phases", "draft", "--verify-budgets", "", "--iters", "1",
+                 "--inner", "1", "--int8-drafter", "--draft-vocab", "64", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["int8_drafter"] is True and report["draft_vocab"] == 64
+    assert set(report["phases"]) == {"draft"}
+
+
 def test_deep_parents_is_a_topological_tree_of_bounded_depth():
     import numpy as np
 

@@ -11,7 +11,7 @@ import platform
 import sys
 
 from ddtree_jax import atomic, overrides
-from ddtree_jax.cli.common import add_draft_vocab_argument, die, non_negative_int, positive_int
+from ddtree_jax.cli.common import add_draft_vocab_argument, add_int8_drafter_argument, die, non_negative_int, positive_int
 
 EPILOG = """\
 examples:
@@ -49,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "is the median, every pass in bench.json (default 1)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None)
     add_draft_vocab_argument(p)
+    add_int8_drafter_argument(p)
     p.add_argument("--kernels", choices=["xla", "pallas", "pallas_interpret"], default=None,
                      help="tree verify / commit kernels (default: pallas on GPU, xla on CPU)")
     p.add_argument("--phase-repeats", type=non_negative_int, default=10,
@@ -100,7 +101,8 @@ def main(argv=None) -> int:
     from ddtree_jax import bench
     from ddtree_jax.cli.common import load_engine
 
-    engine = load_engine(args.target, args.drafter, args.dtype, kernels=args.kernels, draft_vocab=args.draft_vocab)
+    engine = load_engine(args.target, args.drafter, args.dtype, kernels=args.kernels, draft_vocab=args.draft_vocab,
+                         int8_drafter=args.int8_drafter)
     if engine.proposer is None and any(m != "ar" for m in modes):
         die("dflash / ddtree modes need a drafter (--drafter DIR)")
     prompts = read_prompts(args.prompts, engine)[: args.limit]
@@ -118,6 +120,7 @@ def main(argv=None) -> int:
         "host": platform.node(),
         "target": args.target or "embedded demo", "drafter": args.drafter or "embedded demo",
         "draft_vocab": getattr(engine.proposer, "draft_vocab", 0) or None,
+        "int8_drafter": bool(getattr(engine.proposer, "int8", False)),
         "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "batch": args.batch,
         "overrides": applied, "status": "partial", "results": [],
     }

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from ddtree_jax.cli.common import add_draft_vocab_argument, die, parse_ids, positive_int
+from ddtree_jax.cli.common import add_draft_vocab_argument, add_int8_drafter_argument, die, parse_ids, positive_int
 from ddtree_jax.spec.sampling import Sampling
 
 EPILOG = """\
@@ -50,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     dec.add_argument("--budget", type=positive_int, default=64, help="DDTree nodes per step (1..1024, default 64)")
     dec.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens to generate (default 128)")
     add_draft_vocab_argument(dec)
+    add_int8_drafter_argument(dec)
     dec.add_argument("--max-context", type=positive_int, default=None,
                      help="longest prompt + generation allowed (default: the model's max_position_embeddings)")
     dec.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -98,7 +99,8 @@ def main(argv=None) -> int:
 
     from ddtree_jax.cli.common import load_engine
 
-    engine = load_engine(args.target, args.drafter, args.dtype, args.max_context, args.kernels, args.draft_vocab)
+    engine = load_engine(args.target, args.drafter, args.dtype, args.max_context, args.kernels, args.draft_vocab,
+                         args.int8_drafter)
     mode = args.mode or ("ddtree" if engine.proposer is not None else "ar")
     stream_text = not args.json and not args.no_stream
     printed = []

@@ -205,6 +205,7 @@ class DrafterModel(nnx.Module):
     def __init__(self, dcfg: DrafterConfig, *, rngs: nnx.Rngs, dtype=None):
         self.cfg = dcfg
         dtype = jnp.dtype(dtype or dcfg.dtype)
+        self.compute_dtype = dtype.name  # activations' dtype (the kernels may be int8: models/int8.py)
         h, eps = dcfg.hidden_size, dcfg.rms_norm_eps
         self.fc = Linear(dcfg.fc_in_dim, h, dtype=dtype, rngs=rngs)
         self.hidden_norm = RMSNorm(h, eps, zero_centered=False, dtype=dtype, rngs=rngs)
@@ -218,7 +219,7 @@ class DrafterModel(nnx.Module):
         """Append the first n_valid[b] rows of features [B, T, K*H] to the context of sequence b."""
         b, t, _ = features.shape
         n_valid = n_valid.astype(jnp.int32)
-        ctx = self.hidden_norm(self.fc(features.astype(self.fc.kernel.dtype)))
+        ctx = self.hidden_norm(self.fc(features.astype(self.compute_dtype)))
         offs = jnp.arange(t, dtype=jnp.int32)[None]
         positions = cache.lengths[:, None] + offs
         cos, sin = self._rope(positions)
@@ -240,7 +241,7 @@ class DrafterModel(nnx.Module):
         t = block_embeds.shape[1]
         positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
         cos, sin = self._rope(positions)
-        x = block_embeds.astype(self.fc.kernel.dtype)
+        x = block_embeds.astype(self.compute_dtype)
         for layer, lc in zip(self.layers, cache.layers):
             x = layer(x, lc, cache.lengths, cos, sin, impl)
         return self.norm(x)

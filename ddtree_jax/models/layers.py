@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ddtree_jax.models import int8
 from pallas_kernels.skinny_matmul import skinny_matmul
 
 
@@ -87,14 +88,19 @@ def _wgmma_product(x: jax.Array, kernel: jax.Array) -> jax.Array:
 class Linear(nnx.Module):
     """y = x @ kernel (+ bias); kernel is [in, out]. impl != "xla" with SKINNY_MATMUL on sends the
     products of the skinny matmul's window through it (`skinny_route_takes`); impl "pallas" with
-    WGMMA_SKINNY on those of the Mosaic GPU kernel's (`wgmma_route_takes`)."""
+    WGMMA_SKINNY on those of the Mosaic GPU kernel's (`wgmma_route_takes`). After
+    models.int8.quantize_linears the kernel is int8 with a float32 column scale (weight-only)."""
 
     def __init__(self, d_in: int, d_out: int, *, bias: bool = False, dtype="float32", rngs: nnx.Rngs):
         self.kernel = nnx.Param(_init(rngs, (d_in, d_out), dtype, d_in**-0.5))
         self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
+        self.scale = None  # [out] float32 when the kernel is int8 (models/int8.py)
 
     def __call__(self, x: jax.Array, impl: str = "xla") -> jax.Array:
         kernel = self.kernel[...]
+        if self.scale is not None:
+            y = int8.product(x, kernel, self.scale[...])
+            return y + self.bias[...].astype(y.dtype) if self.bias is not None else y
         if impl == "pallas" and WGMMA_SKINNY and wgmma_route_takes(x, kernel) and not _hopper():
             warnings.warn("models.layers.WGMMA_SKINNY is on but the device is not an sm_90 GPU: XLA's dot "
                           "runs the skinny products", stacklevel=2)

@@ -9,7 +9,8 @@ from flax import nnx
 
 from ddtree_jax.drafter_config import DrafterConfig, validate_against_target
 from ddtree_jax.models.drafter import DrafterCache, finish_logits, init_drafter_cache
-from ddtree_jax.spec.draft_vocab import HotParams, head_logits, make_draft_vocab
+from ddtree_jax.models import int8
+from ddtree_jax.spec.draft_vocab import HotParams, head_logits, int8_draft_head, make_draft_vocab
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,32 +20,54 @@ class DFlashProposer:
     graphdef: nnx.GraphDef
     cfg: DrafterConfig
     draft_vocab: int = 0  # N > 0: drafts come from N chosen ids (spec/draft_vocab.py); params are HotParams
+    int8: bool = False  # weight-only int8 drafter and draft head (models/int8.py); params are HotParams
 
     def __hash__(self) -> int:
         # jit hashes its static GenSpec, and so this, on every call; a GraphDef's hash walks the
         # whole graph (0.2 ms for a 5-layer 27B-width drafter: scripts/dispatch_cost.py), so it is computed once
         h = self.__dict__.get("_hash")
         if h is None:
-            h = hash((self.graphdef, self.cfg, self.draft_vocab))
+            h = hash((self.graphdef, self.cfg, self.draft_vocab, self.int8))
             object.__setattr__(self, "_hash", h)
         return h
 
+    @property
+    def own_head(self) -> bool:
+        """Whether drafts come from a head of the proposer's own (HotParams) rather than the target's."""
+        return bool(self.draft_vocab) or self.int8
+
     def with_draft_vocab(self, params, target, ids) -> tuple["DFlashProposer", HotParams]:
         """(proposer, params) that draft from the token ids `ids` only; `target` is the merged
-        target model (its head's columns are sliced here, once)."""
+        target model (its head's columns are sliced here, once; quantized too for an int8 drafter)."""
         drafter = params.drafter if isinstance(params, HotParams) else params
         vocab = make_draft_vocab(target, ids)
-        return dataclasses.replace(self, draft_vocab=int(vocab.ids.shape[0])), HotParams(drafter, vocab)
+        if self.int8:
+            vocab = int8_draft_head(target, vocab)
+        n = int(vocab.ids.shape[0])
+        return dataclasses.replace(self, draft_vocab=n), HotParams(drafter, vocab)
+
+    def with_int8(self, params, target) -> tuple["DFlashProposer", HotParams]:
+        """(proposer, params) of the same drafter with int8 weights (every Linear, per-column
+        scales) and an int8 copy of the draft head: the target's whole head, or the draft
+        vocabulary's columns. Drafts change slightly; output does not (models/int8.py)."""
+        if self.int8:
+            raise ValueError("this drafter is int8 already")
+        drafter = params.drafter if isinstance(params, HotParams) else params
+        model = nnx.merge(self.graphdef, drafter)
+        int8.quantize_linears(model)
+        graphdef, qparams = nnx.split(model)
+        vocab = int8_draft_head(target, params.vocab if isinstance(params, HotParams) else None)
+        return dataclasses.replace(self, graphdef=graphdef, int8=True), HotParams(qparams, vocab)
 
     def vocab_ids(self, params):
         """Token ids of the draft indices ([N] int32), or None when drafts span the whole vocabulary."""
-        return params.vocab.ids if self.draft_vocab else None
+        return params.vocab.ids if self.own_head else None
 
     def _drafter(self, params):
-        if self.draft_vocab and not isinstance(params, HotParams):
-            raise ValueError("this proposer drafts from a draft vocabulary: its params must be HotParams "
-                             "(DFlashProposer.with_draft_vocab)")
-        return params.drafter if self.draft_vocab else params
+        if self.own_head and not isinstance(params, HotParams):
+            raise ValueError("this proposer drafts from a head of its own (a draft vocabulary or int8): its params "
+                             "must be HotParams (DFlashProposer.with_draft_vocab / with_int8)")
+        return params.drafter if self.own_head else params
 
     @property
     def block_size(self) -> int:
@@ -68,7 +91,7 @@ class DFlashProposer:
         """Draft log-probs [B, Bs-1, V], or [B, Bs-1, N] over the draft vocabulary (renormalised
         over its ids; `vocab_ids` maps index i to its token)."""
         model = nnx.merge(self.graphdef, self._drafter(params))
-        if not self.draft_vocab:
+        if not self.own_head:
             return jax.nn.log_softmax(model.draft(target, bonus, state, impl=impl), axis=-1)
         hidden = model.draft_hidden(target, bonus, state, impl=impl)
         return jax.nn.log_softmax(finish_logits(self.cfg, head_logits(params.vocab, hidden)), axis=-1)

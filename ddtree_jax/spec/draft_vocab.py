@@ -31,14 +31,18 @@ import numpy as np
 
 
 class DraftVocab(NamedTuple):
-    """The draft vocabulary as data (a pytree that travels with the drafter's params)."""
+    """The draft head as data (a pytree that travels with the drafter's params): the target
+    lm_head's columns of the draft ids, in its dtype, or int8 with a column scale (an int8 drafter,
+    models/int8.py; then ids may be None: the whole vocabulary)."""
 
-    ids: jax.Array  # [N] int32, ascending, unique: draft index i is token ids[i]
-    head: jax.Array  # [H, N]: the target lm_head's columns of those ids, in its dtype
+    ids: jax.Array | None  # [N] int32, ascending, unique: draft index i is token ids[i]; None: i is token i
+    head: jax.Array  # [H, N]
+    scale: jax.Array | None = None  # [N] float32 when head is int8
 
 
 class HotParams(NamedTuple):
-    """Drafter params of a proposer with a draft vocabulary: the drafter's own, and the vocabulary."""
+    """Drafter params of a proposer with a draft head of its own (a draft vocabulary, an int8
+    drafter, or both): the drafter's own params, and the head."""
 
     drafter: object
     vocab: DraftVocab
@@ -101,7 +105,25 @@ def make_draft_vocab(target_model, ids) -> DraftVocab:
     return DraftVocab(idx, head)
 
 
+def int8_draft_head(target_model, vocab: DraftVocab | None = None) -> DraftVocab:
+    """An int8 draft head: `vocab`'s columns quantized, or (None) the target's whole head, ids None."""
+    from ddtree_jax.models import int8
+
+    if vocab is None:
+        head = (target_model.embed_tokens.embedding[...].T if target_model.lm_head is None
+                else target_model.lm_head.kernel[...])
+        vocab = DraftVocab(None, head)
+    if vocab.scale is not None:
+        return vocab
+    q, scale = int8.quantize(vocab.head)
+    return DraftVocab(vocab.ids, q, scale)
+
+
 def head_logits(vocab: DraftVocab, hidden: jax.Array) -> jax.Array:
     """Float32 logits [..., N] of the draft ids: the target head's arithmetic (a product in the
-    head's dtype, then float32), so they equal the full head's logits at those ids."""
+    head's dtype, then float32), so they equal the full head's logits at those ids; an int8 head
+    (scale set): the product in hidden's dtype, accumulated and scaled in float32."""
+    if vocab.scale is not None:
+        y = jnp.einsum("...h,hn->...n", hidden, vocab.head.astype(hidden.dtype), preferred_element_type=jnp.float32)
+        return y * vocab.scale
     return jnp.einsum("...h,hn->...n", hidden.astype(vocab.head.dtype), vocab.head).astype(jnp.float32)

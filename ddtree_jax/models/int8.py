@@ -1,0 +1,62 @@
+"""Weight-only int8 for the drafter: int8 kernels with one float32 scale per output column.
+
+Why: a DFlash step reads the drafter's weights and, for its draft head, the target's lm_head once
+per step. At the Qwen3.6-27B shape that is 3.46 GB of drafter layers and the 2.54 GB head in bf16,
+~1.5 ms of a ~18.6 ms DDTree step on the H200, at the HBM read rate (docs/benchmarks.md section 1).
+Those products have 15-16 rows, so they are bound by the bytes of their weights: int8 halves them.
+
+Output is unchanged: the drafter only proposes; the target verifies every draft in its own dtype,
+so greedy output stays identical to plain decoding and sampling keeps the target's distribution.
+What int8 changes is the draft distributions, slightly (per-column absmax scaling, round to
+nearest: each weight within half a step, |w| max / 254, of its value), and so, possibly, which
+drafts are proposed; docs/benchmarks.md records what it costs in acceptance on the demo pair.
+
+The target is never quantized: its products are the output.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+QMAX = 127  # symmetric: -127..127, so negation is exact and the scale is |w| max / 127
+
+
+@jax.jit
+def quantize(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """w [in, out] -> (q int8 [in, out], scale float32 [out]) with w ~= q * scale per column.
+
+    A column of zeros gets scale 1 (and q 0), so the product never divides by zero."""
+    w32 = w.astype(jnp.float32)
+    absmax = jnp.max(jnp.abs(w32), axis=0)
+    scale = jnp.where(absmax > 0, absmax / QMAX, 1.0)
+    q = jnp.clip(jnp.round(w32 / scale), -QMAX, QMAX).astype(jnp.int8)
+    return q, scale
+
+
+def dequantize(q: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Array:
+    """q * scale in dtype (tests, and what a reader of a quantized checkpoint would compare)."""
+    return (q.astype(jnp.float32) * scale).astype(dtype)
+
+
+def product(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
+    """(x @ q) * scale in x's dtype: int8 -> x.dtype is exact (|q| <= 127), the product accumulates
+    in float32 and the column scale applies to the float32 sum before the one rounding. XLA fuses
+    the convert of q into the GEMM, so the weight is read as int8."""
+    y = jnp.einsum("...i,io->...o", x, q.astype(x.dtype), preferred_element_type=jnp.float32)
+    return (y * scale).astype(x.dtype)
+
+
+def quantize_linears(module) -> int:
+    """Quantize every models.layers.Linear inside `module` in place (kernel -> int8, scale set);
+    returns how many. Biases and norms stay as they are."""
+    from flax import nnx
+
+    from ddtree_jax.models.layers import Linear
+
+    linears = [node for _, node in nnx.iter_graph(module) if isinstance(node, Linear) and node.scale is None]
+    for node in linears:  # collected first: the loop rewrites the graph it walked
+        q, scale = quantize(node.kernel[...])
+        node.kernel = nnx.Param(q)
+        node.scale = nnx.data(nnx.Param(scale))  # was a static None
+    return len(linears)
