@@ -120,3 +120,13 @@ def test_engine_and_cli_take_an_int8_drafter(capsys):
     assert cli.main(["--prompt", "def add(a, b):", "--max-new-tokens", "16", "--int8-drafter", "--compare-ar",
                      "--no-stream"]) in (0, None)
     assert "output identical to plain decoding: yes" in capsys.readouterr().err
+
+
+def test_keep_float_leaves_the_named_products_in_their_dtype(monkeypatch):
+    cfg, gd, params, proposer, dparams = _pair()
+    monkeypatch.setattr(int8, "KEEP_FLOAT", ("gate_up_proj", "lm_head"))
+    q, qparams = proposer.with_int8(dparams, nnx.merge(gd, params))
+    model = nnx.merge(q.graphdef, qparams.drafter)
+    kinds = {path[-1]: n.kernel[...].dtype for path, n in nnx.iter_graph(model) if isinstance(n, Linear)}
+    assert kinds["gate_up_proj"] != jnp.int8 and kinds["down_proj"] == jnp.int8 and kinds["q_proj"] == jnp.int8
+    assert qparams.vocab.scale is None and qparams.vocab.head.dtype != jnp.int8 and qparams.vocab.ids is None

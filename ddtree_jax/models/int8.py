@@ -21,6 +21,11 @@ import jax.numpy as jnp
 
 QMAX = 127  # symmetric: -127..127, so negation is exact and the scale is |w| max / 127
 
+# Linear attribute names `quantize_linears` leaves in their float dtype ("lm_head": the draft head,
+# spec/draft_vocab.int8_draft_head): for products where XLA's int8 GEMM is not faster than its bf16
+# one. A/B with `--override "ddtree_jax.models.int8.KEEP_FLOAT=('gate_up_proj',)"`.
+KEEP_FLOAT: tuple[str, ...] = ()
+
 
 @jax.jit
 def quantize(w: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -48,13 +53,14 @@ def product(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
 
 
 def quantize_linears(module) -> int:
-    """Quantize every models.layers.Linear inside `module` in place (kernel -> int8, scale set);
-    returns how many. Biases and norms stay as they are."""
+    """Quantize every models.layers.Linear inside `module` in place (kernel -> int8, scale set),
+    but those named in KEEP_FLOAT; returns how many. Biases and norms stay as they are."""
     from flax import nnx
 
     from ddtree_jax.models.layers import Linear
 
-    linears = [node for _, node in nnx.iter_graph(module) if isinstance(node, Linear) and node.scale is None]
+    linears = [node for path, node in nnx.iter_graph(module)
+               if isinstance(node, Linear) and node.scale is None and not (path and path[-1] in KEEP_FLOAT)]
     for node in linears:  # collected first: the loop rewrites the graph it walked
         q, scale = quantize(node.kernel[...])
         node.kernel = nnx.Param(q)

@@ -109,6 +109,10 @@ def int8_draft_head(target_model, vocab: DraftVocab | None = None) -> DraftVocab
     """An int8 draft head: `vocab`'s columns quantized, or (None) the target's whole head, ids None."""
     from ddtree_jax.models import int8
 
+    if "lm_head" in int8.KEEP_FLOAT:
+        return vocab if vocab is not None else DraftVocab(None, target_model.embed_tokens.embedding[...].T
+                                                          if target_model.lm_head is None
+                                                          else target_model.lm_head.kernel[...])
     if vocab is None:
         head = (target_model.embed_tokens.embedding[...].T if target_model.lm_head is None
                 else target_model.lm_head.kernel[...])
