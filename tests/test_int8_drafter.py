@@ -54,7 +54,8 @@ def _pair(seed=7):
     return cfg, gd, params, proposer, dparams
 
 
-def test_with_int8_quantizes_every_drafter_linear_and_the_head():
+def test_with_int8_quantizes_every_drafter_linear_and_the_head(monkeypatch):
+    monkeypatch.setattr(int8, "KEEP_FLOAT", ())
     cfg, gd, params, proposer, dparams = _pair()
     target = nnx.merge(gd, params)
     q, qparams = proposer.with_int8(dparams, target)
