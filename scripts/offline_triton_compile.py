@@ -15,6 +15,7 @@ compiled by pip's triton (ptxas included) for GPUTarget("cuda", 90, 32); `cuobjd
     PYTHONPATH=. python3 scripts/offline_triton_compile.py gdn_prologue --nodes 65
     PYTHONPATH=. python3 scripts/offline_triton_compile.py attention --nodes 65 # 4k cache
     PYTHONPATH=. python3 scripts/offline_triton_compile.py gdn_commit --nodes 65
+    PYTHONPATH=. python3 scripts/offline_triton_compile.py add_rms_norm --nodes 65
 
 Kernels: "ssd" (pallas_kernels/ssd_tree.py verify, NemotronH-8B-like layer: 128 heads x 64,
 8 groups, state 128), "gdn" (pallas_kernels/gdn_tree.py, Qwen3.6-27B layer: 16 k / 48 v heads
@@ -24,8 +25,10 @@ of 128) "select" (pallas_kernels/tree_select.py, 15 draft depths, --nodes = the 
 (pallas_kernels/gdn_tree_prologue.py at the 27B GDN layer, batch 1), "attention"
 (pallas_kernels/tree_attention.py at the 27B attention layer, 4k context, batch 1), "gdn_commit"
 (pallas_kernels/gdn_commit.py at the 27B GDN layer, --nodes tree nodes, with and without the conv
-window slide). Each
-sweeps a few block / warp settings and prints one row per setting.
+window slide), "add_rms_norm" (pallas_kernels/add_rms_norm.py on --nodes rows of the 27B stream,
+5120 wide, bf16, zero_centered: delta plain at its default warps, then float32 split-K partial
+sums S = 4 / 8 at a few PARTS_CHUNK / warp settings and the defaults). Each sweeps a few block /
+warp settings and prints one row per setting.
 """
 
 from __future__ import annotations
@@ -227,9 +230,34 @@ def attention_cases(nodes: int):
         yield opts, warps, functools.partial(tree_attention, scale=hd**-0.5, impl="pallas", **opts), shapes
 
 
+def add_rms_norm_cases(rows: int):
+    from pallas_kernels import add_rms_norm as module
+
+    h, bf = 5120, jnp.bfloat16  # the 27B residual stream
+    x, w = jax.ShapeDtypeStruct((rows, h), bf), jax.ShapeDtypeStruct((h,), bf)
+
+    def traced(chunk, warps):  # PARTS_CHUNK is read when the call is traced
+        def fn(*a):
+            saved, module.PARTS_CHUNK = module.PARTS_CHUNK, chunk
+            try:
+                return module.add_rms_norm(*a, eps=1e-6, mode="zero_centered", impl="pallas", num_warps=warps)
+            finally:
+                module.PARTS_CHUNK = saved
+        return fn
+
+    yield (dict(parts=0, num_warps=module.DEFAULT_WARPS), module.DEFAULT_WARPS,
+           traced(module.PARTS_CHUNK, module.DEFAULT_WARPS), (x, x, w))
+    for parts in (4, 8):  # the output projections' S, then the MLP down's
+        partials = jax.ShapeDtypeStruct((parts, rows, h), jnp.float32)
+        sweep = ((1024, 4), (1024, 8), (1024, 16), (2048, 8), (2048, 16), (4096, 16), (4096, 32), (8192, 32))
+        default = (module.PARTS_CHUNK, module.PARTS_WARPS)
+        for chunk, warps in sweep + ((default,) if default not in sweep else ()):
+            yield dict(parts=parts, chunk=chunk, num_warps=warps), warps, traced(chunk, warps), (x, partials, w)
+
+
 CASES = {"ssd": ssd_cases, "gdn": gdn_cases, "select": select_cases, "topk": top_k_cases,
          "gdn_decode": gdn_decode_cases, "gdn_prologue": gdn_prologue_cases, "attention": attention_cases,
-         "gdn_commit": gdn_commit_cases}
+         "gdn_commit": gdn_commit_cases, "add_rms_norm": add_rms_norm_cases}
 
 
 def main(argv=None) -> int:

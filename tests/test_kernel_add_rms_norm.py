@@ -1,7 +1,9 @@
 """The residual add + RMSNorm kernel (interpret mode) computes what models.layers.RMSNorm computes
-on x + delta, in each norm mode and dtype, for rows that are not a power of two wide; bad inputs
-are named; a decode step and a verify with kernels route every add + norm of a Qwen3.5-style
-stack through it (A/B switch announced when off) and keep the DFlash features exact."""
+on x + delta, in each norm mode and dtype, for rows that are not a power of two wide; with delta
+as float32 split-K partial sums it adds them (in index order), rounds to x's dtype, then adds x, in
+column chunks with a masked tail; bad inputs are named; the partials form lowers for sm_90 without
+spills; a decode step and a verify with kernels route every add + norm of a Qwen3.5-style stack
+through it (A/B switch announced when off) and keep the DFlash features exact."""
 
 import functools
 
@@ -13,7 +15,8 @@ from flax import nnx
 from hypothesis import given, settings, strategies as st
 
 from ddtree_jax.models.layers import RMSNorm
-from pallas_kernels.add_rms_norm import MODES, add_rms_norm
+from pallas_kernels import add_rms_norm as add_norm_module
+from pallas_kernels.add_rms_norm import MODES, add_rms_norm, reference
 
 
 @functools.partial(jax.jit, static_argnames=("mode", "impl"))
@@ -46,14 +49,98 @@ def test_add_rms_norm_matches_the_module(mode, dtype, seed, scale):
     np.testing.assert_allclose(np.asarray(ref_normed, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol)
 
 
+def _fresh(mode, impl):
+    """A new jit each call: PARTS_CHUNK is read when traced, so no cached trace may be reused."""
+    return jax.jit(functools.partial(add_rms_norm, eps=1e-6, mode=mode, impl=impl))
+
+
+@pytest.mark.parametrize("parts,dtype,h,chunk", [
+    *[(parts, dtype, 90, 32) for parts in (1, 3, 4, 8) for dtype in ("float32", "bfloat16")],
+    (3, "bfloat16", 80, 32), (8, "float32", 80, 32),  # 2 blocks of 32 and one of 16
+    (3, "bfloat16", 90, None), (8, "float32", 90, None)])  # one 128-wide block masked at 90
+def test_add_rms_norm_sums_split_k_partials(monkeypatch, parts, dtype, h, chunk):
+    """delta as float32 split-K partial sums [S, ..., H]: the stream equals the reference's (sum of
+    the partials in float32, rounded to x's dtype, added to x, rounded) bit for bit; the partials
+    are multiples of 2^-8 below 2^3, so their float32 sum is exact in any order (XLA's CPU reduce
+    does not add 8 wide partials in index order) yet needs the rounding to bf16. 90 columns in
+    blocks of 32: two, then a 32-wide block ending at column 90 that keeps its last 26."""
+    if chunk:
+        monkeypatch.setattr(add_norm_module, "PARTS_CHUNK", chunk)
+    rng = np.random.default_rng(parts)
+    x = jnp.asarray(rng.normal(size=(2, 3, h)), dtype)
+    d = jnp.asarray(rng.integers(-2**11, 2**11, size=(parts, 2, 3, h)) / 2**8, jnp.float32)
+    w = jnp.asarray(rng.normal(size=(h,)) * 0.5, dtype)
+    exact = jnp.sum(d, axis=0)
+    if dtype == "bfloat16" and parts > 1:  # rounding the sum first is visible: the test can tell
+        assert not np.array_equal(np.asarray((x + exact.astype(dtype)).astype(dtype)),
+                                  np.asarray((x.astype(jnp.float32) + exact).astype(dtype)))
+    for mode in MODES:
+        want_stream, want = reference(x, exact.astype(dtype), w, eps=1e-6, mode=mode)
+        for impl in ("xla", "pallas_interpret"):
+            stream, normed = _fresh(mode, impl)(x, d, w)
+            assert stream.dtype == normed.dtype == x.dtype
+            np.testing.assert_array_equal(np.asarray(stream), np.asarray(want_stream))
+            tol = 1e-5 if dtype == "float32" else 1e-2
+            np.testing.assert_allclose(np.asarray(normed, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("h", [5120, 6000])  # default blocks: 4096 + 1024; 4096 + 2048 ending at 6000
+def test_add_rms_norm_partials_add_in_index_order(h):
+    """Generic partials at the 27B width and wider (default blocks), float32 x so that every bit of
+    the sum shows: the stream is x + ((d0 + d1) + d2) + ... bit for bit, and close to `reference`
+    (jnp.sum, whose order XLA's CPU backend picks: not index order for 8 partials 5120 wide)."""
+    rng = np.random.default_rng(h)
+    parts = 8
+    x = jnp.asarray(rng.normal(size=(2, 3, h)), jnp.float32)
+    d = jnp.asarray(rng.normal(size=(parts, 2, 3, h)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(h,)) * 0.5, jnp.float32)
+    summed = d[0]
+    for p in range(1, parts):
+        summed = summed + d[p]
+    in_order, _ = reference(x, summed, w, eps=1e-6, mode="zero_centered")
+    stream, normed = _fresh("zero_centered", "pallas_interpret")(x, d, w)
+    np.testing.assert_array_equal(np.asarray(stream), np.asarray(in_order))
+    want_stream, want = reference(x, d, w, eps=1e-6, mode="zero_centered")
+    np.testing.assert_allclose(np.asarray(stream), np.asarray(want_stream), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(normed), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
 def test_add_rms_norm_names_bad_inputs():
     x = jnp.zeros((2, 8))
     with pytest.raises(ValueError, match="mode must be one of"):
         add_rms_norm(x, x, jnp.zeros(8), eps=1e-6, mode="layer")
     with pytest.raises(ValueError, match="do not match"):
         add_rms_norm(x, x[:, :4], jnp.zeros(8), eps=1e-6, mode="plain")
+    with pytest.raises(ValueError, match=r"partial sums delta \(3, 2, 8\) must be float32, got bfloat16"):
+        add_rms_norm(x, jnp.zeros((3, 2, 8), jnp.bfloat16), jnp.zeros(8), eps=1e-6, mode="plain")
+    with pytest.raises(ValueError, match=r"delta \(3, 2, 4\) .* do not match .*split-K partial sums"):
+        add_rms_norm(x, jnp.zeros((3, 2, 4)), jnp.zeros(8), eps=1e-6, mode="plain")
+    with pytest.raises(ValueError, match="do not match"):  # no partial sums at all
+        add_rms_norm(x, jnp.zeros((0, 2, 8)), jnp.zeros(8), eps=1e-6, mode="plain")
     with pytest.raises(ValueError, match="impl must be one of"):
         add_rms_norm(x, x, jnp.zeros(8), eps=1e-6, mode="plain", impl="cuda")
+
+
+def test_partials_lower_for_sm90_without_spills():
+    """The 27B stream (5120 wide, bf16, zero_centered) with plain delta and S = 4 / 8 float32 partial
+    sums lowers for CUDA here; with pip's triton it compiles for sm_90 at the default warps and
+    PARTS_CHUNK without spilling (scripts/offline_triton_compile.py add_rms_norm sweeps the rest)."""
+    from pallas_kernels.add_rms_norm import DEFAULT_WARPS, PARTS_CHUNK, PARTS_WARPS
+    from scripts.offline_triton_compile import add_rms_norm_cases, capture_ttir, compile_ttir
+
+    picked = [(label, warps, fn, shapes) for label, warps, fn, shapes in add_rms_norm_cases(65)
+              if (label["parts"], label.get("chunk"), warps) in
+              {(0, None, DEFAULT_WARPS), (4, PARTS_CHUNK, PARTS_WARPS), (8, PARTS_CHUNK, PARTS_WARPS)}]
+    assert [label["parts"] for label, *_ in picked] == [0, 4, 8]
+    ttirs = []
+    for label, warps, fn, shapes in picked:
+        [(name, ttir)] = capture_ttir(fn, *shapes)
+        assert "add_rms_norm" in name
+        ttirs.append((label, warps, ttir))
+    pytest.importorskip("triton")
+    for label, warps, ttir in ttirs:
+        res = compile_ttir(ttir, num_warps=warps, num_stages=1)
+        assert res["regs"] <= 255 and res["stack_bytes"] == 0, (label, res)
 
 
 def test_model_routes_add_and_norm_through_the_kernel(monkeypatch):
@@ -89,3 +176,56 @@ def test_model_routes_add_and_norm_through_the_kernel(monkeypatch):
     with pytest.warns(UserWarning, match="target.ADD_NORM_KERNEL is False"):
         text = str(jax.make_jaxpr(functools.partial(step, impl="pallas_interpret"))(cache, tok))
     assert "add_rms_norm" not in text
+
+
+def test_model_hands_split_k_partials_to_the_kernel_at_verify_rows(monkeypatch):
+    """At a tree verify's row count the products that feed the residual stream (mixer output and
+    MLP down projections, 2 a layer) reach the add + norm kernels as split-K partial sums
+    (models.layers.SplitKParts: one batched dot_general each, no reduce of their own), and the
+    verify's results equal the unsplit route's; a decode step (rows < SPLIT_K_MIN_ROWS) keeps plain
+    products; SPLIT_K_PARTS=False gives plain products; with ADD_NORM_KERNEL=False XLA adds the
+    partials and the results are the same."""
+    import re
+
+    from ddtree_jax.cache import init_target_cache
+    from ddtree_jax.models import layers, target
+    from ddtree_jax.tree import make_tree
+    from tests.tiny_models import HYBRID, make_target
+
+    monkeypatch.setattr(layers, "SPLIT_K_MIN_ROWS", 8)  # the tiny verify: 2 x 5 nodes; a decode step: 2 rows
+    cfg, gd, params = make_target(dict(head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16),
+                                  seed=34, base=HYBRID)
+    cache = init_target_cache(cfg, 2, 32)
+    tok = jnp.asarray([3, 7], jnp.int32)
+
+    def step(c, t):
+        return nnx.merge(gd, params)(t[:, None], c, jnp.ones((2,), jnp.int32), chunked=False, impl="pallas_interpret",
+                                     hidden_ids=(1, cfg.num_layers))[:2]
+
+    parents = jnp.asarray([[-1, 0, 0, 1, 2], [-1, 0, 1, 2, 2]], jnp.int32)
+    tree = make_tree(jnp.asarray([[3, 4, 5, 6, 7], [7, 1, 2, 3, 4]], jnp.int32), parents, jnp.ones((2, 5), bool),
+                     cache.lengths, 4)
+
+    def verify(c):
+        return nnx.merge(gd, params).verify(tree.tokens, c, tree, hidden_ids=(1, cfg.num_layers),
+                                            impl="pallas_interpret")[:2]
+
+    def batched_dots(fn, *args):  # dot_generals with batch dimensions; a fresh trace (no cache hit)
+        text = str(jax.make_jaxpr(lambda *a: fn(*a))(*args))
+        return len(re.findall(r"dimension_numbers=\(\(\[[^]]*\], \[[^]]*\]\), \(\[\d", text))
+
+    split_dots = batched_dots(step, cache, tok), batched_dots(verify, cache)
+    split = jax.jit(lambda c: verify(c))(cache)
+    monkeypatch.setattr(layers, "SPLIT_K_PARTS", False)  # attention's own batched dots stay
+    assert split_dots[0] == batched_dots(step, cache, tok)  # decode rows: never split
+    assert split_dots[1] - batched_dots(verify, cache) == 2 * cfg.num_layers
+    whole = jax.jit(lambda c: verify(c))(cache)
+    for got, want in zip(jax.tree_util.tree_leaves(split), jax.tree_util.tree_leaves(whole)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(layers, "SPLIT_K_PARTS", True)
+    monkeypatch.setattr(target, "ADD_NORM_KERNEL", False)
+    with pytest.warns(UserWarning, match="target.ADD_NORM_KERNEL is False"):
+        assert batched_dots(verify, cache) == split_dots[1]  # still split: XLA adds the partials (layers.dense)
+        plain = jax.jit(lambda c: verify(c))(cache)
+    for got, want in zip(jax.tree_util.tree_leaves(plain), jax.tree_util.tree_leaves(whole)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)

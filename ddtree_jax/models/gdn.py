@@ -249,7 +249,7 @@ class GatedDeltaNet(nnx.Module):
                 whole(x)[:, 0], self.A_log[...], self.dt_bias[...], cache.conv, self.conv_weight[...], cache.state,
                 self.norm.weight[...], n_valid, num_k_heads=cfg.gdn_num_k_heads, head_v_dim=cfg.gdn_v_head_dim,
                 eps=self.norm.eps, impl=impl)
-            return self.out_proj(y.reshape(b, 1, -1)), RecurrentCache(conv=window, state=state)
+            return self.out_proj(y.reshape(b, 1, -1), impl), RecurrentCache(conv=window, state=state)
         mixed, z = self.qkv_z_outputs(x)
         mixed, z = mixed[:, 0], z.reshape(b, cfg.gdn_num_v_heads, cfg.gdn_v_head_dim)
         w_a, w_b = self.ab_kernels()
@@ -257,7 +257,7 @@ class GatedDeltaNet(nnx.Module):
             mixed, z, x[:, 0], w_a, w_b, self.A_log[...],
             self.dt_bias[...], cache.conv, self.conv_weight[...], cache.state, self.norm.weight[...], n_valid,
             num_k_heads=cfg.gdn_num_k_heads, eps=self.norm.eps, impl=impl)
-        return self.out_proj(y.reshape(b, 1, -1)), RecurrentCache(conv=window, state=state)
+        return self.out_proj(y.reshape(b, 1, -1), impl), RecurrentCache(conv=window, state=state)
 
     # ---- speculative entry points -------------------------------------------------------
     def tree(self, x, cache: RecurrentCache, visible, conv_src=None, bits=None, impl: str = "xla"

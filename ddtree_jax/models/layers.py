@@ -7,6 +7,7 @@ Parameters use the layouts the converters write: linear kernels [in, out], embed
 from __future__ import annotations
 
 import warnings
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -85,22 +86,83 @@ def _wgmma_product(x: jax.Array, kernel: jax.Array) -> jax.Array:
     return y.reshape(*x.shape[:-1], kernel.shape[1])
 
 
+# Split-K partial sums handed to the add + RMSNorm kernel, at a tree verify's row counts. On the
+# H200 XLA runs the products that feed the residual stream (MLP down, attention o_proj, GDN
+# out_proj) at 65 rows as split-K GEMMs: S float32 partial products, then a reduce fusion that adds
+# them and rounds (2.3-3.9 us a launch, 128 a 27B verify: ~0.4 ms; docs/benchmarks.md sessions 12,
+# 13). A Linear marked `split_k_out` (the DecoderLayer marks them where its norms run as
+# add_rms_norm kernels) returns the S partial products instead (SplitKParts: one batched
+# dot_general, the GEMM XLA ran for its own split) and the kernel adds them. Rows
+# SPLIT_K_MIN_ROWS..SPLIT_K_MAX_ROWS only: at one row (decode) XLA rewrote the batched product as
+# float32 weight transposes (session 12: 13.2 -> 18.3 ms a decode step). S as XLA's autotuner chose
+# it for its own split at 65 rows (optimized HLO of the 27B DDTree loop, session 12).
+# False: XLA's dot (and its own split and reduce); `--override ddtree_jax.models.layers.SPLIT_K_PARTS=False`.
+SPLIT_K_PARTS = True
+SPLIT_K_MIN_ROWS, SPLIT_K_MAX_ROWS = 32, 128
+
+
+def split_k_count(rows: int, k: int) -> int:
+    """Contraction slices for a `split_k_out` product of `rows` rows and contraction k (1: none)."""
+    if not SPLIT_K_MIN_ROWS <= rows <= SPLIT_K_MAX_ROWS:
+        return 1
+    s = 8 if k >= 16384 else 4
+    while s > 1 and k % s:
+        s //= 2
+    return s
+
+
+class SplitKParts(NamedTuple):
+    """x @ kernel as float32 partial products over S slices of the contraction, parts [S, ..., N].
+    pallas_kernels.add_rms_norm adds them (and rounds to the stream's dtype) in its own launch."""
+
+    parts: jax.Array
+
+    def total(self, dtype) -> jax.Array:
+        return jnp.sum(self.parts, axis=0).astype(dtype)
+
+
+def dense(y, dtype=None) -> jax.Array:
+    """y as one array: SplitKParts summed and rounded to dtype; anything else as it is."""
+    return y.total(dtype) if isinstance(y, SplitKParts) else y
+
+
 class Linear(nnx.Module):
     """y = x @ kernel (+ bias); kernel is [in, out]. impl != "xla" with SKINNY_MATMUL on sends the
     products of the skinny matmul's window through it (`skinny_route_takes`); impl "pallas" with
     WGMMA_SKINNY on those of the Mosaic GPU kernel's (`wgmma_route_takes`). After
-    models.int8.quantize_linears the kernel is int8 with a float32 column scale (weight-only)."""
+    models.int8.quantize_linears the kernel is int8 with a float32 column scale (weight-only).
+    `split_k_out` (set by the layer that owns it): with impl != "xla" and SPLIT_K_PARTS, products of
+    a verify's row count return SplitKParts."""
 
     def __init__(self, d_in: int, d_out: int, *, bias: bool = False, dtype="float32", rngs: nnx.Rngs):
         self.kernel = nnx.Param(_init(rngs, (d_in, d_out), dtype, d_in**-0.5))
         self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
         self.scale = None  # [out] float32 when the kernel is int8 (models/int8.py)
+        self.split_k_out = False
 
-    def __call__(self, x: jax.Array, impl: str = "xla") -> jax.Array:
+    def _split_k(self, x: jax.Array, kernel: jax.Array, impl: str) -> int:
+        if not (self.split_k_out and impl != "xla" and SPLIT_K_PARTS and self.bias is None and self.scale is None
+                and x.dtype == kernel.dtype):
+            return 1
+        rows = 1
+        for d in x.shape[:-1]:
+            rows *= d
+        return split_k_count(rows, kernel.shape[0])
+
+    def __call__(self, x: jax.Array, impl: str = "xla") -> jax.Array | SplitKParts:
         kernel = self.kernel[...]
         if self.scale is not None:
             y = int8.product(x, kernel, self.scale[...])
             return y + self.bias[...].astype(y.dtype) if self.bias is not None else y
+        s = self._split_k(x, kernel, impl)
+        if s > 1 and not (impl == "pallas" and WGMMA_SKINNY and wgmma_route_takes(x, kernel)) and not (
+                SKINNY_MATMUL and skinny_route_takes(x, kernel)):
+            k, n = kernel.shape
+            lead = x.ndim - 1
+            parts = jax.lax.dot_general(  # [S, ..., N]: batch over the slices, x read in place
+                x.reshape(*x.shape[:-1], s, k // s), kernel.reshape(s, k // s, n),
+                (((lead + 1,), (1,)), ((lead,), (0,))), preferred_element_type=jnp.float32)
+            return SplitKParts(parts)
         if impl == "pallas" and WGMMA_SKINNY and wgmma_route_takes(x, kernel) and not _hopper():
             warnings.warn("models.layers.WGMMA_SKINNY is on but the device is not an sm_90 GPU: XLA's dot "
                           "runs the skinny products", stacklevel=2)

@@ -24,7 +24,8 @@ from ddtree_jax.config import ATTENTION, GDN, MAMBA2, MLP, MOE, TargetConfig
 from ddtree_jax.tree import Tree, TreeGeometry, chain_geometry, geometry
 from ddtree_jax.models.attention import Attention
 from ddtree_jax.models.gdn import GatedDeltaNet
-from ddtree_jax.models.layers import Embedding, Linear, RMSNorm, Relu2MLP, SwiGLU, apply_rope, rope_cos_sin
+from ddtree_jax.models.layers import (Embedding, Linear, RMSNorm, Relu2MLP, SplitKParts, SwiGLU, apply_rope, dense,
+                                     rope_cos_sin)
 from ddtree_jax.models.mamba2 import Mamba2Mixer
 from ddtree_jax.models.moe import NemotronMoE
 from pallas_kernels.add_rms_norm import add_rms_norm
@@ -43,12 +44,14 @@ class Stream(NamedTuple):
     delta: jax.Array
 
     def total(self) -> jax.Array:
-        return self.x + self.delta
+        return self.x + dense(self.delta, self.x.dtype)
 
 
-def add_norm(norm: RMSNorm, x: jax.Array, delta: jax.Array, impl: str):
-    """(x + delta, norm(x + delta)) in one kernel launch."""
+def add_norm(norm: RMSNorm, x: jax.Array, delta, impl: str):
+    """(x + delta, norm(x + delta)) in one kernel launch; delta may be SplitKParts (the kernel adds
+    the partial products too)."""
     mode = "zero_centered" if norm.zero_centered else "fp32_weight" if norm.weight_fp32 else "plain"
+    delta = delta.parts if isinstance(delta, SplitKParts) else delta
     return add_rms_norm(x, delta, norm.weight[...], eps=norm.eps, mode=mode, impl=impl)
 
 
@@ -123,6 +126,10 @@ class DecoderLayer(nnx.Module):
             self.post_attention_layernorm = norm()
         if cfg.block_ffn or kind == MLP:
             self.mlp = _ffn(cfg, cfg.intermediate_size, dtype=dtype, rngs=rngs)
+        if cfg.block_ffn and not cfg.residual_in_fp32:  # the add + norm kernels take split-K partials
+            out = {ATTENTION: "o_proj", GDN: "out_proj", MAMBA2: "out_proj"}.get(kind)
+            for proj in ([getattr(self.mixer(), out)] if out else []) + [self.mlp.down_proj]:
+                proj.split_k_out = True
 
     def mixer(self):
         return getattr(self, {ATTENTION: "self_attn", GDN: "linear_attn", MAMBA2: "mamba", MOE: "moe", MLP: "mlp"}[self.kind])
@@ -140,9 +147,9 @@ class DecoderLayer(nnx.Module):
         if fused:
             x, normed = add_norm(self.post_attention_layernorm, residual, h, impl)
             return Stream(x, self.mlp(normed, impl))  # the next norm adds the MLP's output
-        x = residual + h
+        x = residual + dense(h, residual.dtype)
         if self.block_ffn:
-            x = x + self.mlp(self.post_attention_layernorm(x), impl)
+            x = x + dense(self.mlp(self.post_attention_layernorm(x), impl), x.dtype)
         return x
 
     def _stateless(self, h):
