@@ -121,6 +121,11 @@ def test_engine_and_cli_take_an_int8_drafter(capsys):
     assert cli.main(["--prompt", "def add(a, b):", "--max-new-tokens", "16", "--int8-drafter", "--compare-ar",
                      "--no-stream"]) in (0, None)
     assert "output identical to plain decoding: yes" in capsys.readouterr().err
+    from ddtree_jax.demo import demo_paths
+
+    with pytest.raises(SystemExit):  # a target without a drafter: named, no traceback
+        cli.main(["--target", demo_paths()[0], "--int8-drafter", "--prompt", "x", "--max-new-tokens", "2"])
+    assert "an int8 drafter needs a DFlash drafter (--drafter)" in capsys.readouterr().err
 
 
 def test_keep_float_leaves_the_named_products_in_their_dtype(monkeypatch):
