@@ -73,6 +73,30 @@ def marginal_ms(call_ms: Callable[[int], float], n: int) -> tuple[float, float]:
     return per, once - n * per
 
 
+def paired_marginal_ms(call: Callable[[int], Callable[[], object]], n: int, repeats: int
+                       ) -> tuple[float, float, list[float]]:
+    """marginal_ms with the n and 2n calls timed in pairs, one pair per repeat: (median of the
+    pairs' ms per iteration, median fixed ms per call, every pair's ms per iteration). The
+    difference of two medians taken minutes apart moves with the GPU's clock between them (the
+    27B decode step read 13.92 ms in one process where its T(16) / 16 and every other process said
+    ~13.1-13.3: docs/benchmarks.md, session 13); a pair shares the conditions it ran under.
+    call(k)() runs k iterations; both are warmed up first."""
+    once, twice = call(n), call(2 * n)
+    jax.block_until_ready(once())
+    jax.block_until_ready(twice())
+    pers, fixed = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(once())
+        t1 = time.perf_counter()
+        jax.block_until_ready(twice())
+        t2 = time.perf_counter()
+        a, b = 1000 * (t1 - t0), 1000 * (t2 - t1)
+        pers.append((b - a) / n)
+        fixed.append(a - n * pers[-1])
+    return statistics.median(pers), statistics.median(fixed), pers
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec"))
 def _propose(graphdef, params, dparams, s, spec):
     return gen.propose(nnx.merge(graphdef, params), dparams, s, spec)

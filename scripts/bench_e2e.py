@@ -9,7 +9,8 @@ a 4k context (no 4k prefill to compile), then we time, by the median of repeats:
     same run (a large bf16 reduction and a large bf16 GEMV);
   - one DDTree step (draft + tree build + verify + commit) at budget 64, whole and by phase;
   - N and 2N steps inside one on-device while_loop (no host sync per step): the step is the
-    marginal cost (T(2N) - T(N)) / N, net of the per-call host dispatch (a ~1000-leaf params
+    marginal cost (T(2N) - T(N)) / N, the median over back-to-back (N, 2N) pairs (since session
+    13; before, the difference of the two medians), net of the per-call host dispatch (a ~1000-leaf params
     pytree: several ms a call on the H200, paid once per generation chunk, not per step), which is
     reported beside it, as is T(N) / N, the per-step figure of sessions 1-7 that carried 1/N of it;
   - batch 1 and 8; peak device memory.
@@ -35,7 +36,7 @@ from flax import nnx
 
 from ddtree_jax import atomic
 from ddtree_jax import autotune_cache, overrides
-from ddtree_jax.bench import marginal_ms, median_ms
+from ddtree_jax.bench import median_ms, paired_marginal_ms
 from ddtree_jax.cache import KVCache, RecurrentCache, TargetCache
 from ddtree_jax.config import TargetConfig
 from ddtree_jax.drafter_config import DrafterConfig
@@ -250,9 +251,11 @@ def main(argv=None) -> int:
             row[f"{mode}_step_ms"] = ms
             row[f"{mode}_compile_and_warm_s"] = time.time() - t_c
             n = args.loop_steps
-            reps = max(3, args.repeats)
-            per, fixed = marginal_ms(lambda k: median_ms(lambda: n_steps(params, dparams, s, jnp.int32(k), spec), reps), n)
-            row[f"{mode}_loop_step_ms"] = per  # marginal: what one more step costs
+            reps = max(5, args.repeats)
+            per, fixed, pairs = paired_marginal_ms(lambda k: lambda: n_steps(params, dparams, s, jnp.int32(k), spec),
+                                                   n, reps)
+            row[f"{mode}_loop_step_ms"] = per  # marginal: what one more step costs (median of paired runs)
+            row[f"{mode}_loop_step_pairs_ms"] = pairs
             row[f"{mode}_dispatch_ms"] = fixed
             row[f"{mode}_loop_incl_dispatch_ms"] = per + fixed / n  # T(n) / n: sessions 1-7's "in-loop" figure
             print(f"[bench] batch {batch} {mode}: {ms:.2f} ms/step (single call), {row[f'{mode}_loop_step_ms']:.2f} "

@@ -3,6 +3,8 @@ figures, the roofline and the phase split land in its JSON."""
 
 import json
 
+import numpy as np
+
 
 def test_bench_e2e_smoke_writes_every_figure(tmp_path, monkeypatch):
     from ddtree_jax.models import gdn
@@ -65,3 +67,31 @@ def test_marginal_ms_separates_the_per_call_cost():
     per, fixed = marginal_ms(lambda k: calls.append(k) or 7.0 + 2.5 * k, 16)
     assert calls == [16, 32]
     assert abs(per - 2.5) < 1e-12 and abs(fixed - 7.0) < 1e-12
+
+
+def test_paired_marginal_ms_times_n_and_2n_back_to_back(monkeypatch):
+    """bench.paired_marginal_ms (bench_e2e's step): each repeat times an n- and a 2n-iteration call
+    back to back and the step is the median of the pairs' differences. A slow stretch of the GPU
+    (here calls 6..9 in time order run 1 ms an iteration slower) covers two of five pairs and
+    leaves the median alone (2.5 ms), where the difference of a median of five n-calls and a median
+    of five 2n-calls timed after them (the estimator before session 13) reads 4.5."""
+    import ddtree_jax.bench as B
+
+    clock = {"t": 0.0, "i": 0}
+
+    def call(k):
+        def run():
+            per = 2.5 + (1.0 if 6 <= clock["i"] <= 9 else 0.0)
+            clock["t"] += (7.0 + per * k) / 1000
+            clock["i"] += 1
+        return run
+
+    monkeypatch.setattr(B.time, "perf_counter", lambda: clock["t"])
+    monkeypatch.setattr(B.jax, "block_until_ready", lambda x: x)
+    per, fixed, pairs = B.paired_marginal_ms(call, 16, 5)
+    assert len(pairs) == 5 and clock["i"] == 2 + 2 * 5
+    assert abs(per - 2.5) < 1e-9 and abs(fixed - 7.0) < 1e-9
+    assert np.allclose(sorted(pairs)[-2:], [3.5, 3.5])  # the slow pairs are recorded, not used
+    clock.update(t=0.0, i=0)
+    old, _ = B.marginal_ms(lambda k: B.median_ms(call(k), 5), 16)  # n-calls 1..5, 2n-calls 7..11 (6: warm-up)
+    assert abs(old - 4.5) < 1e-9  # all of the stretch lands in the 2n median: 2 ms an iteration too many
