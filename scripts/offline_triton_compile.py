@@ -213,6 +213,17 @@ def gdn_prologue_cases(nodes: int):
         opts = dict(num_warps=warps)
         yield opts, warps, functools.partial(gdn_tree_prologue, num_k_heads=hk, head_k_dim=dk, head_v_dim=dv,
                                              impl="pallas", **opts), shapes
+    # the model's form: the whole qkv | z | b | a product with the gates, as the product or as 2
+    # float32 split-K partials (gdn.IN_PROJ_PARTS)
+    width = c + hv * dv + 2 * hv
+    gates = (jax.ShapeDtypeStruct((hv,), bf), jax.ShapeDtypeStruct((hv,), bf))
+    for parts in (0, 2):
+        mixed = (jax.ShapeDtypeStruct((parts, 1, nodes, width), jnp.float32) if parts
+                 else jax.ShapeDtypeStruct((1, nodes, width), bf))
+        fn = functools.partial(gdn_tree_prologue, num_k_heads=hk, head_k_dim=dk, head_v_dim=dv, impl="pallas",
+                               out_dtype=bf, ba_col=c + hv * dv)
+        yield dict(num_warps=8, gated=True, partials=parts), 8, (lambda f: lambda m, w, cw, s, a, d: f(
+            m, w, cw, s, gates=(a, d)))(fn), (mixed, *shapes[1:], *gates)
 
 
 def attention_cases(nodes: int):

@@ -90,6 +90,37 @@ def test_kernel_gates_equal_reference(n, seed, bf16):
                           **KW)
 
 
+PARTIALS = {(gated, impl): jax.jit(functools.partial(gdn_tree_prologue, impl=impl, out_dtype=jnp.bfloat16,
+                                                     **(dict(ba_col=D + HV * DV) if gated else {}), **KW))
+            for gated in (False, True) for impl in ("xla", "pallas_interpret")}
+
+
+@settings(max_examples=6, deadline=None)
+@given(n=st.sampled_from([16, 17]), seed=st.integers(0, 2**31 - 1), slices=st.sampled_from([1, 2, 3]),
+       gated=st.booleans())
+def test_kernel_adds_split_k_partials(n, seed, slices, gated):
+    """mixed as float32 split-K partials [S, B, N, W] (models.layers.SplitKParts): the kernel adds
+    and rounds them to the output dtype on load; every output equals the call on the summed
+    product (the reference's `summed_partials`), and the summed conv inputs come back last."""
+    from pallas_kernels.gdn_tree_prologue import summed_partials
+
+    rng = np.random.default_rng(seed)
+    mixed, window, conv_w, src = _inputs(n, seed, jnp.bfloat16, extra=HV * DV + 2 * HV)
+    parts = jnp.asarray(rng.normal(size=(slices, *mixed.shape)) * 0.6, jnp.float32)
+    summed = summed_partials(parts, jnp.bfloat16)
+    kw = dict(gates=(jnp.asarray(rng.normal(size=HV), jnp.bfloat16),) * 2) if gated else {}
+    fns = GATED if gated else PROLOGUE
+    want = fns["pallas_interpret"](summed, window, conv_w, src, **kw)
+    got, ref = (PARTIALS[gated, impl](parts, window, conv_w, src, **kw) for impl in ("pallas_interpret", "xla"))
+    assert len(got) == len(want) + 1 == len(ref)
+    for w, g in zip(want, got):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+    np.testing.assert_array_equal(np.asarray(got[-1], np.float32), np.asarray(summed[..., :D], np.float32))
+    np.testing.assert_array_equal(np.asarray(ref[-1], np.float32), np.asarray(summed[..., :D], np.float32))
+    with pytest.raises(ValueError, match="must be float32 and come with out_dtype"):
+        gdn_tree_prologue(parts, window, conv_w, src, impl="pallas_interpret", **KW)
+
+
 def test_shapes_the_kernel_refuses():
     assert kernel_problems(65, 16, 128, 48, 128) == [] and kernel_problems(16, 16, 128, 48, 128) == []
     problems = kernel_problems(24, 16, 96, 40, 128)
@@ -124,8 +155,13 @@ def test_lowers_for_sm90_at_the_27b_layer():
         m, win, w, src, num_k_heads=hk, head_k_dim=dk, head_v_dim=dv, impl="pallas",
         gates=(jnp.zeros((hv,), jnp.bfloat16), jnp.zeros((hv,), jnp.bfloat16)), ba_col=c + hv * dv)
     [(_, ttir_gated)] = capture_ttir(gated, *wide)
+    # the same from 2 float32 split-K partials of the product (gdn.IN_PROJ_PARTS)
+    gated_parts = lambda m, win, w, src: gdn_tree_prologue(
+        m, win, w, src, num_k_heads=hk, head_k_dim=dk, head_v_dim=dv, impl="pallas", out_dtype=jnp.bfloat16,
+        gates=(jnp.zeros((hv,), jnp.bfloat16), jnp.zeros((hv,), jnp.bfloat16)), ba_col=c + hv * dv)
+    [(_, ttir_parts)] = capture_ttir(gated_parts, jax.ShapeDtypeStruct((2, *wide[0].shape), jnp.float32), *wide[1:])
     pytest.importorskip("triton")
-    for text in (ttir, ttir_gated):
+    for text in (ttir, ttir_gated, ttir_parts):
         res = compile_ttir(text, num_warps=8, num_stages=1)
         assert res["regs"] <= 255 and res["stack_bytes"] == 0, res
 
@@ -161,6 +197,39 @@ def test_model_route_gives_the_xla_forms_outputs(monkeypatch):
     (want, want_count), (got, got_count) = run(False), run(True)
     gdn_layers = sum(kind == "gdn" for kind in cfg.layer_types)
     assert want_count == 0 and got_count == gdn_layers
+    for w, g in zip(jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(got)):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=1e-4, atol=1e-4)
+
+
+def test_model_in_proj_partials_give_the_same_verify_and_commit(monkeypatch):
+    """models.gdn.IN_PROJ_PARTS on (opt-in): the qkv | z | b | a product of a tree verify returns
+    split-K partials (one batched dot_general a GDN layer) that the prologue kernel adds; logits
+    and committed caches equal the route with it off."""
+    import re
+
+    from flax import nnx
+
+    from ddtree_jax.models import gdn, layers
+    from tests.tree_harness import kernel_route_case
+
+    monkeypatch.setattr(layers, "SPLIT_K_MIN_ROWS", 1)  # the tiny verify's rows
+    cfg, gd, params, cache, tokens, parents, path, counts = kernel_route_case(41, 3)
+    n = tokens.shape[1]
+
+    def run(on):
+        monkeypatch.setattr(gdn, "IN_PROJ_PARTS", on)
+        def fn(p, c):  # a fresh function per setting: the switch is read when traced
+            model = nnx.merge(gd, p)
+            tree = make_tree(tokens, parents, jnp.ones((B, n), bool), c.lengths, max_depth=n - 1)
+            h, _, pending = model.verify(tokens, c, tree, impl="pallas_interpret")
+            return model.logits(h), model.commit(pending, path, counts, c, "pallas_interpret")
+
+        text = str(jax.make_jaxpr(fn)(params, cache))
+        batched = len(re.findall(r"dimension_numbers=\(\(\[[^]]*\], \[[^]]*\]\), \(\[\d", text))
+        return jax.jit(fn)(params, cache), batched
+
+    (want, want_dots), (got, got_dots) = run(False), run(True)
+    assert got_dots - want_dots == sum(kind == "gdn" for kind in cfg.layer_types)
     for w, g in zip(jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(got)):
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=1e-4, atol=1e-4)
 

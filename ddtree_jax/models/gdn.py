@@ -18,7 +18,7 @@ from ddtree_jax.cache import RecurrentCache
 from ddtree_jax.config import TargetConfig
 from ddtree_jax.models import delta_rule
 from ddtree_jax.models.conv import causal_conv, next_window, tree_conv
-from ddtree_jax.models.layers import GatedRMSNorm, Linear, unmerged_inputs
+from ddtree_jax.models.layers import GatedRMSNorm, Linear, SplitKParts, unmerged_inputs
 
 
 class RecurrentPending(NamedTuple):
@@ -64,6 +64,16 @@ MERGED_QKVZ_BA = True
 # verify; isolated 9.2 us against 13.4 for the XLA form (batch 1), 26.7 vs 51.9 (batch 8).
 # False keeps the XLA form (announced by a warning when traced).
 TREE_PROLOGUE_KERNEL = True
+
+# Opt-in, not yet measured on the GPU: with the prologue kernel and the merged qkv | z | b | a
+# product, a verify's product returns IN_PROJ_PARTS_SLICES float32 split-K partials
+# (models.layers.SplitKParts) that the prologue kernel adds on load, so XLA's reduce after its own
+# split-K GEMM goes away (4.5 us a 27B layer at 65 nodes, 0.22 ms a step; XLA split this product
+# in 2: docs/benchmarks.md session 13); z's partials are added by XLA inside the gated norm's
+# fusion. Open: which GEMM XLA picks for the explicit batched product (session 9's 2-slice down
+# product took a slower Triton GEMM). True: `--override ddtree_jax.models.gdn.IN_PROJ_PARTS=True`.
+IN_PROJ_PARTS = False
+IN_PROJ_PARTS_SLICES = 2
 
 
 def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
@@ -277,7 +287,12 @@ class GatedDeltaNet(nnx.Module):
         whole = getattr(self, "in_proj_qkvzba", None)
         if prologue and whole is not None:  # the prologue kernel computes the gates from the b | a columns too
             cfg = self.cfg
-            mixed, z, _ = self._split_qkvzba(whole(x, impl), wide_conv_in=True)
+            y = whole(x, impl, split_k=IN_PROJ_PARTS_SLICES if IN_PROJ_PARTS else None)
+            if isinstance(y, SplitKParts):  # the prologue adds the conv and gate columns' partials
+                c, vd = cfg.gdn_conv_dim, cfg.gdn_value_dim
+                mixed, z = y.parts, SplitKParts(y.parts[..., c : c + vd]).total(x.dtype)
+            else:
+                mixed, z, _ = self._split_qkvzba(y, wide_conv_in=True)
             z = z.reshape(*x.shape[:2], cfg.gdn_num_v_heads, cfg.gdn_v_head_dim)
             gates, g, beta = (self.A_log[...], self.dt_bias[...]), None, None
         else:
@@ -300,9 +315,10 @@ class GatedDeltaNet(nnx.Module):
                                     impl=impl, gates=gates, ba_col=cfg.gdn_conv_dim + cfg.gdn_value_dim)
             q, k, v, k32 = out[:4]
             if gates is not None:
-                g, beta = out[4:]
+                g, beta = out[4:6]
+            conv_in = out[-1] if mixed.ndim == 4 else mixed  # partials: the kernel's summed conv inputs
             return self._tree_kernel(q, k, v, g, beta, cache, bits, z, x.dtype, impl,
-                                     RecurrentPending(mixed, k32, v, g, beta))
+                                     RecurrentPending(conv_in, k32, v, g, beta))
         conv = causal_conv(mixed, cache.conv, w) if conv_src is None else tree_conv(mixed, cache.conv, w, conv_src)
         q, k, v = self.heads(jax.nn.silu(conv).astype(x.dtype))
         if impl != "xla":  # trees and chains (linear DFlash): a chain is a tree of depth N - 1

@@ -118,7 +118,11 @@ class SplitKParts(NamedTuple):
     parts: jax.Array
 
     def total(self, dtype) -> jax.Array:
-        return jnp.sum(self.parts, axis=0).astype(dtype)
+        """The product: the partials added in float32 and rounded to dtype once (a reduce_precision:
+        XLA may otherwise drop an f32 -> 16-bit -> f32 round trip under jit)."""
+        summed = jnp.sum(self.parts, axis=0)
+        info = jnp.finfo(dtype)
+        return jax.lax.reduce_precision(summed, info.nexp, info.nmant).astype(dtype)
 
 
 def dense(y, dtype=None) -> jax.Array:
@@ -140,21 +144,24 @@ class Linear(nnx.Module):
         self.scale = None  # [out] float32 when the kernel is int8 (models/int8.py)
         self.split_k_out = False
 
-    def _split_k(self, x: jax.Array, kernel: jax.Array, impl: str) -> int:
-        if not (self.split_k_out and impl != "xla" and SPLIT_K_PARTS and self.bias is None and self.scale is None
-                and x.dtype == kernel.dtype):
+    def _split_k(self, x: jax.Array, kernel: jax.Array, impl: str, slices: int | None) -> int:
+        if not ((self.split_k_out or slices) and impl != "xla" and SPLIT_K_PARTS and self.bias is None
+                and self.scale is None and x.dtype == kernel.dtype):
             return 1
         rows = 1
         for d in x.shape[:-1]:
             rows *= d
-        return split_k_count(rows, kernel.shape[0])
+        s = split_k_count(rows, kernel.shape[0])
+        return s if s == 1 or not slices else (slices if kernel.shape[0] % slices == 0 else 1)
 
-    def __call__(self, x: jax.Array, impl: str = "xla") -> jax.Array | SplitKParts:
+    def __call__(self, x: jax.Array, impl: str = "xla", split_k: int | None = None) -> jax.Array | SplitKParts:
+        """split_k: ask for SplitKParts over that many slices (a consumer that adds them itself),
+        under the same conditions as `split_k_out` (rows in the window, SPLIT_K_PARTS, impl)."""
         kernel = self.kernel[...]
         if self.scale is not None:
             y = int8.product(x, kernel, self.scale[...])
             return y + self.bias[...].astype(y.dtype) if self.bias is not None else y
-        s = self._split_k(x, kernel, impl)
+        s = self._split_k(x, kernel, impl, split_k)
         if s > 1 and not (impl == "pallas" and WGMMA_SKINNY and wgmma_route_takes(x, kernel)) and not (
                 SKINNY_MATMUL and skinny_route_takes(x, kernel)):
             k, n = kernel.shape
