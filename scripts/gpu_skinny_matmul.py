@@ -154,7 +154,9 @@ def time_variant(f, x, ws, on_gpu):
         xi, _ = lax.optimization_barrier((x, i))
         return f(xi, w)
 
-    est = 2 * ws[0].size / 4e12
+    import jax
+
+    est = sum(a.nbytes for a in jax.tree_util.tree_leaves(ws[0])) / 4e12  # a weight may be a (q, scale) pytree
     t, _ = time_jax(call, ws, est, on_gpu=on_gpu)
     return t
 

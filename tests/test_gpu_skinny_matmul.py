@@ -27,6 +27,9 @@ def test_weight_layout_script_cpu_smoke(tmp_path):
     from scripts.gpu_weight_layout import main
 
     out = tmp_path / "wl.json"
-    assert main(["--cpu-smoke", "--rows", "1,5", "--out", str(out)]) == 0
+    assert main(["--cpu-smoke", "--rows", "1,5", "--int8", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == 4 and all(r["out_in_err"] < 1e-5 and r["in_out_us"] > 0 and r["out_in_us"] > 0 for r in rows)
+    # the int8 forms (--int8): both orientations give the same product, near the bf16 one
+    assert all(r["int8_in_out_err"] < 5e-2 and abs(r["int8_out_in_err"] - r["int8_in_out_err"]) < 1e-2
+               and r["int8_out_in_us"] > 0 for r in rows)
