@@ -207,10 +207,10 @@ def phase_times(engine: Engine, prompt_ids: Sequence[int], spec: gen.GenSpec, re
 def phase_times_at(graphdef, params, dparams, s: gen.LoopState, spec: gen.GenSpec, key, repeats: int = 10,
                    inner: int = 8) -> dict[str, float]:
     """Per-phase ms of one step from state s: each phase runs inside one on-device loop of `inner`
-    and of 2 x `inner` iterations (medians over `repeats` calls); their difference / inner is the
-    phase's time without the host dispatch of a call. A phase shorter than the calls' dispatch
-    jitter / inner reads 0 (the difference is clamped at zero): raise `inner` for large models
-    (scripts/bench_e2e.py uses 32)."""
+    and of 2 x `inner` iterations, timed back to back `repeats` times (paired_marginal_ms); the
+    median difference / inner is the phase's time without the host dispatch of a call. A phase
+    shorter than the calls' dispatch jitter / inner reads 0 (the difference is clamped at zero):
+    raise `inner` for large models (scripts/bench_e2e.py uses 32)."""
     eos = jnp.zeros((0,), jnp.int32)
     logq = tree = res = None
     phases = ("step",) if spec.mode == "ar" else ("draft", "build", "verify", "commit")
@@ -222,7 +222,7 @@ def phase_times_at(graphdef, params, dparams, s: gen.LoopState, spec: gen.GenSpe
     for phase in phases:
         run = lambda n: (lambda: _phase_loop(graphdef, params, dparams, s, logq, tree, res, eos, key, spec, phase,
                                              jnp.int32(n)))
-        per, _ = marginal_ms(lambda k: median_ms(run(k), repeats), inner)
+        per, _, _ = paired_marginal_ms(run, inner, repeats)
         out[phase] = max(per, 0.0)
     return out
 

@@ -58,7 +58,8 @@ def test_overrides_set_route_constants_and_report_every_bad_spec(monkeypatch):
 
 
 def test_marginal_ms_separates_the_per_call_cost():
-    """bench.marginal_ms (bench_e2e's step, profile_step's phases, ddtree-bench's phase split):
+    """bench.marginal_ms (profile_step's marginal figures; bench_e2e's step and the phase split
+    take the paired form below since session 13):
     from a call costing 7 ms plus 2.5 ms an iteration it recovers both, where T(16) / 16 would
     read 2.94 ms an iteration."""
     from ddtree_jax.bench import marginal_ms
