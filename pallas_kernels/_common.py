@@ -68,6 +68,16 @@ def dot_precision(dtype):
     return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
 
 
+def summed_partials(parts, dtype):
+    """Split-K partial products [S, ...] added in float32 (index order) and rounded to dtype once:
+    what XLA's reduce after its own split-K GEMM writes. The rounding is a reduce_precision: under
+    jit XLA may drop a bare f32 -> 16-bit -> f32 round trip (its default excess precision; seen on
+    CPU), adding the unrounded sum."""
+    total = jnp.sum(parts.astype(jnp.float32), axis=0)
+    info = jnp.finfo(dtype)
+    return lax.reduce_precision(total, info.nexp, info.nmant).astype(dtype)
+
+
 def next_pow2(x: int) -> int:
     return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
 

@@ -24,8 +24,9 @@ stay in registers for the second loop that normalizes and stores. The first form
 partials as one [8, 8192] float32 block (4 warps, 256 KB of registers a program), spilled heavily
 and took 10.9 us a launch on the H200. This one, after a batched product that writes the
 partials (ncu, H200, 65 x 5120 bf16): 4.1 us at S = 4 (reduce + plain kernel: 2.8 + 3.5 us),
-5.6 us at S = 8 (4.2 + 3.4 us); no spill at PARTS_WARPS / PARTS_CHUNK (32 registers:
-scripts/offline_triton_compile.py add_rms_norm).
+5.6 us at S = 8 (4.2 + 3.4 us; 2026-11-30, an ad hoc ncu harness: docs/kernels_dense.md; the
+rerunnable comparison is scripts/gpu_add_rms_norm.py); no spill at PARTS_WARPS / PARTS_CHUNK (32
+registers: scripts/offline_triton_compile.py add_rms_norm).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import check_impl, compiler_params, load, next_pow2, store
+from pallas_kernels._common import check_impl, compiler_params, load, next_pow2, store, summed_partials
 
 MODES = ("zero_centered", "fp32_weight", "plain")
 DEFAULT_WARPS = 4
@@ -64,14 +65,8 @@ def _normed(s, w, eps: float, mode: str, dtype):
 
 
 def _dense(x, delta):
-    """delta as one [..., H] array: split-K partial sums [S, ..., H] added in float32, rounded to
-    x's dtype. The rounding is a reduce_precision: under jit XLA may drop a bare f32 -> bf16 -> f32
-    round trip (its default excess precision; seen on CPU at 5120 wide), adding the unrounded sum."""
-    if delta.ndim == x.ndim + 1:
-        summed = jnp.sum(delta.astype(jnp.float32), axis=0)
-        info = jnp.finfo(x.dtype)
-        return jax.lax.reduce_precision(summed, info.nexp, info.nmant).astype(x.dtype)
-    return delta
+    """delta as one [..., H] array: split-K partial sums [S, ..., H] added and rounded to x's dtype."""
+    return summed_partials(delta, x.dtype) if delta.ndim == x.ndim + 1 else delta
 
 
 def reference(x, delta, weight, *, eps: float, mode: str):

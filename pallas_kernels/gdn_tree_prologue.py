@@ -54,14 +54,7 @@ from jax.experimental import pallas as pl
 
 from ddtree_jax.models.conv import tree_conv
 from ddtree_jax.models.gdn import gate_values, l2_normalize
-from pallas_kernels._common import check_impl, compiler_params, is_pow2
-
-
-def summed_partials(parts, dtype):
-    """Split-K partials [S, ...] added in float32 (index order) and rounded to dtype once."""
-    total = jnp.sum(parts.astype(jnp.float32), axis=0)
-    info = jnp.finfo(dtype)
-    return jax.lax.reduce_precision(total, info.nexp, info.nmant).astype(dtype)
+from pallas_kernels._common import check_impl, compiler_params, is_pow2, summed_partials
 
 
 def reference(mixed, window, conv_w, conv_src, *, num_k_heads: int, head_k_dim: int, head_v_dim: int,

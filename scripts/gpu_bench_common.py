@@ -207,13 +207,18 @@ def max_rel_err(want, got) -> float:
 DTYPE_ERR_COLUMNS = [("float32_rel_err", "fp32 err", 9, ".1e"), ("bfloat16_rel_err", "bf16 err", 9, ".1e")]
 
 
-def finish_dtype_checked(report, lead, out: str) -> int:
-    """The end of a kernel script whose rows hold float32_ok / bfloat16_ok checks and `<variant>_us`
-    timings: the table (lead columns, then the error columns), and the exit code (1 if a row
-    failed a check or has an error)."""
-    ok = lambda r: bool(r.get("float32_ok") and r.get("bfloat16_ok"))
-    print_timing_table(report["rows"], list(lead) + DTYPE_ERR_COLUMNS, ok)
+def finish_checked(report, lead, ok, out: str) -> int:
+    """The end of a kernel script whose rows hold `<variant>_us` timings and checks that `ok(row)`
+    reads: the table, where the report went, and the exit code (1 if a row failed a check or
+    has an error)."""
+    print_timing_table(report["rows"], lead, ok)
     print(f"wrote {out}")
     failed = [r for r in report["rows"] if not ok(r) or any(k.endswith("error") for k in r)]
     return 1 if failed else 0
+
+
+def finish_dtype_checked(report, lead, out: str) -> int:
+    """finish_checked for rows holding float32_ok / bfloat16_ok checks (and their error columns)."""
+    ok = lambda r: bool(r.get("float32_ok") and r.get("bfloat16_ok"))
+    return finish_checked(report, list(lead) + DTYPE_ERR_COLUMNS, ok, out)
 

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
 
-from gpu_bench_common import err_str, kernel_run_setup, print_timing_table, time_jax  # noqa: E402
+from gpu_bench_common import err_str, finish_checked, kernel_run_setup, time_jax  # noqa: E402
 from ddtree_jax import atomic  # noqa: E402
 
 
@@ -88,10 +88,7 @@ def main(argv=None) -> int:
             atomic.write_json(args.out, report)
             print(f"[select] {row}", flush=True)
     equal = lambda r: all(v for key, v in r.items() if key.endswith("_equal"))
-    print_timing_table(report["rows"], [("batch", "B", 2, None), ("budget", "budget", 6, None)], equal)
-    print(f"wrote {args.out}")
-    failed = [r for r in report["rows"] if not equal(r) or any(k.endswith("error") for k in r)]
-    return 1 if failed else 0
+    return finish_checked(report, [("batch", "B", 2, None), ("budget", "budget", 6, None)], equal, args.out)
 
 
 if __name__ == "__main__":

@@ -185,12 +185,11 @@ def test_model_hands_split_k_partials_to_the_kernel_at_verify_rows(monkeypatch):
     verify's results equal the unsplit route's; a decode step (rows < SPLIT_K_MIN_ROWS) keeps plain
     products; SPLIT_K_PARTS=False gives plain products; with ADD_NORM_KERNEL=False XLA adds the
     partials and the results are the same."""
-    import re
-
     from ddtree_jax.cache import init_target_cache
     from ddtree_jax.models import layers, target
     from ddtree_jax.tree import make_tree
     from tests.tiny_models import HYBRID, make_target
+    from tests.tree_harness import batched_dot_count
 
     monkeypatch.setattr(layers, "SPLIT_K_MIN_ROWS", 8)  # the tiny verify: 2 x 5 nodes; a decode step: 2 rows
     cfg, gd, params = make_target(dict(head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16),
@@ -211,8 +210,7 @@ def test_model_hands_split_k_partials_to_the_kernel_at_verify_rows(monkeypatch):
                                             impl="pallas_interpret")[:2]
 
     def batched_dots(fn, *args):  # dot_generals with batch dimensions; a fresh trace (no cache hit)
-        text = str(jax.make_jaxpr(lambda *a: fn(*a))(*args))
-        return len(re.findall(r"dimension_numbers=\(\(\[[^]]*\], \[[^]]*\]\), \(\[\d", text))
+        return batched_dot_count(str(jax.make_jaxpr(lambda *a: fn(*a))(*args)))
 
     split_dots = batched_dots(step, cache, tok), batched_dots(verify, cache)
     split = jax.jit(lambda c: verify(c))(cache)
@@ -229,3 +227,16 @@ def test_model_hands_split_k_partials_to_the_kernel_at_verify_rows(monkeypatch):
         plain = jax.jit(lambda c: verify(c))(cache)
     for got, want in zip(jax.tree_util.tree_leaves(plain), jax.tree_util.tree_leaves(whole)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_gpu_script_cpu_smoke(tmp_path):
+    """scripts/gpu_add_rms_norm.py --cpu-smoke: both forms (XLA's reduce + the plain kernel, the
+    partials path) agree with the reference in the interpreter and land in the report."""
+    import json
+
+    from scripts.gpu_add_rms_norm import main
+
+    out = tmp_path / "arn.json"
+    assert main(["--cpu-smoke", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["parts"] for r in rows] == [4, 8] and all(r["xla_ok"] and r["c32w4_ok"] for r in rows)

@@ -93,22 +93,18 @@ def test_model_route_gives_the_xla_forms_outputs(monkeypatch):
     from flax import nnx
 
     from ddtree_jax.models import attention
-    from ddtree_jax.tree import make_tree
-    from tests.tree_harness import kernel_route_case
+    from tests.tree_harness import kernel_route_case, verify_and_commit
 
     cfg, gd, params, cache, tokens, parents, path, counts = kernel_route_case(43, 4)
-    n = tokens.shape[1]
     tok = jnp.asarray([3, 7], jnp.int32)
 
     def run(on):
         monkeypatch.setattr(attention, "PROLOGUE_KERNEL", on)
+        tree_pass = verify_and_commit(gd, tokens, parents, path, counts)
 
         def fn(p, c):  # a fresh function per setting: the switch is read when traced
-            model = nnx.merge(gd, p)
-            tree = make_tree(tokens, parents, jnp.ones((B, n), bool), c.lengths, max_depth=n - 1)
-            h, _, pending = model.verify(tokens, c, tree, impl="pallas_interpret")
-            step = model(tok[:, None], c, jnp.ones((B,), jnp.int32), chunked=False, impl="pallas_interpret")
-            return model.logits(h), model.commit(pending, path, counts, c, "pallas_interpret"), step
+            step = nnx.merge(gd, p)(tok[:, None], c, jnp.ones((B,), jnp.int32), chunked=False, impl="pallas_interpret")
+            return (*tree_pass(p, c), step)
 
         with warnings.catch_warnings():
             warnings.simplefilter("error", UserWarning)  # the kernel route takes these layers silently

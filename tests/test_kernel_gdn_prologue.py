@@ -101,8 +101,8 @@ PARTIALS = {(gated, impl): jax.jit(functools.partial(gdn_tree_prologue, impl=imp
 def test_kernel_adds_split_k_partials(n, seed, slices, gated):
     """mixed as float32 split-K partials [S, B, N, W] (models.layers.SplitKParts): the kernel adds
     and rounds them to the output dtype on load; every output equals the call on the summed
-    product (the reference's `summed_partials`), and the summed conv inputs come back last."""
-    from pallas_kernels.gdn_tree_prologue import summed_partials
+    product (`_common.summed_partials`), and the summed conv inputs come back last."""
+    from pallas_kernels._common import summed_partials
 
     rng = np.random.default_rng(seed)
     mixed, window, conv_w, src = _inputs(n, seed, jnp.bfloat16, extra=HV * DV + 2 * HV)
@@ -169,10 +169,8 @@ def test_lowers_for_sm90_at_the_27b_layer():
 def test_model_route_gives_the_xla_forms_outputs(monkeypatch):
     """models.gdn.TREE_PROLOGUE_KERNEL on: a tiny hybrid target's tree verify + commit through the
     kernels gives the same logits and committed caches as with it off (the XLA prologue)."""
-    from flax import nnx
-
     from ddtree_jax.models import gdn
-    from tests.tree_harness import kernel_route_case
+    from tests.tree_harness import kernel_route_case, verify_and_commit
 
     cfg, gd, params, cache, tokens, parents, path, counts = kernel_route_case(41, 3)
     n = tokens.shape[1]
@@ -180,12 +178,7 @@ def test_model_route_gives_the_xla_forms_outputs(monkeypatch):
 
     def run(on):
         monkeypatch.setattr(gdn, "TREE_PROLOGUE_KERNEL", on)
-        def fn(p, c):  # a fresh function per setting: the switch is read when traced
-            model = nnx.merge(gd, p)
-            tree = make_tree(tokens, parents, jnp.ones((B, n), bool), c.lengths, max_depth=n - 1)
-            h, _, pending = model.verify(tokens, c, tree, impl="pallas_interpret")
-            return model.logits(h), model.commit(pending, path, counts, c, "pallas_interpret")
-
+        fn = verify_and_commit(gd, tokens, parents, path, counts)  # traced below with the switch set
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             text = str(jax.make_jaxpr(fn)(params, cache))
@@ -205,28 +198,16 @@ def test_model_in_proj_partials_give_the_same_verify_and_commit(monkeypatch):
     """models.gdn.IN_PROJ_PARTS on (opt-in): the qkv | z | b | a product of a tree verify returns
     split-K partials (one batched dot_general a GDN layer) that the prologue kernel adds; logits
     and committed caches equal the route with it off."""
-    import re
-
-    from flax import nnx
-
     from ddtree_jax.models import gdn, layers
-    from tests.tree_harness import kernel_route_case
+    from tests.tree_harness import batched_dot_count, kernel_route_case, verify_and_commit
 
     monkeypatch.setattr(layers, "SPLIT_K_MIN_ROWS", 1)  # the tiny verify's rows
     cfg, gd, params, cache, tokens, parents, path, counts = kernel_route_case(41, 3)
-    n = tokens.shape[1]
 
     def run(on):
         monkeypatch.setattr(gdn, "IN_PROJ_PARTS", on)
-        def fn(p, c):  # a fresh function per setting: the switch is read when traced
-            model = nnx.merge(gd, p)
-            tree = make_tree(tokens, parents, jnp.ones((B, n), bool), c.lengths, max_depth=n - 1)
-            h, _, pending = model.verify(tokens, c, tree, impl="pallas_interpret")
-            return model.logits(h), model.commit(pending, path, counts, c, "pallas_interpret")
-
-        text = str(jax.make_jaxpr(fn)(params, cache))
-        batched = len(re.findall(r"dimension_numbers=\(\(\[[^]]*\], \[[^]]*\]\), \(\[\d", text))
-        return jax.jit(fn)(params, cache), batched
+        fn = verify_and_commit(gd, tokens, parents, path, counts)  # traced below with the switch set
+        return jax.jit(fn)(params, cache), batched_dot_count(str(jax.make_jaxpr(fn)(params, cache)))
 
     (want, want_dots), (got, got_dots) = run(False), run(True)
     assert got_dots - want_dots == sum(kind == "gdn" for kind in cfg.layer_types)

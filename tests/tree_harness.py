@@ -130,6 +130,27 @@ def kernel_route_case(model_seed: int, rng_seed: int, n: int = 17, batch: int = 
     return cfg, gd, params, cache, tokens, parents, path, counts
 
 
+def verify_and_commit(gd, tokens, parents, path, counts, impl: str = "pallas_interpret"):
+    """fn(params, cache) -> (logits, committed cache) of a tree verify + commit over the tree of
+    `kernel_route_case`. A fresh function per call: route switches are read when it is traced."""
+
+    def fn(p, c):
+        model = nnx.merge(gd, p)
+        b, n = tokens.shape
+        tree = make_tree(tokens, parents, jnp.ones((b, n), bool), c.lengths, max_depth=n - 1)
+        h, _, pending = model.verify(tokens, c, tree, impl=impl)
+        return model.logits(h), model.commit(pending, path, counts, c, impl)
+
+    return fn
+
+
+def batched_dot_count(jaxpr_text: str) -> int:
+    """How many dot_generals with batch dimensions a jaxpr's text holds (split-K partial products)."""
+    import re
+
+    return len(re.findall(r"dimension_numbers=\(\(\[[^]]*\], \[[^]]*\]\), \(\[\d", jaxpr_text))
+
+
 def tie_heavy_rows(seed: int, shape, levels: int, p: float = 0.05) -> np.ndarray:
     """float32 normal rows with ties: values rounded to 1 / levels (0: no rounding), and a fraction p
     of the entries each set to -inf, -0.0 and +0.0 (lax.top_k's order puts -0.0 below +0.0)."""

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ddtree_jax.models import int8
+from pallas_kernels._common import summed_partials
 from pallas_kernels.skinny_matmul import skinny_matmul
 
 
@@ -118,11 +119,8 @@ class SplitKParts(NamedTuple):
     parts: jax.Array
 
     def total(self, dtype) -> jax.Array:
-        """The product: the partials added in float32 and rounded to dtype once (a reduce_precision:
-        XLA may otherwise drop an f32 -> 16-bit -> f32 round trip under jit)."""
-        summed = jnp.sum(self.parts, axis=0)
-        info = jnp.finfo(dtype)
-        return jax.lax.reduce_precision(summed, info.nexp, info.nmant).astype(dtype)
+        """The product: the partials added in float32 and rounded to dtype once."""
+        return summed_partials(self.parts, dtype)
 
 
 def dense(y, dtype=None) -> jax.Array:

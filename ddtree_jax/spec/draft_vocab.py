@@ -94,30 +94,27 @@ def load_ids(spec: str | int, vocab_size: int) -> np.ndarray:
     return check_ids(np.asarray(ids), vocab_size)
 
 
+def _target_head(target_model) -> jax.Array:
+    """The target's head as [H, V]: its lm_head, or its tied embedding transposed (a view for XLA)."""
+    if target_model.lm_head is None:
+        return target_model.embed_tokens.embedding[...].T
+    return target_model.lm_head.kernel[...]
+
+
 def make_draft_vocab(target_model, ids) -> DraftVocab:
     """The draft head for `ids` from the target (its lm_head, or its tied embedding)."""
     ids = check_ids(ids, target_model.cfg.vocab_size)
     idx = jnp.asarray(ids)
-    if target_model.lm_head is None:
-        head = jnp.take(target_model.embed_tokens.embedding[...], idx, axis=0).T
-    else:
-        head = jnp.take(target_model.lm_head.kernel[...], idx, axis=1)
-    return DraftVocab(idx, head)
+    return DraftVocab(idx, jnp.take(_target_head(target_model), idx, axis=1))
 
 
 def int8_draft_head(target_model, vocab: DraftVocab | None = None) -> DraftVocab:
     """An int8 draft head: `vocab`'s columns quantized, or (None) the target's whole head, ids None."""
     from ddtree_jax.models import int8
 
-    if "lm_head" in int8.KEEP_FLOAT:
-        return vocab if vocab is not None else DraftVocab(None, target_model.embed_tokens.embedding[...].T
-                                                          if target_model.lm_head is None
-                                                          else target_model.lm_head.kernel[...])
     if vocab is None:
-        head = (target_model.embed_tokens.embedding[...].T if target_model.lm_head is None
-                else target_model.lm_head.kernel[...])
-        vocab = DraftVocab(None, head)
-    if vocab.scale is not None:
+        vocab = DraftVocab(None, _target_head(target_model))
+    if "lm_head" in int8.KEEP_FLOAT or vocab.scale is not None:
         return vocab
     q, scale = int8.quantize(vocab.head)
     return DraftVocab(vocab.ids, q, scale)
