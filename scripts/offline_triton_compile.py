@@ -16,6 +16,7 @@ compiled by pip's triton (ptxas included) for GPUTarget("cuda", 90, 32); `cuobjd
     PYTHONPATH=. python3 scripts/offline_triton_compile.py attention --nodes 65 # 4k cache
     PYTHONPATH=. python3 scripts/offline_triton_compile.py gdn_commit --nodes 65
     PYTHONPATH=. python3 scripts/offline_triton_compile.py add_rms_norm --nodes 65
+    PYTHONPATH=. python3 scripts/offline_triton_compile.py int8_matmul --nodes 16 --num-stages 4
 
 Kernels: "ssd" (pallas_kernels/ssd_tree.py verify, NemotronH-8B-like layer: 128 heads x 64,
 8 groups, state 128), "gdn" (pallas_kernels/gdn_tree.py, Qwen3.6-27B layer: 16 k / 48 v heads
@@ -27,7 +28,11 @@ of 128) "select" (pallas_kernels/tree_select.py, 15 draft depths, --nodes = the 
 (pallas_kernels/gdn_commit.py at the 27B GDN layer, --nodes tree nodes, with and without the conv
 window slide), "add_rms_norm" (pallas_kernels/add_rms_norm.py on --nodes rows of the 27B stream,
 5120 wide, bf16, zero_centered: delta plain at its default warps, then float32 split-K partial
-sums S = 4 / 8 at a few PARTS_CHUNK / warp settings and the defaults). Each sweeps a few block /
+sums S = 4 / 8 at a few PARTS_CHUNK / warp settings and the defaults), "int8_matmul"
+(pallas_kernels/skinny_matmul.py with an int8 weight, the drafter's 5120 x 34816 gate | up at --nodes
+rows: its default tiling, then "cvt" widening, "rows" layout, 64 columns, 256-deep K, 8 warps; the
+I2F / F2FP / PRMT / HGMMA counts say how the tile was widened and multiplied; then three of them
+on the weight stored [N, K]). Each sweeps a few block /
 warp settings and prints one row per setting.
 """
 
@@ -93,7 +98,10 @@ def compile_ttir(ttir: str, num_warps: int, num_stages: int) -> dict:
     return {"regs": int(regs.group(1)) if regs else None, "stack_bytes": int(stack.group(1)) if stack else None,
             "shared_bytes": compiled.metadata.shared,
             "sass_instructions": len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/", sass, re.M)),
-            "shfl": sass.count("SHFL"), "bar_sync": sass.count("BAR.SYNC")}
+            "shfl": sass.count("SHFL"), "bar_sync": sass.count("BAR.SYNC"),
+            # conversions and the MMA form: what an int8-weight product spends widening its tiles
+            "i2f": sass.count(" I2F"), "f2fp": sass.count(" F2FP"), "prmt": sass.count(" PRMT"),
+            "hgmma": sass.count(" HGMMA"), "hmma": sass.count(" HMMA"), "ldgsts": sass.count(" LDGSTS")}
 
 
 def ssd_cases(nodes: int):
@@ -266,7 +274,27 @@ def add_rms_norm_cases(rows: int):
             yield dict(parts=parts, chunk=chunk, num_warps=warps), warps, traced(chunk, warps), (x, partials, w)
 
 
-CASES = {"ssd": ssd_cases, "gdn": gdn_cases, "select": select_cases, "topk": top_k_cases,
+def int8_matmul_cases(rows: int):
+    from pallas_kernels.skinny_matmul import SkinnyConfig, default_config, skinny_matmul
+
+    k, n = 5120, 34816  # the 27B-width drafter's merged gate | up
+    shapes = (jax.ShapeDtypeStruct((rows, k), jnp.bfloat16), jax.ShapeDtypeStruct((k, n), jnp.int8),
+              jax.ShapeDtypeStruct((n,), jnp.float32))
+    base = default_config(rows, k, n, int8=True)
+    variants = [base, SkinnyConfig(**{**vars(base), "dequant": "cvt"}),
+                SkinnyConfig(**{**vars(base), "layout": "rows"}),
+                SkinnyConfig(**{**vars(base), "block_n": 64}), SkinnyConfig(**{**vars(base), "block_k": 256}),
+                SkinnyConfig(**{**vars(base), "num_warps": 8})]
+    for cfg in variants:
+        yield (dict(vars(cfg), w_layout="in_out"), cfg.num_warps,
+               functools.partial(skinny_matmul, impl="pallas", config=cfg), shapes)
+    transposed = (shapes[0], jax.ShapeDtypeStruct((n, k), jnp.int8), shapes[2])  # stored [N, K]: K-major tiles
+    for cfg in variants[:2] + variants[3:4]:
+        yield (dict(vars(cfg), w_layout="out_in"), cfg.num_warps,
+               functools.partial(skinny_matmul, impl="pallas", config=cfg, w_layout="out_in"), transposed)
+
+
+CASES = {"int8_matmul": int8_matmul_cases, "ssd": ssd_cases, "gdn": gdn_cases, "select": select_cases, "topk": top_k_cases,
          "gdn_decode": gdn_decode_cases, "gdn_prologue": gdn_prologue_cases, "attention": attention_cases,
          "gdn_commit": gdn_commit_cases, "add_rms_norm": add_rms_norm_cases}
 

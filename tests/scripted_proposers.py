@@ -35,7 +35,7 @@ class ScriptedProposer:
         table = params if params is not None else jnp.zeros((batch, capacity), jnp.int32)
         return ScriptState(table, jnp.zeros((batch,), jnp.int32))
 
-    def extend(self, params, state, features, n_valid):
+    def extend(self, params, state, features, n_valid, impl="xla"):
         return state._replace(lengths=state.lengths + n_valid)
 
     def propose(self, params, state, target, bonus, start, impl="xla"):
@@ -78,12 +78,12 @@ class RecordingProposer:
     def init_state(self, params, batch, capacity):
         return RecordState(self.inner.init_state(params, batch, capacity), jnp.zeros((batch, capacity, self.feature_dim)))
 
-    def extend(self, params, state, features, n_valid):
+    def extend(self, params, state, features, n_valid, impl="xla"):
         start = state.inner.lengths
         t = features.shape[1]
         pos = jnp.where(jnp.arange(t)[None, :] < n_valid[:, None], start[:, None] + jnp.arange(t)[None, :], state.features.shape[1])
         feats = jax.vmap(lambda buf, p, f: buf.at[p].set(f.astype(buf.dtype), mode="drop"))(state.features, pos, features)
-        return RecordState(self.inner.extend(params, state.inner, features, n_valid), feats)
+        return RecordState(self.inner.extend(params, state.inner, features, n_valid, impl=impl), feats)
 
     def propose(self, params, state, target, bonus, start, impl="xla"):
         return self.inner.propose(params, state.inner, target, bonus, start, impl=impl)

@@ -136,3 +136,55 @@ def test_keep_float_leaves_the_named_products_in_their_dtype(monkeypatch):
     kinds = {path[-1]: n.kernel[...].dtype for path, n in nnx.iter_graph(model) if isinstance(n, Linear)}
     assert kinds["gate_up_proj"] != jnp.int8 and kinds["down_proj"] == jnp.int8 and kinds["q_proj"] == jnp.int8
     assert qparams.vocab.scale is None and qparams.vocab.head.dtype != jnp.int8 and qparams.vocab.ids is None
+
+
+def test_int8_products_take_the_skinny_kernel_with_kernels_on(monkeypatch):
+    """With kernels on, every int8 product of a draft (each layer's q, k, v, o, gate | up, down and
+    the draft head) and of a context extension (fc, each layer's k and v) runs the skinny matmul
+    kernel, and the draft distributions equal XLA's int8 products' to accumulation order; with
+    int8.KERNEL off, or past KERNEL_MAX_ROWS rows, none does."""
+    monkeypatch.setattr(int8, "KEEP_FLOAT", ())
+    cfg, gd, params, proposer, dparams = _pair()
+    target = nnx.merge(gd, params)
+    q, qparams = proposer.with_int8(dparams, target)
+    layers = q.cfg.num_layers
+    feats = jnp.ones((2, 3, 2 * cfg.hidden_size))
+    n_valid = jnp.asarray([3, 2], jnp.int32)
+    state = q.extend(qparams, q.init_state(qparams, 2, 32), feats, n_valid)
+    bonus = jnp.asarray([5, 9], jnp.int32)
+
+    def propose(impl):
+        return q.propose(qparams, state, target, bonus, state.lengths, impl=impl)
+
+    def extend(impl):
+        return q.extend(qparams, q.init_state(qparams, 2, 32), feats, n_valid, impl=impl)
+
+    count = lambda f, impl: str(jax.make_jaxpr(lambda: f(impl))()).count("name=skinny_matmul")
+    assert count(propose, "pallas_interpret") == 6 * layers + 1
+    assert count(extend, "pallas_interpret") == 1 + 2 * layers
+    assert count(propose, "xla") == 0
+    got, want = np.exp(np.asarray(jax.jit(lambda: propose("pallas_interpret"))())), np.exp(np.asarray(propose("xla")))
+    assert np.abs(got - want).sum(-1).max() < 1e-2
+    ks, kx = jax.jit(lambda: extend("pallas_interpret"))(), extend("xla")
+    for a, b in zip(jax.tree_util.tree_leaves(ks), jax.tree_util.tree_leaves(kx)):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-2, atol=2e-2)
+    monkeypatch.setattr(int8, "KERNEL_MAX_ROWS", 1)  # a drafted block has 2 x (Bs - 1) rows
+    assert count(propose, "pallas_interpret") == 0
+    monkeypatch.setattr(int8, "KERNEL_MAX_ROWS", 128)
+    monkeypatch.setattr(int8, "KERNEL", False)
+    assert count(propose, "pallas_interpret") == 0
+
+
+def test_generation_through_the_int8_kernel_is_lossless():
+    """DDTree with every kernel on (a target and drafter the tree kernels take: head_dim 16)."""
+    cfg, gd, params = make_target(dict(head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16), seed=31,
+                                  base=HYBRID)
+    proposer, dparams = drafter_for(cfg, head_dim=16)
+    p, pp = proposer.with_int8(dparams, nnx.merge(gd, params))
+    rng = np.random.default_rng(1)
+    prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 10)), jnp.int32)
+    lens = jnp.asarray([10, 7], jnp.int32)
+    ref = generate(gd, params, prompt, lens, mode="ar", max_new_tokens=24)
+    res = generate(gd, params, prompt, lens, proposer=p, drafter_params=pp, mode="ddtree", budget=16,
+                   max_new_tokens=24, kernels="pallas_interpret")
+    np.testing.assert_array_equal(np.asarray(res.tokens), np.asarray(ref.tokens))

@@ -131,3 +131,75 @@ def test_model_routes_the_measured_window_through_the_kernel(monkeypatch):
     monkeypatch.setattr(layers, "SKINNY_MATMUL", False)
     text = str(jax.make_jaxpr(functools.partial(verify, impl="pallas_interpret"))(params))
     assert "skinny_matmul" not in text
+
+
+INT8_CONFIGS = {
+    "magic": SkinnyConfig(block_n=32, block_k=32, num_stages=2),
+    "cvt": SkinnyConfig(block_n=32, block_k=32, dequant="cvt"),
+    "rows": SkinnyConfig(block_n=32, block_k=16, layout="rows"),
+    "split3": SkinnyConfig(block_n=16, block_k=32, split_k=3),
+}
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "impl", "out_dtype"))
+def _mm8(x, q, scale, cfg, impl, out_dtype=None):
+    return skinny_matmul(x, q, scale, impl=impl, config=cfg, out_dtype=out_dtype)
+
+
+def test_widen_int8_is_exact_for_every_int8_value():
+    from pallas_kernels.skinny_matmul import widen_int8
+
+    q = jnp.arange(-128, 128, dtype=jnp.int32).astype(jnp.int8)
+    for how in ("cvt", "magic"):
+        for dtype in (jnp.bfloat16, jnp.float16, jnp.float32):
+            got = widen_int8(q, dtype, how)
+            assert got.dtype == dtype
+            np.testing.assert_array_equal(np.asarray(got, np.float32), np.arange(-128, 128, dtype=np.float32))
+
+
+@pytest.mark.parametrize("name", sorted(INT8_CONFIGS))
+@pytest.mark.parametrize("m, k, n", [(16, 96, 80), (15, 64, 64), (1, 32, 48), (65, 100, 40)])
+def test_int8_skinny_matmul_equals_xlas_int8_product(name, m, k, n):
+    """int8 weights with column scales: the kernel's (x @ q) * scale equals the reference (XLA's
+    int8 product) to accumulation order, rounded once to bf16 or kept float32 (the draft head)."""
+    from ddtree_jax.models.int8 import quantize
+
+    rng = np.random.default_rng(m * 1000 + k + n)
+    x = jnp.asarray(rng.normal(size=(1, m, k)), jnp.bfloat16)
+    q, scale = quantize(jnp.asarray(rng.normal(size=(k, n)) * rng.uniform(0.1, 10, size=n), jnp.float32))
+    exact = (np.asarray(x, np.float32)[0] @ np.asarray(q, np.float32)) * np.asarray(scale)
+    got32 = _mm8(x, q, scale, INT8_CONFIGS[name], "pallas_interpret", jnp.float32)
+    assert got32.shape == (1, m, n) and got32.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got32)[0], exact, rtol=1e-5, atol=1e-4 * np.abs(exact).max())
+    got = _mm8(x, q, scale, INT8_CONFIGS[name], "pallas_interpret")
+    assert got.dtype == jnp.bfloat16
+    want = reference(x, q, scale)
+    err = np.abs(np.asarray(got, np.float32) - np.asarray(want, np.float32))
+    assert (err <= np.abs(exact) * 2.0**-7 + 1e-3).all()
+
+
+def test_int8_default_config_fills_the_gpu():
+    from pallas_kernels.skinny_matmul import INT8_TARGET_PROGRAMS, default_config
+
+    for k, n in [(5120, 34816), (17408, 5120), (5120, 6144), (4096, 5120), (5120, 1024), (5120, 248320)]:
+        cfg = default_config(16, k, n, int8=True)
+        cfg.check()
+        programs = -(-n // cfg.block_n) * cfg.split_k
+        assert programs >= min(INT8_TARGET_PROGRAMS, -(-n // cfg.block_n) * (k // (4 * cfg.block_k)))
+        assert k // cfg.split_k >= 4 * cfg.block_k  # each K slice at least 4 tiles deep
+
+
+def test_int8_skinny_matmul_names_what_it_cannot_take():
+    x = jnp.zeros((4, 32), jnp.bfloat16)
+    q, scale = jnp.zeros((32, 16), jnp.int8), jnp.ones((16,), jnp.float32)
+    for impl in ("xla", "pallas_interpret"):
+        with pytest.raises(ValueError, match="int8 weight needs its column scale"):
+            skinny_matmul(x, q, impl=impl)
+        with pytest.raises(ValueError, match=r"scale must be float32 \[16\], got float32 \(8,\)"):
+            skinny_matmul(x, q, scale[:8], impl=impl)
+        with pytest.raises(ValueError, match="scale is for int8 weights; the weight is bfloat16"):
+            skinny_matmul(x, q.astype(jnp.bfloat16), scale, impl=impl)
+    with pytest.raises(ValueError, match="x must be floating point"):
+        skinny_matmul(x.astype(jnp.int32), q, scale, impl="pallas_interpret")
+    with pytest.raises(ValueError, match="dequant = 'lut'"):
+        skinny_matmul(x, q, scale, impl="pallas_interpret", config=SkinnyConfig(dequant="lut"))

@@ -101,14 +101,15 @@ class DrafterAttention(nnx.Module):
         self.q_norm = RMSNorm(hd, eps, zero_centered=False, dtype=dtype, rngs=rngs)
         self.k_norm = RMSNorm(hd, eps, zero_centered=False, dtype=dtype, rngs=rngs)
 
-    def kv(self, x: jax.Array, cos: jax.Array, sin: jax.Array, x_v: jax.Array | None = None
-           ) -> tuple[jax.Array, jax.Array]:
+    def kv(self, x: jax.Array, cos: jax.Array, sin: jax.Array, x_v: jax.Array | None = None,
+           impl: str = "xla") -> tuple[jax.Array, jax.Array]:
         """k (k_norm + RoPE), v of x [B, T, H]: each [B, T, kv, hd]. x_v: v_proj's own handle on
-        the same values (`DrafterModel.extend`), default x."""
+        the same values (`DrafterModel.extend`), default x. impl: the products' (an int8 drafter's
+        go through the skinny matmul kernel with kernels on: models/int8.py)."""
         b, t, _ = x.shape
         cfg = self.cfg
-        k = self.k_norm(self.k_proj(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim))
-        v = self.v_proj(x if x_v is None else x_v).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        k = self.k_norm(self.k_proj(x, impl).reshape(b, t, cfg.num_kv_heads, cfg.head_dim))
+        v = self.v_proj(x if x_v is None else x_v, impl).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
         return apply_rope(k, cos, sin), v
 
     def kernel_problems(self, q: jax.Array, cache: KVCache) -> list[str]:
@@ -131,8 +132,8 @@ class DrafterAttention(nnx.Module):
         b, t, _ = x.shape
         nh, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         g = nh // kvh
-        q = apply_rope(self.q_norm(self.q_proj(x).reshape(b, t, nh, hd)), cos, sin)
-        k_blk, v_blk = self.kv(x, cos, sin)
+        q = apply_rope(self.q_norm(self.q_proj(x, impl).reshape(b, t, nh, hd)), cos, sin)
+        k_blk, v_blk = self.kv(x, cos, sin, impl=impl)
         scale = hd**-0.5
         if impl != "xla":
             problems = self.kernel_problems(q, cache)
@@ -144,7 +145,7 @@ class DrafterAttention(nnx.Module):
                 # every block position sees every other
                 out = tree_attention(q, cache.k, cache.v, lengths, k_blk, v_blk, all_visible_bits(b, t), scale=scale,
                                      impl=impl)
-                return self.o_proj(out.reshape(b, t, nh * hd).astype(x.dtype))
+                return self.o_proj(out.reshape(b, t, nh * hd).astype(x.dtype), impl)
             warnings.warn("the drafter's attention uses the XLA form, not the tree-attention kernel: "
                           + "; ".join(problems), stacklevel=2)
         qg = q.reshape(b, t, kvh, g, hd)
@@ -177,7 +178,7 @@ class DrafterAttention(nnx.Module):
         p_ctx = probs[..., : cache.capacity].astype(cache.v.dtype)
         p_blk = probs[..., cache.capacity :].astype(v_blk.dtype)
         out = jnp.einsum("bkgts,bksd->btkgd", p_ctx, cache.v) + jnp.einsum("bkgts,bskd->btkgd", p_blk, v_blk)
-        return self.o_proj(out.reshape(b, t, nh * hd).astype(x.dtype))
+        return self.o_proj(out.reshape(b, t, nh * hd).astype(x.dtype), impl)
 
 
 class DrafterLayer(nnx.Module):
@@ -192,7 +193,7 @@ class DrafterLayer(nnx.Module):
 
     def __call__(self, x, cache: KVCache, lengths, cos, sin, impl: str = "xla"):
         x = x + self.self_attn(self.input_layernorm(x), cache, lengths, cos, sin, impl)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x), impl)
 
 
 class DrafterModel(nnx.Module):
@@ -215,11 +216,12 @@ class DrafterModel(nnx.Module):
     def _rope(self, positions):
         return rope_cos_sin(positions, self.cfg.rotary_dim, self.cfg.rope_theta)
 
-    def extend(self, cache: DrafterCache, features: jax.Array, n_valid: jax.Array) -> DrafterCache:
-        """Append the first n_valid[b] rows of features [B, T, K*H] to the context of sequence b."""
+    def extend(self, cache: DrafterCache, features: jax.Array, n_valid: jax.Array, impl: str = "xla") -> DrafterCache:
+        """Append the first n_valid[b] rows of features [B, T, K*H] to the context of sequence b.
+        impl: the products' (see DrafterAttention.kv)."""
         b, t, _ = features.shape
         n_valid = n_valid.astype(jnp.int32)
-        ctx = self.hidden_norm(self.fc(features.astype(self.compute_dtype)))
+        ctx = self.hidden_norm(self.fc(features.astype(self.compute_dtype), impl))
         offs = jnp.arange(t, dtype=jnp.int32)[None]
         positions = cache.lengths[:, None] + offs
         cos, sin = self._rope(positions)
@@ -231,7 +233,7 @@ class DrafterModel(nnx.Module):
         handles = unmerged_inputs(ctx, *[(p,) for a in attn for p in (a.k_proj, a.v_proj)], min_rows=0)
         new_layers = []
         for i, (layer, lc) in enumerate(zip(self.layers, cache.layers)):
-            k, v = layer.self_attn.kv(handles[2 * i], cos, sin, handles[2 * i + 1])
+            k, v = layer.self_attn.kv(handles[2 * i], cos, sin, handles[2 * i + 1], impl)
             new_layers.append(KVCache(_scatter_kv(lc.k, k, slots), _scatter_kv(lc.v, v, slots)))
         return DrafterCache(tuple(new_layers), cache.lengths + n_valid)
 

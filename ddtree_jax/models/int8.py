@@ -47,12 +47,28 @@ def dequantize(q: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Array:
     return (q.astype(jnp.float32) * scale).astype(dtype)
 
 
-def product(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
-    """(x @ q) * scale in x's dtype: int8 -> x.dtype is exact (|q| <= 127), the product accumulates
-    in float32 and the column scale applies to the float32 sum before the one rounding. XLA fuses
-    the convert of q into the GEMM, so the weight is read as int8."""
-    y = jnp.einsum("...i,io->...o", x, q.astype(x.dtype), preferred_element_type=jnp.float32)
-    return (y * scale).astype(x.dtype)
+# With kernels on (impl "pallas" / "pallas_interpret"), products of 1..KERNEL_MAX_ROWS rows go
+# through the skinny matmul kernel (pallas_kernels/skinny_matmul.py: int8 tiles widened in
+# registers, streamed once) instead of XLA's int8 GEMM, which read the drafter's int8 weights at
+# only 1.9-3.2 TB/s at 16 rows (H200, session 13). Same values up to accumulation order.
+# False: XLA's product everywhere (`--override ddtree_jax.models.int8.KERNEL=False`).
+KERNEL = True
+KERNEL_MAX_ROWS = 128  # a batch-8 DFlash block (8 x 16); more rows are no longer weight-bound
+
+
+def product(x: jax.Array, q: jax.Array, scale: jax.Array, impl: str = "xla", out_dtype=None) -> jax.Array:
+    """(x @ q) * scale in out_dtype (default x's): int8 -> x.dtype is exact (|q| <= 127), the
+    product accumulates in float32 and the column scale applies to the float32 sum before the one
+    rounding. XLA (impl "xla", or rows past KERNEL_MAX_ROWS) fuses the convert of q into its GEMM,
+    so the weight is read as int8 there too."""
+    from pallas_kernels.skinny_matmul import reference, skinny_matmul
+
+    rows = 1
+    for d in x.shape[:-1]:
+        rows *= d
+    if impl != "xla" and KERNEL and 1 <= rows <= KERNEL_MAX_ROWS:
+        return skinny_matmul(x, q, scale, impl=impl, out_dtype=out_dtype)
+    return reference(x, q, scale, out_dtype)
 
 
 def quantize_linears(module) -> int:

@@ -157,7 +157,7 @@ class Linear(nnx.Module):
         under the same conditions as `split_k_out` (rows in the window, SPLIT_K_PARTS, impl)."""
         kernel = self.kernel[...]
         if self.scale is not None:
-            y = int8.product(x, kernel, self.scale[...])
+            y = int8.product(x, kernel, self.scale[...], impl)
             return y + self.bias[...].astype(y.dtype) if self.bias is not None else y
         s = self._split_k(x, kernel, impl, split_k)
         if s > 1 and not (impl == "pallas" and WGMMA_SKINNY and wgmma_route_takes(x, kernel)) and not (

@@ -84,8 +84,8 @@ class DFlashProposer:
     def init_state(self, params, batch: int, capacity: int) -> DrafterCache:
         return init_drafter_cache(self.cfg, batch, capacity)
 
-    def extend(self, params, state: DrafterCache, features, n_valid) -> DrafterCache:
-        return nnx.merge(self.graphdef, self._drafter(params)).extend(state, features, n_valid)
+    def extend(self, params, state: DrafterCache, features, n_valid, impl: str = "xla") -> DrafterCache:
+        return nnx.merge(self.graphdef, self._drafter(params)).extend(state, features, n_valid, impl)
 
     def propose(self, params, state: DrafterCache, target, bonus, start, impl: str = "xla"):
         """Draft log-probs [B, Bs-1, V], or [B, Bs-1, N] over the draft vocabulary (renormalised
@@ -94,4 +94,4 @@ class DFlashProposer:
         if not self.own_head:
             return jax.nn.log_softmax(model.draft(target, bonus, state, impl=impl), axis=-1)
         hidden = model.draft_hidden(target, bonus, state, impl=impl)
-        return jax.nn.log_softmax(finish_logits(self.cfg, head_logits(params.vocab, hidden)), axis=-1)
+        return jax.nn.log_softmax(finish_logits(self.cfg, head_logits(params.vocab, hidden, impl)), axis=-1)

@@ -120,11 +120,13 @@ def int8_draft_head(target_model, vocab: DraftVocab | None = None) -> DraftVocab
     return DraftVocab(vocab.ids, q, scale)
 
 
-def head_logits(vocab: DraftVocab, hidden: jax.Array) -> jax.Array:
+def head_logits(vocab: DraftVocab, hidden: jax.Array, impl: str = "xla") -> jax.Array:
     """Float32 logits [..., N] of the draft ids: the target head's arithmetic (a product in the
     head's dtype, then float32), so they equal the full head's logits at those ids; an int8 head
-    (scale set): the product in hidden's dtype, accumulated and scaled in float32."""
+    (scale set): the product in hidden's dtype, accumulated and scaled in float32 (models.int8.product;
+    impl as there)."""
     if vocab.scale is not None:
-        y = jnp.einsum("...h,hn->...n", hidden, vocab.head.astype(hidden.dtype), preferred_element_type=jnp.float32)
-        return y * vocab.scale
+        from ddtree_jax.models import int8
+
+        return int8.product(hidden, vocab.head, vocab.scale, impl, out_dtype=jnp.float32)
     return jnp.einsum("...h,hn->...n", hidden.astype(vocab.head.dtype), vocab.head).astype(jnp.float32)

@@ -152,7 +152,7 @@ def commit_and_emit(model, drafter_params, s: LoopState, tree: Tree, res: Verify
     # so the cache always holds exactly the prompt and every emitted token but the last.
     count = n_out - s.n_out
     cache = model.commit(res.pending, res.path, count, s.cache, spec.kernels)
-    dstate = spec.proposer.extend(drafter_params, s.dstate, res.features, count)
+    dstate = spec.proposer.extend(drafter_params, s.dstate, res.features, count, impl=spec.kernels)
     return s._replace(cache=cache, dstate=dstate, bonus=res.bonus, out=out, n_out=n_out, done=done), count
 
 
@@ -202,7 +202,7 @@ def _start(model, drafter_params, prompt, prompt_lens, eos_ids, key, spec: GenSp
     dstate = None
     if spec.mode != "ar":
         dstate = spec.proposer.init_state(drafter_params, b, capacity)
-        dstate = spec.proposer.extend(drafter_params, dstate, feats, prompt_lens)
+        dstate = spec.proposer.extend(drafter_params, dstate, feats, prompt_lens, impl=spec.kernels)
     out = jnp.full((b, spec.max_new_tokens), -1, jnp.int32)
     out, n_out, done = _emit(out, jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool), bonus[:, None],
                              jnp.ones((b,), jnp.int32), eos_ids, spec.max_new_tokens)

@@ -19,8 +19,10 @@ class Proposer(Protocol):
     def init_state(self, params: Any, batch: int, capacity: int) -> Any:
         """Empty drafter state for `batch` sequences of up to `capacity` committed tokens."""
 
-    def extend(self, params: Any, state: Any, features: jax.Array | None, n_valid: jax.Array) -> Any:
-        """Append the target features [B, T, F] of newly committed tokens (first n_valid[b] real)."""
+    def extend(self, params: Any, state: Any, features: jax.Array | None, n_valid: jax.Array,
+               impl: str = "xla") -> Any:
+        """Append the target features [B, T, F] of newly committed tokens (first n_valid[b] real);
+        impl as for `propose`."""
 
     def propose(self, params: Any, state: Any, target, bonus: jax.Array, start: jax.Array,
                 impl: str = "xla") -> jax.Array:
