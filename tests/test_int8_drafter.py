@@ -34,14 +34,18 @@ def test_quantize_keeps_each_weight_within_half_a_step(seed, scale):
     np.testing.assert_allclose(np.asarray(s), np.where(np.abs(w).max(0) > 0, np.abs(w).max(0) / 127, 1.0), rtol=1e-6)
 
 
-def test_int8_linear_is_the_product_with_the_dequantized_kernel():
+@pytest.mark.parametrize("layout", int8.LAYOUTS)
+def test_int8_linear_is_the_product_with_the_dequantized_kernel(monkeypatch, layout):
+    monkeypatch.setattr(int8, "LAYOUT", layout)
     lin = Linear(32, 12, bias=True, dtype="float32", rngs=nnx.Rngs(0))
     lin.bias[...] = jnp.arange(12, dtype=jnp.float32)
     x = jax.random.normal(jax.random.PRNGKey(1), (2, 3, 32), jnp.float32)
     w = lin.kernel[...]
     assert int8.quantize_linears(lin) == 1 and int8.quantize_linears(lin) == 0  # once only
-    assert lin.kernel[...].dtype == jnp.int8
-    want = x @ int8.dequantize(lin.kernel[...], lin.scale[...]) + lin.bias[...]
+    assert lin.kernel[...].dtype == jnp.int8 and lin.int8_layout == layout
+    assert lin.kernel[...].shape == ((32, 12) if layout == "in_out" else (12, 32))
+    q = lin.kernel[...] if layout == "in_out" else lin.kernel[...].T
+    want = x @ int8.dequantize(q, lin.scale[...]) + lin.bias[...]
     got = lin(x)
     assert got.dtype == x.dtype
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
@@ -54,8 +58,10 @@ def _pair(seed=7):
     return cfg, gd, params, proposer, dparams
 
 
-def test_with_int8_quantizes_every_drafter_linear_and_the_head(monkeypatch):
+@pytest.mark.parametrize("layout", int8.LAYOUTS)
+def test_with_int8_quantizes_every_drafter_linear_and_the_head(monkeypatch, layout):
     monkeypatch.setattr(int8, "KEEP_FLOAT", ())
+    monkeypatch.setattr(int8, "LAYOUT", layout)
     cfg, gd, params, proposer, dparams = _pair()
     target = nnx.merge(gd, params)
     q, qparams = proposer.with_int8(dparams, target)
@@ -63,8 +69,11 @@ def test_with_int8_quantizes_every_drafter_linear_and_the_head(monkeypatch):
     assert hash(q) != hash(proposer) and proposer.vocab_ids(dparams) is None and q.vocab_ids(qparams) is None
     model = nnx.merge(q.graphdef, qparams.drafter)
     linears = [n for _, n in nnx.iter_graph(model) if isinstance(n, Linear)]
-    assert linears and all(n.kernel[...].dtype == jnp.int8 and n.scale is not None for n in linears)
-    assert qparams.vocab.head.dtype == jnp.int8 and qparams.vocab.head.shape == (cfg.hidden_size, cfg.vocab_size)
+    assert linears and all(n.kernel[...].dtype == jnp.int8 and n.scale is not None and n.int8_layout == layout
+                           for n in linears)
+    h, v = cfg.hidden_size, cfg.vocab_size
+    assert q.head_layout == layout and qparams.vocab.head.dtype == jnp.int8
+    assert qparams.vocab.head.shape == ((h, v) if layout == "in_out" else (v, h))
     # the float drafter's params are untouched
     assert all(x.dtype != jnp.int8 for x in jax.tree_util.tree_leaves(dparams))
     with pytest.raises(ValueError, match="int8 already"):
@@ -100,6 +109,7 @@ def test_generation_with_an_int8_drafter_is_lossless(mode, order):
     else:
         p, pp = proposer.with_int8(dparams, target)
         p, pp = p.with_draft_vocab(pp, target, ids)
+    assert p.head_layout == int8.LAYOUT
     if order != "int8":
         assert p.int8 and p.draft_vocab == len(ids) and pp.vocab.head.dtype == jnp.int8
         np.testing.assert_array_equal(np.asarray(p.vocab_ids(pp)), ids)
@@ -142,8 +152,10 @@ def test_int8_products_take_the_skinny_kernel_with_kernels_on(monkeypatch):
     """With kernels on, every int8 product of a draft (each layer's q, k, v, o, gate | up, down and
     the draft head) and of a context extension (fc, each layer's k and v) runs the skinny matmul
     kernel, and the draft distributions equal XLA's int8 products' to accumulation order; with
-    int8.KERNEL off, or past KERNEL_MAX_ROWS rows, none does."""
+    int8.KERNEL off (the default: it lost to XLA's int8 GEMMs on the H200), or past KERNEL_MAX_ROWS
+    rows, none does."""
     monkeypatch.setattr(int8, "KEEP_FLOAT", ())
+    monkeypatch.setattr(int8, "KERNEL", True)
     cfg, gd, params, proposer, dparams = _pair()
     target = nnx.merge(gd, params)
     q, qparams = proposer.with_int8(dparams, target)
@@ -175,8 +187,9 @@ def test_int8_products_take_the_skinny_kernel_with_kernels_on(monkeypatch):
     assert count(propose, "pallas_interpret") == 0
 
 
-def test_generation_through_the_int8_kernel_is_lossless():
+def test_generation_through_the_int8_kernel_is_lossless(monkeypatch):
     """DDTree with every kernel on (a target and drafter the tree kernels take: head_dim 16)."""
+    monkeypatch.setattr(int8, "KERNEL", True)
     cfg, gd, params = make_target(dict(head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16), seed=31,
                                   base=HYBRID)
     proposer, dparams = drafter_for(cfg, head_dim=16)

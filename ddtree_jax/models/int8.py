@@ -27,7 +27,26 @@ QMAX = 127  # symmetric: -127..127, so negation is exact and the scale is |w| ma
 # int8 GEMMs took: the merged gate | up (5120 x 34816) 94.6 us against ~83 in bf16, the draft head
 # (5120 x 248320, 15 rows) 402 us against ~560, down 41 against 43, q | k | v 16 against 21, o 14.6
 # against 13. A/B with `--override "ddtree_jax.models.int8.KEEP_FLOAT=()"`.
-KEEP_FLOAT: tuple[str, ...] = ("gate_up_proj",)
+# Session 14 (scripts/gpu_int8_matmul.py, gpu_weight_layout.py --int8; H200, 16 rows): stored
+# [out, in] (LAYOUT "out_in", each output's inputs contiguous) XLA's int8 GEMM took gate | up 70.5
+# us of kernel time against 95.9 stored [in, out] and ~81 in bf16, so with that layout nothing
+# needs to stay float.
+KEEP_FLOAT: tuple[str, ...] = ()
+
+# How quantize_linears and the int8 draft head store the int8 weights: "out_in" ([out, in], what
+# XLA's int8 GEMM streams fastest at 16 rows: the draft head 368 against 406 us of kernel time, MLP
+# down 39 against 44, gate | up above; q | k | v 15.3 against 14.6) or "in_out" ([in, out], like the
+# float Linears). Read when the weights are quantized; each Linear and proposer records its own.
+LAYOUT = "out_in"
+LAYOUTS = ("in_out", "out_in")
+
+
+def stored(q: jax.Array, layout: str | None = None) -> jax.Array:
+    """q [in, out] in the storage `layout` (default LAYOUT): as is, or transposed (materialized)."""
+    layout = layout or LAYOUT
+    if layout not in LAYOUTS:
+        raise ValueError(f"int8 layout must be one of {LAYOUTS}, got {layout!r}")
+    return q if layout == "in_out" else jnp.asarray(q.T)
 
 
 @jax.jit
@@ -47,33 +66,38 @@ def dequantize(q: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Array:
     return (q.astype(jnp.float32) * scale).astype(dtype)
 
 
-# With kernels on (impl "pallas" / "pallas_interpret"), products of 1..KERNEL_MAX_ROWS rows go
-# through the skinny matmul kernel (pallas_kernels/skinny_matmul.py: int8 tiles widened in
-# registers, streamed once) instead of XLA's int8 GEMM, which read the drafter's int8 weights at
-# only 1.9-3.2 TB/s at 16 rows (H200, session 13). Same values up to accumulation order.
-# False: XLA's product everywhere (`--override ddtree_jax.models.int8.KERNEL=False`).
-KERNEL = True
+# Opt-in: with kernels on (impl "pallas" / "pallas_interpret"), products of 1..KERNEL_MAX_ROWS rows
+# go through the skinny matmul kernel (pallas_kernels/skinny_matmul.py: int8 tiles widened in
+# registers, streamed once) instead of XLA's int8 GEMM. Same values up to accumulation order. It
+# lost on the H200 (session 14, scripts/gpu_int8_matmul.py, 16 rows, wall us in an on-device loop):
+# its best tiling (64 columns, 128-deep K tiles, weight stored [out, in]) took gate | up 81.2 against
+# XLA's 72.9 on the same layout, down 44.6 / 40.7, the draft head 466 / 404, fc 64.8 / 53.7; it won
+# only the drafter's small context K / V (6.9 / 9.3). In the model (bench_e2e, stored [in, out], its
+# default tiling) the draft phase went from 1.36 to 2.07 ms. True: `--override ddtree_jax.models.int8.KERNEL=True`.
+KERNEL = False
 KERNEL_MAX_ROWS = 128  # a batch-8 DFlash block (8 x 16); more rows are no longer weight-bound
 
 
-def product(x: jax.Array, q: jax.Array, scale: jax.Array, impl: str = "xla", out_dtype=None) -> jax.Array:
+def product(x: jax.Array, q: jax.Array, scale: jax.Array, impl: str = "xla", out_dtype=None,
+            layout: str = "in_out") -> jax.Array:
     """(x @ q) * scale in out_dtype (default x's): int8 -> x.dtype is exact (|q| <= 127), the
     product accumulates in float32 and the column scale applies to the float32 sum before the one
     rounding. XLA (impl "xla", or rows past KERNEL_MAX_ROWS) fuses the convert of q into its GEMM,
-    so the weight is read as int8 there too."""
+    so the weight is read as int8 there too. layout: how q is stored (q [in, out] or [out, in])."""
     from pallas_kernels.skinny_matmul import reference, skinny_matmul
 
     rows = 1
     for d in x.shape[:-1]:
         rows *= d
     if impl != "xla" and KERNEL and 1 <= rows <= KERNEL_MAX_ROWS:
-        return skinny_matmul(x, q, scale, impl=impl, out_dtype=out_dtype)
-    return reference(x, q, scale, out_dtype)
+        return skinny_matmul(x, q, scale, impl=impl, out_dtype=out_dtype, w_layout=layout)
+    return reference(x, q, scale, out_dtype, layout)
 
 
 def quantize_linears(module) -> int:
-    """Quantize every models.layers.Linear inside `module` in place (kernel -> int8, scale set),
-    but those named in KEEP_FLOAT; returns how many. Biases and norms stay as they are."""
+    """Quantize every models.layers.Linear inside `module` in place (kernel -> int8 stored as
+    LAYOUT says, scale set), but those named in KEEP_FLOAT; returns how many. Biases and norms stay
+    as they are."""
     from flax import nnx
 
     from ddtree_jax.models.layers import Linear
@@ -82,6 +106,7 @@ def quantize_linears(module) -> int:
                if isinstance(node, Linear) and node.scale is None and not (path and path[-1] in KEEP_FLOAT)]
     for node in linears:  # collected first: the loop rewrites the graph it walked
         q, scale = quantize(node.kernel[...])
-        node.kernel = nnx.Param(q)
+        node.kernel = nnx.Param(stored(q))
+        node.int8_layout = LAYOUT
         node.scale = nnx.data(nnx.Param(scale))  # was a static None
     return len(linears)

@@ -132,7 +132,8 @@ class Linear(nnx.Module):
     """y = x @ kernel (+ bias); kernel is [in, out]. impl != "xla" with SKINNY_MATMUL on sends the
     products of the skinny matmul's window through it (`skinny_route_takes`); impl "pallas" with
     WGMMA_SKINNY on those of the Mosaic GPU kernel's (`wgmma_route_takes`). After
-    models.int8.quantize_linears the kernel is int8 with a float32 column scale (weight-only).
+    models.int8.quantize_linears the kernel is int8 with a float32 column scale (weight-only),
+    stored as `int8_layout` says.
     `split_k_out` (set by the layer that owns it): with impl != "xla" and SPLIT_K_PARTS, products of
     a verify's row count return SplitKParts."""
 
@@ -140,6 +141,7 @@ class Linear(nnx.Module):
         self.kernel = nnx.Param(_init(rngs, (d_in, d_out), dtype, d_in**-0.5))
         self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
         self.scale = None  # [out] float32 when the kernel is int8 (models/int8.py)
+        self.int8_layout = "in_out"  # an int8 kernel's storage: [in, out] or [out, in] (int8.LAYOUT)
         self.split_k_out = False
 
     def _split_k(self, x: jax.Array, kernel: jax.Array, impl: str, slices: int | None) -> int:
@@ -157,7 +159,7 @@ class Linear(nnx.Module):
         under the same conditions as `split_k_out` (rows in the window, SPLIT_K_PARTS, impl)."""
         kernel = self.kernel[...]
         if self.scale is not None:
-            y = int8.product(x, kernel, self.scale[...], impl)
+            y = int8.product(x, kernel, self.scale[...], impl, layout=self.int8_layout)
             return y + self.bias[...].astype(y.dtype) if self.bias is not None else y
         s = self._split_k(x, kernel, impl, split_k)
         if s > 1 and not (impl == "pallas" and WGMMA_SKINNY and wgmma_route_takes(x, kernel)) and not (

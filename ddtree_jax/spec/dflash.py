@@ -21,13 +21,14 @@ class DFlashProposer:
     cfg: DrafterConfig
     draft_vocab: int = 0  # N > 0: drafts come from N chosen ids (spec/draft_vocab.py); params are HotParams
     int8: bool = False  # weight-only int8 drafter and draft head (models/int8.py); params are HotParams
+    head_layout: str = "in_out"  # how an int8 draft head is stored (models.int8.LAYOUT when it was quantized)
 
     def __hash__(self) -> int:
         # jit hashes its static GenSpec, and so this, on every call; a GraphDef's hash walks the
         # whole graph (0.2 ms for a 5-layer 27B-width drafter: scripts/dispatch_cost.py), so it is computed once
         h = self.__dict__.get("_hash")
         if h is None:
-            h = hash((self.graphdef, self.cfg, self.draft_vocab, self.int8))
+            h = hash((self.graphdef, self.cfg, self.draft_vocab, self.int8, self.head_layout))
             object.__setattr__(self, "_hash", h)
         return h
 
@@ -41,10 +42,12 @@ class DFlashProposer:
         target model (its head's columns are sliced here, once; quantized too for an int8 drafter)."""
         drafter = params.drafter if isinstance(params, HotParams) else params
         vocab = make_draft_vocab(target, ids)
+        layout = self.head_layout
         if self.int8:
             vocab = int8_draft_head(target, vocab)
+            layout = int8.LAYOUT if vocab.scale is not None else layout
         n = int(vocab.ids.shape[0])
-        return dataclasses.replace(self, draft_vocab=n), HotParams(drafter, vocab)
+        return dataclasses.replace(self, draft_vocab=n, head_layout=layout), HotParams(drafter, vocab)
 
     def with_int8(self, params, target) -> tuple["DFlashProposer", HotParams]:
         """(proposer, params) of the same drafter with int8 weights (every Linear, per-column
@@ -56,8 +59,11 @@ class DFlashProposer:
         model = nnx.merge(self.graphdef, drafter)
         int8.quantize_linears(model)
         graphdef, qparams = nnx.split(model)
-        vocab = int8_draft_head(target, params.vocab if isinstance(params, HotParams) else None)
-        return dataclasses.replace(self, graphdef=graphdef, int8=True), HotParams(qparams, vocab)
+        given = params.vocab if isinstance(params, HotParams) else None
+        vocab = int8_draft_head(target, given)
+        layout = int8.LAYOUT if vocab.scale is not None and (given is None or given.scale is None) else self.head_layout
+        return (dataclasses.replace(self, graphdef=graphdef, int8=True, head_layout=layout),
+                HotParams(qparams, vocab))
 
     def vocab_ids(self, params):
         """Token ids of the draft indices ([N] int32), or None when drafts span the whole vocabulary."""
@@ -94,4 +100,4 @@ class DFlashProposer:
         if not self.own_head:
             return jax.nn.log_softmax(model.draft(target, bonus, state, impl=impl), axis=-1)
         hidden = model.draft_hidden(target, bonus, state, impl=impl)
-        return jax.nn.log_softmax(finish_logits(self.cfg, head_logits(params.vocab, hidden, impl)), axis=-1)
+        return jax.nn.log_softmax(finish_logits(self.cfg, head_logits(params.vocab, hidden, impl, self.head_layout)), axis=-1)

@@ -36,7 +36,7 @@ class DraftVocab(NamedTuple):
     models/int8.py; then ids may be None: the whole vocabulary)."""
 
     ids: jax.Array | None  # [N] int32, ascending, unique: draft index i is token ids[i]; None: i is token i
-    head: jax.Array  # [H, N]
+    head: jax.Array  # [H, N]; int8: as its proposer's head_layout says ([N, H] for "out_in")
     scale: jax.Array | None = None  # [N] float32 when head is int8
 
 
@@ -109,7 +109,8 @@ def make_draft_vocab(target_model, ids) -> DraftVocab:
 
 
 def int8_draft_head(target_model, vocab: DraftVocab | None = None) -> DraftVocab:
-    """An int8 draft head: `vocab`'s columns quantized, or (None) the target's whole head, ids None."""
+    """An int8 draft head: `vocab`'s columns quantized, or (None) the target's whole head, ids None;
+    stored as models.int8.LAYOUT says (the proposer records it: DFlashProposer.head_layout)."""
     from ddtree_jax.models import int8
 
     if vocab is None:
@@ -117,16 +118,16 @@ def int8_draft_head(target_model, vocab: DraftVocab | None = None) -> DraftVocab
     if "lm_head" in int8.KEEP_FLOAT or vocab.scale is not None:
         return vocab
     q, scale = int8.quantize(vocab.head)
-    return DraftVocab(vocab.ids, q, scale)
+    return DraftVocab(vocab.ids, int8.stored(q), scale)
 
 
-def head_logits(vocab: DraftVocab, hidden: jax.Array, impl: str = "xla") -> jax.Array:
+def head_logits(vocab: DraftVocab, hidden: jax.Array, impl: str = "xla", layout: str = "in_out") -> jax.Array:
     """Float32 logits [..., N] of the draft ids: the target head's arithmetic (a product in the
     head's dtype, then float32), so they equal the full head's logits at those ids; an int8 head
     (scale set): the product in hidden's dtype, accumulated and scaled in float32 (models.int8.product;
-    impl as there)."""
+    impl and the int8 head's storage `layout` as there)."""
     if vocab.scale is not None:
         from ddtree_jax.models import int8
 
-        return int8.product(hidden, vocab.head, vocab.scale, impl, out_dtype=jnp.float32)
+        return int8.product(hidden, vocab.head, vocab.scale, impl, out_dtype=jnp.float32, layout=layout)
     return jnp.einsum("...h,hn->...n", hidden.astype(vocab.head.dtype), vocab.head).astype(jnp.float32)
