@@ -142,7 +142,8 @@ def main(argv=None) -> int:
     t0 = time.time()
     for name in names:
         k, n = shapes[name]
-        rows = [int(v) for v in args.rows.split(",")] if args.rows else ROWS.get(name, DEFAULT_ROWS)
+        rows = ([int(v) for v in args.rows.split(",")] if args.rows
+                else (16,) if args.cpu_smoke else ROWS.get(name, DEFAULT_ROWS))
         for m in rows:
             if time.time() - t0 > args.budget_s:
                 report["stopped"] = f"budget of {args.budget_s} s reached"

@@ -33,3 +33,17 @@ def test_weight_layout_script_cpu_smoke(tmp_path):
     # the int8 forms (--int8): both orientations give the same product, near the bf16 one
     assert all(r["int8_in_out_err"] < 5e-2 and abs(r["int8_out_in_err"] - r["int8_in_out_err"]) < 1e-2
                and r["int8_out_in_us"] > 0 for r in rows)
+
+
+def test_int8_matmul_script_cpu_smoke(tmp_path):
+    """scripts/gpu_int8_matmul.py --cpu-smoke: every kernel variant (both weight layouts, both MMA
+    layouts, both widenings) agrees with XLA's int8 product, and each row names its fastest."""
+    from scripts.gpu_int8_matmul import main
+
+    out = tmp_path / "int8.json"
+    assert main(["--cpu-smoke", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert {r["shape"] for r in report["rows"]} == {"a", "b"}
+    for r in report["rows"]:
+        assert r["xla_int8_us"] > 0 and r["best"] and r["default_err"] < 1e-2
+        assert {"in_out", "out_in"} == {c["w_layout"] for key, c in r.items() if key.endswith("_config")}

@@ -187,6 +187,7 @@ def test_int8_products_take_the_skinny_kernel_with_kernels_on(monkeypatch):
     assert count(propose, "pallas_interpret") == 0
 
 
+@pytest.mark.slow  # 13 s; the route is opt-in (int8.KERNEL) and its products are checked above
 def test_generation_through_the_int8_kernel_is_lossless(monkeypatch):
     """DDTree with every kernel on (a target and drafter the tree kernels take: head_dim 16)."""
     monkeypatch.setattr(int8, "KERNEL", True)

@@ -80,6 +80,7 @@ def test_skinny_matmul_names_what_it_cannot_take():
         skinny_matmul(x, w, impl="triton")
 
 
+@pytest.mark.slow  # 9 s; the route is opt-in (layers.SKINNY_MATMUL) and the kernel is checked above
 def test_model_routes_the_measured_window_through_the_kernel(monkeypatch):
     """With the opt-in route on, a bf16 verify with kernels sends the projections inside the route's
     window (set here to the tiny model's sizes) through skinny_matmul and gives the XLA path's logits

@@ -65,13 +65,15 @@ MERGED_QKVZ_BA = True
 # False keeps the XLA form (announced by a warning when traced).
 TREE_PROLOGUE_KERNEL = True
 
-# Opt-in, not yet measured on the GPU: with the prologue kernel and the merged qkv | z | b | a
-# product, a verify's product returns IN_PROJ_PARTS_SLICES float32 split-K partials
-# (models.layers.SplitKParts) that the prologue kernel adds on load, so XLA's reduce after its own
-# split-K GEMM goes away (4.5 us a 27B layer at 65 nodes, 0.22 ms a step; XLA split this product
-# in 2: docs/benchmarks.md session 13); z's partials are added by XLA inside the gated norm's
-# fusion. Open: which GEMM XLA picks for the explicit batched product (session 9's 2-slice down
-# product took a slower Triton GEMM). True: `--override ddtree_jax.models.gdn.IN_PROJ_PARTS=True`.
+# Opt-in (measured, lost): with the prologue kernel and the merged qkv | z | b | a product, a
+# verify's product returns IN_PROJ_PARTS_SLICES float32 split-K partials (models.layers.SplitKParts)
+# that the prologue kernel adds on load, so XLA's reduce after its own split-K GEMM goes away (4.5 us
+# a 27B layer at 65 nodes, 0.22 ms a step); z's partials are added by XLA inside the gated norm's
+# fusion. H200, session 14 (profile_step --phases loop, int8 drafter, one GPU): XLA kept the same
+# GEMM for the explicit 2-slice product (2.21 ms), the reduces fell 0.35 -> 0.15 ms, but the
+# prologue, reading two float32 partials where it read one bf16 product, went 0.31 -> 0.71 ms: the
+# step's kernels 18.13 -> 18.35 ms; end to end 18.24 against 17.94 ms (docs/benchmarks.md).
+# True: `--override ddtree_jax.models.gdn.IN_PROJ_PARTS=True`.
 IN_PROJ_PARTS = False
 IN_PROJ_PARTS_SLICES = 2
 

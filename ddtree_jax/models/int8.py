@@ -23,10 +23,10 @@ QMAX = 127  # symmetric: -127..127, so negation is exact and the scale is |w| ma
 
 # Linear attribute names `quantize_linears` leaves in their float dtype ("lm_head": the draft head,
 # spec/draft_vocab.int8_draft_head): products where XLA's int8 GEMM is not faster than its bf16
-# one. On the H200 (session 13, profile_step --int8-drafter, 27B-width drafter, 16 rows) XLA's
-# int8 GEMMs took: the merged gate | up (5120 x 34816) 94.6 us against ~83 in bf16, the draft head
-# (5120 x 248320, 15 rows) 402 us against ~560, down 41 against 43, q | k | v 16 against 21, o 14.6
-# against 13. A/B with `--override "ddtree_jax.models.int8.KEEP_FLOAT=()"`.
+# one. On the H200 (session 13, profile_step --int8-drafter, 27B-width drafter, 16 rows, weights
+# stored [in, out]) XLA's int8 GEMMs took: the merged gate | up (5120 x 34816) 94.6 us against ~83
+# in bf16, the draft head (5120 x 248320, 15 rows) 402 us against ~560, down 41 against 43,
+# q | k | v 16 against 21, o 14.6 against 13. A/B with `--override 'ddtree_jax.models.int8.KEEP_FLOAT=("gate_up_proj",)'`.
 # Session 14 (scripts/gpu_int8_matmul.py, gpu_weight_layout.py --int8; H200, 16 rows): stored
 # [out, in] (LAYOUT "out_in", each output's inputs contiguous) XLA's int8 GEMM took gate | up 70.5
 # us of kernel time against 95.9 stored [in, out] and ~81 in bf16, so with that layout nothing
