@@ -31,11 +31,13 @@ int8 halves those; but XLA's int8 GEMMs at 16 rows read only 1.9-3.2 TB/s of int
 13: the merged gate | up took 94.6 us in int8 against 83 in bf16). Two things cost there: where the
 int8 tile is widened, and how. Layout "cols" makes the weight the MMA's A operand, which Hopper's
 wgmma takes from registers, so the widened tile never goes back through shared memory. The widening
-(`dequant`): "cvt" is Triton's own int8 -> bf16 conversion (an integer-to-float conversion per
-weight, 16 a cycle per SM on sm_90: at 132 SMs x 1.98 GHz that caps the read near 4.2 TB/s of
-int8); "magic" builds the float32 2^23 + 128 + q by integer add into the bits of 2^23 (exact for
+(`dequant`): "cvt" is Triton's own int8 -> bf16 conversion (Triton 3.6 widens through byte
+permutes on sm_90, no I2F, whose 16 a cycle per SM would cap the read near 4.2 TB/s of int8);
+"magic" builds the float32 2^23 + 128 + q by integer add into the bits of 2^23 (exact for
 |q| <= 128) and subtracts 2^23 + 128, one integer and one float add at full rate, then rounds to
-the activations' dtype (exact: |q| <= 127 has 7 significant bits).
+the activations' dtype (exact: |q| <= 127 has 7 significant bits). Measured on the H200 (session
+14, scripts/gpu_int8_matmul.py): below XLA's int8 GEMM on the drafter's products, so the model's
+route is off (models/int8.py KERNEL); docs/kernels_dense.md.
 """
 
 from __future__ import annotations
