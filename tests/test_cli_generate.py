@@ -4,6 +4,7 @@ and one clear error for every bad input."""
 import dataclasses
 import io
 import json
+import os
 
 import pytest
 
@@ -339,3 +340,21 @@ def test_ar_phase_timing_carries_the_state(ckpts):
         acc = acc + bench._checksum(st.bonus)
     np.testing.assert_allclose(float(got), float(acc + bench._checksum(st)), rtol=1e-6)
     assert int(st.cache.lengths[0]) == int(s.cache.lengths[0]) + 3
+
+
+def test_autotune_cache_flag_reaches_xla_flags_before_loading(tmp_path, capsys, monkeypatch):
+    """ddtree-generate / ddtree-bench --autotune-cache DIR put XLA's cache flag in XLA_FLAGS before
+    anything loads (the missing target is reported after); a second, different directory already
+    in XLA_FLAGS is a named error."""
+    from ddtree_jax import autotune_cache
+    from ddtree_jax.cli import bench as bench_cli
+
+    monkeypatch.setenv("XLA_FLAGS", "")
+    with pytest.raises(SystemExit):
+        cli.main(["--target", str(tmp_path / "missing"), "--prompt", "x", "--autotune-cache", str(tmp_path / "atc")])
+    assert f"{autotune_cache.FLAG}={tmp_path / 'atc'}" in os.environ["XLA_FLAGS"] and (tmp_path / "atc").is_dir()
+    assert "does not exist" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench_cli.main(["--target", str(tmp_path / "missing"), "--prompts", "p.txt", "--autotune-cache",
+                        str(tmp_path / "other")])
+    assert "--autotune-cache: XLA_FLAGS already sets" in capsys.readouterr().err

@@ -11,7 +11,8 @@ import platform
 import sys
 
 from ddtree_jax import atomic, overrides
-from ddtree_jax.cli.common import add_draft_vocab_argument, add_int8_drafter_argument, die, non_negative_int, positive_int
+from ddtree_jax.cli.common import (add_autotune_cache_argument, add_draft_vocab_argument, add_int8_drafter_argument,
+                                   die, non_negative_int, positive_int, use_autotune_cache)
 
 EPILOG = """\
 examples:
@@ -50,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None)
     add_draft_vocab_argument(p)
     add_int8_drafter_argument(p)
+    add_autotune_cache_argument(p)  # e.g. the one scripts/pick_autotune_cache.py installs
     p.add_argument("--kernels", choices=["xla", "pallas", "pallas_interpret"], default=None,
                      help="tree verify / commit kernels (default: pallas on GPU, xla on CPU)")
     p.add_argument("--phase-repeats", type=non_negative_int, default=10,
@@ -91,6 +93,7 @@ def read_prompts(path: str, engine) -> list[list[int]]:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    use_autotune_cache(args)  # before the backend starts
     applied = overrides.apply_from_args(parser, args)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in ("ar", "dflash", "ddtree")]

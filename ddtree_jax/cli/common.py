@@ -52,6 +52,24 @@ def add_draft_vocab_argument(group) -> None:
                        "unless the ids cover nearly all of the text (default: whole vocabulary)")
 
 
+def add_autotune_cache_argument(group) -> None:
+    from ddtree_jax import autotune_cache
+
+    autotune_cache.add_argument(group)
+
+
+def use_autotune_cache(args) -> None:
+    """--autotune-cache DIR into XLA's flags, before anything starts the backend (a second, different
+    directory already in XLA_FLAGS is a named error)."""
+    if args.autotune_cache:
+        from ddtree_jax import autotune_cache
+
+        try:
+            autotune_cache.use_autotune_cache(args.autotune_cache)
+        except (ValueError, OSError) as e:
+            die(f"--autotune-cache: {e}")
+
+
 def add_int8_drafter_argument(group) -> None:
     group.add_argument("--int8-drafter", action="store_true",
                        help="run the drafter and its draft head with int8 weights (one scale per output column): "

@@ -6,7 +6,8 @@ import argparse
 import os
 import sys
 
-from ddtree_jax.cli.common import add_draft_vocab_argument, add_int8_drafter_argument, die, parse_ids, positive_int
+from ddtree_jax.cli.common import (add_autotune_cache_argument, add_draft_vocab_argument, add_int8_drafter_argument,
+                                   die, parse_ids, positive_int, use_autotune_cache)
 from ddtree_jax.spec.sampling import Sampling
 
 EPILOG = """\
@@ -51,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     dec.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens to generate (default 128)")
     add_draft_vocab_argument(dec)
     add_int8_drafter_argument(dec)
+    add_autotune_cache_argument(src)  # e.g. the one scripts/pick_autotune_cache.py installs
     dec.add_argument("--max-context", type=positive_int, default=None,
                      help="longest prompt + generation allowed (default: the model's max_position_embeddings)")
     dec.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -89,6 +91,7 @@ def read_prompt(args) -> str | list[int]:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    use_autotune_cache(args)  # before the backend starts
     try:
         sampling = Sampling(args.temperature, args.top_k, args.top_p)
     except ValueError as e:
