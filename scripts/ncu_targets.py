@@ -14,7 +14,11 @@ while compiling), then brackets the timed launches with the driver's cuProfilerS
 Kernels: "gdn" (gdn_tree_verify: 16 k / 48 v heads of 128, bf16 q / k / v, 65 nodes, batch 1),
 "attention" (tree_attention: 24 q / 4 kv heads of 256, 4096 committed keys, 65 nodes, batch 1) and
 "gemm" (XLA's dot of 65 rows by a 27B weight, --weight down | out | qkvzba | gate_up: what the
-verify's cuBLAS / Triton GEMMs read, e.g. `--kernel-name regex:"nvjet|gemm"`).
+verify's cuBLAS / Triton GEMMs read, e.g. `--kernel-name regex:"nvjet|gemm"`) and "int8" (an int8
+drafter product at --nodes rows, default 16: --weight gate_up | down | head, stored [out, in] as the
+int8 drafter stores it; --impl pallas: the skinny matmul kernel at its best session-14 tiling,
+`--kernel-name regex:skinny_matmul`; --impl xla: XLA's int8 GEMM, `regex:"gemm|nvjet"`: why either
+reads only 2.2-3.1 TB/s of int8, docs/kernels_dense.md).
 The inputs are the benchmark scripts' own problems (scripts/gpu_gdn.py, gpu_attention_problems.py):
 random, never zeros. For "gdn", --tree star puts every node under the root (what the random-weight
 benchmark's drafter gives), deep a DDTree-like tree of depth <= 15 (ddtree_jax.bench.deep_parents);
@@ -78,17 +82,42 @@ def gemm_call(rows: int, weight: str, key):
     return lambda: f(x, w)
 
 
+INT8_WEIGHTS = {"gate_up": (5120, 34816), "down": (17408, 5120), "head": (5120, 248320)}
+
+
+def int8_call(rows: int, weight: str, impl: str, key):
+    from ddtree_jax.models import int8
+    from pallas_kernels.skinny_matmul import SkinnyConfig, filling_split, skinny_matmul
+
+    k, n = INT8_WEIGHTS[weight]
+    x = jax.random.normal(key, (rows, k)).astype(jnp.bfloat16)
+    q, scale = int8.quantize(jax.random.normal(jax.random.fold_in(key, 1), (k, n)) * k**-0.5)
+    q = int8.stored(q, "out_in")
+    cfg = SkinnyConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=filling_split(k, n, 64, 128))
+    kernel_impl = impl if impl == "xla" or jax.devices()[0].platform == "gpu" else "pallas_interpret"
+    f = jax.jit(lambda a, w, s: skinny_matmul(a, w, s, impl=kernel_impl, config=cfg, w_layout="out_in"))
+    return lambda: f(x, q, scale)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("kernel", choices=("gdn", "attention", "gemm"))
-    ap.add_argument("--weight", choices=tuple(GEMM_WEIGHTS), default="down")
+    ap.add_argument("kernel", choices=("gdn", "attention", "gemm", "int8"))
+    ap.add_argument("--weight", choices=tuple(GEMM_WEIGHTS) + ("head",), default="down",
+                    help="gemm: down | out | qkvzba | gate_up; int8: gate_up | down | head")
     ap.add_argument("--tree", choices=("star", "deep"), default="star")
-    ap.add_argument("--nodes", type=int, default=65)
+    ap.add_argument("--nodes", type=int, default=None, help="rows (default 65; int8: 16)")
     ap.add_argument("--launches", type=int, default=4)
     ap.add_argument("--impl", choices=("pallas", "xla"), default="pallas",
                     help="xla: the kernels' references (the script's check on a machine without a GPU)")
     args = ap.parse_args(argv)
-    if args.kernel == "gemm":
+    if args.nodes is None:
+        args.nodes = 16 if args.kernel == "int8" else 65
+    weights = {"gemm": GEMM_WEIGHTS, "int8": INT8_WEIGHTS}.get(args.kernel)
+    if weights is not None and args.weight not in weights:
+        ap.error(f"--weight {args.weight} is not a {args.kernel} weight: {args.kernel} takes {', '.join(weights)}")
+    if args.kernel == "int8":
+        call = int8_call(args.nodes, args.weight, args.impl, jax.random.PRNGKey(0))
+    elif args.kernel == "gemm":
         call = gemm_call(args.nodes, args.weight, jax.random.PRNGKey(0))
     elif args.kernel == "gdn":
         call = gdn_call(args.nodes, args.tree, args.impl)

@@ -89,7 +89,11 @@ def test_ncu_targets_runs_every_kernel_on_the_cpu(capsys):
     end to end (references here; the profiler brackets are no-ops without a CUDA driver)."""
     from scripts.ncu_targets import main
 
-    for argv in (["gdn", "--tree", "deep"], ["attention"], ["gemm", "--weight", "out"]):
+    for argv in (["gdn", "--tree", "deep"], ["attention"], ["gemm", "--weight", "out"], ["int8", "--weight", "down"]):
         assert main([*argv, "--launches", "1", "--impl", "xla"]) == 0
     out = capsys.readouterr().out
-    assert out.count("finite=True") == 3
+    assert out.count("finite=True") == 4 and "int8 tree=star weight=down nodes=16" in out
+    import pytest
+
+    with pytest.raises(SystemExit):
+        main(["int8", "--weight", "out"])
