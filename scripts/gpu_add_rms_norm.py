@@ -19,9 +19,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from gpu_bench_common import err_str, finish_checked, kernel_run_setup  # noqa: E402
+from gpu_bench_common import err_str, finish_checked, kernel_run_setup, record_row  # noqa: E402
 from gpu_skinny_matmul import kernel_us  # noqa: E402
-from ddtree_jax import atomic  # noqa: E402
 
 TILINGS = ((1024, 8), (2048, 16), (4096, 16), (4096, 32))  # (PARTS_CHUNK, PARTS_WARPS)
 
@@ -86,9 +85,7 @@ def main(argv=None) -> int:
     tilings = ((32, 4),) if args.cpu_smoke else TILINGS
     for parts in [int(p) for p in args.parts.split(",")]:
         row = run_row(parts, rows, h, on_gpu, impl, tilings)
-        report["rows"].append(row)
-        atomic.write_json(args.out, report)
-        print(f"[add_rms_norm] {row}", flush=True)
+        record_row(report, row, args.out, f"[add_rms_norm] {row}")
     ok = lambda r: all(v for k, v in r.items() if k.endswith("_ok"))
     return finish_checked(report, [("parts", "S", 3, None), ("rows", "rows", 5, None)], ok, args.out)
 

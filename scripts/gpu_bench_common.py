@@ -207,6 +207,16 @@ def max_rel_err(want, got) -> float:
 DTYPE_ERR_COLUMNS = [("float32_rel_err", "fp32 err", 9, ".1e"), ("bfloat16_rel_err", "bf16 err", 9, ".1e")]
 
 
+def record_row(report, row, out: str, line: str | None = None) -> None:
+    """Add a finished row to the report, rewrite the JSON (a cut run keeps its rows) and print
+    `line` (default: the row)."""
+    from ddtree_jax import atomic
+
+    report["rows"].append(row)
+    atomic.write_json(out, report)
+    print(line if line is not None else str(row), flush=True)
+
+
 def finish_checked(report, lead, ok, out: str) -> int:
     """The end of a kernel script whose rows hold `<variant>_us` timings and checks that `ok(row)`
     reads: the table, where the report went, and the exit code (1 if a row failed a check or

@@ -28,9 +28,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from gpu_bench_common import err_str, fmt, kernel_run_setup  # noqa: E402
+from gpu_bench_common import err_str, fmt, kernel_run_setup, record_row  # noqa: E402
 from gpu_skinny_matmul import kernel_us, problem, time_variant  # noqa: E402
-from ddtree_jax import atomic  # noqa: E402
 
 # (K, N) of the 27B-width DFlash drafter (hidden 5120, FFN 17408, 32 q / 8 kv heads of 128, 5 target
 # layers' features into fc) and the target's head it drafts through
@@ -150,11 +149,10 @@ def main(argv=None) -> int:
                 break
             row = run_row(name, m, k, n, on_gpu, impl, args.cpu_smoke, args.trace)
             row["best"], row["best_us"] = best_kernel(row)
-            report["rows"].append(row)
-            atomic.write_json(args.out, report)
-            print(f"[int8] {name} m={m}: bf16 {fmt(row.get('xla_bf16_us'))} us, xla int8 {fmt(row.get('xla_int8_us'))} "
-                  f"us ([N, K]: {fmt(row.get('xla_int8_t_us'))}), kernel default {fmt(row.get('default_us'))} us, best {row['best']} {fmt(row['best_us'])} us",
-                  flush=True)
+            record_row(report, row, args.out,
+                       f"[int8] {name} m={m}: bf16 {fmt(row.get('xla_bf16_us'))} us, xla int8 "
+                       f"{fmt(row.get('xla_int8_us'))} us ([N, K]: {fmt(row.get('xla_int8_t_us'))}), kernel default "
+                       f"{fmt(row.get('default_us'))} us, best {row['best']} {fmt(row['best_us'])} us")
     # the kernel and XLA's int8 product compute the same values up to accumulation order and the
     # output's rounding (bf16: 2^-8 of the largest product); bf16 weights differ by the quantization
     ok = lambda r: all(v < (5e-2 if key.startswith("xla_bf16") else 1e-2) for key, v in r.items()

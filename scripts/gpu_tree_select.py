@@ -22,8 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
 
-from gpu_bench_common import err_str, finish_checked, kernel_run_setup, time_jax  # noqa: E402
-from ddtree_jax import atomic  # noqa: E402
+from gpu_bench_common import err_str, finish_checked, kernel_run_setup, record_row, time_jax  # noqa: E402
 
 
 def problem(seed: int, batch: int, depth: int, k: int, rotations: int):
@@ -84,9 +83,7 @@ def main(argv=None) -> int:
                     row[name + "_us"] = t * 1e6
                 except Exception as e:
                     row[name + "_error"] = err_str(e)
-            report["rows"].append(row)
-            atomic.write_json(args.out, report)
-            print(f"[select] {row}", flush=True)
+            record_row(report, row, args.out, f"[select] {row}")
     equal = lambda r: all(v for key, v in r.items() if key.endswith("_equal"))
     return finish_checked(report, [("batch", "B", 2, None), ("budget", "budget", 6, None)], equal, args.out)
 

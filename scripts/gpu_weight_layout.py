@@ -29,9 +29,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from gpu_bench_common import err_str, fmt, kernel_run_setup  # noqa: E402
+from gpu_bench_common import err_str, fmt, kernel_run_setup, record_row  # noqa: E402
 from gpu_skinny_matmul import SHAPES, SMOKE_SHAPES, kernel_us, problem, time_variant  # noqa: E402
-from ddtree_jax import atomic  # noqa: E402
 
 ORIENTATIONS = ("in_out", "out_in")
 INT8_FORMS = ("int8_in_out", "int8_out_in")
@@ -42,16 +41,14 @@ def product(orientation: str):
     forms take (q, scale) and scale the float32 product per output column (models/int8.py)."""
     import jax.numpy as jnp
 
-    from ddtree_jax.models import int8
+    from pallas_kernels.skinny_matmul import reference
 
     if orientation == "in_out":
         return lambda x, w: jnp.einsum("mk,kn->mn", x, w)
     if orientation == "out_in":
         return lambda x, w: jnp.einsum("mk,nk->mn", x, w)
-    if orientation == "int8_in_out":
-        return lambda x, w: int8.product(x, *w)
-    return lambda x, w: (jnp.einsum("mk,nk->mn", x, w[0].astype(x.dtype), preferred_element_type=jnp.float32)
-                         * w[1]).astype(x.dtype)
+    layout = orientation[len("int8_"):]  # the int8 drafter's own product in that storage
+    return lambda x, w: reference(x, *w, w_layout=layout)
 
 
 def run_row(name: str, m: int, k: int, n: int, on_gpu: bool, with_int8: bool = False) -> dict:
@@ -113,9 +110,7 @@ def main(argv=None) -> int:
         k, n = SMOKE_SHAPES[name] if args.cpu_smoke else shapes[name]
         for m in [int(v) for v in args.rows.split(",")]:
             row = run_row(name, m, k, n, on_gpu, args.int8)
-            report["rows"].append(row)
-            atomic.write_json(args.out, report)
-            print(f"[layout] {row}", flush=True)
+            record_row(report, row, args.out, f"[layout] {row}")
     # bf16 orientations agree to rounding; int8 forms to their quantization (~1 % of the product)
     ok = lambda r: all(v < (5e-2 if key.startswith("int8") else 2e-2) for key, v in r.items()
                        if key.endswith("_err")) and not any(key.endswith("_error") for key in r)

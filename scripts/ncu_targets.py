@@ -94,8 +94,7 @@ def int8_call(rows: int, weight: str, impl: str, key):
     q, scale = int8.quantize(jax.random.normal(jax.random.fold_in(key, 1), (k, n)) * k**-0.5)
     q = int8.stored(q, "out_in")
     cfg = SkinnyConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=filling_split(k, n, 64, 128))
-    kernel_impl = impl if impl == "xla" or jax.devices()[0].platform == "gpu" else "pallas_interpret"
-    f = jax.jit(lambda a, w, s: skinny_matmul(a, w, s, impl=kernel_impl, config=cfg, w_layout="out_in"))
+    f = jax.jit(lambda a, w, s: skinny_matmul(a, w, s, impl=impl, config=cfg, w_layout="out_in"))
     return lambda: f(x, q, scale)
 
 

@@ -51,8 +51,10 @@ def profile_try(cache_dir: str, out_json: str, extra: list[str], smoke: bool, ti
         return {"error": f"timed out after {timeout_s:.0f} s"}
     if done.returncode != 0:
         return {"error": f"profile_step.py exited {done.returncode}: {done.stderr.strip()[-600:]}"}
-    report = json.load(open(out_json))
-    phases = report["phases"]
+    with open(out_json) as f:
+        phases = json.load(f).get("phases", {})
+    if not {"loop", "step"} <= set(phases):
+        return {"error": f"profile_step.py wrote no loop / step phases to {out_json}"}
     return {"loop_ms": phases["loop"]["gpu_busy_ms"], "step_ms": phases["step"]["gpu_busy_ms"],
             "seconds": time.time() - t0}
 

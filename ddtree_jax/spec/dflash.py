@@ -41,11 +41,9 @@ class DFlashProposer:
         """(proposer, params) that draft from the token ids `ids` only; `target` is the merged
         target model (its head's columns are sliced here, once; quantized too for an int8 drafter)."""
         drafter = params.drafter if isinstance(params, HotParams) else params
-        vocab = make_draft_vocab(target, ids)
-        layout = self.head_layout
+        vocab, layout = make_draft_vocab(target, ids), self.head_layout
         if self.int8:
-            vocab = int8_draft_head(target, vocab)
-            layout = int8.LAYOUT if vocab.scale is not None else layout
+            vocab, layout = self._int8_head(target, vocab)
         n = int(vocab.ids.shape[0])
         return dataclasses.replace(self, draft_vocab=n, head_layout=layout), HotParams(drafter, vocab)
 
@@ -59,11 +57,17 @@ class DFlashProposer:
         model = nnx.merge(self.graphdef, drafter)
         int8.quantize_linears(model)
         graphdef, qparams = nnx.split(model)
-        given = params.vocab if isinstance(params, HotParams) else None
-        vocab = int8_draft_head(target, given)
-        layout = int8.LAYOUT if vocab.scale is not None and (given is None or given.scale is None) else self.head_layout
+        vocab, layout = self._int8_head(target, params.vocab if isinstance(params, HotParams) else None)
         return (dataclasses.replace(self, graphdef=graphdef, int8=True, head_layout=layout),
                 HotParams(qparams, vocab))
+
+    def _int8_head(self, target, vocab):
+        """(int8 draft head, its storage layout): int8_draft_head of `vocab` (None: the target's
+        whole head); a head quantized here is stored as int8.LAYOUT says, one given int8 (or left
+        float by KEEP_FLOAT) keeps this proposer's head_layout."""
+        head = int8_draft_head(target, vocab)
+        fresh = head.scale is not None and (vocab is None or vocab.scale is None)
+        return head, (int8.LAYOUT if fresh else self.head_layout)
 
     def vocab_ids(self, params):
         """Token ids of the draft indices ([N] int32), or None when drafts span the whole vocabulary."""
