@@ -4,7 +4,10 @@ GPU) lower for CUDA with the jax at hand."""
 
 import json
 
+import pytest
 
+
+@pytest.mark.slow  # 17 s in interpret mode; the bf16 skinny route is off (layers.SKINNY_MATMUL)
 def test_skinny_matmul_script_smoke(tmp_path):
     from scripts.gpu_skinny_matmul import MGPU_CONFIGS, main
 
