@@ -75,7 +75,48 @@ def configs(k: int, n: int, smoke: bool) -> dict:
     return out
 
 
-def run_row(name: str, m: int, k: int, n: int, on_gpu: bool, impl: str, smoke: bool, trace: bool) -> dict:
+def quantize_rows(x, kind: str):
+    """Activations x [M, K] -> (xq [M, K] int8 or float8_e4m3fn, scale float32 [M, 1]) per row
+    (absmax / 127, or / 448 for e4m3); a zero row gets scale 1."""
+    import jax.numpy as jnp
+
+    top = 127.0 if kind == "int8" else float(jnp.finfo(jnp.float8_e4m3fn).max)
+    x32 = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)
+    sc = jnp.where(amax > 0, amax / top, 1.0)
+    if kind == "int8":
+        return jnp.clip(jnp.round(x32 / sc), -127, 127).astype(jnp.int8), sc
+    return (x32 / sc).astype(jnp.float8_e4m3fn), sc
+
+
+def quantize_cols_fp8(w):
+    """w [K, N] -> (q float8_e4m3fn [N, K] (stored [out, in]), scale float32 [N]) per column."""
+    import jax.numpy as jnp
+
+    w32 = w.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(w32), axis=0)
+    sc = jnp.where(amax > 0, amax / float(jnp.finfo(jnp.float8_e4m3fn).max), 1.0)
+    return jnp.asarray((w32 / sc).astype(jnp.float8_e4m3fn).T), sc
+
+
+def w8a8(x, w, kind: str):
+    """Both operands 8-bit (W8A8): x quantized per row on the fly, w = (q [N, K], column scale);
+    the GEMM multiplies the 8-bit values (int8 -> int32, e4m3 -> float32 accumulation: cuBLASLt's
+    IMMA / FP8 kernels on Hopper, no widening of the weight), the two scales apply to its output.
+    The candidate for an int8 drafter product at the bf16 GEMMs' byte rate (docs/benchmarks.md
+    section 4, item 0 (2))."""
+    import jax
+    import jax.numpy as jnp
+
+    q, wsc = w
+    xq, xsc = quantize_rows(x, kind)
+    acc = jnp.int32 if kind == "int8" else jnp.float32
+    y = jax.lax.dot_general(xq, q, (((1,), (1,)), ((), ())), preferred_element_type=acc)
+    return (y.astype(jnp.float32) * xsc * wsc).astype(x.dtype)
+
+
+def run_row(name: str, m: int, k: int, n: int, on_gpu: bool, impl: str, smoke: bool, trace: bool,
+            xla_only: bool = False) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -87,10 +128,13 @@ def run_row(name: str, m: int, k: int, n: int, on_gpu: bool, impl: str, smoke: b
     x, ws = problem(hash((name, m)) % 2**31, m, k, n, on_gpu)
     qs = [int8.quantize(w) for w in ws]  # as many copies as the bf16 rotation: past L2 either way
     qts = [(jnp.asarray(q.T), sc) for q, sc in qs]  # stored [N, K]
+    f8s = [quantize_cols_fp8(w) for w in ws]  # stored [N, K]
     weights = {"in_out": qs, "out_in": qts}
     fns = {"xla_bf16": (lambda a, w: jnp.matmul(a, w), ws), "xla_int8": (lambda a, w: reference(a, *w), qs),
-           "xla_int8_t": (lambda a, w: reference(a, *w, w_layout="out_in"), qts)}
-    for cname, (cfg, w_layout) in configs(k, n, smoke).items():
+           "xla_int8_t": (lambda a, w: reference(a, *w, w_layout="out_in"), qts),
+           "xla_w8a8_t": (lambda a, w: w8a8(a, w, "int8"), qts),
+           "xla_fp8_t": (lambda a, w: w8a8(a, w, "fp8"), f8s)}
+    for cname, (cfg, w_layout) in ({} if xla_only else configs(k, n, smoke)).items():
         fns[cname] = (lambda a, w, c=cfg, lay=w_layout: skinny_matmul(a, w[0], w[1], impl=impl, config=c,
                                                                       w_layout=lay), weights[w_layout])
         row[cname + "_config"] = dict(vars(cfg), w_layout=w_layout)
@@ -102,12 +146,12 @@ def run_row(name: str, m: int, k: int, n: int, on_gpu: bool, impl: str, smoke: b
             row[vname + "_err"] = float(np.abs(got - want).max()) / scale
             t = time_variant(f, x, weights, on_gpu)
             row[vname + "_us"] = t * 1e6
-            row[vname + "_TBps"] = (2 if vname == "xla_bf16" else 1) * k * n / t / 1e12
+            row[vname + "_TBps"] = (2 if vname == "xla_bf16" else 1) * k * n / t / 1e12  # bytes of the weight
             if trace:
                 row[vname + "_kernel_us"] = kernel_us(f, x, weights, on_gpu)
         except Exception as e:  # one failing variant never hides the others
             row[vname + "_error"] = err_str(e)
-    del ws, qs, qts, weights
+    del ws, qs, qts, f8s, weights
     return row
 
 
@@ -126,6 +170,7 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--rows", default=None, help="row counts (default: 16 and 128; the draft head 15 and 120)")
     ap.add_argument("--trace", action="store_true", help="also the kernel time from a profiler trace")
+    ap.add_argument("--xla-only", action="store_true", help="XLA's products only (bf16, int8, W8A8), no kernel tilings")
     ap.add_argument("--budget-s", type=float, default=420, help="stop starting rows after this many seconds")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "int8_matmul.json"))
     args = ap.parse_args(argv)
@@ -147,19 +192,24 @@ def main(argv=None) -> int:
             if time.time() - t0 > args.budget_s:
                 report["stopped"] = f"budget of {args.budget_s} s reached"
                 break
-            row = run_row(name, m, k, n, on_gpu, impl, args.cpu_smoke, args.trace)
+            row = run_row(name, m, k, n, on_gpu, impl, args.cpu_smoke, args.trace, args.xla_only)
             row["best"], row["best_us"] = best_kernel(row)
             record_row(report, row, args.out,
                        f"[int8] {name} m={m}: bf16 {fmt(row.get('xla_bf16_us'))} us, xla int8 "
-                       f"{fmt(row.get('xla_int8_us'))} us ([N, K]: {fmt(row.get('xla_int8_t_us'))}), kernel default "
+                       f"{fmt(row.get('xla_int8_us'))} us ([N, K]: {fmt(row.get('xla_int8_t_us'))}; W8A8 int8 "
+                       f"{fmt(row.get('xla_w8a8_t_us'))}, e4m3 {fmt(row.get('xla_fp8_t_us'))}), kernel default "
                        f"{fmt(row.get('default_us'))} us, best {row['best']} {fmt(row['best_us'])} us")
     # the kernel and XLA's int8 product compute the same values up to accumulation order and the
-    # output's rounding (bf16: 2^-8 of the largest product); bf16 weights differ by the quantization
-    ok = lambda r: all(v < (5e-2 if key.startswith("xla_bf16") else 1e-2) for key, v in r.items()
+    # output's rounding (bf16: 2^-8 of the largest product); bf16 weights differ by the quantization,
+    # W8A8 also by the activations' (int8: 1/254 of a row's absmax; e4m3: 3 mantissa bits, both operands)
+    tol = {"xla_bf16": 5e-2, "xla_w8a8": 5e-2, "xla_fp8_": 2e-1}
+    ok = lambda r: all(v < tol.get(key[:8], 1e-2) for key, v in r.items()
                        if key.endswith("_err")) and not any(key.endswith("_error") for key in r)
-    print(f"\n{'shape':>8} {'m':>4} {'ok':>5} {'bf16 us':>9} {'int8 us':>9} {'default':>9} {'TB/s':>6} {'best us':>9}  best")
+    print(f"\n{'shape':>8} {'m':>4} {'ok':>5} {'bf16 us':>9} {'int8 us':>9} {'[N,K]':>9} {'W8A8 i8':>9} {'W8A8 f8':>9} "
+          f"{'default':>9} {'TB/s':>6} {'best us':>9}  best")
     for r in report["rows"]:
         print(f"{r['shape']:>8} {r['m']:>4} {str(ok(r)):>5} {fmt(r.get('xla_bf16_us')):>9} {fmt(r.get('xla_int8_us')):>9} "
+              f"{fmt(r.get('xla_int8_t_us')):>9} {fmt(r.get('xla_w8a8_t_us')):>9} {fmt(r.get('xla_fp8_t_us')):>9} "
               f"{fmt(r.get('default_us')):>9} {fmt(r.get('default_TBps'), '.2f'):>6} {fmt(r.get('best_us')):>9}  {r['best']}")
     bad = [f"{r['shape']} m={r['m']}" for r in report["rows"] if not ok(r)]
     if bad:

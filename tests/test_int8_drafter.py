@@ -1,4 +1,5 @@
-"""Weight-only int8 drafter (models/int8.py): the quantization's error bound, the int8 product,
+"""int8 drafter (models/int8.py): the quantization's error bound, the int8 product (weight-only and
+W8A8: which products take which),
 every drafter Linear quantized and its head too, draft log-probs close to the float ones,
 generation identical to plain decoding in every mode (alone and with a draft vocabulary, in
 either order) and through the Engine and the CLI; misuse is named."""
@@ -50,6 +51,46 @@ def test_int8_linear_is_the_product_with_the_dequantized_kernel(monkeypatch, lay
     assert got.dtype == x.dtype
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(got), np.asarray(x @ w + lin.bias[...]), rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("layout", int8.LAYOUTS)
+def test_w8a8_product_is_the_exact_integer_product_scaled(layout):
+    """The W8A8 product: per-row int8 activations (absmax / 127, round to nearest), int8 x int8
+    summed exactly (int64 in numpy here), then row scale x column scale; a zero row stays zero."""
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(2, 5, 96)).astype(np.float32) * np.array([1e-3, 30.0])[:, None, None].astype(np.float32)
+    x[1, 2] = 0.0
+    w = rng.normal(size=(96, 40)).astype(np.float32)
+    q, sc = int8.quantize(jnp.asarray(w))
+    got = np.asarray(int8.w8a8_product(jnp.asarray(x), int8.stored(q, layout), sc, layout=layout))
+    amax = np.abs(x).max(-1, keepdims=True)
+    xs = np.where(amax > 0, amax / 127, 1.0).astype(np.float32)
+    xq = np.clip(np.round(x / xs), -127, 127).astype(np.int64)
+    want = (xq @ np.asarray(q, np.int64)).astype(np.float32) * xs * np.asarray(sc)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert np.all(got[1, 2] == 0)
+    xq_got, xs_got = int8.quantize_rows(jnp.asarray(x))
+    np.testing.assert_array_equal(np.asarray(xq_got), xq)
+    # close to the float product: each activation within half a step of its row's absmax / 127
+    exact = x @ w
+    assert np.all(np.abs(got - exact) <= 0.05 * np.abs(exact).max(-1, keepdims=True))
+    with pytest.raises(ValueError, match="overflow"):
+        int8.w8a8_product(jnp.ones((1, 140_000)), jnp.ones((140_000, 2), jnp.int8), jnp.ones(2))
+
+
+def test_wide_int8_products_take_w8a8_and_narrow_ones_stay_weight_only(monkeypatch):
+    """ACT_INT8 routes products with >= ACT_INT8_MIN_OUT output columns (either storage) through
+    an int8 x int8 -> int32 dot; narrower ones, or all with ACT_INT8 off, widen the weight."""
+    x = jnp.ones((3, 64), jnp.bfloat16)
+    wide, narrow = jnp.ones((64, 48), jnp.int8), jnp.ones((64, 16), jnp.int8)
+    imma = lambda q, layout="in_out": "preferred_element_type=int32" in str(jax.make_jaxpr(
+        lambda a, w: int8.product(a, w, jnp.ones((48 if w.shape[1 - (layout == "out_in")] == 48 else 16,)),
+                                  layout=layout))(x, q))
+    monkeypatch.setattr(int8, "ACT_INT8_MIN_OUT", 32)
+    assert imma(wide) and imma(wide.T, "out_in") and not imma(narrow) and not imma(narrow.T, "out_in")
+    assert not int8.takes_w8a8(narrow) and int8.takes_w8a8(narrow, "out_in")  # read [out, in]: 64 outputs
+    monkeypatch.setattr(int8, "ACT_INT8", False)
+    assert not imma(wide) and not imma(wide.T, "out_in")
 
 
 def _pair(seed=7):
@@ -116,6 +157,25 @@ def test_generation_with_an_int8_drafter_is_lossless(mode, order):
     res = generate(gd, params, prompt, lens, proposer=p, drafter_params=pp, mode=mode, budget=16, max_new_tokens=40)
     np.testing.assert_array_equal(np.asarray(res.tokens), np.asarray(ref.tokens))
     np.testing.assert_array_equal(np.asarray(res.drafter_state.lengths), np.asarray(res.cache.lengths))
+
+
+def test_generation_with_a_w8a8_drafter_is_lossless(monkeypatch):
+    """Every drafter product and the draft head W8A8 (the tiny drafter's widths are below the
+    default threshold): DDTree's output still equals plain decoding's."""
+    monkeypatch.setattr(int8, "ACT_INT8_MIN_OUT", 1)
+    cfg, gd, params, proposer, dparams = _pair()
+    target = nnx.merge(gd, params)
+    p, pp = proposer.with_int8(dparams, target)
+    jaxpr = str(jax.make_jaxpr(lambda: p.propose(pp, p.init_state(pp, 2, 32), target, jnp.asarray([5, 9]),
+                                                  jnp.asarray([0, 0])))())
+    assert jaxpr.count("preferred_element_type=int32") == 6 * p.cfg.num_layers + 1
+    rng = np.random.default_rng(2)
+    prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 10)), jnp.int32)
+    lens = jnp.asarray([10, 6], jnp.int32)
+    ref = generate(gd, params, prompt, lens, mode="ar", max_new_tokens=40)
+    res = generate(gd, params, prompt, lens, proposer=p, drafter_params=pp, mode="ddtree", budget=16,
+                   max_new_tokens=40)
+    np.testing.assert_array_equal(np.asarray(res.tokens), np.asarray(ref.tokens))
 
 
 def test_engine_and_cli_take_an_int8_drafter(capsys):

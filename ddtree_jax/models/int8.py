@@ -1,4 +1,5 @@
-"""Weight-only int8 for the drafter: int8 kernels with one float32 scale per output column.
+"""int8 for the drafter: int8 kernels with one float32 scale per output column (and, for the wide
+products, int8 activations with one scale per row: W8A8, ACT_INT8 below).
 
 Why: a DFlash step reads the drafter's weights and, for its draft head, the target's lm_head once
 per step. At the Qwen3.6-27B shape that is 3.46 GB of drafter layers and the 2.54 GB head in bf16,
@@ -66,8 +67,8 @@ def dequantize(q: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Array:
     return (q.astype(jnp.float32) * scale).astype(dtype)
 
 
-# Opt-in: with kernels on (impl "pallas" / "pallas_interpret"), products of 1..KERNEL_MAX_ROWS rows
-# go through the skinny matmul kernel (pallas_kernels/skinny_matmul.py: int8 tiles widened in
+# Opt-in: with kernels on (impl "pallas" / "pallas_interpret"), weight-only products (those ACT_INT8
+# leaves) of 1..KERNEL_MAX_ROWS rows go through the skinny matmul kernel (pallas_kernels/skinny_matmul.py: int8 tiles widened in
 # registers, streamed once) instead of XLA's int8 GEMM. Same values up to accumulation order. It
 # lost on the H200 (session 14, scripts/gpu_int8_matmul.py, 16 rows, wall us in an on-device loop):
 # its best tiling (64 columns, 128-deep K tiles, weight stored [out, in]) took gate | up 81.2 against
@@ -78,14 +79,58 @@ KERNEL = False
 KERNEL_MAX_ROWS = 128  # a batch-8 DFlash block (8 x 16); more rows are no longer weight-bound
 
 
+# W8A8: products whose weight has at least ACT_INT8_MIN_OUT output columns also quantize their
+# activations, per row (absmax / 127, on the fly), and multiply int8 by int8 into int32 (cuBLAS's
+# IMMA kernels on Hopper: no widening of the weight in the GEMM's loop), the row and column scales
+# applied to the int32 sums in float32. The weights are the same as weight-only's; only the product
+# differs, so this is a route like KERNEL, read when a product is traced. H200, session 15
+# (scripts/gpu_int8_matmul.py --xla-only, wall us in an on-device loop, 16 rows; weight-only stored
+# [out, in] -> W8A8): gate | up 74.9 -> 50.8, down 41.2 -> 29.3, q | k | v 15.7 -> 11.5, o 11.1 ->
+# 7.9, fc 54.2 -> 45.5, the draft head (15 rows) 397 -> 377; at 128 rows (batch 8) gate | up 139 ->
+# 84 (bf16: 104). The 1024-column context K / V lost (9.3 -> 22.8): hence the threshold. What the
+# activations' rounding costs in acceptance: docs/benchmarks.md (the demo pair, every product W8A8).
+# Off: `--override ddtree_jax.models.int8.ACT_INT8=False` (weight-only, as before session 15).
+ACT_INT8 = True
+ACT_INT8_MIN_OUT = 2048
+
+
+def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [..., K] -> (int8 [..., K], float32 scale [..., 1]) per row: absmax / 127, round to
+    nearest; a row of zeros gets scale 1."""
+    x32 = x.astype(jnp.float32)
+    absmax = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)
+    scale = jnp.where(absmax > 0, absmax / QMAX, 1.0)
+    return jnp.clip(jnp.round(x32 / scale), -QMAX, QMAX).astype(jnp.int8), scale
+
+
+def w8a8_product(x: jax.Array, q: jax.Array, scale: jax.Array, out_dtype=None, layout: str = "in_out") -> jax.Array:
+    """(quantized x @ q) * row scale * column scale in out_dtype (default x's): the int8 products
+    are summed exactly in int32 (|sum| <= K * 127^2 < 2^31 for K < 133,000), then scaled in float32."""
+    if x.shape[-1] * QMAX * QMAX >= 2**31:
+        raise ValueError(f"W8A8 over {x.shape[-1]} inputs could overflow its int32 sums")
+    xq, xs = quantize_rows(x)
+    w_in = 0 if layout == "in_out" else 1
+    y = jax.lax.dot_general(xq, q, (((x.ndim - 1,), (w_in,)), ((), ())), preferred_element_type=jnp.int32)
+    return (y.astype(jnp.float32) * xs * scale).astype(out_dtype or x.dtype)
+
+
+def takes_w8a8(q: jax.Array, layout: str = "in_out") -> bool:
+    """Whether a product with the int8 weight q (stored as `layout` says) quantizes its activations."""
+    return ACT_INT8 and q.shape[1 if layout == "in_out" else 0] >= ACT_INT8_MIN_OUT
+
+
 def product(x: jax.Array, q: jax.Array, scale: jax.Array, impl: str = "xla", out_dtype=None,
             layout: str = "in_out") -> jax.Array:
-    """(x @ q) * scale in out_dtype (default x's): int8 -> x.dtype is exact (|q| <= 127), the
+    """(x @ q) * scale in out_dtype (default x's). Weights wide enough for ACT_INT8 take the W8A8
+    product (w8a8_product). Otherwise weight-only: int8 -> x.dtype is exact (|q| <= 127), the
     product accumulates in float32 and the column scale applies to the float32 sum before the one
-    rounding. XLA (impl "xla", or rows past KERNEL_MAX_ROWS) fuses the convert of q into its GEMM,
-    so the weight is read as int8 there too. layout: how q is stored (q [in, out] or [out, in])."""
+    rounding; XLA (impl "xla", or rows past KERNEL_MAX_ROWS) fuses the convert of q into its GEMM,
+    so the weight is read as int8 there too, and with KERNEL on the skinny matmul kernel takes it.
+    layout: how q is stored (q [in, out] or [out, in])."""
     from pallas_kernels.skinny_matmul import reference, skinny_matmul
 
+    if takes_w8a8(q, layout):
+        return w8a8_product(x, q, scale, out_dtype, layout)
     rows = 1
     for d in x.shape[:-1]:
         rows *= d
