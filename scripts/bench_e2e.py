@@ -171,6 +171,8 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", default="ar,ddtree", help="'ar' alone times plain decoding only (no DDTree, no phases)")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--loop-steps", type=int, default=16)
+    ap.add_argument("--no-phases", action="store_true",
+                    help="skip batch 1's phase split (four more compilations): more step samples a GPU call")
     ap.add_argument("--phase-inner", type=int, default=32,
                     help="iterations of each phase per timed call (the phase split is the difference of "
                          "calls of N and 2N iterations; at 8 the 27B commit phase drowned in dispatch jitter)")
@@ -271,10 +273,10 @@ def main(argv=None) -> int:
         row["decode_fraction_of_roofline_incl_dispatch"] = row["roofline_ms"] / row["ar_loop_incl_dispatch_ms"]
         row["ddtree_over_decode"] = (row["ddtree_loop_step_ms"] / row["ar_loop_step_ms"]
                                      if "ddtree" in modes else None)
-        # Phase split of the DDTree step (batch 1 only: four more compilations).
+        # Phase split of the DDTree step (batch 1 only, unless --no-phases: four more compilations).
         from ddtree_jax import bench as B
 
-        if (batch != 1 and not args.smoke) or "ddtree" not in modes:
+        if (batch != 1 and not args.smoke) or "ddtree" not in modes or args.no_phases:
             row["phases_ms"] = None
             stats = jax.local_devices()[0].memory_stats() or {}
             row["peak_memory_GB"] = stats.get("peak_bytes_in_use", 0) / 1e9 or None
