@@ -9,8 +9,9 @@ Those products have 15-16 rows, so they are bound by the bytes of their weights:
 Output is unchanged: the drafter only proposes; the target verifies every draft in its own dtype,
 so greedy output stays identical to plain decoding and sampling keeps the target's distribution.
 What int8 changes is the draft distributions, slightly (per-column absmax scaling, round to
-nearest: each weight within half a step, |w| max / 254, of its value), and so, possibly, which
-drafts are proposed; docs/benchmarks.md records what it costs in acceptance on the demo pair.
+nearest: each weight within half a step, |w| max / 254, of its value; W8A8 rounds each input row
+the same way, to its |x| max / 254), and so, possibly, which drafts are proposed;
+docs/benchmarks.md records what it costs in acceptance on the demo pair (sessions 13-15: within 1 %).
 
 The target is never quantized: its products are the output.
 """
