@@ -40,6 +40,7 @@ from ddtree_jax.bench import median_ms, paired_marginal_ms
 from ddtree_jax.cache import KVCache, RecurrentCache, TargetCache
 from ddtree_jax.config import TargetConfig
 from ddtree_jax.drafter_config import DrafterConfig
+from ddtree_jax.models import int8
 from ddtree_jax.models.drafter import DrafterCache, DrafterModel
 from ddtree_jax.models.target import TargetModel
 from ddtree_jax.spec import generate as gen
@@ -220,6 +221,7 @@ def main(argv=None) -> int:
     proposer, dparams = drafter_setup(DFlashProposer(dgraph, dcfg), dparams, graphdef, params, args)
     report["draft_vocab"] = args.draft_vocab or None
     report["int8_drafter"] = args.int8_drafter
+    report["int8_scheme"] = int8.scheme() if args.int8_drafter else None
     if args.int8_drafter:
         report["drafter_params_GB"] = nbytes(dparams) / 1e9  # int8 layers + the int8 draft head
         print(f"[bench] int8 drafter: {report['drafter_params_GB']:.2f} GB with its draft head", flush=True)

@@ -35,6 +35,7 @@ from ddtree_jax import atomic
 from ddtree_jax import autotune_cache, overrides
 from ddtree_jax import bench as B
 from ddtree_jax.config import TargetConfig
+from ddtree_jax.models import int8
 from ddtree_jax.models.drafter import DrafterModel
 from ddtree_jax.models.target import TargetModel
 from ddtree_jax.spec import generate as gen
@@ -245,6 +246,7 @@ def main(argv=None) -> int:
     proposer, dparams = drafter_setup(DFlashProposer(dgraph, dcfg), dparams, graphdef, params, args)
     report["draft_vocab"] = args.draft_vocab or None
     report["int8_drafter"] = args.int8_drafter
+    report["int8_scheme"] = int8.scheme() if args.int8_drafter else None
     kernels = args.kernels or gen.default_kernels()
     report["kernels"] = kernels
     capacity = context + 64

@@ -59,6 +59,7 @@ def test_profile_step_int8_drafter_with_a_draft_vocabulary(tmp_path):
                  "--inner", "1", "--int8-drafter", "--draft-vocab", "64", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["int8_drafter"] is True and report["draft_vocab"] == 64
+    assert report["int8_scheme"]["act_int8"] is True and report["int8_scheme"]["layout"] == "out_in"
     assert set(report["phases"]) == {"draft"}
 
 

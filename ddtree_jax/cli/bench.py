@@ -115,6 +115,8 @@ def main(argv=None) -> int:
     results, outputs = [], {}
     os.makedirs(args.out, exist_ok=True)
     json_path = os.path.join(args.out, "bench.json")
+    from ddtree_jax.models import int8
+
     report = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(["ddtree-bench"] + (argv if argv is not None else sys.argv[1:])),
@@ -124,6 +126,7 @@ def main(argv=None) -> int:
         "target": args.target or "embedded demo", "drafter": args.drafter or "embedded demo",
         "draft_vocab": getattr(engine.proposer, "draft_vocab", 0) or None,
         "int8_drafter": bool(getattr(engine.proposer, "int8", False)),
+        "int8_scheme": int8.scheme() if getattr(engine.proposer, "int8", False) else None,
         "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "batch": args.batch,
         "overrides": applied, "status": "partial", "results": [],
     }

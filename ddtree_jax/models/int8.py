@@ -140,6 +140,14 @@ def product(x: jax.Array, q: jax.Array, scale: jax.Array, impl: str = "xla", out
     return reference(x, q, scale, out_dtype, layout)
 
 
+def scheme() -> dict:
+    """The route constants an int8 drafter's products run under, for reports (ddtree-bench,
+    bench_e2e.py, profile_step.py): read when the products are traced, so a report of an int8 run
+    says which int8 it measured."""
+    return {"layout": LAYOUT, "keep_float": list(KEEP_FLOAT), "act_int8": ACT_INT8,
+            "act_int8_min_out": ACT_INT8_MIN_OUT, "kernel": KERNEL}
+
+
 def quantize_linears(module) -> int:
     """Quantize every models.layers.Linear inside `module` in place (kernel -> int8 stored as
     LAYOUT says, scale set), but those named in KEEP_FLOAT; returns how many. Biases and norms stay
