@@ -68,7 +68,8 @@ class Engine:
                  int8_drafter: bool = False):
         """draft_vocab: draft from these token ids only (a size N for ids 0 .. N-1, a JSON file of
         ids, or a sequence of ids; ddtree_jax/spec/draft_vocab.py). int8_drafter: the drafter's
-        weights and its draft head as int8 (ddtree_jax/models/int8.py). Output is unchanged by both."""
+        weights and its draft head as int8, the wide products W8A8 (ddtree_jax/models/int8.py).
+        Output is unchanged by both."""
         self.cfg = cfg
         self.graphdef = graphdef
         self.params = params

@@ -132,8 +132,8 @@ class Linear(nnx.Module):
     """y = x @ kernel (+ bias); kernel is [in, out]. impl != "xla" with SKINNY_MATMUL on sends the
     products of the skinny matmul's window through it (`skinny_route_takes`); impl "pallas" with
     WGMMA_SKINNY on those of the Mosaic GPU kernel's (`wgmma_route_takes`). After
-    models.int8.quantize_linears the kernel is int8 with a float32 column scale (weight-only),
-    stored as `int8_layout` says.
+    models.int8.quantize_linears the kernel is int8 with a float32 column scale, stored as
+    `int8_layout` says (int8.product: weight-only, or W8A8 for wide outputs).
     `split_k_out` (set by the layer that owns it): with impl != "xla" and SPLIT_K_PARTS, products of
     a verify's row count return SplitKParts."""
 

@@ -20,7 +20,7 @@ class DFlashProposer:
     graphdef: nnx.GraphDef
     cfg: DrafterConfig
     draft_vocab: int = 0  # N > 0: drafts come from N chosen ids (spec/draft_vocab.py); params are HotParams
-    int8: bool = False  # weight-only int8 drafter and draft head (models/int8.py); params are HotParams
+    int8: bool = False  # int8 drafter and draft head (models/int8.py: weight-only, W8A8 when wide); params are HotParams
     head_layout: str = "in_out"  # how an int8 draft head is stored (models.int8.LAYOUT when it was quantized)
 
     def __hash__(self) -> int:
