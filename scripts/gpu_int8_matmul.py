@@ -75,20 +75,6 @@ def configs(k: int, n: int, smoke: bool) -> dict:
     return out
 
 
-def quantize_rows(x, kind: str):
-    """Activations x [M, K] -> (xq [M, K] int8 or float8_e4m3fn, scale float32 [M, 1]) per row
-    (absmax / 127, or / 448 for e4m3); a zero row gets scale 1."""
-    import jax.numpy as jnp
-
-    top = 127.0 if kind == "int8" else float(jnp.finfo(jnp.float8_e4m3fn).max)
-    x32 = x.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)
-    sc = jnp.where(amax > 0, amax / top, 1.0)
-    if kind == "int8":
-        return jnp.clip(jnp.round(x32 / sc), -127, 127).astype(jnp.int8), sc
-    return (x32 / sc).astype(jnp.float8_e4m3fn), sc
-
-
 def quantize_cols_fp8(w):
     """w [K, N] -> (q float8_e4m3fn [N, K] (stored [out, in]), scale float32 [N]) per column."""
     import jax.numpy as jnp
@@ -99,20 +85,20 @@ def quantize_cols_fp8(w):
     return jnp.asarray((w32 / sc).astype(jnp.float8_e4m3fn).T), sc
 
 
-def w8a8(x, w, kind: str):
-    """Both operands 8-bit (W8A8): x quantized per row on the fly, w = (q [N, K], column scale);
-    the GEMM multiplies the 8-bit values (int8 -> int32, e4m3 -> float32 accumulation: cuBLASLt's
-    IMMA / FP8 kernels on Hopper, no widening of the weight), the two scales apply to its output.
-    The candidate for an int8 drafter product at the bf16 GEMMs' byte rate (docs/benchmarks.md
-    section 4, item 0 (2))."""
+def fp8_product(x, w):
+    """The e4m3 form of W8A8 (models.int8.w8a8_product is the int8 one, the drafter's): x [M, K]
+    per row and w = (q [N, K], column scale) both float8 e4m3 (absmax / 448), the GEMM multiplies
+    the 8-bit values into float32 (cuBLASLt's FP8 kernels on Hopper), the two scales after."""
     import jax
     import jax.numpy as jnp
 
     q, wsc = w
-    xq, xsc = quantize_rows(x, kind)
-    acc = jnp.int32 if kind == "int8" else jnp.float32
-    y = jax.lax.dot_general(xq, q, (((1,), (1,)), ((), ())), preferred_element_type=acc)
-    return (y.astype(jnp.float32) * xsc * wsc).astype(x.dtype)
+    x32 = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)
+    xsc = jnp.where(amax > 0, amax / float(jnp.finfo(jnp.float8_e4m3fn).max), 1.0)
+    y = jax.lax.dot_general((x32 / xsc).astype(jnp.float8_e4m3fn), q, (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32)
+    return (y * xsc * wsc).astype(x.dtype)
 
 
 def run_row(name: str, m: int, k: int, n: int, on_gpu: bool, impl: str, smoke: bool, trace: bool,
@@ -132,8 +118,8 @@ def run_row(name: str, m: int, k: int, n: int, on_gpu: bool, impl: str, smoke: b
     weights = {"in_out": qs, "out_in": qts}
     fns = {"xla_bf16": (lambda a, w: jnp.matmul(a, w), ws), "xla_int8": (lambda a, w: reference(a, *w), qs),
            "xla_int8_t": (lambda a, w: reference(a, *w, w_layout="out_in"), qts),
-           "xla_w8a8_t": (lambda a, w: w8a8(a, w, "int8"), qts),
-           "xla_fp8_t": (lambda a, w: w8a8(a, w, "fp8"), f8s)}
+           "xla_w8a8_t": (lambda a, w: int8.w8a8_product(a, *w, layout="out_in"), qts),
+           "xla_fp8_t": (fp8_product, f8s)}
     for cname, (cfg, w_layout) in ({} if xla_only else configs(k, n, smoke)).items():
         fns[cname] = (lambda a, w, c=cfg, lay=w_layout: skinny_matmul(a, w[0], w[1], impl=impl, config=c,
                                                                       w_layout=lay), weights[w_layout])

@@ -40,7 +40,8 @@ def test_weight_layout_script_cpu_smoke(tmp_path):
 
 def test_int8_matmul_script_cpu_smoke(tmp_path):
     """scripts/gpu_int8_matmul.py --cpu-smoke: every kernel variant (both weight layouts, both MMA
-    layouts, both widenings) agrees with XLA's int8 product, and each row names its fastest."""
+    layouts, both widenings) agrees with XLA's int8 product, and each row names its fastest; the W8A8
+forms (int8, e4m3) run beside them."""
     from scripts.gpu_int8_matmul import main
 
     out = tmp_path / "int8.json"
@@ -50,3 +51,5 @@ def test_int8_matmul_script_cpu_smoke(tmp_path):
     for r in report["rows"]:
         assert r["xla_int8_us"] > 0 and r["best"] and r["default_err"] < 1e-2
         assert {"in_out", "out_in"} == {c["w_layout"] for key, c in r.items() if key.endswith("_config")}
+        # the W8A8 forms ran and agree with the weight-only product up to the activations' rounding
+        assert r["xla_w8a8_t_us"] > 0 and r["xla_w8a8_t_err"] < 5e-2 and r["xla_fp8_t_err"] < 2e-1

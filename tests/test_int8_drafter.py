@@ -83,12 +83,19 @@ def test_wide_int8_products_take_w8a8_and_narrow_ones_stay_weight_only(monkeypat
     an int8 x int8 -> int32 dot; narrower ones, or all with ACT_INT8 off, widen the weight."""
     x = jnp.ones((3, 64), jnp.bfloat16)
     wide, narrow = jnp.ones((64, 48), jnp.int8), jnp.ones((64, 16), jnp.int8)
-    imma = lambda q, layout="in_out": "preferred_element_type=int32" in str(jax.make_jaxpr(
-        lambda a, w: int8.product(a, w, jnp.ones((48 if w.shape[1 - (layout == "out_in")] == 48 else 16,)),
-                                  layout=layout))(x, q))
+
+    def imma(q, layout="in_out"):
+        n_out = q.shape[1] if layout == "in_out" else q.shape[0]
+        jaxpr = jax.make_jaxpr(lambda a, w: int8.product(a, w, jnp.ones((n_out,)), layout=layout))(x, q)
+        return "preferred_element_type=int32" in str(jaxpr)
+
     monkeypatch.setattr(int8, "ACT_INT8_MIN_OUT", 32)
     assert imma(wide) and imma(wide.T, "out_in") and not imma(narrow) and not imma(narrow.T, "out_in")
     assert not int8.takes_w8a8(narrow) and int8.takes_w8a8(narrow, "out_in")  # read [out, in]: 64 outputs
+    monkeypatch.setattr(int8, "KERNEL", True)  # the weight-only kernel route does not take W8A8 products: named
+    with pytest.warns(UserWarning, match="KERNEL is on but this product is W8A8"):
+        jax.make_jaxpr(lambda a, w: int8.product(a, w, jnp.ones((48,)), impl="pallas_interpret"))(x, wide)
+    monkeypatch.setattr(int8, "KERNEL", False)
     monkeypatch.setattr(int8, "ACT_INT8", False)
     assert not imma(wide) and not imma(wide.T, "out_in")
 

@@ -73,9 +73,9 @@ def use_autotune_cache(args) -> None:
 def add_int8_drafter_argument(group) -> None:
     group.add_argument("--int8-drafter", action="store_true",
                        help="run the drafter and its draft head with int8 weights (one scale per output column; "
-                       "the wide products with int8 activations too, W8A8): fewer bytes a draft step reads, "
-                       "~0.3-0.5 ms shorter 27B DDTree steps at batch 1 on an H200 and faster at batch 8; output "
-                       "unchanged, the drafts may differ slightly (ddtree_jax/models/int8.py)")
+                       "the wide products with int8 activations too, W8A8): fewer bytes a draft step reads (H200 "
+                       "figures at the 27B shape: docs/benchmarks.md section 1); output unchanged, the drafts may "
+                       "differ slightly (ddtree_jax/models/int8.py)")
 
 
 def load_engine(target, drafter, dtype=None, max_context=None, kernels=None, draft_vocab=None,

@@ -18,6 +18,8 @@ The target is never quantized: its products are the output.
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 
@@ -130,12 +132,16 @@ def product(x: jax.Array, q: jax.Array, scale: jax.Array, impl: str = "xla", out
     layout: how q is stored (q [in, out] or [out, in])."""
     from pallas_kernels.skinny_matmul import reference, skinny_matmul
 
-    if takes_w8a8(q, layout):
-        return w8a8_product(x, q, scale, out_dtype, layout)
     rows = 1
     for d in x.shape[:-1]:
         rows *= d
-    if impl != "xla" and KERNEL and 1 <= rows <= KERNEL_MAX_ROWS:
+    kernel_asked = impl != "xla" and KERNEL and 1 <= rows <= KERNEL_MAX_ROWS
+    if takes_w8a8(q, layout):
+        if kernel_asked:
+            warnings.warn("models.int8.KERNEL is on but this product is W8A8 (ACT_INT8): XLA's int8 x int8 GEMM "
+                          "runs it, not the weight-only kernel; ACT_INT8=False sends it to the kernel", stacklevel=2)
+        return w8a8_product(x, q, scale, out_dtype, layout)
+    if kernel_asked:
         return skinny_matmul(x, q, scale, impl=impl, out_dtype=out_dtype, w_layout=layout)
     return reference(x, q, scale, out_dtype, layout)
 
