@@ -21,8 +21,8 @@ import numpy as np
 from flax import nnx
 
 from ddtree_jax.engine import Engine, bucket
-from ddtree_jax.spec import generate as gen
-from ddtree_jax.spec.sampling import Sampling
+from ddtree_jax.speculative import generate as gen
+from ddtree_jax.speculative.sampling import Sampling
 from ddtree_jax.tree import Tree, make_tree
 
 

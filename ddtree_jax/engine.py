@@ -23,8 +23,8 @@ import numpy as np
 from flax import nnx
 
 from ddtree_jax.config import TargetConfig
-from ddtree_jax.spec import generate as gen
-from ddtree_jax.spec.sampling import Sampling
+from ddtree_jax.speculative import generate as gen
+from ddtree_jax.speculative.sampling import Sampling
 
 MIN_BUCKET = 16
 
@@ -67,7 +67,7 @@ class Engine:
                  max_context: int | None = None, kernels: str | None = None, draft_vocab=None,
                  int8_drafter: bool = False):
         """draft_vocab: draft from these token ids only (a size N for ids 0 .. N-1, a JSON file of
-        ids, or a sequence of ids; ddtree_jax/spec/draft_vocab.py). int8_drafter: the drafter's
+        ids, or a sequence of ids; ddtree_jax/speculative/draft_vocab.py). int8_drafter: the drafter's
         weights and its draft head as int8, the wide products W8A8 (ddtree_jax/models/int8.py).
         Output is unchanged by both."""
         self.cfg = cfg
@@ -84,7 +84,7 @@ class Engine:
         if proposer is not None:
             proposer.check_target(cfg)
         if draft_vocab is not None:
-            from ddtree_jax.spec.draft_vocab import check_ids, load_ids
+            from ddtree_jax.speculative.draft_vocab import check_ids, load_ids
 
             if proposer is None or not hasattr(proposer, "with_draft_vocab"):
                 raise ValueError("a draft vocabulary needs a DFlash drafter (--drafter)")
@@ -105,7 +105,7 @@ class Engine:
              max_context: int | None = None, progress: bool = False, kernels: str | None = None,
              draft_vocab=None, int8_drafter: bool = False) -> "Engine":
         from converters.load import load_drafter, load_target
-        from ddtree_jax.spec.dflash import DFlashProposer
+        from ddtree_jax.speculative.dflash import DFlashProposer
 
         cfg, graphdef, params = load_target(target, dtype, progress=progress)
         proposer = dparams = None

@@ -6,7 +6,7 @@ reference.
 x [..., n] float32 -> [..., k] each, exactly lax.top_k (the reference): values in descending
 order, ties to the lower index, -0.0 below +0.0.
 
-Why a kernel: on a GPU XLA runs a vocabulary top-16 as a sort (ddtree_jax.spec.build.sort_top_k,
+Why a kernel: on a GPU XLA runs a vocabulary top-16 as a sort (ddtree_jax.speculative.build.sort_top_k,
 staged over chunks of 2048) plus a second sort over the chunk winners and the gathers around them:
 15.3 + 2.6 us and ~5 launches of the demo pair's DDTree-16 build, the largest piece left after the
 node selection kernel (scripts/profile_pair.py, docs/benchmarks.md section 3). Here one program
@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ddtree_jax.spec.build import order_key
+from ddtree_jax.speculative.build import order_key
 from pallas_kernels._common import check_impl, compiler_params, load, next_pow2, store
 
 ROW_TOP_K_MAX_LEN = 8192  # the row's keys in registers: 64 per thread at 4 warps

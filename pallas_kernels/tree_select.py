@@ -9,7 +9,7 @@ lexicographically smaller path of candidate ranks. Returns [B, budget] each, in 
 (valid nodes by depth, each depth in lexicographic order, then the invalid ones): the node's
 depth index (tree depth - 1), its candidate rank at that depth, its parent's node index (0 = the
 root, nodes numbered from 1) and whether it is a real node (score > -inf). Invalid nodes read
-(0, 0, 0, False). The reference is the XLA form of ddtree_jax.spec.build (`select_nodes_xla`:
+(0, 0, 0, False). The reference is the XLA form of ddtree_jax.speculative.build (`select_nodes_xla`:
 a depth-by-depth beam of width `budget`, then one top-`budget` over all depths); both give the
 same arrays, ties and signed zeros included.
 
@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ddtree_jax.spec.build import order_key, plus_zero, select_nodes_xla
+from ddtree_jax.speculative.build import order_key, plus_zero, select_nodes_xla
 from pallas_kernels._common import check_impl, compiler_params, load, next_pow2, store
 
 SELECT_KERNEL_MAX_BUDGET = 64  # frontier of 128 slots; 57.8 us at budget 64 vs 305 us for the XLA form (H200)

@@ -43,9 +43,9 @@ from ddtree_jax.drafter_config import DrafterConfig
 from ddtree_jax.models import int8
 from ddtree_jax.models.drafter import DrafterCache, DrafterModel
 from ddtree_jax.models.target import TargetModel
-from ddtree_jax.spec import generate as gen
-from ddtree_jax.spec.dflash import DFlashProposer
-from ddtree_jax.spec.sampling import Sampling
+from ddtree_jax.speculative import generate as gen
+from ddtree_jax.speculative.dflash import DFlashProposer
+from ddtree_jax.speculative.sampling import Sampling
 
 QWEN36_27B = dict(
     model_type="qwen3_5_text", vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
@@ -118,7 +118,7 @@ def filled_caches(cfg: TargetConfig, dcfg: DrafterConfig, batch: int, context: i
 def add_drafter_options(ap) -> None:
     """The drafter variants bench_e2e.py and profile_step.py can time (`drafter_setup`)."""
     ap.add_argument("--draft-vocab", type=int, default=0,
-                    help="draft from ids 0..N-1 only (ddtree_jax/spec/draft_vocab.py; 0 = the whole vocabulary)")
+                    help="draft from ids 0..N-1 only (ddtree_jax/speculative/draft_vocab.py; 0 = the whole vocabulary)")
     ap.add_argument("--int8-drafter", action="store_true",
                     help="the drafter and its draft head with int8 weights (ddtree_jax/models/int8.py)")
 
@@ -130,7 +130,7 @@ def drafter_setup(proposer, dparams, graphdef, params, args):
         return proposer, dparams
     target = nnx.merge(graphdef, params)
     if args.draft_vocab:
-        from ddtree_jax.spec.draft_vocab import first_ids
+        from ddtree_jax.speculative.draft_vocab import first_ids
 
         proposer, dparams = proposer.with_draft_vocab(dparams, target, first_ids(args.draft_vocab,
                                                                                  target.cfg.vocab_size))

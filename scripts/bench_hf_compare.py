@@ -37,7 +37,7 @@ def main(argv=None) -> int:
 
     from converters.params import target_params_from_tensors
     from ddtree_jax.config import TargetConfig
-    from ddtree_jax.spec.generate import generate
+    from ddtree_jax.speculative.generate import generate
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true")

@@ -144,8 +144,8 @@ def evaluate(out_dir: str, prompts, budgets, max_new: int, dtype: str, deadline:
     from converters.dflash import load_drafter
     from converters.load import load_target
     from ddtree_jax.drafter_config import validate_against_target
-    from ddtree_jax.spec.dflash import DFlashProposer
-    from ddtree_jax.spec.generate import generate
+    from ddtree_jax.speculative.dflash import DFlashProposer
+    from ddtree_jax.speculative.generate import generate
 
     cfg, graphdef, params = load_target(os.path.join(out_dir, "target"), dtype=dtype)
     dcfg, dgraph, dparams = load_drafter(os.path.join(out_dir, "drafter"), dtype=dtype)

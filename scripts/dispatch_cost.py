@@ -31,9 +31,9 @@ from ddtree_jax.bench import median_ms  # noqa: E402
 from ddtree_jax.config import TargetConfig  # noqa: E402
 from ddtree_jax.models.drafter import DrafterModel  # noqa: E402
 from ddtree_jax.models.target import TargetModel  # noqa: E402
-from ddtree_jax.spec import generate as gen  # noqa: E402
-from ddtree_jax.spec.dflash import DFlashProposer  # noqa: E402
-from ddtree_jax.spec.sampling import Sampling  # noqa: E402
+from ddtree_jax.speculative import generate as gen  # noqa: E402
+from ddtree_jax.speculative.dflash import DFlashProposer  # noqa: E402
+from ddtree_jax.speculative.sampling import Sampling  # noqa: E402
 from bench_e2e import QWEN36_27B, drafter_config  # noqa: E402
 
 

@@ -1,5 +1,5 @@
 """GPU check + benchmark of the row top-k kernel (pallas_kernels/row_top_k.py) against the GPU
-form of the vocabulary top-k it replaces in the DDTree build (ddtree_jax.spec.build.top_k: sorts
+form of the vocabulary top-k it replaces in the DDTree build (ddtree_jax.speculative.build.top_k: sorts
 staged over chunks of 2048, then over the chunk winners) and plain lax.top_k.
 
 Correctness: values and indices equal lax.top_k's on log-softmax rows with exact ties
@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     on_gpu, impl, report = setup
     import jax
 
-    from ddtree_jax.spec.build import top_k
+    from ddtree_jax.speculative.build import top_k
     from pallas_kernels.row_top_k import DEFAULT_WARPS, row_top_k
 
     depth = report["depth"]

@@ -1,5 +1,5 @@
 """GPU check + benchmark of the one-launch DDTree node selection (pallas_kernels/tree_select.py)
-against the XLA form it replaces (ddtree_jax.spec.build.select_nodes_xla: the depth-by-depth
+against the XLA form it replaces (ddtree_jax.speculative.build.select_nodes_xla: the depth-by-depth
 beam, the top-budget over all depths and the index mapping, ~4 launches per depth + ~10).
 
 Correctness: the kernel's depth / rank / parent / valid arrays equal the XLA form's on random

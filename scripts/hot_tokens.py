@@ -6,7 +6,7 @@
 Writes {"ids": [...], "size": N, "coverage": ...} atomically: the ids ascending, plus the share of
 the counted tokens the ids cover (a draft can only be accepted when the target's next token is
 among them, so coverage on text like the workload's bounds what the drafter can still hit).
-Ids the text never shows fill the rest in id order (ddtree_jax/spec/draft_vocab.py: `first_ids`).
+Ids the text never shows fill the rest in id order (ddtree_jax/speculative/draft_vocab.py: `first_ids`).
 Files are read as UTF-8 text; a .jsonl file contributes the "text" (or "prompt") field of each line.
 """
 

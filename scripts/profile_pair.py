@@ -28,8 +28,8 @@ from ddtree_jax import atomic, overrides
 from ddtree_jax import bench as B
 from ddtree_jax.cli.common import load_engine
 from ddtree_jax.engine import bucket
-from ddtree_jax.spec import generate as gen
-from ddtree_jax.spec.sampling import Sampling
+from ddtree_jax.speculative import generate as gen
+from ddtree_jax.speculative.sampling import Sampling
 from scripts.profile_step import profile
 
 

@@ -38,9 +38,9 @@ from ddtree_jax.config import TargetConfig
 from ddtree_jax.models import int8
 from ddtree_jax.models.drafter import DrafterModel
 from ddtree_jax.models.target import TargetModel
-from ddtree_jax.spec import generate as gen
-from ddtree_jax.spec.dflash import DFlashProposer
-from ddtree_jax.spec.sampling import Sampling
+from ddtree_jax.speculative import generate as gen
+from ddtree_jax.speculative.dflash import DFlashProposer
+from ddtree_jax.speculative.sampling import Sampling
 from scripts import hlo_index
 from scripts.bench_e2e import (QWEN36_27B, SMOKE, _normal, drafter_config, filled_caches, random_params,
                                add_drafter_options, drafter_setup)

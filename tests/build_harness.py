@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax.spec.build import build_tree
+from ddtree_jax.speculative.build import build_tree
 
 
 def assert_gpu_build_equals_cpu(logq, budget: int, monkeypatch) -> list[str]:

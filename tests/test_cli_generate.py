@@ -322,7 +322,7 @@ def test_ar_phase_timing_carries_the_state(ckpts):
 
     from ddtree_jax import bench
     from ddtree_jax.engine import Engine
-    from ddtree_jax.spec import generate as gen
+    from ddtree_jax.speculative import generate as gen
 
     target, drafter, _ = ckpts
     engine = Engine.load(target, drafter)

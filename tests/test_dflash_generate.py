@@ -7,8 +7,8 @@ from flax import nnx
 
 from ddtree_jax.drafter_config import DrafterConfig, validate_against_target
 from ddtree_jax.models.drafter import DrafterModel
-from ddtree_jax.spec.dflash import DFlashProposer
-from ddtree_jax.spec.generate import generate
+from ddtree_jax.speculative.dflash import DFlashProposer
+from ddtree_jax.speculative.generate import generate
 from tests.tiny_models import HYBRID, make_target, random_params
 
 NEW = 128

@@ -1,4 +1,4 @@
-"""A restricted draft vocabulary (spec/draft_vocab.py): the draft log-probs are the full ones at
+"""A restricted draft vocabulary (speculative/draft_vocab.py): the draft log-probs are the full ones at
 the chosen ids, renormalised; the tree / chain map draft indices to those ids; generation stays
 identical to plain decoding in every mode and engine path; bad vocabularies are named."""
 
@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from ddtree_jax.spec.build import build_chain, build_tree
-from ddtree_jax.spec.draft_vocab import HotParams, check_ids, first_ids, load_ids
-from ddtree_jax.spec.generate import generate
+from ddtree_jax.speculative.build import build_chain, build_tree
+from ddtree_jax.speculative.draft_vocab import HotParams, check_ids, first_ids, load_ids
+from ddtree_jax.speculative.generate import generate
 from tests.test_dflash_generate import drafter_for
 from tests.tiny_models import HYBRID, make_target
 

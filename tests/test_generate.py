@@ -12,7 +12,7 @@ import pytest
 
 from ddtree_jax import decode
 from ddtree_jax.cache import KVCache, init_target_cache
-from ddtree_jax.spec.generate import generate
+from ddtree_jax.speculative.generate import generate
 from tests.scripted_proposers import RecordingProposer, ScriptedProposer
 from tests.tiny_models import ATTENTION_ONLY, HYBRID, make_target
 
@@ -139,7 +139,7 @@ def test_drafter_receives_features_of_accepted_nodes(mode):
 def test_generation_is_one_device_loop_without_host_callbacks_or_recompiles():
     """The whole generation is one jitted while_loop (no callbacks), and streaming in chunks of
     steps reuses one compilation whatever the chunk size."""
-    from ddtree_jax.spec import generate as g
+    from ddtree_jax.speculative import generate as g
 
     cfg, gd, params = MODELS["qwen3_5"]
     table, ref = reference("qwen3_5")
@@ -184,8 +184,8 @@ def test_bound_start_advance_match_the_static_graphdef_forms(monkeypatch):
     what the static-graphdef forms produce, chunk after chunk."""
     from flax import nnx
 
-    from ddtree_jax.spec import generate as gen
-    from ddtree_jax.spec.sampling import Sampling
+    from ddtree_jax.speculative import generate as gen
+    from ddtree_jax.speculative.sampling import Sampling
 
     cfg, gd, params = MODELS["qwen3_5"]
     prompt, lens = prompts(cfg, seed=3)

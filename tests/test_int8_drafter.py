@@ -13,8 +13,8 @@ from hypothesis import given, settings, strategies as st
 
 from ddtree_jax.models import int8
 from ddtree_jax.models.layers import Linear
-from ddtree_jax.spec.draft_vocab import HotParams, first_ids
-from ddtree_jax.spec.generate import generate
+from ddtree_jax.speculative.draft_vocab import HotParams, first_ids
+from ddtree_jax.speculative.generate import generate
 from tests.test_dflash_generate import drafter_for
 from tests.tiny_models import HYBRID, make_target
 

@@ -11,7 +11,7 @@ from flax import nnx
 
 from ddtree_jax import decode
 from ddtree_jax.cache import KVCache, init_target_cache
-from ddtree_jax.spec.generate import generate
+from ddtree_jax.speculative.generate import generate
 from ddtree_jax.tree import make_tree, root_path
 from tests.scripted_proposers import ScriptedProposer
 from tests.tiny_models import HYBRID, make_target

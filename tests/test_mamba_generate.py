@@ -17,8 +17,8 @@ from ddtree_jax import decode
 from ddtree_jax.cache import KVCache, init_target_cache
 from ddtree_jax.drafter_config import DrafterConfig, validate_against_target
 from ddtree_jax.models.drafter import DrafterModel
-from ddtree_jax.spec.dflash import DFlashProposer
-from ddtree_jax.spec.generate import generate
+from ddtree_jax.speculative.dflash import DFlashProposer
+from ddtree_jax.speculative.generate import generate
 from tests.hf_mamba_models import make_jax_target
 from tests.scripted_proposers import ScriptedProposer
 from tests.tiny_models import random_params

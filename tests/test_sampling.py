@@ -15,8 +15,8 @@ import pytest
 
 from ddtree_jax import decode
 from ddtree_jax.cache import init_target_cache
-from ddtree_jax.spec.generate import generate
-from ddtree_jax.spec.sampling import Sampling, filtered_logits
+from ddtree_jax.speculative.generate import generate
+from ddtree_jax.speculative.sampling import Sampling, filtered_logits
 from tests.scripted_proposers import ScriptedProposer
 from tests.tiny_models import HYBRID, make_target
 

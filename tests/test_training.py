@@ -84,8 +84,8 @@ def _check_losses(report):
 def _check_lossless_generation(out, report):
     """generate(mode='ddtree') with the exported pair equals greedy AR (in the script's eval and here)."""
     assert report["eval"]["results"]["ddtree_16"]["matches_ar"] == 1.0
-    from ddtree_jax.spec.dflash import DFlashProposer
-    from ddtree_jax.spec.generate import generate
+    from ddtree_jax.speculative.dflash import DFlashProposer
+    from ddtree_jax.speculative.generate import generate
 
     cfg, gd, params = load_target(out / "target", dtype="float32")
     dcfg, dgd, dparams = load_drafter(out / "drafter", dtype="float32")

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from ddtree_jax.spec.build import build_chain, build_tree, select_in_index_order
+from ddtree_jax.speculative.build import build_chain, build_tree, select_in_index_order
 from ddtree_jax.tree import bits_to_dense
 
 D, V = 5, 24
@@ -128,7 +128,7 @@ def test_chain_is_argmax_path():
 def test_two_stage_top_k_equals_lax_top_k(seed, n, k, levels):
     """Same values and indices as lax.top_k, ties (quantized values, -inf) to the lower index;
     n up to 2100 with chunks of 64 runs up to three stages."""
-    from ddtree_jax.spec.build import top_k
+    from ddtree_jax.speculative.build import top_k
 
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(2, 3, n)).astype(np.float32)
@@ -152,7 +152,7 @@ def test_prefiltered_top_k_equals_lax_top_k(seed, n, k, block, levels, staged):
     """The block-max prefilter (the GPU form for long vocabulary rows) gives lax.top_k's values and
     indices: ties (quantized values, -inf, +0.0 against -0.0) to the lower index, rows that are not
     a multiple of the block, fewer blocks than k (plain top_k)."""
-    from ddtree_jax.spec.build import prefiltered_top_k
+    from ddtree_jax.speculative.build import prefiltered_top_k
 
     from tests.tree_harness import tie_heavy_rows
 
@@ -168,7 +168,7 @@ def test_prefiltered_top_k_equals_lax_top_k(seed, n, k, block, levels, staged):
 def test_long_vocabulary_rows_take_the_prefilter(monkeypatch):
     """Off the CPU, the build's vocabulary top-k of rows >= PREFILTER_MIN_RATIO * k * block goes
     through the prefilter (same candidates as lax.top_k); on the CPU lax.top_k runs alone."""
-    from ddtree_jax.spec import build
+    from ddtree_jax.speculative import build
 
     rng = np.random.default_rng(5)
     logq = jnp.asarray(np.round(rng.normal(size=(1, 2, 4096)) * 20) / 20, jnp.float32)
@@ -208,7 +208,7 @@ def test_gpu_beam_forms_build_the_same_tree(budget, monkeypatch):
 def test_sort_top_k_equals_lax_top_k(seed, k, levels):
     """The sort form of top-k (used on GPUs for k <= 16) gives lax.top_k's values and indices:
     ties (quantized values, -inf) to the lower index, -0.0 below +0.0. One padded shape."""
-    from ddtree_jax.spec.build import sort_top_k
+    from ddtree_jax.speculative.build import sort_top_k
 
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(2, 3, 40)).astype(np.float32)

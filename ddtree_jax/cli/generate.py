@@ -8,7 +8,7 @@ import sys
 
 from ddtree_jax.cli.common import (add_autotune_cache_argument, add_draft_vocab_argument, add_int8_drafter_argument,
                                    die, parse_ids, positive_int, use_autotune_cache)
-from ddtree_jax.spec.sampling import Sampling
+from ddtree_jax.speculative.sampling import Sampling
 
 EPILOG = """\
 examples:

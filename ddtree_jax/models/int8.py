@@ -26,7 +26,7 @@ import jax.numpy as jnp
 QMAX = 127  # symmetric: -127..127, so negation is exact and the scale is |w| max / 127
 
 # Linear attribute names `quantize_linears` leaves in their float dtype ("lm_head": the draft head,
-# spec/draft_vocab.int8_draft_head): products where XLA's int8 GEMM is not faster than its bf16
+# speculative/draft_vocab.int8_draft_head): products where XLA's int8 GEMM is not faster than its bf16
 # one. On the H200 (session 13, profile_step --int8-drafter, 27B-width drafter, 16 rows, weights
 # stored [in, out]) XLA's int8 GEMMs took: the merged gate | up (5120 x 34816) 94.6 us against ~83
 # in bf16, the draft head (5120 x 248320, 15 rows) 402 us against ~560, down 41 against 43,

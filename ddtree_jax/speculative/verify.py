@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 
 from ddtree_jax.cache import TargetCache
-from ddtree_jax.spec.accept import accept
-from ddtree_jax.spec.sampling import Sampling, choose
+from ddtree_jax.speculative.accept import accept
+from ddtree_jax.speculative.sampling import Sampling, choose
 from ddtree_jax.tree import Tree
 
 

@@ -10,7 +10,7 @@ from flax import nnx
 from ddtree_jax.drafter_config import DrafterConfig, validate_against_target
 from ddtree_jax.models.drafter import DrafterCache, finish_logits, init_drafter_cache
 from ddtree_jax.models import int8
-from ddtree_jax.spec.draft_vocab import HotParams, head_logits, int8_draft_head, make_draft_vocab
+from ddtree_jax.speculative.draft_vocab import HotParams, head_logits, int8_draft_head, make_draft_vocab
 
 
 @dataclasses.dataclass(frozen=True)

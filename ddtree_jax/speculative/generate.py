@@ -23,9 +23,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ddtree_jax.cache import TargetCache, init_target_cache
-from ddtree_jax.spec.build import build_chain, build_tree, validate_budget
-from ddtree_jax.spec.sampling import Sampling, choose
-from ddtree_jax.spec.verify import VerifyResult, tree_verify
+from ddtree_jax.speculative.build import build_chain, build_tree, validate_budget
+from ddtree_jax.speculative.sampling import Sampling, choose
+from ddtree_jax.speculative.verify import VerifyResult, tree_verify
 from ddtree_jax.tree import Tree
 
 MODES = ("ar", "dflash", "ddtree")

@@ -41,7 +41,7 @@ def filtered_logits(logits: jax.Array, s: Sampling) -> jax.Array:
     x = logits.astype(jnp.float32) / s.temperature
     vocab = x.shape[-1]
     if s.top_k and s.top_k < vocab:
-        # (the barrier: XLA:CPU re-ran a top-k fused into its consumer; see spec/build.top_k)
+        # (the barrier: XLA:CPU re-ran a top-k fused into its consumer; see speculative/build.top_k)
         kth = jax.lax.optimization_barrier(jax.lax.top_k(x, s.top_k)[0])[..., -1:]
         x = jnp.where(x < kth, -jnp.inf, x)
     if s.top_p < 1.0:
