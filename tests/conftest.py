@@ -1,11 +1,30 @@
-"""Test-wide settings: CPU, float32 matmuls at full precision, deterministic hypothesis profile."""
+"""Test-wide settings: CPU (unless the run selects GPU tests), float32 matmuls at full precision,
+a deterministic hypothesis profile, and the `impl` fixture of the kernel tests.
+
+Kernel tests take `impl`: "pallas_interpret" in the default run (any machine), "pallas" under
+`-m gpu`, where the same tests run natively on the GPU (`python -m pytest -m gpu` on the device).
+"""
 
 import gc
 import os
+import re
+import sys
 
 import pytest
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+def _selects_gpu(argv) -> bool:
+    """Whether the command line's -m expression selects the gpu marker (not only 'not gpu')."""
+    for i, arg in enumerate(argv):
+        expr = argv[i + 1] if arg == "-m" and i + 1 < len(argv) else arg[2:] if arg.startswith("-m") else None
+        if expr and re.search(r"(?<!not )\bgpu\b", expr):
+            return True
+    return False
+
+
+GPU_RUN = _selects_gpu(sys.argv)
+if not GPU_RUN:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 
 import jax  # noqa: E402
@@ -30,3 +49,11 @@ def _release_compiled_code():
     yield
     jax.clear_caches()
     gc.collect()
+
+
+@pytest.fixture(params=["pallas_interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
+def impl(request):
+    """The kernels' route under test: interpret mode on any machine, natively under -m gpu."""
+    if request.param == "pallas" and jax.default_backend() != "gpu":
+        pytest.skip("native Pallas needs a GPU (run with -m gpu on the GPU machine)")
+    return request.param
