@@ -78,7 +78,7 @@ def drafter_params_from_tensors(
     expected = {
         k: (tuple(v.shape), np.dtype(v.dtype)) for k, v in flatten_paths(nnx.to_pure_dict(abstract)).items()
     }
-    flat = map_into_layout(  # a merged gate | up layout (models.layers.MERGED_GATE_UP) joins the parts
+    flat = map_into_layout(  # the merged gate | up layout (converters/layout.py) joins the parts
         names,
         load,
         RULES,

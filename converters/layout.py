@@ -1,15 +1,11 @@
-"""Merged projection layouts (the defaults): one weight where HF holds several.
+"""Merged projection layouts: one weight where HF holds several.
 
-A model built under `models.layers.MERGED_GATE_UP`, `models.attention.MERGED_QKV` and
-`models.gdn.MERGED_QKVZ_BA` (the defaults) holds `mlp/gate_up_proj` [in, gate | up],
-`self_attn/qkv_proj` [in, q | k | v] and `linear_attn/in_proj_qkvzba` [in, qkv | z | b | a]
-(columns in that order; biases likewise). With MERGED_QKVZ_BA off, `models.gdn.MERGED_QKV_Z` and
-`models.gdn.MERGED_BA` give `linear_attn/in_proj_qkv_z` [in, qkv | z] and `linear_attn/in_proj_ba`
-[in, b | a] instead.
-HF checkpoints and converted checkpoints written in the separate layout hold the parts. The key
-maps keep mapping HF tensors onto the parts; `map_into_layout` asks them for the parts a merged
-model needs and concatenates after, and `alternatives` lets a converted checkpoint saved in one
-layout be restored into a model built in the other.
+The models hold `mlp/gate_up_proj` [in, gate | up], `self_attn/qkv_proj` [in, q | k | v] and
+`linear_attn/in_proj_qkvzba` [in, qkv | z | b | a] (columns in that order; biases likewise;
+docs/decisions: merged projection layouts). HF checkpoints hold the parts. The key maps keep
+mapping HF tensors onto the parts; `map_into_layout` asks them for the parts a merged model
+needs and concatenates after, `split` cuts them back for an export, and `alternatives` lets a
+converted checkpoint saved in an older layout (separate parts, or qkv | z and b | a) be restored.
 """
 
 from __future__ import annotations
@@ -22,16 +18,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from converters.keymap import map_checkpoint
-
-# The construction-time switches that pick the layout (module constants read when a model is built;
-# `--override` takes these names).
-SWITCHES = (
-    "ddtree_jax.models.layers.MERGED_GATE_UP",
-    "ddtree_jax.models.attention.MERGED_QKV",
-    "ddtree_jax.models.gdn.MERGED_QKV_Z",
-    "ddtree_jax.models.gdn.MERGED_BA",
-    "ddtree_jax.models.gdn.MERGED_QKVZ_BA",
-)
 
 # merged module name -> its parts, in column order
 MERGES = {

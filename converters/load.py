@@ -27,7 +27,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from converters import orbax_io
+from converters import dflash, orbax_io
 from converters.keymap import CheckpointError
 from converters.params import target_params_from_tensors
 from converters.safetensors_io import SafetensorsCheckpoint
@@ -298,8 +298,6 @@ def is_drafter_dir(path: str | os.PathLike) -> bool:
 
 def convert_drafter(src, dst, dtype=None, overwrite: bool = False, progress: bool = True) -> str:
     """Convert a z-lab DFlash drafter directory into a converted (Orbax) directory at dst (atomic)."""
-    from converters import dflash
-
     src, dst = os.fspath(src), os.path.abspath(os.fspath(dst))
     _check_destination(dst, overwrite)
     _require_dir(src)
@@ -319,8 +317,6 @@ def convert_drafter(src, dst, dtype=None, overwrite: bool = False, progress: boo
 
 def load_drafter(path, dtype=None):
     """(dcfg, graphdef, params) of a DFlash drafter from a z-lab HF directory or a converted one."""
-    from converters import dflash
-
     path = os.fspath(path)
     if checkpoint_kind(path) == HF:
         return dflash.load_drafter(path, dtype=dtype)

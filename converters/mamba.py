@@ -20,7 +20,7 @@ from typing import Callable, Iterable
 import numpy as np
 
 from converters.keymap import Rule, depthwise_conv, linear
-from ddtree_jax.config import TargetConfig
+from ddtree_jax.config import ATTENTION, MAMBA2, MLP, MOE, TargetConfig
 
 MODEL_TYPES = ("mamba2", "bamba", "nemotron_h")
 L = r"layers\.(\d+)\."
@@ -69,8 +69,6 @@ _BAMBA = [
 
 
 def _nemotron_rules(cfg: TargetConfig) -> list[Rule]:
-    from ddtree_jax.config import ATTENTION, MAMBA2, MLP, MOE
-
     def layers_of(kind: str) -> str:
         ids = [str(i) for i, t in enumerate(cfg.layer_types) if t == kind]
         return r"layers\.(" + "|".join(ids) + r")\." if ids else r"layers\.(?!)(\d+)\."

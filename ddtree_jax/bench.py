@@ -20,6 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ddtree_jax import decode
+from ddtree_jax.cache import init_target_cache
 from ddtree_jax.engine import Engine, bucket
 from ddtree_jax.speculative import generate as gen
 from ddtree_jax.speculative.sampling import Sampling
@@ -281,8 +283,6 @@ TIE_TOLERANCE = {"float32": 1e-3, "bfloat16": 3e-2, "float16": 3e-2}
 def top2_gap(engine: Engine, tokens: Sequence[int]) -> float:
     """(top-1 - top-2) logit after `tokens`, relative to max(1, max |logit|): a near tie is a point
     where batch-size-dependent rounding may legitimately flip a greedy choice."""
-    from ddtree_jax import decode
-    from ddtree_jax.cache import init_target_cache
 
     n = len(tokens)
     out = decode.prefill(engine.graphdef, engine.params, init_target_cache(engine.cfg, 1, bucket(n, 64)),

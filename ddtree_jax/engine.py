@@ -15,6 +15,7 @@ import dataclasses
 import json
 import os
 import time
+import warnings
 from typing import Callable, Sequence
 
 import jax
@@ -22,8 +23,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from converters.load import load_drafter, load_target
 from ddtree_jax.config import TargetConfig
+from ddtree_jax.models import int8
+from ddtree_jax.routes import Routes
 from ddtree_jax.speculative import generate as gen
+from ddtree_jax.speculative.dflash import DFlashProposer
+from ddtree_jax.speculative.draft_vocab import check_ids, load_ids
 from ddtree_jax.speculative.sampling import Sampling
 
 MIN_BUCKET = 16
@@ -64,12 +70,15 @@ class Engine:
     """A loaded target, optionally a DFlash drafter and a tokenizer; `generate` is the one API."""
 
     def __init__(self, cfg: TargetConfig, graphdef, params, *, proposer=None, drafter_params=None, tokenizer=None,
-                 max_context: int | None = None, kernels: str | None = None, draft_vocab=None,
-                 int8_drafter: bool = False):
-        """draft_vocab: draft from these token ids only (a size N for ids 0 .. N-1, a JSON file of
-        ids, or a sequence of ids; ddtree_jax/speculative/draft_vocab.py). int8_drafter: the drafter's
-        weights and its draft head as int8, the wide products W8A8 (ddtree_jax/models/int8.py).
-        Output is unchanged by both."""
+                 max_context: int | None = None, impl: str | None = None, routes: Routes | None = None,
+                 draft_vocab=None, int8_drafter: bool | str | int8.Int8Scheme = False, kernels: str | None = None):
+        """impl: the kernel route ("xla", "pallas", "pallas_interpret"; default: Pallas on a GPU, the
+        XLA forms elsewhere); routes: every route explicitly (ddtree_jax/routes.py; default
+        Routes.resolve(impl=impl)). draft_vocab: draft from these token ids only (a size N for ids
+        0 .. N-1, a JSON file of ids, or a sequence of ids; ddtree_jax/speculative/draft_vocab.py).
+        int8_drafter: the drafter's weights and its draft head as int8 (True or "w8a8": the wide
+        products W8A8; "weight-only"; or an int8.Int8Scheme; ddtree_jax/models/int8.py). Output is
+        unchanged by all of these. kernels: the former name of impl (deprecated)."""
         self.cfg = cfg
         self.graphdef = graphdef
         self.params = params
@@ -77,15 +86,15 @@ class Engine:
         self.drafter_params = drafter_params
         self.tokenizer = tokenizer
         self.max_context = max_context or cfg.max_position_embeddings
-        # Tree kernels: Pallas on GPU, the XLA reference elsewhere, unless asked otherwise.
-        self.kernels = kernels or gen.default_kernels()
-        if self.kernels not in gen.KERNELS:
-            raise ValueError(f"kernels must be one of {gen.KERNELS}, got {self.kernels!r}")
+        if kernels is not None:
+            warnings.warn("Engine(kernels=...) is now Engine(impl=...)", DeprecationWarning, stacklevel=2)
+            impl = impl or kernels
+        if routes is not None and impl is not None and routes.impl != impl:
+            raise ValueError(f"impl={impl!r} disagrees with routes.impl={routes.impl!r}: pass one of them")
+        self.routes = routes if routes is not None else Routes.resolve(impl=impl)
         if proposer is not None:
             proposer.check_target(cfg)
         if draft_vocab is not None:
-            from ddtree_jax.speculative.draft_vocab import check_ids, load_ids
-
             if proposer is None or not hasattr(proposer, "with_draft_vocab"):
                 raise ValueError("a draft vocabulary needs a DFlash drafter (--drafter)")
             ids = (load_ids(draft_vocab, cfg.vocab_size) if isinstance(draft_vocab, (str, int))
@@ -95,26 +104,28 @@ class Engine:
         if int8_drafter:
             if self.proposer is None or not hasattr(self.proposer, "with_int8"):
                 raise ValueError("an int8 drafter needs a DFlash drafter (--drafter)")
-            self.proposer, self.drafter_params = self.proposer.with_int8(self.drafter_params,
-                                                                         nnx.merge(graphdef, params))
+            self.proposer, self.drafter_params = self.proposer.with_int8(
+                self.drafter_params, nnx.merge(graphdef, params), int8_scheme(int8_drafter))
         self._warm: set = set()  # (spec, prompt shape) whose prefill and step loop ran once
 
     # ---- loading -------------------------------------------------------------------------
+    @property
+    def impl(self) -> str:
+        return self.routes.impl
+
     @classmethod
     def load(cls, target: str | os.PathLike, drafter: str | os.PathLike | None = None, *, dtype=None,
-             max_context: int | None = None, progress: bool = False, kernels: str | None = None,
-             draft_vocab=None, int8_drafter: bool = False) -> "Engine":
-        from converters.load import load_drafter, load_target
-        from ddtree_jax.speculative.dflash import DFlashProposer
-
+             max_context: int | None = None, progress: bool = False, impl: str | None = None,
+             routes: Routes | None = None, draft_vocab=None, int8_drafter: bool | str | int8.Int8Scheme = False,
+             kernels: str | None = None) -> "Engine":
         cfg, graphdef, params = load_target(target, dtype, progress=progress)
         proposer = dparams = None
         if drafter is not None:
             dcfg, dgraph, dparams = load_drafter(drafter, dtype=cfg.dtype)
             proposer = DFlashProposer(dgraph, dcfg)
         return cls(cfg, graphdef, params, proposer=proposer, drafter_params=dparams,
-                   tokenizer=load_tokenizer(target), max_context=max_context, kernels=kernels, draft_vocab=draft_vocab,
-                   int8_drafter=int8_drafter)
+                   tokenizer=load_tokenizer(target), max_context=max_context, impl=impl, routes=routes,
+                   draft_vocab=draft_vocab, int8_drafter=int8_drafter, kernels=kernels)
 
     # ---- text <-> ids ------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
@@ -137,7 +148,7 @@ class Engine:
         block = 1 if mode == "ar" else self.proposer.block_size
         need = gen.required_capacity(prompt_bucket, max_new_tokens, block)
         spec = gen.GenSpec(mode, budget, candidates, max_new_tokens, sampling, bucket(need, 64),
-                           None if mode == "ar" else self.proposer, self.kernels)
+                           None if mode == "ar" else self.proposer, self.routes)
         spec.validate(self.cfg.vocab_size)
         return spec
 
@@ -240,6 +251,17 @@ class Engine:
             )
             res.append(Completion(p, toks, self.decode(toks), finish, stats))
         return res
+
+
+def int8_scheme(choice) -> int8.Int8Scheme:
+    """The int8 scheme an `int8_drafter` argument asks for: True / "w8a8", "weight-only", or a scheme."""
+    if isinstance(choice, int8.Int8Scheme):
+        return choice
+    if choice is True:
+        return int8.Int8Scheme()
+    if isinstance(choice, str) and choice in int8.SCHEMES:
+        return int8.SCHEMES[choice]
+    raise ValueError(f"int8_drafter must be True, one of {sorted(int8.SCHEMES)} or an Int8Scheme, got {choice!r}")
 
 
 def load_tokenizer(target_dir: str | os.PathLike):

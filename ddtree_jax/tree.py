@@ -14,7 +14,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-WORD = 32
+from ddtree_jax.routes import REFERENCE, Routes
+from pallas_kernels.tree_mask import WORD, all_visible_bits, ancestor_bits, bits_to_dense  # noqa: F401 (re-exported)
 
 
 class Tree(NamedTuple):
@@ -40,29 +41,19 @@ def root_path(parents, i: int) -> list[int]:
     return path[::-1]
 
 
-BITS_KERNEL_MAX_NODES = 64  # above this the XLA doubling is the faster form (H200, see below)
-
-
-def ancestor_bits_from_parents(parents: jax.Array, max_depth: int, impl: str = "xla") -> jax.Array:
+def ancestor_bits_from_parents(parents: jax.Array, max_depth: int, routes: Routes = REFERENCE) -> jax.Array:
     """Bitsets of ancestors-or-self from parent pointers, on device ([B, N] -> [B, N, W]):
     pallas_kernels.tree_mask (pointer doubling, ceil(log2(max_depth + 1)) dependent steps).
 
-    impl "pallas" / "pallas_interpret" runs them in one kernel launch for trees of up to
-    BITS_KERNEL_MAX_NODES nodes, where one launch beats XLA's ~2 per step (the demo pair's step is
-    launch-bound). Larger trees take the same doubling as XLA gathers (exact, the same bits): the
-    kernel keeps a tree in one program and its one-hot gather grows as N^2; on the H200 it took
-    11.7 us at 64 nodes and 202 us at 256 where the XLA doubling took 8.1 and 10.0 us
-    (scripts/gpu_tree_attention.py, docs/benchmarks.md section 2). The route is announced with a
-    warning when the step is traced, never taken silently."""
-    from pallas_kernels.tree_mask import ancestor_bits
-
-    if impl != "xla" and parents.shape[-1] > BITS_KERNEL_MAX_NODES:
+    With kernels on, one kernel launch for trees of up to routes.bits_kernel_max_nodes nodes,
+    where one launch beats XLA's ~2 per step; larger trees take the same doubling as XLA gathers
+    (exact, the same bits), which measured faster there (docs/decisions: ancestor-bits kernel).
+    The XLA form above the threshold is announced by a warning when the step is traced."""
+    impl = routes.impl
+    if routes.kernels and parents.shape[-1] > routes.bits_kernel_max_nodes:
         warnings.warn(
-            f"ancestor bits of a {parents.shape[-1]}-node tree use the XLA doubling, not the Pallas kernel: it "
-            f"measured faster above {BITS_KERNEL_MAX_NODES} nodes on the H200 (ddtree_jax/tree.py, "
-            "BITS_KERNEL_MAX_NODES)",
-            stacklevel=2,
-        )
+            f"ancestor bits of a {parents.shape[-1]}-node tree use the XLA doubling, not the Pallas kernel: "
+            f"routes.bits_kernel_max_nodes is {routes.bits_kernel_max_nodes}", stacklevel=2)
         impl = "xla"
     return ancestor_bits(parents, impl=impl, max_depth=max_depth)
 
@@ -72,29 +63,14 @@ def depths_from_bits(bits: jax.Array) -> jax.Array:
     return jnp.sum(jax.lax.population_count(bits).astype(jnp.int32), axis=-1) - 1
 
 
-def bits_to_dense(bits: jax.Array, n: int) -> jax.Array:
-    """[B, N, W] uint32 -> [B, N, N] bool visibility (j visible to i)."""
-    j = jnp.arange(n)
-    word = jnp.take(bits, j // WORD, axis=-1)
-    return (jnp.right_shift(word, (j % WORD).astype(jnp.uint32)) & 1).astype(bool)
-
-
-def all_visible_bits(batch: int, n: int) -> jax.Array:
-    """[B, N, ceil(N/32)] uint32 bitsets where every one of n nodes sees every node (a DFlash
-    block's non-causal attention; n = 1: a decode step's one query seeing itself)."""
-    lanes = jnp.arange(-(-n // WORD) * WORD, dtype=jnp.uint32).reshape(-1, WORD)
-    words = jnp.sum(jnp.where(lanes < n, jnp.left_shift(jnp.uint32(1), lanes % WORD), 0), axis=-1, dtype=jnp.uint32)
-    return jnp.broadcast_to(words, (batch, n, words.shape[0]))
-
-
-def make_tree(tokens, parents, valid, start, max_depth: int, impl: str = "xla") -> Tree:
+def make_tree(tokens, parents, valid, start, max_depth: int, routes: Routes = REFERENCE) -> Tree:
     """Assemble a Tree from tokens / parents / valid [B, N] and committed lengths start [B].
 
-    Bits and depths come from ceil(log2(max_depth + 1)) pointer-doubling steps (impl "pallas":
+    Bits and depths come from ceil(log2(max_depth + 1)) pointer-doubling steps (with kernels on:
     one kernel), not a walk of 2 x max_depth dependent gathers: on a GPU a small model's step
     costs about one launch per kernel (the demo's DDTree step: ~370 kernels, ~2 us each)."""
     parents = jnp.where(valid, parents, -1).astype(jnp.int32)
-    bits = ancestor_bits_from_parents(parents, max_depth, impl)
+    bits = ancestor_bits_from_parents(parents, max_depth, routes)
     depths = depths_from_bits(bits)
     return Tree(
         tokens=tokens.astype(jnp.int32),

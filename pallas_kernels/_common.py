@@ -22,14 +22,13 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ddtree_jax.tree import WORD
-
 try:  # jax >= 0.10: masked load/store live in the Triton module
     from jax.experimental.pallas import triton as pltriton
 except ImportError:  # pragma: no cover - very old jax
     pltriton = None
 
 IMPLS = ("xla", "pallas", "pallas_interpret")
+WORD = 32  # bits per word of the tree kernels' ancestor bitsets (uint32)
 LOG2E = 1.4426950408889634
 NEG = -1e30  # finite "minus infinity": exp2(NEG - m) == 0 and NEG - NEG never makes NaN
 
@@ -76,6 +75,20 @@ def summed_partials(parts, dtype):
     total = jnp.sum(parts.astype(jnp.float32), axis=0)
     info = jnp.finfo(dtype)
     return lax.reduce_precision(total, info.nexp, info.nmant).astype(dtype)
+
+
+def order_key(x: jax.Array) -> jax.Array:
+    """int32 keys ordered as lax.top_k orders float32 values (-0.0 below +0.0): the top-k and
+    selection kernels' keys."""
+    bits = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+    return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
+
+
+def plus_zero(score: jax.Array) -> jax.Array:
+    """A prefix score as the sum from +0.0 makes it: never -0.0 (log-probs are <= 0, and -0.0 only
+    comes from -0.0 + -0.0). Written out because compilers may fold 0.0 + x to x, which keeps a
+    -0.0 log-prob's sign and would order it below +0.0."""
+    return jnp.where(score == 0, jnp.float32(0.0), score)
 
 
 def next_pow2(x: int) -> int:

@@ -35,8 +35,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from ddtree_jax.models.layers import apply_rope, rms_norm
 from pallas_kernels._common import check_impl, compiler_params, is_pow2, load, store
+from pallas_kernels.ref.norms import rms_norm
+from pallas_kernels.ref.rope import apply_rope
 
 
 def reference(proj, q_weight, k_weight, cos, sin, *, num_heads: int, num_kv_heads: int, head_dim: int, gated: bool,

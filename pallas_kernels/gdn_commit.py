@@ -31,7 +31,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ddtree_jax.models import delta_rule
+from pallas_kernels.ref import delta_rule
+from pallas_kernels.ref.conv import next_window
 
 try:
     from jax.experimental.pallas import triton as pltriton
@@ -58,7 +59,6 @@ def reference(k, v, g, beta, state, path, count):
 
 def window_reference(window, conv_in, path, count):
     """Conv window [B, K - 1, C] after the accepted path's conv inputs conv_in [B, N, >= C]."""
-    from ddtree_jax.models.conv import next_window
 
     n = conv_in.shape[1]
     rows = jnp.take_along_axis(conv_in, jnp.clip(path, 0, n - 1)[:, :, None], axis=1)[..., : window.shape[-1]]

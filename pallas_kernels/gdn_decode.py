@@ -15,7 +15,7 @@ new window: the a / b products and the gates (beta = sigmoid(b), g = -exp(a_log)
 dt_bias)), the causal conv + SiLU, the q / k l2 norms, the delta rule's recurrent step
 (delta_rule.recurrent_step) and the gated RMSNorm, as the model's XLA decode path computes them
 (`reference`; models/gdn.py). A layer that stores its b / a columns in the big projection's weight
-(`gdn.MERGED_QKVZ_BA`) calls `gdn_decode_packed` with that product, proj [B, conv_dim + Hv dv + 2 Hv]
+(the models' `in_proj_qkvzba`) calls `gdn_decode_packed` with that product, proj [B, conv_dim + Hv dv + 2 Hv]
 (qkv | z | b | a): the kernel reads the conv inputs, z and each head's b / a products from it in
 place (no slice copies, no a / b weight slices or transposes, no x).
 
@@ -41,11 +41,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ddtree_jax.models import delta_rule
-from ddtree_jax.models.conv import causal_conv, next_window
-from ddtree_jax.models.gdn import gate_values, split_heads
-from ddtree_jax.models.layers import gated_rms_norm
 from pallas_kernels._common import check_impl, compiler_params, load, store
+from pallas_kernels.ref import delta_rule
+from pallas_kernels.ref.conv import causal_conv, next_window
+from pallas_kernels.ref.delta_rule import gate_values, split_heads
+from pallas_kernels.ref.norms import gated_rms_norm
 
 # H200, session 6 (scripts/gpu_gdn_decode.py --warps 4): 4 warps 17.1 us against 21.4 us at 8 and
 # 21.4 us for the XLA form at batch 1; 32.9 / 44.1 / 55.4 us at batch 8.
@@ -236,7 +236,7 @@ def gdn_decode(mixed, z, x, w_a, w_b, a_log, dt_bias, window, conv_w, state, nor
 def gdn_decode_packed(proj, a_log, dt_bias, window, conv_w, state, norm_w, n_valid, *, num_k_heads: int,
                       head_v_dim: int, eps: float, impl: str = "xla", num_warps: int | None = None):
     """`gdn_decode` of a layer whose one product proj [B, conv_dim + Hv dv + 2 Hv] holds the conv
-    inputs, z and the b | a products (gdn.MERGED_QKVZ_BA); the kernel reads them all in place."""
+    inputs, z and the b | a products (the models' in_proj_qkvzba); the kernel reads them all in place."""
     check_impl(impl)
     b, width = proj.shape
     c, hv, dv = conv_w.shape[1], a_log.shape[0], head_v_dim

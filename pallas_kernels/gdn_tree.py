@@ -42,8 +42,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ddtree_jax.models import delta_rule
-from ddtree_jax.tree import WORD, bits_to_dense
+from pallas_kernels.ref import delta_rule
+from pallas_kernels.tree_mask import WORD, bits_to_dense
 
 try:  # the Triton compiler params; present in jax 0.10 - 0.12
     from jax.experimental.pallas import triton as pltriton

@@ -17,28 +17,22 @@ Kernel: one program per (batch row, key head, channel group): group 0 is the key
 channels, group 1 its k channels, group 2 + r its r-th value head (value head j * rep + r reads
 key head j). 2 + rep groups per key head keep 80 programs in flight for the 27B layer at batch 1
 (the first version ran a key head's q, k and value heads in one program: 16 programs, 27.5 us
-at 65 nodes on the H200 against 12.7 for XLA's fusions, session 9). Every group is one dk-wide
+at 65 nodes on the H200 against 12.7 for XLA's fusions). Every group is one dk-wide
 block of channels (dk == dv), so one BlockSpec serves all groups; a program stores only its own
 outputs. Taps are gather loads (`ref[idx, :]`: a row of the window or of the nodes, selected by
 index). Pallas Triton needs power-of-two shapes for every value, so the nodes run as one block
 when N is a power of two and as node 0 alone + a block of N - 1 when N - 1 is (DDTree's root +
 2^j drafts); other N are refused (`kernel_problems`).
 
-`mixed` may carry more columns than the conv reads (the layer's merged qkv | z product): the
-kernel reads the conv's channel blocks only, so the product need not be sliced (a copy) first.
+`mixed` may carry more columns than the conv reads (the layer's merged qkv | z | b | a product):
+the kernel reads the conv's channel blocks only, so the product need not be sliced (a copy) first.
 
 Gates (optional, `gates=(a_log, dt_bias), ba_col=c`): where `mixed` is the whole qkv | z | b | a
-product (`gdn.MERGED_QKVZ_BA`), each value-head program also computes its head's gates from the
+product, each value-head program also computes its head's gates from the
 b and a columns at `c + head` and `c + Hv + head`, as the decode kernel does (gdn_decode: beta =
 sigmoid(b) rounded to the model dtype, g = -exp(A_log) softplus(a + dt_bias) in float32), and
-stores g and beta [B, Hv, N] heads-first: two XLA fusions (~1.7 us each a 27B layer; H200,
-2026-11-30: docs/kernels_gdn.md) fewer per GDN layer.
-
-Split-K partials (optional): `mixed` may be float32 partial products [S, B, N, W] of the qkv | z |
-b | a product (models.layers.SplitKParts, S slices of its contraction). The kernel then adds the S
-partials of every row it reads in float32 and rounds the sum to out_dtype (what XLA's reduce
-fusion after its own split-K GEMM writes: 4.5 us a 27B layer at 65 nodes, 48 a step), and also
-returns the conv inputs [B, N, D] so summed (the commit's pending conv inputs).
+stores g and beta [B, Hv, N] heads-first: two XLA fusions (~1.7 us each a 27B layer on the H200;
+docs/kernels_gdn.md) fewer per GDN layer.
 
 impl="xla" is the reference, "pallas" the Triton kernel, "pallas_interpret" the same kernel in the
 Pallas interpreter (CPU tests).
@@ -52,25 +46,20 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from ddtree_jax.models.conv import tree_conv
-from ddtree_jax.models.gdn import gate_values, l2_normalize
-from pallas_kernels._common import check_impl, compiler_params, is_pow2, summed_partials
+from pallas_kernels._common import check_impl, compiler_params, is_pow2
+from pallas_kernels.ref.conv import tree_conv
+from pallas_kernels.ref.delta_rule import gate_values
+from pallas_kernels.ref.norms import l2_normalize
 
 
 def reference(mixed, window, conv_w, conv_src, *, num_k_heads: int, head_k_dim: int, head_v_dim: int,
               out_dtype, gates=None, ba_col: int | None = None):
     """(q, k, v in out_dtype, k float32): q, k [B, Hk, N, dk], v [B, Hv, N, dv] (module doc); with
-    `gates` also (g, beta) [B, Hv, N] float32; for partials `mixed` also the conv inputs last.
+    `gates` also (g, beta) [B, Hv, N] float32.
 
-    mixed [B, N, >= D] (its first D = 2 Hk dk + Hv dv columns: q | k | v channels), or float32
-    split-K partials [S, B, N, >= D] of it; window [B, K - 1, D], conv_w [K, D], conv_src
+    mixed [B, N, >= D] (its first D = 2 Hk dk + Hv dv columns: q | k | v channels); window [B, K - 1, D], conv_w [K, D], conv_src
     [B, N, K] int32 (indices into [window ; mixed]); gates = (a_log, dt_bias) [Hv] with the b
     columns of mixed at [ba_col, ba_col + Hv) and the a columns after them."""
-    if mixed.ndim == 4:
-        mixed = summed_partials(mixed, out_dtype)
-        out = reference(mixed, window, conv_w, conv_src, num_k_heads=num_k_heads, head_k_dim=head_k_dim,
-                        head_v_dim=head_v_dim, out_dtype=out_dtype, gates=gates, ba_col=ba_col)
-        return (*out, mixed[..., : conv_w.shape[1]])
     b, n, _ = mixed.shape
     d = conv_w.shape[1]
     act = jax.nn.silu(tree_conv(mixed[..., :d], window, conv_w, conv_src)).astype(out_dtype).astype(jnp.float32)
@@ -104,30 +93,15 @@ def kernel_problems(n: int, num_k_heads: int, head_k_dim: int, num_v_heads: int,
 
 
 def _prologue_kernel(src_ref, w_ref, x_ref, win_ref, *refs, taps: int, blocks, scale: float, rep: int,
-                     num_v_heads: int, ba_col: int | None, parts: int):
+                     num_v_heads: int, ba_col: int | None):
     """One (batch row, key head, channel group): silu(conv) of the group's channels over the node
     blocks, then q (normed, scaled), k (normed; also float32) or v, by group; value-head groups
     also the head's gates when `ba_col` is set (refs then hold the whole-row product, A_log and
-    dt_bias before the outputs, and g / beta after them). parts > 0: x_ref (and the whole row)
-    hold that many float32 split-K partials, added and rounded to the output dtype on load, and
-    the last ref takes the group's summed conv inputs."""
-    if parts:
-        *refs, cin_out = refs
+    dt_bias before the outputs, and g / beta after them)."""
     if ba_col is None:
         q_out, k_out, k32_out, v_out = refs
     else:
         whole_ref, alog_ref, dtb_ref, q_out, k_out, k32_out, v_out, g_out, beta_out = refs
-    prod = q_out.dtype  # the product's dtype: partials round to it, as XLA's reduce would
-
-    def rows_of(ref, idx, cols):
-        """ref[idx, cols] of the product (idx: rows, an index array or a slice), partials added."""
-        if not parts:
-            return ref[idx, cols]
-        acc = ref[0, idx, cols].astype(jnp.float32)
-        for p in range(1, parts):
-            acc = acc + ref[p, idx, cols]
-        return acc.astype(prod)
-
     group = pl.program_id(2)
     head = pl.program_id(1) * rep + jnp.maximum(group - 2, 0)  # the value head of a value group
     f32 = jnp.float32
@@ -142,7 +116,7 @@ def _prologue_kernel(src_ref, w_ref, x_ref, win_ref, *refs, taps: int, blocks, s
         acc = None
         for m in reversed(range(taps)):  # oldest tap first, as gdn_decode sums
             idx = src_ref[rows, m]  # [size] indices into [window ; mixed]
-            from_x = rows_of(x_ref, jnp.maximum(idx - back, 0), slice(None)).astype(wdt).astype(f32)
+            from_x = x_ref[jnp.maximum(idx - back, 0), :].astype(wdt).astype(f32)
             from_w = win_ref[jnp.clip(idx, 0, back - 1), :].astype(wdt).astype(f32)
             tap = jnp.where((idx >= back)[:, None], from_x, from_w) * w_ref[taps - 1 - m, :].astype(f32)[None, :]
             acc = tap if acc is None else acc + tap
@@ -152,8 +126,6 @@ def _prologue_kernel(src_ref, w_ref, x_ref, win_ref, *refs, taps: int, blocks, s
     for start, size in blocks:
         rows = pl.ds(start, size)
         a = act(rows)
-        if parts:
-            cin_out[rows, :] = rows_of(x_ref, rows, slice(None))
 
         @pl.when(group == 0)
         def _():
@@ -169,9 +141,9 @@ def _prologue_kernel(src_ref, w_ref, x_ref, win_ref, *refs, taps: int, blocks, s
         def _():
             v_out[rows, :] = a.astype(v_out.dtype)
             if ba_col is not None:  # this value head's gates, as gdn_decode computes them
-                xdt = prod if parts else whole_ref.dtype
-                b_x = rows_of(whole_ref, rows, ba_col + head).astype(f32)
-                a_x = rows_of(whole_ref, rows, ba_col + num_v_heads + head).astype(f32)
+                xdt = whole_ref.dtype
+                b_x = whole_ref[rows, ba_col + head].astype(f32)
+                a_x = whole_ref[rows, ba_col + num_v_heads + head].astype(f32)
                 beta_out[rows] = jax.nn.sigmoid(b_x).astype(xdt).astype(f32)
                 sp = a_x + dtb_ref[head].astype(f32)
                 softplus = jnp.maximum(sp, 0.0) + jnp.log(1.0 + jnp.exp(-jnp.abs(sp)))
@@ -190,12 +162,8 @@ def gdn_tree_prologue(mixed, window, conv_w, conv_src, *, num_k_heads: int, head
     of 32 or more (offline sm_90 compile at the 27B layer, 65 nodes: 91 registers at 8 warps, 248
     at 4, both without spills), else 4."""
     check_impl(impl)
-    parts = mixed.shape[0] if mixed.ndim == 4 else 0
-    if parts and (mixed.dtype != jnp.float32 or out_dtype is None):
-        raise ValueError(f"gdn_tree_prologue: split-K partials {mixed.shape} must be float32 and come with out_dtype "
-                         f"(the product's dtype), got {mixed.dtype} / {out_dtype}")
     out_dtype = jnp.dtype(out_dtype or mixed.dtype)
-    b, n, width = mixed.shape[1:] if parts else mixed.shape
+    b, n, width = mixed.shape
     taps, d = conv_w.shape
     hk, dk, dv = num_k_heads, head_k_dim, head_v_dim
     hv = (d - 2 * hk * dk) // dv
@@ -224,8 +192,7 @@ def gdn_tree_prologue(mixed, window, conv_w, conv_src, *, num_k_heads: int, head
         return jnp.where(g == 0, j, jnp.where(g == 1, hk + j, v0 + j * rep + g - 2))
 
     blocks = ((0, n),) if (n & (n - 1)) == 0 else ((0, 1), (1, n - 1))
-    x_spec = (pl.BlockSpec((parts, None, n, dk), lambda i, j, g: (0, i, 0, chan(j, g))) if parts
-              else pl.BlockSpec((None, n, dk), lambda i, j, g: (i, 0, chan(j, g))))
+    x_spec = pl.BlockSpec((None, n, dk), lambda i, j, g: (i, 0, chan(j, g)))
     in_specs = [pl.BlockSpec((None, n, taps), lambda i, j, g: (i, 0, 0)),
                 pl.BlockSpec((taps, dk), lambda i, j, g: (0, chan(j, g))),
                 x_spec,
@@ -237,22 +204,18 @@ def gdn_tree_prologue(mixed, window, conv_w, conv_src, *, num_k_heads: int, head
     out_specs = [head, head, head, v_head]
     args = [conv_src.astype(jnp.int32), conv_w, mixed, window]
     if gates is not None:  # the whole row of the product (gate columns by index), A_log, dt_bias
-        in_specs += [pl.BlockSpec((parts, None, n, width), lambda i, j, g: (0, i, 0, 0)) if parts
-                     else pl.BlockSpec((None, n, width), lambda i, j, g: (i, 0, 0)),
+        in_specs += [pl.BlockSpec((None, n, width), lambda i, j, g: (i, 0, 0)),
                      pl.BlockSpec((hv,), lambda i, j, g: (0,)), pl.BlockSpec((hv,), lambda i, j, g: (0,))]
         args += [mixed, *gates]
         gate_spec = pl.BlockSpec((None, None, n), lambda i, j, g: (i, j * rep + jnp.maximum(g - 2, 0), 0))
         out_specs += [gate_spec, gate_spec]
         out_shape += [jax.ShapeDtypeStruct((b, hv, n), jnp.float32)] * 2
-    if parts:  # the summed conv inputs, each group's channel block
-        out_specs.append(pl.BlockSpec((None, n, dk), lambda i, j, g: (i, 0, chan(j, g))))
-        out_shape.append(jax.ShapeDtypeStruct((b, n, d), out_dtype))
     interpret = impl == "pallas_interpret"
     warps = num_warps or (8 if max(size for _, size in blocks) >= 32 else 4)
     params = {} if interpret else {"compiler_params": compiler_params(warps, 1)}
     out = pl.pallas_call(
         functools.partial(_prologue_kernel, taps=taps, blocks=blocks, scale=dk**-0.5, rep=rep, num_v_heads=hv,
-                          ba_col=None if gates is None else ba_col, parts=parts),
+                          ba_col=None if gates is None else ba_col),
         grid=(b, hk, 2 + rep), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         interpret=interpret, name="gdn_tree_prologue", **params,
     )(*args)

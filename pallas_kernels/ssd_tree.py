@@ -1,5 +1,5 @@
 """Tree verification and path commit for one Mamba2 (SSD) layer: Pallas / Triton kernels next
-to their pure-jnp references (ddtree_jax/models/ssd.py), chosen with `impl=`.
+to their pure-jnp references (pallas_kernels/ref/ssd.py), chosen with `impl=`.
 
 Per head h (scalar decay a = dt * A_h, group g = h // (H / G); nodes in topological order,
 M = ancestor-or-self from the 32-bit ancestor words, committed state h0 [P, Ns]):
@@ -36,8 +36,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ddtree_jax.models import ssd
-from ddtree_jax.tree import WORD, bits_to_dense
+from pallas_kernels.ref import ssd
+from pallas_kernels.tree_mask import WORD, bits_to_dense
 
 try:  # Triton compiler params; present in jax 0.10 - 0.12
     from jax.experimental.pallas import triton as pltriton

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ddtree_jax.tree import bits_to_dense
+from pallas_kernels.tree_mask import bits_to_dense
 from pallas_kernels._common import (
     LOG2E,
     NEG,

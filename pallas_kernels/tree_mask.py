@@ -27,10 +27,24 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import cdiv, check_impl, compiler_params, dot, load, log2_ceil, next_pow2, store
+from pallas_kernels._common import WORD, cdiv, check_impl, compiler_params, dot, load, log2_ceil, next_pow2, store
 
-WORD = 32
 MAX_KERNEL_NODES = 256  # N_pad = 512 asked the H200 for 576 KiB of shared memory (it has 227 KiB)
+
+
+def bits_to_dense(bits: jax.Array, n: int) -> jax.Array:
+    """[B, N, W] uint32 ancestor-or-self bitsets -> [B, N, N] bool visibility (j visible to i)."""
+    j = jnp.arange(n)
+    word = jnp.take(bits, j // WORD, axis=-1)
+    return (jnp.right_shift(word, (j % WORD).astype(jnp.uint32)) & 1).astype(bool)
+
+
+def all_visible_bits(batch: int, n: int) -> jax.Array:
+    """[B, N, ceil(N/32)] uint32 bitsets where every one of n nodes sees every node (a DFlash
+    block's non-causal attention; n = 1: a decode step's one query seeing itself)."""
+    lanes = jnp.arange(-(-n // WORD) * WORD, dtype=jnp.uint32).reshape(-1, WORD)
+    words = jnp.sum(jnp.where(lanes < n, jnp.left_shift(jnp.uint32(1), lanes % WORD), 0), axis=-1, dtype=jnp.uint32)
+    return jnp.broadcast_to(words, (batch, n, words.shape[0]))
 
 
 def _steps(n: int, max_depth: int | None) -> int:

@@ -9,9 +9,9 @@ lexicographically smaller path of candidate ranks. Returns [B, budget] each, in 
 (valid nodes by depth, each depth in lexicographic order, then the invalid ones): the node's
 depth index (tree depth - 1), its candidate rank at that depth, its parent's node index (0 = the
 root, nodes numbered from 1) and whether it is a real node (score > -inf). Invalid nodes read
-(0, 0, 0, False). The reference is the XLA form of ddtree_jax.speculative.build (`select_nodes_xla`:
-a depth-by-depth beam of width `budget`, then one top-`budget` over all depths); both give the
-same arrays, ties and signed zeros included.
+(0, 0, 0, False). The reference (`reference`, the XLA form: a depth-by-depth beam of width
+`budget`, then one top-`budget` over all depths) gives the same arrays, ties and signed zeros
+included.
 
 Why a kernel: on a GPU the XLA form costs ~4 launches per depth plus ~10 for the final pick and
 the index mapping (the demo pair's DDTree-32 build: 82 kernels, 0.15 ms of a 0.7 ms step), and a
@@ -19,7 +19,7 @@ small model's step is bound by launches. A first one-launch form ran the beam in
 32-step bitwise search per depth: 480 dependent block reductions, 79 us on the H200 at budget 16,
 no faster than the XLA beam. This kernel: 10.1 / 21.2 / 57.8 us at budgets 16 / 32 / 64 against
 88.6 / 107.3 / 305.3 us for the XLA form (batch 1, 15 depths, in an on-device loop;
-scripts/gpu_tree_select.py, docs/benchmarks.md section 3).
+docs/decisions: tree-select kernel).
 
 The algorithm has few dependent steps. Every prefix has one predecessor in the left-child /
 right-sibling view of the candidate tree (its previous sibling, or its parent for a first child)
@@ -42,16 +42,14 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ddtree_jax.speculative.build import order_key, plus_zero, select_nodes_xla
-from pallas_kernels._common import check_impl, compiler_params, load, next_pow2, store
+from pallas_kernels._common import check_impl, compiler_params, load, next_pow2, order_key, plus_zero, store
+from pallas_kernels.row_top_k import top_k
 
 SELECT_KERNEL_MAX_BUDGET = 64  # frontier of 128 slots; 57.8 us at budget 64 vs 305 us for the XLA form (H200)
 
 
 # One warp reduces without shared memory or barriers: fastest at every budget measured on the H200
-# (budget 16 / 32 / 64: 10.1 / 21.2 / 57.8 us at 1 warp, 11.6 / 34.0 / 79.0 at 4, 12.4 / 39.3 / 90.8 at 8;
-# scripts/gpu_tree_select.py, docs/benchmarks.md section 3), though budget 64 spills 264 bytes at
-# one warp (scripts/offline_triton_compile.py select --nodes 64).
+# (docs/decisions: tree-select kernel).
 DEFAULT_WARPS = 1
 
 
@@ -210,5 +208,108 @@ def select_nodes(top_val: jax.Array, budget: int, *, impl: str = "xla", num_warp
     if top_val.ndim != 3:
         raise ValueError(f"top_val must be [B, D, k], got {top_val.shape}")
     if impl == "xla":
-        return select_nodes_xla(top_val, budget)
+        return reference(top_val, budget)
     return _pallas(top_val, budget, interpret=impl == "pallas_interpret", num_warps=num_warps)
+
+
+# ---- the XLA form (the reference) -------------------------------------------------------------
+NEG = -jnp.inf
+
+
+def beam_chunk(k: int) -> int:
+    """Chunk of the staged top-k over a beam's W x k extensions: rows of 512 (4k for wide beams)."""
+    return max(512, 4 * k)
+
+
+def select_in_index_order(x: jax.Array, width: int, inf_last: bool = False) -> jax.Array:
+    """The indices of top_k(x, width) (lax.top_k's tie rule) in increasing index order, [B, n] ->
+    [B, width], by pairwise comparison: three reductions (rank of every entry, selected entries
+    before each, the index holding each output slot) instead of a top-k sort, a sort of the picks
+    and the copies XLA's in-place sorts make (~6 kernels). O(n^2) work, for short rows on a GPU,
+    where a small model's tree build is one kernel launch per op (docs/decisions: pairwise-rank
+    beam). inf_last: picked -inf entries after all others (each group in index order)."""
+    n = x.shape[-1]
+    idx = jnp.arange(n, dtype=jnp.int32)
+    earlier = idx[None, :] < idx[:, None]  # [i, j]: j before i
+    key = order_key(x)
+    xi, xj = key[:, :, None], key[:, None, :]
+    rank = jnp.sum((xj > xi) | ((xj == xi) & earlier[None]), axis=-1, dtype=jnp.int32)
+    chosen = rank < width
+    if inf_last:
+        late = x == NEG
+        li, lj = late[:, :, None], late[:, None, :]
+        placed_before = (lj < li) | ((lj == li) & earlier[None])  # [B, i, j]
+    else:
+        placed_before = earlier[None]
+    before = jnp.sum(chosen[:, None, :] & placed_before, axis=-1, dtype=jnp.int32)
+    slot = jnp.where(chosen, before, width)  # output position of each chosen entry
+    hit = slot[:, None, :] == jnp.arange(width, dtype=jnp.int32)[None, :, None]  # [B, width, n]
+    return jnp.sum(jnp.where(hit, idx[None, None, :], 0), axis=-1, dtype=jnp.int32)
+
+
+def _beam_step(beam_scores, cand_scores, budget: int, k: int, rank_select_max: int, staged: bool, sort_max: int):
+    """Extend each kept node [B, W] by k candidates [B, k]; keep the best `budget` in lex order.
+
+    Returns (scores [B, budget], parent slot [B, budget], rank [B, budget])."""
+    b, w = beam_scores.shape
+    flat = plus_zero(beam_scores[:, :, None] + cand_scores[:, None, :]).reshape(b, w * k)
+    width = min(budget, w * k)
+    if w * k <= rank_select_max:
+        pick = select_in_index_order(flat, width)
+    else:
+        _, pick = top_k(flat, width, chunk=beam_chunk(width), staged=staged, sort_max=sort_max)
+        pick = jnp.sort(pick, axis=-1)  # store the beam in lexicographic order (ties: lower flat index)
+    scores = jnp.take_along_axis(flat, pick, axis=-1)
+    parent, rank = pick // k, pick % k
+    if width < budget:
+        pad = budget - width
+        scores = jnp.pad(scores, ((0, 0), (0, pad)), constant_values=NEG)
+        parent = jnp.pad(parent, ((0, 0), (0, pad)))
+        rank = jnp.pad(rank, ((0, 0), (0, pad)))
+    return scores, parent, rank
+
+
+def beam(top_val: jax.Array, budget: int, *, rank_select_max: int = 0, staged: bool = False, sort_max: int = 0):
+    """Depth by depth: beams in lexicographic order, padded to width `budget` with -inf.
+    top_val [B, D, k] -> (scores, parent slots, candidate ranks) [B, D, budget] each."""
+    b, depth, k = top_val.shape
+    scores, parents, ranks = [], [], []
+    state = jnp.zeros((b, 1), jnp.float32)
+    for d in range(depth):
+        state, parent, rank = _beam_step(state, top_val[:, d], budget, k, rank_select_max, staged, sort_max)
+        scores.append(state)
+        parents.append(parent)
+        ranks.append(rank)
+    return jnp.stack(scores, axis=1), jnp.stack(parents, axis=1), jnp.stack(ranks, axis=1)
+
+
+def reference(top_val: jax.Array, budget: int, *, rank_select_max: int = 0, staged: bool = False,
+              sort_max: int = 0):
+    """The tree's nodes from the per-depth top-k log-probs [B, D, k] in XLA ops: the kernel's arrays
+    (same signature; the keywords pick equivalent XLA forms: pairwise-rank selection for rows up to
+    rank_select_max, staged / sort top-k as row_top_k.top_k takes them).
+
+    Returns (depth index, candidate rank, parent node index (0 = root), valid) [B, budget] each,
+    in tree order: valid nodes by depth, each depth in lexicographic order, then the invalid ones
+    (score -inf), which read (0, 0, 0, False)."""
+    b, depth, k = top_val.shape
+    scores, parents, ranks = beam(top_val, budget, rank_select_max=rank_select_max, staged=staged,
+                                  sort_max=sort_max)  # [B, D, budget] each
+    all_scores = scores.reshape(b, depth * budget)  # flat order = (depth, lex)
+    if all_scores.shape[-1] <= rank_select_max:
+        chosen = select_in_index_order(all_scores, budget, inf_last=True)
+    else:
+        _, chosen = jax.lax.top_k(all_scores, budget)
+        late = jnp.take_along_axis(all_scores, chosen, axis=-1) == NEG
+        n = depth * budget
+        chosen = jnp.sort(chosen + jnp.where(late, n, 0), axis=-1) % n  # by depth, then lex; -inf last
+    valid = jnp.take_along_axis(all_scores, chosen, axis=-1) > NEG
+    node_depth = chosen // budget  # 0-based depth index (tree depth - 1)
+    # Final index of every (depth, slot) beam entry that was chosen (0 = root for "depth -1").
+    final_index = jnp.zeros((b, depth * budget), jnp.int32)
+    final_index = jax.vmap(lambda f, c: f.at[c].set(jnp.arange(1, budget + 1, dtype=jnp.int32)))(final_index, chosen)
+    parent_slot = jnp.take_along_axis(parents.reshape(b, depth * budget), chosen, axis=-1)
+    rank = jnp.take_along_axis(ranks.reshape(b, depth * budget), chosen, axis=-1)
+    parent_flat = (node_depth - 1) * budget + parent_slot
+    parent_index = jnp.where(node_depth == 0, 0, jnp.take_along_axis(final_index, jnp.maximum(parent_flat, 0), axis=-1))
+    return (jnp.where(valid, node_depth, 0), jnp.where(valid, rank, 0), jnp.where(valid, parent_index, 0), valid)

@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from ddtree_jax.routes import REFERENCE
 
 
 class ScriptState(NamedTuple):
@@ -35,10 +36,10 @@ class ScriptedProposer:
         table = params if params is not None else jnp.zeros((batch, capacity), jnp.int32)
         return ScriptState(table, jnp.zeros((batch,), jnp.int32))
 
-    def extend(self, params, state, features, n_valid, impl="xla"):
+    def extend(self, params, state, features, n_valid, routes=REFERENCE):
         return state._replace(lengths=state.lengths + n_valid)
 
-    def propose(self, params, state, target, bonus, start, impl="xla"):
+    def propose(self, params, state, target, bonus, start, routes=REFERENCE):
         depth = self.block_size - 1
         b = bonus.shape[0]
         pos = start[:, None] + 1 + jnp.arange(depth)[None, :]
@@ -78,12 +79,12 @@ class RecordingProposer:
     def init_state(self, params, batch, capacity):
         return RecordState(self.inner.init_state(params, batch, capacity), jnp.zeros((batch, capacity, self.feature_dim)))
 
-    def extend(self, params, state, features, n_valid, impl="xla"):
+    def extend(self, params, state, features, n_valid, routes=REFERENCE):
         start = state.inner.lengths
         t = features.shape[1]
         pos = jnp.where(jnp.arange(t)[None, :] < n_valid[:, None], start[:, None] + jnp.arange(t)[None, :], state.features.shape[1])
         feats = jax.vmap(lambda buf, p, f: buf.at[p].set(f.astype(buf.dtype), mode="drop"))(state.features, pos, features)
-        return RecordState(self.inner.extend(params, state.inner, features, n_valid, impl=impl), feats)
+        return RecordState(self.inner.extend(params, state.inner, features, n_valid, routes=routes), feats)
 
-    def propose(self, params, state, target, bonus, start, impl="xla"):
-        return self.inner.propose(params, state.inner, target, bonus, start, impl=impl)
+    def propose(self, params, state, target, bonus, start, routes=REFERENCE):
+        return self.inner.propose(params, state.inner, target, bonus, start, routes=routes)

@@ -165,11 +165,11 @@ def test_bench_writes_json_png_and_table(ckpts, tmp_path, capsys):
     prompts.write_text("def f(x):\nimport os\\nimport sys\n")
     code = bench_cli.main(["--target", target, "--drafter", drafter, "--prompts", str(prompts), "--budgets", "4,8",
                            "--max-new-tokens", "16", "--phase-repeats", "2", "--out", str(tmp_path / "out"),
-                           "--override", "ddtree_jax.tree.BITS_KERNEL_MAX_NODES=64"])  # its default: recorded only
+                           "--route", "bits_kernel_max_nodes=32"])
     captured = capsys.readouterr()
     assert code == 0, captured.err
     report = json.loads((tmp_path / "out" / "bench.json").read_text())
-    assert report["overrides"] == {"ddtree_jax.tree.BITS_KERNEL_MAX_NODES": 64}
+    assert report["routes"]["bits_kernel_max_nodes"] == 32 and report["routes"]["impl"] == "xla"
     assert report["status"] == "complete" and not (tmp_path / "out" / "bench.json.tmp").exists()
     runs = {(r["mode"], r["budget"]): r for r in report["results"]}
     assert set(runs) == {("ar", None), ("dflash", None), ("ddtree", 4), ("ddtree", 8)}
@@ -180,15 +180,16 @@ def test_bench_writes_json_png_and_table(ckpts, tmp_path, capsys):
     assert "ddtree" in captured.out and "verify" in captured.out
 
 
-def test_bench_rejects_bad_overrides_before_loading(tmp_path, capsys):
-    """ddtree-bench --override names every bad spec at once and stops before any model loads."""
+def test_bench_rejects_bad_routes_before_loading(tmp_path, capsys):
+    """ddtree-bench --route names every bad setting at once and stops before any model loads."""
     from ddtree_jax.cli import bench as bench_cli
 
     with pytest.raises(SystemExit) as e:
-        bench_cli.main(["--target", str(tmp_path / "missing"), "--prompts", "p.txt", "--override", "ddtree_jax.tree.NOPE=1",
-                        "--override", "ddtree_jax.tree.BITS_KERNEL_MAX_NODES=yes"])
+        bench_cli.main(["--target", str(tmp_path / "missing"), "--prompts", "p.txt", "--route", "nope=1",
+                        "--route", "bits_kernel_max_nodes=yes", "--route", "gdn_decode_kernel=maybe"])
     err = capsys.readouterr().err
-    assert e.value.code == 2 and "has no NOPE" in err and "'yes' is not a Python literal" in err
+    assert e.value.code == 2 and "no route named 'nope'" in err and "expected an integer, got 'yes'" in err
+    assert "expected true or false, got 'maybe'" in err
     assert "missing" not in err  # the checkpoint was never looked at
 
 

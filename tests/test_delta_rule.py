@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from hypothesis import given, strategies as st
 
-from ddtree_jax.models import delta_rule
+from pallas_kernels.ref import delta_rule
 from ddtree_jax.tree import root_path
 
 B, H, DK, DV = 2, 3, 8, 6

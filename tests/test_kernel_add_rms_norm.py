@@ -143,88 +143,83 @@ def test_partials_lower_for_sm90_without_spills():
         assert res["regs"] <= 255 and res["stack_bytes"] == 0, (label, res)
 
 
-def test_model_routes_add_and_norm_through_the_kernel(monkeypatch):
+def test_model_routes_add_and_norm_through_the_kernel():
     """With kernels a Qwen3.5-style decode step traces one add_rms_norm launch per norm after a
     residual add (2 per layer + the final norm - the first input norm); hidden states for the drafter
-    (hidden_ids) equal the XLA path's; ADD_NORM_KERNEL=False takes the route out with a warning."""
+    (hidden_ids) equal the XLA path's; routes.add_norm_kernel off takes the route out."""
     import warnings
 
     from ddtree_jax.cache import init_target_cache
-    from ddtree_jax.models import target
+    from ddtree_jax.routes import REFERENCE
     from tests.tiny_models import HYBRID, make_target
+    from tests.tree_harness import INTERPRET
 
     cfg, gd, params = make_target(dict(head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16),
                                   seed=33, base=HYBRID)
     cache = init_target_cache(cfg, 2, 32)
     ids = (1, 2, cfg.num_layers)
 
-    def step(c, t, impl):
-        return nnx.merge(gd, params)(t[:, None], c, jnp.ones((2,), jnp.int32), chunked=False, impl=impl,
+    def step(c, t, routes):
+        return nnx.merge(gd, params)(t[:, None], c, jnp.ones((2,), jnp.int32), chunked=False, routes=routes,
                                      hidden_ids=ids)
 
     tok = jnp.asarray([3, 7], jnp.int32)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        text = str(jax.make_jaxpr(functools.partial(step, impl="pallas_interpret"))(cache, tok))
+        text = str(jax.make_jaxpr(functools.partial(step, routes=INTERPRET))(cache, tok))
     # every norm but the first layer's input norm (nothing to add to the embeddings yet)
     assert text.count("name=add_rms_norm") == 2 * cfg.num_layers
-    h_ref, f_ref, _ = jax.jit(step, static_argnums=2)(cache, tok, "xla")
-    h_got, f_got, _ = jax.jit(step, static_argnums=2)(cache, tok, "pallas_interpret")
+    h_ref, f_ref, _ = jax.jit(step, static_argnums=2)(cache, tok, REFERENCE)
+    h_got, f_got, _ = jax.jit(step, static_argnums=2)(cache, tok, INTERPRET)
     np.testing.assert_allclose(np.asarray(f_got), np.asarray(f_ref), rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(np.asarray(h_got), np.asarray(h_ref), rtol=1e-4, atol=1e-4)
-    monkeypatch.setattr(target, "ADD_NORM_KERNEL", False)
-    with pytest.warns(UserWarning, match="target.ADD_NORM_KERNEL is False"):
-        text = str(jax.make_jaxpr(functools.partial(step, impl="pallas_interpret"))(cache, tok))
+    text = str(jax.make_jaxpr(functools.partial(step, routes=INTERPRET.replace(add_norm_kernel=False)))(cache, tok))
     assert "add_rms_norm" not in text
 
 
-def test_model_hands_split_k_partials_to_the_kernel_at_verify_rows(monkeypatch):
+def test_model_hands_split_k_partials_to_the_kernel_at_verify_rows():
     """At a tree verify's row count the products that feed the residual stream (mixer output and
     MLP down projections, 2 a layer) reach the add + norm kernels as split-K partial sums
     (models.layers.SplitKParts: one batched dot_general each, no reduce of their own), and the
-    verify's results equal the unsplit route's; a decode step (rows < SPLIT_K_MIN_ROWS) keeps plain
-    products; SPLIT_K_PARTS=False gives plain products; with ADD_NORM_KERNEL=False XLA adds the
-    partials and the results are the same."""
+    verify's results equal the unsplit route's; a decode step (rows below routes.split_k_rows)
+    keeps plain products; split_k_parts off gives plain products; with add_norm_kernel off XLA adds
+    the partials and the results are the same."""
     from ddtree_jax.cache import init_target_cache
-    from ddtree_jax.models import layers, target
     from ddtree_jax.tree import make_tree
     from tests.tiny_models import HYBRID, make_target
-    from tests.tree_harness import batched_dot_count
+    from tests.tree_harness import INTERPRET, batched_dot_count
 
-    monkeypatch.setattr(layers, "SPLIT_K_MIN_ROWS", 8)  # the tiny verify: 2 x 5 nodes; a decode step: 2 rows
+    routes = INTERPRET.replace(split_k_rows=(8, 128))  # the tiny verify: 2 x 5 nodes; a decode step: 2 rows
     cfg, gd, params = make_target(dict(head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16),
                                   seed=34, base=HYBRID)
     cache = init_target_cache(cfg, 2, 32)
     tok = jnp.asarray([3, 7], jnp.int32)
 
-    def step(c, t):
-        return nnx.merge(gd, params)(t[:, None], c, jnp.ones((2,), jnp.int32), chunked=False, impl="pallas_interpret",
+    def step(c, t, routes=routes):
+        return nnx.merge(gd, params)(t[:, None], c, jnp.ones((2,), jnp.int32), chunked=False, routes=routes,
                                      hidden_ids=(1, cfg.num_layers))[:2]
 
     parents = jnp.asarray([[-1, 0, 0, 1, 2], [-1, 0, 1, 2, 2]], jnp.int32)
     tree = make_tree(jnp.asarray([[3, 4, 5, 6, 7], [7, 1, 2, 3, 4]], jnp.int32), parents, jnp.ones((2, 5), bool),
                      cache.lengths, 4)
 
-    def verify(c):
-        return nnx.merge(gd, params).verify(tree.tokens, c, tree, hidden_ids=(1, cfg.num_layers),
-                                            impl="pallas_interpret")[:2]
+    def verify(c, routes=routes):
+        return nnx.merge(gd, params).verify(tree.tokens, c, tree, hidden_ids=(1, cfg.num_layers), routes=routes)[:2]
 
     def batched_dots(fn, *args):  # dot_generals with batch dimensions; a fresh trace (no cache hit)
         return batched_dot_count(str(jax.make_jaxpr(lambda *a: fn(*a))(*args)))
 
     split_dots = batched_dots(step, cache, tok), batched_dots(verify, cache)
     split = jax.jit(lambda c: verify(c))(cache)
-    monkeypatch.setattr(layers, "SPLIT_K_PARTS", False)  # attention's own batched dots stay
-    assert split_dots[0] == batched_dots(step, cache, tok)  # decode rows: never split
-    assert split_dots[1] - batched_dots(verify, cache) == 2 * cfg.num_layers
-    whole = jax.jit(lambda c: verify(c))(cache)
+    unsplit = routes.replace(split_k_parts=False)  # attention's own batched dots stay
+    assert split_dots[0] == batched_dots(lambda c, t: step(c, t, unsplit), cache, tok)  # decode rows: never split
+    assert split_dots[1] - batched_dots(lambda c: verify(c, unsplit), cache) == 2 * cfg.num_layers
+    whole = jax.jit(lambda c: verify(c, unsplit))(cache)
     for got, want in zip(jax.tree_util.tree_leaves(split), jax.tree_util.tree_leaves(whole)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
-    monkeypatch.setattr(layers, "SPLIT_K_PARTS", True)
-    monkeypatch.setattr(target, "ADD_NORM_KERNEL", False)
-    with pytest.warns(UserWarning, match="target.ADD_NORM_KERNEL is False"):
-        assert batched_dots(verify, cache) == split_dots[1]  # still split: XLA adds the partials (layers.dense)
-        plain = jax.jit(lambda c: verify(c))(cache)
+    xla_adds = routes.replace(add_norm_kernel=False)
+    assert batched_dots(lambda c: verify(c, xla_adds), cache) == split_dots[1]  # still split: XLA adds the partials
+    plain = jax.jit(lambda c: verify(c, xla_adds))(cache)
     for got, want in zip(jax.tree_util.tree_leaves(plain), jax.tree_util.tree_leaves(whole)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 

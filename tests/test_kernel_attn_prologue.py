@@ -86,24 +86,23 @@ def test_lowers_for_sm90_at_the_27b_layer(t):
     assert res["regs"] <= 255 and res["stack_bytes"] == 0, res
 
 
-def test_model_route_gives_the_xla_forms_outputs(monkeypatch):
-    """models.attention.PROLOGUE_KERNEL on: a tiny hybrid target's decode step and tree verify +
+def test_model_route_gives_the_xla_forms_outputs():
+    """routes.attention_prologue_kernel on: a tiny hybrid target's decode step and tree verify +
     commit through the kernels give the XLA prologue's logits and caches, one kernel per attention
     layer and call."""
     from flax import nnx
 
-    from ddtree_jax.models import attention
-    from tests.tree_harness import kernel_route_case, verify_and_commit
+    from tests.tree_harness import INTERPRET, kernel_route_case, verify_and_commit
 
     cfg, gd, params, cache, tokens, parents, path, counts = kernel_route_case(43, 4)
     tok = jnp.asarray([3, 7], jnp.int32)
 
     def run(on):
-        monkeypatch.setattr(attention, "PROLOGUE_KERNEL", on)
-        tree_pass = verify_and_commit(gd, tokens, parents, path, counts)
+        routes = INTERPRET.replace(attention_prologue_kernel=on)
+        tree_pass = verify_and_commit(gd, tokens, parents, path, counts, routes)
 
-        def fn(p, c):  # a fresh function per setting: the switch is read when traced
-            step = nnx.merge(gd, p)(tok[:, None], c, jnp.ones((B,), jnp.int32), chunked=False, impl="pallas_interpret")
+        def fn(p, c):
+            step = nnx.merge(gd, p)(tok[:, None], c, jnp.ones((B,), jnp.int32), chunked=False, routes=routes)
             return (*tree_pass(p, c), step)
 
         with warnings.catch_warnings():
@@ -116,21 +115,3 @@ def test_model_route_gives_the_xla_forms_outputs(monkeypatch):
     assert n_off == 0 and n_on == 2 * attn_layers  # the verify's and the decode step's
     for w, g in zip(jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(got)):
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=1e-4, atol=1e-4)
-
-
-def test_separate_projections_announce_the_xla_form(monkeypatch):
-    """PROLOGUE_KERNEL on but a layer holding separate q / k / v weights: the kernel needs the
-    merged product, so the XLA form runs and a warning says why."""
-    from flax import nnx
-
-    from ddtree_jax.models import attention
-    from tests.tiny_models import HYBRID, make_target
-
-    cfg = make_target(dict(head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16), seed=43, base=HYBRID)[0]
-    monkeypatch.setattr(attention, "MERGED_QKV", False)
-    monkeypatch.setattr(attention, "PROLOGUE_KERNEL", True)
-    layer = attention.Attention(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
-    x = jnp.ones((1, 3, cfg.hidden_size), jnp.float32)
-    with pytest.warns(UserWarning, match="separate q / k / v projections"):
-        text = str(jax.make_jaxpr(lambda a: layer.project(a, jnp.zeros((1, 3), jnp.int32), "pallas_interpret"))(x))
-    assert "attn_prologue" not in text

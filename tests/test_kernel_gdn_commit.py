@@ -13,8 +13,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from ddtree_jax.cache import RecurrentCache
-from ddtree_jax.models import delta_rule
+from pallas_kernels.ref import delta_rule
 from ddtree_jax.models.gdn import GatedDeltaNet, RecurrentPending
+from tests.tree_harness import INTERPRET
 from pallas_kernels.gdn_commit import gdn_path_commit
 from pallas_kernels.gdn_tree import gdn_tree_verify
 
@@ -153,7 +154,7 @@ def test_reference_matches_gdn_commit():
     # GatedDeltaNet.commit with kernels: state and conv window from the one launch, as the XLA form
     pending = pending._replace(conv_in=jnp.asarray(np.random.default_rng(3).normal(size=(B, N, 6)), jnp.float32))
     want = GatedDeltaNet.commit(pending, path, count, cache)
-    got = GatedDeltaNet.commit(pending, path, count, cache, impl="pallas_interpret")
+    got = GatedDeltaNet.commit(pending, path, count, cache, routes=INTERPRET)
     np.testing.assert_allclose(got.state, want.state, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(got.conv), np.asarray(want.conv))
 

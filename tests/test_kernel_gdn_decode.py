@@ -13,6 +13,8 @@ import pytest
 from flax import nnx
 
 from ddtree_jax.cache import RecurrentCache
+from ddtree_jax.models.mixer import Step
+from tests.tree_harness import INTERPRET
 from pallas_kernels.gdn_decode import gdn_decode, kernel_problems
 from tests.tiny_models import HYBRID, make_target
 
@@ -62,9 +64,11 @@ def test_reference_is_the_model_decode_path():
     cache = RecurrentCache(conv=jnp.asarray(rng.normal(size=(b, cfg.conv_kernel - 1, cfg.gdn_conv_dim)), jnp.float32),
                            state=jnp.asarray(rng.normal(size=(b, cfg.gdn_num_v_heads, 16, 16)), jnp.float32))
     n_valid = jnp.asarray([1, 0], jnp.int32)
-    y_model, c_model = layer(x, cache, n_valid, chunked=False)
+    y_model, c_model = layer.append(x, cache, Step(None, n_valid, False))
     mixed, z, _, _ = layer.project(x)
-    w_a, w_b = layer.ab_kernels()
+    hv = cfg.gdn_num_v_heads
+    w_ba = layer.in_proj_qkvzba.kernel[...][:, -2 * hv:]  # the b | a columns of the merged product
+    w_a, w_b = w_ba[:, hv:], w_ba[:, :hv]
     y, state, window = gdn_decode(mixed[:, 0], z[:, 0], x[:, 0], w_a, w_b, layer.A_log[...], layer.dt_bias[...], cache.conv,
                                   layer.conv_weight[...], cache.state, layer.norm.weight[...], n_valid,
                                   num_k_heads=cfg.gdn_num_k_heads, eps=layer.norm.eps, impl="xla")
@@ -95,9 +99,9 @@ def test_model_announces_the_xla_route():
     x = jnp.ones((b, 1, cfg.hidden_size))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        got = layer(x, cache, jnp.ones((b,), jnp.int32), chunked=False, impl="pallas_interpret")
+        got = layer.append(x, cache, Step(None, jnp.ones((b,), jnp.int32), False), INTERPRET)
     assert any("GDN decode step uses the XLA form" in str(w.message) for w in caught)
-    want = layer(x, cache, jnp.ones((b,), jnp.int32), chunked=False)
+    want = layer.append(x, cache, Step(None, jnp.ones((b,), jnp.int32), False))
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
 
 

@@ -1,6 +1,6 @@
 """pallas_kernels/gdn_tree_prologue.py: the conv over each node's path, SiLU, head split, q / k
 norms and casts of a GDN tree verify in one kernel, against its jnp reference (interpreter), its
-sm_90 lowering (offline, no GPU), and the model route (`models.gdn.TREE_PROLOGUE_KERNEL`) against
+sm_90 lowering (offline, no GPU), and the model route (`routes.gdn_tree_prologue_kernel`) against
 the XLA form it replaces."""
 
 import functools
@@ -68,7 +68,7 @@ GATED = {impl: jax.jit(functools.partial(gdn_tree_prologue, impl=impl, ba_col=D 
 @settings(max_examples=6, deadline=None)
 @given(n=st.sampled_from([16, 17]), seed=st.integers(0, 2**31 - 1), bf16=st.booleans())
 def test_kernel_gates_equal_reference(n, seed, bf16):
-    """gates=(A_log, dt_bias) on the whole qkv | z | b | a product (gdn.MERGED_QKVZ_BA): g and beta
+    """gates=(A_log, dt_bias) on the whole qkv | z | b | a product (the models' layout): g and beta
     [B, Hv, N] equal gate_values of the b | a columns (the reference), heads first; q / k / v are
     those of the gate-less call."""
     dtype = jnp.bfloat16 if bf16 else jnp.float32
@@ -88,37 +88,6 @@ def test_kernel_gates_equal_reference(n, seed, bf16):
     with pytest.raises(ValueError, match="b \\| a columns"):
         gdn_tree_prologue(mixed[..., : D + 1], window, conv_w, src, gates=gates, ba_col=D, impl="pallas_interpret",
                           **KW)
-
-
-PARTIALS = {(gated, impl): jax.jit(functools.partial(gdn_tree_prologue, impl=impl, out_dtype=jnp.bfloat16,
-                                                     **(dict(ba_col=D + HV * DV) if gated else {}), **KW))
-            for gated in (False, True) for impl in ("xla", "pallas_interpret")}
-
-
-@settings(max_examples=6, deadline=None)
-@given(n=st.sampled_from([16, 17]), seed=st.integers(0, 2**31 - 1), slices=st.sampled_from([1, 2, 3]),
-       gated=st.booleans())
-def test_kernel_adds_split_k_partials(n, seed, slices, gated):
-    """mixed as float32 split-K partials [S, B, N, W] (models.layers.SplitKParts): the kernel adds
-    and rounds them to the output dtype on load; every output equals the call on the summed
-    product (`_common.summed_partials`), and the summed conv inputs come back last."""
-    from pallas_kernels._common import summed_partials
-
-    rng = np.random.default_rng(seed)
-    mixed, window, conv_w, src = _inputs(n, seed, jnp.bfloat16, extra=HV * DV + 2 * HV)
-    parts = jnp.asarray(rng.normal(size=(slices, *mixed.shape)) * 0.6, jnp.float32)
-    summed = summed_partials(parts, jnp.bfloat16)
-    kw = dict(gates=(jnp.asarray(rng.normal(size=HV), jnp.bfloat16),) * 2) if gated else {}
-    fns = GATED if gated else PROLOGUE
-    want = fns["pallas_interpret"](summed, window, conv_w, src, **kw)
-    got, ref = (PARTIALS[gated, impl](parts, window, conv_w, src, **kw) for impl in ("pallas_interpret", "xla"))
-    assert len(got) == len(want) + 1 == len(ref)
-    for w, g in zip(want, got):
-        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
-    np.testing.assert_array_equal(np.asarray(got[-1], np.float32), np.asarray(summed[..., :D], np.float32))
-    np.testing.assert_array_equal(np.asarray(ref[-1], np.float32), np.asarray(summed[..., :D], np.float32))
-    with pytest.raises(ValueError, match="must be float32 and come with out_dtype"):
-        gdn_tree_prologue(parts, window, conv_w, src, impl="pallas_interpret", **KW)
 
 
 def test_shapes_the_kernel_refuses():
@@ -155,63 +124,32 @@ def test_lowers_for_sm90_at_the_27b_layer():
         m, win, w, src, num_k_heads=hk, head_k_dim=dk, head_v_dim=dv, impl="pallas",
         gates=(jnp.zeros((hv,), jnp.bfloat16), jnp.zeros((hv,), jnp.bfloat16)), ba_col=c + hv * dv)
     [(_, ttir_gated)] = capture_ttir(gated, *wide)
-    # the same from 2 float32 split-K partials of the product (gdn.IN_PROJ_PARTS)
-    gated_parts = lambda m, win, w, src: gdn_tree_prologue(
-        m, win, w, src, num_k_heads=hk, head_k_dim=dk, head_v_dim=dv, impl="pallas", out_dtype=jnp.bfloat16,
-        gates=(jnp.zeros((hv,), jnp.bfloat16), jnp.zeros((hv,), jnp.bfloat16)), ba_col=c + hv * dv)
-    [(_, ttir_parts)] = capture_ttir(gated_parts, jax.ShapeDtypeStruct((2, *wide[0].shape), jnp.float32), *wide[1:])
     pytest.importorskip("triton")
-    for text in (ttir, ttir_gated, ttir_parts):
+    for text in (ttir, ttir_gated):
         res = compile_ttir(text, num_warps=8, num_stages=1)
         assert res["regs"] <= 255 and res["stack_bytes"] == 0, res
 
 
-def test_model_route_gives_the_xla_forms_outputs(monkeypatch):
-    """models.gdn.TREE_PROLOGUE_KERNEL on: a tiny hybrid target's tree verify + commit through the
+def test_model_route_gives_the_xla_forms_outputs():
+    """routes.gdn_tree_prologue_kernel on: a tiny hybrid target's tree verify + commit through the
     kernels gives the same logits and committed caches as with it off (the XLA prologue)."""
-    from ddtree_jax.models import gdn
-    from tests.tree_harness import kernel_route_case, verify_and_commit
+    from tests.tree_harness import INTERPRET, kernel_route_case, verify_and_commit
 
     cfg, gd, params, cache, tokens, parents, path, counts = kernel_route_case(41, 3)
     n = tokens.shape[1]
     assert not kernel_problems(n, cfg.gdn_num_k_heads, cfg.gdn_k_head_dim, cfg.gdn_num_v_heads, cfg.gdn_v_head_dim)
 
     def run(on):
-        monkeypatch.setattr(gdn, "TREE_PROLOGUE_KERNEL", on)
-        fn = verify_and_commit(gd, tokens, parents, path, counts)  # traced below with the switch set
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
+        fn = verify_and_commit(gd, tokens, parents, path, counts, INTERPRET.replace(gdn_tree_prologue_kernel=on))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # either route is taken silently: it was asked for
             text = str(jax.make_jaxpr(fn)(params, cache))
             out = jax.jit(fn)(params, cache)
-        off = [w for w in caught if "TREE_PROLOGUE_KERNEL is False" in str(w.message)]
-        assert bool(off) == (not on)  # the XLA route is announced, the kernel route is silent
         return out, text.count("name=gdn_tree_prologue")
 
     (want, want_count), (got, got_count) = run(False), run(True)
     gdn_layers = sum(kind == "gdn" for kind in cfg.layer_types)
     assert want_count == 0 and got_count == gdn_layers
-    for w, g in zip(jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(got)):
-        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=1e-4, atol=1e-4)
-
-
-@pytest.mark.slow  # 13 s; the route is opt-in (gdn.IN_PROJ_PARTS, measured slower in session 14)
-def test_model_in_proj_partials_give_the_same_verify_and_commit(monkeypatch):
-    """models.gdn.IN_PROJ_PARTS on (opt-in): the qkv | z | b | a product of a tree verify returns
-    split-K partials (one batched dot_general a GDN layer) that the prologue kernel adds; logits
-    and committed caches equal the route with it off."""
-    from ddtree_jax.models import gdn, layers
-    from tests.tree_harness import batched_dot_count, kernel_route_case, verify_and_commit
-
-    monkeypatch.setattr(layers, "SPLIT_K_MIN_ROWS", 1)  # the tiny verify's rows
-    cfg, gd, params, cache, tokens, parents, path, counts = kernel_route_case(41, 3)
-
-    def run(on):
-        monkeypatch.setattr(gdn, "IN_PROJ_PARTS", on)
-        fn = verify_and_commit(gd, tokens, parents, path, counts)  # traced below with the switch set
-        return jax.jit(fn)(params, cache), batched_dot_count(str(jax.make_jaxpr(fn)(params, cache)))
-
-    (want, want_dots), (got, got_dots) = run(False), run(True)
-    assert got_dots - want_dots == sum(kind == "gdn" for kind in cfg.layer_types)
     for w, g in zip(jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(got)):
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=1e-4, atol=1e-4)
 

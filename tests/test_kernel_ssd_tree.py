@@ -1,5 +1,5 @@
 """ssd_tree_verify / ssd_path_commit: the Pallas kernels (interpreted on CPU) against the jnp
-references (ddtree_jax/models/ssd.py, itself checked against a float64 per-path oracle in
+references (pallas_kernels/ref/ssd.py, itself checked against a float64 per-path oracle in
 tests/test_mamba_tree.py).
 
 Shapes are fixed per configuration so one compilation serves every hypothesis example; N is not
@@ -116,9 +116,11 @@ def test_bad_arguments():
 
 
 def test_mamba2_mixer_tree_and_commit_with_the_kernels():
-    """The Mamba2 mixer's impl switch: tree outputs and committed states through the interpreted
+    """The Mamba2 mixer's kernel route: tree outputs and committed states through the interpreted
     kernels equal the XLA path (random tree with padding, ragged accepted paths)."""
     from flax import nnx
+
+    from tests.tree_harness import INTERPRET
 
     from ddtree_jax.cache import init_target_cache
     from ddtree_jax.tree import geometry
@@ -135,13 +137,13 @@ def test_mamba2_mixer_tree_and_commit_with_the_kernels():
     cache = cache._replace(conv=jnp.asarray(rng.normal(size=cache.conv.shape), jnp.float32),
                            state=jnp.asarray(rng.normal(size=cache.state.shape), jnp.float32))
     x = jnp.asarray(rng.normal(size=(B, n, cfg.hidden_size)), jnp.float32)
-    y_ref, pending = mixer.tree(x, cache, geo.visible, geo.conv_src)
-    y_pl, _ = mixer.tree(x, cache, geo.visible, geo.conv_src, bits=tree.ancestor_bits, impl="pallas_interpret")
+    y_ref, pending = mixer.tree(x, cache, geo)
+    y_pl, _ = mixer.tree(x, cache, geo, routes=INTERPRET)
     np.testing.assert_allclose(np.asarray(y_pl), np.asarray(y_ref), rtol=2e-5, atol=2e-5)
     path = jnp.asarray([[0, 1, 2, 2], [0, 3, 3, 3]], jnp.int32)
     path = jnp.minimum(path, jnp.sum(valid, axis=1, keepdims=True) - 1)
     count = jnp.asarray([3, 2], jnp.int32)
     ref = mixer.commit(pending, path, count, cache)
-    got = mixer.commit(pending, path, count, cache, impl="pallas_interpret")
+    got = mixer.commit(pending, path, count, cache, routes=INTERPRET)
     np.testing.assert_allclose(np.asarray(got.state), np.asarray(ref.state), rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(np.asarray(got.conv), np.asarray(ref.conv))

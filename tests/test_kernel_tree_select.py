@@ -90,13 +90,13 @@ def test_select_kernel_refuses_what_it_cannot_take():
 
 
 @pytest.mark.parametrize("budget", [4, 16, 65])
-def test_ddtree_build_through_the_kernel_equals_cpu_tree(budget, monkeypatch):
+def test_ddtree_build_through_the_kernel_equals_cpu_tree(budget):
     """build_tree with kernels on a (reported) GPU selects nodes with the kernel up to budget 64
     (65 takes the XLA form, announced) and builds the CPU's tree array for array, ties included."""
     rng = np.random.default_rng(budget)
     logits = rng.integers(0, 4, size=(2, 6, 80)).astype(np.float32)  # few values: many exact ties
     logq = jnp.round(jax.nn.log_softmax(jnp.asarray(logits), axis=-1) * 4) / 4 - 0.25
-    routed = [w for w in assert_gpu_build_equals_cpu(logq, budget, monkeypatch) if "node selection" in w]
+    routed = [w for w in assert_gpu_build_equals_cpu(logq, budget) if "node selection" in w]
     assert bool(routed) == (budget > SELECT_KERNEL_MAX_BUDGET)  # announced, never silent
 
 

@@ -1,4 +1,4 @@
-"""Tree verification and commit on Mamba2-family targets (shared/specs/hybrid_tree_state.md
+"""Tree verification and commit on Mamba2-family targets (docs/tree_state.md
 invariants 1, 2, 3, 6), plus the SSD math against a float64 per-path oracle.
 
 Targets (tests/hf_mamba_models.py TINY, all parameters random): NemotronH (Mamba2 + MoE +
@@ -17,12 +17,12 @@ import pytest
 from flax import nnx
 from hypothesis import given, settings, strategies as st
 
-from ddtree_jax.models import ssd
+from ddtree_jax.routes import Routes
 from ddtree_jax.tree import make_tree
+from pallas_kernels.ref import ssd
 from tests.hf_mamba_models import make_jax_target
-
 from tests.tree_harness import (
-    B, N, assert_same_committed_state, chain_logits, commit, committed_cache as _committed, pad_tree,
+    INTERPRET, B, N, assert_same_committed_state, chain_logits, commit, committed_cache as _committed, pad_tree,
     path_to, sequential, tree_logits, tree_shapes,
 )
 
@@ -184,22 +184,18 @@ def test_chain_through_the_ssd_kernel_matches_xla():
     cache = committed_cache(name, 5)
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, N)), jnp.int32)
     want, _ = chain_logits(gd, params, cache, tokens)
-    got, _ = chain_logits(gd, params, cache, tokens, "pallas_interpret")
+    got, _ = chain_logits(gd, params, cache, tokens, INTERPRET)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("chain", [False, True])
 @pytest.mark.parametrize("n, expect_kernel", [(16, True), (17, False)])
-def test_pallas_routes_large_trees_to_the_xla_form(monkeypatch, n, expect_kernel, chain):
-    """impl="pallas" runs the SSD verify kernel up to SSD_KERNEL_MAX_NODES nodes only (measured
-    crossover on the H200), for trees and for linear DFlash's chains (tree None); larger ones take
-    the XLA form, with a warning. Traced on the CPU, never run."""
-    import pallas_kernels.ssd_tree as ssd_tree
-    from ddtree_jax.models.mamba2 import SSD_KERNEL_MAX_NODES
-
-    assert SSD_KERNEL_MAX_NODES == 16
-    called = []
-    monkeypatch.setattr(ssd_tree, "ssd_tree_verify", lambda *a, **k: called.append(1) or ssd_tree.verify_reference(*a[:8]))
+def test_pallas_routes_large_trees_to_the_xla_form(n, expect_kernel, chain):
+    """A GPU's routes run the SSD verify kernel up to routes.ssd_kernel_max_nodes (16, the measured
+    crossover on the H200) nodes only, for trees and for linear DFlash's chains (tree None); larger
+    ones take the XLA form, with a warning. Traced on the CPU, never run."""
+    routes = Routes.resolve(impl="pallas", platform="gpu")
+    assert routes.ssd_kernel_max_nodes == 16
     cfg, gd, params = MODELS["mamba2"]
     cache = committed_cache("mamba2", 0)
     tokens = jnp.zeros((B, n), jnp.int32)
@@ -207,7 +203,8 @@ def test_pallas_routes_large_trees_to_the_xla_form(monkeypatch, n, expect_kernel
     tree = make_tree(tokens, parents, jnp.ones((B, n), bool), cache.lengths, max_depth=n - 1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        jax.eval_shape(lambda p: nnx.merge(gd, p).verify(tokens, cache, None if chain else tree, impl="pallas"), params)
-    assert bool(called) == expect_kernel
+        text = str(jax.make_jaxpr(lambda p: nnx.merge(gd, p).verify(tokens, cache, None if chain else tree,
+                                                                     routes=routes))(params))
+    assert ("name=ssd_tree_verify" in text) == expect_kernel
     routed = [w for w in caught if "uses the XLA form" in str(w.message)]
     assert bool(routed) != expect_kernel  # the route to XLA is announced, never silent

@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from ddtree_jax.speculative.build import build_chain, build_tree, select_in_index_order
+from ddtree_jax.routes import Routes
+from ddtree_jax.speculative.build import build_chain, build_tree
+from pallas_kernels.tree_select import select_in_index_order
 from ddtree_jax.tree import bits_to_dense
 
 D, V = 5, 24
@@ -128,7 +130,7 @@ def test_chain_is_argmax_path():
 def test_two_stage_top_k_equals_lax_top_k(seed, n, k, levels):
     """Same values and indices as lax.top_k, ties (quantized values, -inf) to the lower index;
     n up to 2100 with chunks of 64 runs up to three stages."""
-    from ddtree_jax.speculative.build import top_k
+    from pallas_kernels.row_top_k import top_k
 
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(2, 3, n)).astype(np.float32)
@@ -137,12 +139,10 @@ def test_two_stage_top_k_equals_lax_top_k(seed, n, k, levels):
     x[rng.random(x.shape) < 0.05] = -np.inf
     k = min(k, n)
     want_v, want_i = jax.lax.top_k(jnp.asarray(x), k)
-    for backend in ("cpu", "gpu"):  # on GPUs every stage of k <= 16 is a sort (sort_top_k)
-        with pytest.MonkeyPatch.context() as m:
-            m.setattr(jax, "default_backend", lambda: backend)
-            got_v, got_i = top_k(jnp.asarray(x), k, chunk=64, staged=True)
-        np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_v), err_msg=backend)
-        np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i), err_msg=backend)
+    for sort_max in (0, 16):  # the GPU routes make every stage of k <= 16 a sort (sort_top_k)
+        got_v, got_i = top_k(jnp.asarray(x), k, chunk=64, staged=True, sort_max=sort_max)
+        np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_v), err_msg=f"sort_max {sort_max}")
+        np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i), err_msg=f"sort_max {sort_max}")
 
 
 @settings(max_examples=20, deadline=None)
@@ -152,7 +152,7 @@ def test_prefiltered_top_k_equals_lax_top_k(seed, n, k, block, levels, staged):
     """The block-max prefilter (the GPU form for long vocabulary rows) gives lax.top_k's values and
     indices: ties (quantized values, -inf, +0.0 against -0.0) to the lower index, rows that are not
     a multiple of the block, fewer blocks than k (plain top_k)."""
-    from ddtree_jax.speculative.build import prefiltered_top_k
+    from pallas_kernels.row_top_k import prefiltered_top_k
 
     from tests.tree_harness import tie_heavy_rows
 
@@ -165,40 +165,35 @@ def test_prefiltered_top_k_equals_lax_top_k(seed, n, k, block, levels, staged):
     np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
 
 
-def test_long_vocabulary_rows_take_the_prefilter(monkeypatch):
-    """Off the CPU, the build's vocabulary top-k of rows >= PREFILTER_MIN_RATIO * k * block goes
-    through the prefilter (same candidates as lax.top_k); on the CPU lax.top_k runs alone."""
+def test_long_vocabulary_rows_take_the_prefilter():
+    """With routes.prefilter_top_k (a GPU's routes), the build's vocabulary top-k of rows >=
+    PREFILTER_MIN_RATIO * k * PREFILTER_BLOCK goes through the prefilter (one block-max reduce in
+    the program) with the same candidates as lax.top_k; without it, no prefilter."""
     from ddtree_jax.speculative import build
 
     rng = np.random.default_rng(5)
     logq = jnp.asarray(np.round(rng.normal(size=(1, 2, 4096)) * 20) / 20, jnp.float32)
     want = jax.lax.top_k(logq, 4)
-    calls = []
-    real = build.prefiltered_top_k
-    monkeypatch.setattr(build, "PREFILTER_BLOCK", 16)
-    monkeypatch.setattr(build, "prefiltered_top_k", lambda x, k: calls.append(k) or real(x, k, block=16))
-    for backend, used in (("cpu", False), ("gpu", True)):
-        monkeypatch.setattr(jax, "default_backend", lambda b=backend: b)
-        got = build._vocab_top_k(logq, 4, "xla")
-        assert bool(calls) == used, backend
+    for routes, used in ((Routes(), False), (Routes.resolve(impl="xla", platform="gpu"), True)):
+        got = build._vocab_top_k(logq, 4, routes)
+        jaxpr = str(jax.make_jaxpr(lambda x: build._vocab_top_k(x, 4, routes))(logq))
+        assert ("reduce_max" in jaxpr) == used, routes
         for w, g in zip(want, got):
             np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
 @pytest.mark.parametrize("budget", [1, 2, 7, 16, 33, 64, 100, 256])
-def test_gpu_beam_forms_build_the_same_tree(budget, monkeypatch):
-    """Off the CPU the beam selects by pairwise ranks (rows <= RANK_SELECT_MAX: budgets <= 33 here)
-    or by a staged top-k (longer rows: 64 / 100 / 256), where the CPU runs one lax.top_k and a
-    sort; the vocabulary top-k of k <= 16 is a sort, the final pick over all depths pairwise ranks
-    when short. Built with the backend reported as GPU, the tree must equal the CPU's array for array,
-    ties included."""
+def test_gpu_beam_forms_build_the_same_tree(budget):
+    """With a GPU's routes the beam selects by pairwise ranks (rows <= rank_select_max: budgets <= 33
+    here) or by a staged top-k (longer rows: 64 / 100 / 256), where the reference runs one
+    lax.top_k and a sort; the vocabulary top-k of k <= 16 is a sort, the final pick over all depths
+    pairwise ranks when short. The tree must equal the reference's array for array, ties included."""
+    gpu = Routes.resolve(impl="xla", platform="gpu")
     for quantized in (False, True):
         logq = jnp.asarray(draw_logq(budget + 1, quantized))
         args = (logq, jnp.array([3, 4], jnp.int32), jnp.array([5, 9], jnp.int32))
         cpu_form = jax.jit(lambda *a: build_tree(*a, budget=budget))(*args)
-        with monkeypatch.context() as m:
-            m.setattr(jax, "default_backend", lambda: "gpu")
-            gpu_form = jax.jit(lambda *a: build_tree(*a, budget=budget))(*args)
+        gpu_form = jax.jit(lambda *a: build_tree(*a, budget=budget, routes=gpu))(*args)
         for name, want, got in zip(cpu_form._fields, cpu_form, gpu_form):
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=name)
 
@@ -208,7 +203,7 @@ def test_gpu_beam_forms_build_the_same_tree(budget, monkeypatch):
 def test_sort_top_k_equals_lax_top_k(seed, k, levels):
     """The sort form of top-k (used on GPUs for k <= 16) gives lax.top_k's values and indices:
     ties (quantized values, -inf) to the lower index, -0.0 below +0.0. One padded shape."""
-    from ddtree_jax.speculative.build import sort_top_k
+    from pallas_kernels.row_top_k import sort_top_k
 
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(2, 3, 40)).astype(np.float32)

@@ -1,4 +1,4 @@
-"""Tree verification and commit on hybrid targets (shared/specs/hybrid_tree_state.md invariants 1-3, 6).
+"""Tree verification and commit on hybrid targets (docs/tree_state.md invariants 1-3, 6).
 
 Random trees (chains, stars, deep, wide, single node, full, with padding) and random accepted
 paths inside fixed padded shapes, so one compilation serves every example.

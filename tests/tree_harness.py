@@ -13,6 +13,9 @@ from hypothesis import strategies as st
 from ddtree_jax import decode
 from ddtree_jax.cache import KVCache, RecurrentCache, init_target_cache
 from ddtree_jax.tree import make_tree
+from ddtree_jax.routes import REFERENCE, Routes
+
+INTERPRET = Routes.resolve(impl="pallas_interpret")  # the kernels in interpret mode (any machine)
 
 B, PROMPT, N, CAP = 2, 9, 12, 40
 
@@ -25,10 +28,10 @@ def tree_logits(graphdef, params, cache, tokens, parents, valid):
     return model.logits(h), pending
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "impl"))
-def chain_logits(graphdef, params, cache, tokens, impl="xla"):
+@functools.partial(jax.jit, static_argnames=("graphdef", "routes"))
+def chain_logits(graphdef, params, cache, tokens, routes=REFERENCE):
     model = nnx.merge(graphdef, params)
-    h, _, pending = model.verify(tokens, cache, None, impl=impl)
+    h, _, pending = model.verify(tokens, cache, None, routes=routes)
     return model.logits(h), pending
 
 
@@ -130,7 +133,7 @@ def kernel_route_case(model_seed: int, rng_seed: int, n: int = 17, batch: int = 
     return cfg, gd, params, cache, tokens, parents, path, counts
 
 
-def verify_and_commit(gd, tokens, parents, path, counts, impl: str = "pallas_interpret"):
+def verify_and_commit(gd, tokens, parents, path, counts, routes: Routes = INTERPRET):
     """fn(params, cache) -> (logits, committed cache) of a tree verify + commit over the tree of
     `kernel_route_case`. A fresh function per call: route switches are read when it is traced."""
 
@@ -138,8 +141,8 @@ def verify_and_commit(gd, tokens, parents, path, counts, impl: str = "pallas_int
         model = nnx.merge(gd, p)
         b, n = tokens.shape
         tree = make_tree(tokens, parents, jnp.ones((b, n), bool), c.lengths, max_depth=n - 1)
-        h, _, pending = model.verify(tokens, c, tree, impl=impl)
-        return model.logits(h), model.commit(pending, path, counts, c, impl)
+        h, _, pending = model.verify(tokens, c, tree, routes=routes)
+        return model.logits(h), model.commit(pending, path, counts, c, routes)
 
     return fn
 

@@ -10,8 +10,9 @@ import os
 import platform
 import sys
 
-from ddtree_jax import atomic, overrides
+from ddtree_jax import atomic
 from ddtree_jax.cli.common import (add_autotune_cache_argument, add_draft_vocab_argument, add_int8_drafter_argument,
+                                   add_routes_arguments, routes_from,
                                    die, non_negative_int, positive_int, use_autotune_cache)
 
 EPILOG = """\
@@ -52,12 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_draft_vocab_argument(p)
     add_int8_drafter_argument(p)
     add_autotune_cache_argument(p)  # e.g. the one scripts/pick_autotune_cache.py installs
-    p.add_argument("--kernels", choices=["xla", "pallas", "pallas_interpret"], default=None,
-                     help="tree verify / commit kernels (default: pallas on GPU, xla on CPU)")
+    add_routes_arguments(p)
     p.add_argument("--phase-repeats", type=non_negative_int, default=10,
                    help="repeats for per-phase timing medians; 0 skips the phase split (faster: no extra compiles)")
     p.add_argument("--out", default="bench_out", help="output directory for bench.json and bench.png")
-    overrides.add_argument(p)
     return p
 
 
@@ -94,7 +93,7 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     use_autotune_cache(args)  # before the backend starts
-    applied = overrides.apply_from_args(parser, args)
+    routes = routes_from(args)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in ("ar", "dflash", "ddtree")]
     if bad:
@@ -104,7 +103,7 @@ def main(argv=None) -> int:
     from ddtree_jax import bench
     from ddtree_jax.cli.common import load_engine
 
-    engine = load_engine(args.target, args.drafter, args.dtype, kernels=args.kernels, draft_vocab=args.draft_vocab,
+    engine = load_engine(args.target, args.drafter, args.dtype, routes=routes, draft_vocab=args.draft_vocab,
                          int8_drafter=args.int8_drafter)
     if engine.proposer is None and any(m != "ar" for m in modes):
         die("dflash / ddtree modes need a drafter (--drafter DIR)")
@@ -115,8 +114,6 @@ def main(argv=None) -> int:
     results, outputs = [], {}
     os.makedirs(args.out, exist_ok=True)
     json_path = os.path.join(args.out, "bench.json")
-    from ddtree_jax.models import int8
-
     report = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(["ddtree-bench"] + (argv if argv is not None else sys.argv[1:])),
@@ -125,10 +122,11 @@ def main(argv=None) -> int:
         "host": platform.node(),
         "target": args.target or "embedded demo", "drafter": args.drafter or "embedded demo",
         "draft_vocab": getattr(engine.proposer, "draft_vocab", 0) or None,
-        "int8_drafter": bool(getattr(engine.proposer, "int8", False)),
-        "int8_scheme": int8.scheme() if getattr(engine.proposer, "int8", False) else None,
+        "int8_drafter": getattr(engine.proposer, "int8", None) is not None,
+        "int8_scheme": engine.proposer.int8.as_dict() if getattr(engine.proposer, "int8", None) else None,
+        "routes": engine.routes.as_dict(),
         "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "batch": args.batch,
-        "overrides": applied, "status": "partial", "results": [],
+        "status": "partial", "results": [],
     }
     passes, unstable = {run: [] for run in runs}, []
     try:

@@ -71,15 +71,33 @@ def use_autotune_cache(args) -> None:
 
 
 def add_int8_drafter_argument(group) -> None:
-    group.add_argument("--int8-drafter", action="store_true",
+    group.add_argument("--int8-drafter", nargs="?", const="w8a8", default=None, choices=["w8a8", "weight-only"],
                        help="run the drafter and its draft head with int8 weights (one scale per output column; "
-                       "the wide products with int8 activations too, W8A8): fewer bytes a draft step reads (H200 "
-                       "figures at the 27B shape: docs/benchmarks.md section 1); output unchanged, the drafts may "
-                       "differ slightly (ddtree_jax/models/int8.py)")
+                       "w8a8, the default: the wide products with int8 activations too; weight-only): fewer bytes "
+                       "a draft step reads (H200 figures at the 27B shape: docs/benchmarks.md); output unchanged, "
+                       "the drafts may differ slightly (ddtree_jax/models/int8.py)")
 
 
-def load_engine(target, drafter, dtype=None, max_context=None, kernels=None, draft_vocab=None,
-                int8_drafter=False):
+def add_routes_arguments(group) -> None:
+    """--impl and --route NAME=VALUE (ddtree_jax/routes.py); --kernels: the former name of --impl."""
+    from ddtree_jax import routes
+
+    routes.add_arguments(group)
+    group.add_argument("--kernels", dest="impl", choices=routes.IMPLS, help=argparse.SUPPRESS)
+
+
+def routes_from(args):
+    """The Routes the arguments ask for (a bad --route is a usage error naming every problem)."""
+    from ddtree_jax import routes
+
+    try:
+        return routes.from_args(args)
+    except ValueError as e:
+        die(str(e))
+
+
+def load_engine(target, drafter, dtype=None, max_context=None, routes=None, draft_vocab=None,
+                int8_drafter=None):
     """Engine from CLI paths (demo pair when target is None), with every load error as one line."""
     from converters.keymap import CheckpointError
     from ddtree_jax.config import ConfigError
@@ -101,8 +119,8 @@ def load_engine(target, drafter, dtype=None, max_context=None, kernels=None, dra
         if path is not None and not os.path.isdir(path):
             die(f"{name} checkpoint directory {path} does not exist")
     try:
-        return Engine.load(target, drafter, dtype=dtype, max_context=max_context, kernels=kernels,
-                           draft_vocab=draft_vocab, int8_drafter=int8_drafter)
+        return Engine.load(target, drafter, dtype=dtype, max_context=max_context, routes=routes,
+                           draft_vocab=draft_vocab, int8_drafter=int8_drafter or False)
     except (ConfigError, CheckpointError) as e:
         die(str(e))
     except (FileNotFoundError, ValueError) as e:

@@ -7,6 +7,7 @@ import os
 import sys
 
 from ddtree_jax.cli.common import (add_autotune_cache_argument, add_draft_vocab_argument, add_int8_drafter_argument,
+                                   add_routes_arguments, routes_from,
                                    die, parse_ids, positive_int, use_autotune_cache)
 from ddtree_jax.speculative.sampling import Sampling
 
@@ -38,8 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--drafter", default=None, help="DFlash drafter directory (default: the demo drafter when "
                      "--target is not given; none otherwise, which allows only --mode ar)")
     src.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None, help="params dtype (default: checkpoint's)")
-    src.add_argument("--kernels", choices=["xla", "pallas", "pallas_interpret"], default=None,
-                     help="tree verify / commit kernels (default: pallas on GPU, xla on CPU)")
+    add_routes_arguments(src)
     inp = p.add_argument_group("prompt (one of)")
     inp.add_argument("--prompt", default=None, help="prompt text")
     inp.add_argument("--prompt-file", default=None, help="file with the prompt text ('-' for stdin)")
@@ -102,8 +102,8 @@ def main(argv=None) -> int:
 
     from ddtree_jax.cli.common import load_engine
 
-    engine = load_engine(args.target, args.drafter, args.dtype, args.max_context, args.kernels, args.draft_vocab,
-                         args.int8_drafter)
+    engine = load_engine(args.target, args.drafter, args.dtype, args.max_context, routes_from(args),
+                         args.draft_vocab, args.int8_drafter)
     mode = args.mode or ("ddtree" if engine.proposer is not None else "ar")
     stream_text = not args.json and not args.no_stream
     printed = []

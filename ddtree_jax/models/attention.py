@@ -15,33 +15,16 @@ from flax import nnx
 
 from ddtree_jax.cache import KVCache
 from ddtree_jax.config import TargetConfig
-from ddtree_jax.models.layers import Linear, RMSNorm, apply_rope, rope_cos_sin, unmerged_inputs
+from ddtree_jax.models.layers import Linear, RMSNorm
+from ddtree_jax.models.mixer import Step
+from ddtree_jax.routes import REFERENCE, Routes
+from ddtree_jax.tree import TreeGeometry
+from pallas_kernels import attn_prologue
+from pallas_kernels.ref.rope import apply_rope, rope_cos_sin
+from pallas_kernels.tree_attention import tree_attention
+from pallas_kernels.tree_mask import all_visible_bits
 
 NEG_INF = -1e30
-# Single-token steps (decoding) with kernels on go through the tree-attention kernel as a one-node
-# tree (faster than the XLA form at every measured shape, `Attention.__call__`). False routes them
-# to the XLA form: an A/B switch for measurements (`scripts/bench_e2e.py --override`).
-DECODE_KERNEL = True
-# Layout switch (on: measured with models.layers.MERGED_GATE_UP, see there): Attention modules
-# built while it is True hold one [hidden, q + k + v] weight (`qkv_proj`) and make one product for
-# q, k and v in every pass: in decoding one GEMV, where the separate layout's K / V products (5120 x
-# 1024 each at the 27B shape, under XLA's dot threshold) ran as multiply + reduce fusions at ~1.6
-# TB/s (12.8 us a layer); in a verify one cuBLAS GEMM. (It replaced session 7's opt-in route that
-# concatenated the separate weights at trace time: the same product plus a weight copy.)
-# Checkpoints in either layout load (converters/layout.py).
-MERGED_QKV = True
-# With kernels on (impl != "xla"), a merged-layout layer's q / k norms and RoPE run as one kernel
-# reading the q | k | v product in place (pallas_kernels/attn_prologue.py) instead of ~6 XLA
-# launches (two slices, two norms, two rope concatenations: ~12 us of a 27B verify's attention
-# layer, ~7 us of a decode step's). Timed on the H200 (2026-11-30, docs/benchmarks.md section 1,
-# session 10): the decode step's kernels 13.45 -> 13.34 ms (64 fewer launches), but at a verify's
-# 65 rows the kernel took 22.3 us a layer (32 programs at batch 1, five row blocks each) and the
-# verify's kernels went 16.69 -> 16.83 ms. The kernel now runs a program per (head, 16-row block),
-# 160 at batch 1; timed on the H200 (2026-11-30, session 11, docs/benchmarks.md section 1): 3.9 us a
-# verify layer, the verify's kernels 16.62 ms in 876 launches against 16.64-16.80 ms in 940-1004,
-# the decode step unchanged end to end (13.10 vs 13.05 ms, same GPU). On. Layers without q / k
-# norms (NemotronH, Mamba2 hybrids) have nothing for it to fuse and keep the XLA form quietly.
-PROLOGUE_KERNEL = True
 
 
 def write_kv(cache: KVCache, k_new: jax.Array, v_new: jax.Array, start: jax.Array) -> KVCache:
@@ -85,49 +68,41 @@ def attend(q: jax.Array, parts, scale: float) -> jax.Array:
 
 
 class Attention(nnx.Module):
-    """Qwen3 attention (q/k norms, RoPE, GQA); with `attn_output_gate` the Qwen3.5 gated form."""
+    """Qwen3 attention (q/k norms, RoPE, GQA); with `attn_output_gate` the Qwen3.5 gated form.
+    q, k and v come from one [hidden, q + k + v] weight (`qkv_proj`; the converters join HF's
+    separate projections: docs/decisions, merged projection layouts)."""
 
     def __init__(self, cfg: TargetConfig, *, dtype, rngs: nnx.Rngs):
         self.cfg = cfg
         h, nh, kv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_out = nh * hd * (2 if cfg.attn_output_gate else 1)
         bias = cfg.attention_bias
-        if MERGED_QKV:
-            self.qkv_proj = Linear(h, q_out + 2 * kv * hd, bias=bias, dtype=dtype, rngs=rngs)
-        else:
-            self.q_proj = Linear(h, q_out, bias=bias, dtype=dtype, rngs=rngs)
-            self.k_proj = Linear(h, kv * hd, bias=bias, dtype=dtype, rngs=rngs)
-            self.v_proj = Linear(h, kv * hd, bias=bias, dtype=dtype, rngs=rngs)
+        self.qkv_proj = Linear(h, q_out + 2 * kv * hd, bias=bias, dtype=dtype, rngs=rngs)
         self.o_proj = Linear(nh * hd, h, bias=bias, dtype=dtype, rngs=rngs)
         zc = cfg.norm_zero_centered
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, zero_centered=zc, dtype=dtype, rngs=rngs)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, zero_centered=zc, dtype=dtype, rngs=rngs)
 
-    def project(self, x: jax.Array, positions: jax.Array, impl: str = "xla"):
-        """q [B,T,nh,hd], k, v [B,T,kv,hd] with norms and RoPE applied, and the output gate (or None)."""
+    def project(self, x: jax.Array, positions: jax.Array, routes: Routes = REFERENCE):
+        """q [B,T,nh,hd], k, v [B,T,kv,hd] with norms and RoPE applied, and the output gate (or None).
+        With kernels on, the q / k norms and RoPE run as one kernel reading the q | k | v product in
+        place (routes.attention_prologue_kernel), instead of ~6 XLA launches."""
         cfg = self.cfg
         b, t, _ = x.shape
-        merged = getattr(self, "qkv_proj", None)
-        if impl != "xla" and PROLOGUE_KERNEL and cfg.qk_norm and self._prologue_takes():
-            from pallas_kernels.attn_prologue import attn_prologue
-
-            proj = merged(x, impl)
+        proj = self.qkv_proj(x, routes)
+        if routes.kernels and routes.attention_prologue_kernel and cfg.qk_norm and self._prologue_takes():
             cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta)
-            q, k, v = attn_prologue(proj, self.q_norm.weight[...], self.k_norm.weight[...], cos, sin,
-                                    num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                                    gated=cfg.attn_output_gate, eps=self.q_norm.eps,
-                                    zero_centered=self.q_norm.zero_centered, impl=impl)
+            q, k, v = attn_prologue.attn_prologue(
+                proj, self.q_norm.weight[...], self.k_norm.weight[...], cos, sin, num_heads=cfg.num_heads,
+                num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, gated=cfg.attn_output_gate,
+                eps=self.q_norm.eps, zero_centered=self.q_norm.zero_centered, impl=routes.impl)
             gate = None
             if cfg.attn_output_gate:
                 nq = 2 * cfg.num_heads * cfg.head_dim
                 gate = proj[..., :nq].reshape(b, t, cfg.num_heads, 2 * cfg.head_dim)[..., cfg.head_dim :]
                 gate = gate.reshape(b, t, -1)
             return q, k, v, gate
-        if merged is not None:
-            q, k_lin, v_lin = self._split_qkv(merged(x, impl))
-        else:
-            xq, xk, xv = unmerged_inputs(x, (self.q_proj,), (self.k_proj,), (self.v_proj,))
-            q, k_lin, v_lin = self.q_proj(xq, impl), self.k_proj(xk, impl), self.v_proj(xv, impl)
+        q, k_lin, v_lin = self._split_qkv(proj)
         gate = None
         if cfg.attn_output_gate:
             q = q.reshape(b, t, cfg.num_heads, 2 * cfg.head_dim)
@@ -139,14 +114,9 @@ class Attention(nnx.Module):
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, gate
 
     def _prologue_takes(self) -> bool:
-        """Whether the prologue kernel takes this layer (PROLOGUE_KERNEL on); if not, say why (a
-        warning when traced)."""
-        from pallas_kernels.attn_prologue import kernel_problems
-
+        """Whether the prologue kernel takes this layer; if not, say why (a warning when traced)."""
         cfg = self.cfg
-        problems = kernel_problems(cfg.head_dim, cfg.rotary_dim)
-        if getattr(self, "qkv_proj", None) is None:
-            problems.append("separate q / k / v projections (the kernel reads the merged product: MERGED_QKV)")
+        problems = attn_prologue.kernel_problems(cfg.head_dim, cfg.rotary_dim)
         if self.q_norm.weight_fp32 or self.k_norm.weight_fp32 or self.q_norm.eps != self.k_norm.eps:
             problems.append("q / k norms with float32 weights or different eps")
         if problems:
@@ -160,66 +130,57 @@ class Attention(nnx.Module):
         nq = y.shape[-1] - 2 * kv
         return y[..., :nq], y[..., nq : nq + kv], y[..., nq + kv :]
 
-    def output(self, attn: jax.Array, gate: jax.Array | None, impl: str = "xla") -> jax.Array:
+    def output(self, attn: jax.Array, gate: jax.Array | None, routes: Routes = REFERENCE) -> jax.Array:
         b, t = attn.shape[:2]
         attn = attn.reshape(b, t, -1)
         if gate is not None:
             attn = attn * jax.nn.sigmoid(gate)
-        return self.o_proj(attn, impl)
+        return self.o_proj(attn, routes)
 
-    def __call__(self, x: jax.Array, cache: KVCache, start: jax.Array, impl: str = "xla"
-                 ) -> tuple[jax.Array, KVCache]:
-        """Append x [B, T, H] at positions start[b] + t; returns y and the cache with their K/V.
+    def append(self, x: jax.Array, cache: KVCache, step: Step, routes: Routes = REFERENCE
+               ) -> tuple[jax.Array, KVCache]:
+        """Append x [B, T, H] at positions step.start[b] + t; returns y and the cache with their K/V.
 
-        impl "pallas" / "pallas_interpret" run single-token steps (T = 1: decoding) through the
-        tree-attention kernel as a one-node tree: it reads the cache only up to each sequence's
-        length, where the XLA form reads the whole capacity under a mask (and XLA pads a copy of
-        V for its split-K PV product). On the H200 the kernel's single-query decode took 11.6 /
-        18.2 / 48.6 us at 1k / 8k / 32k caches against 12.5 / 24.0 / 57.5 for the XLA form (batch 1;
-        16.8 / 67.1 / 233 vs 27.4 / 96.1 / 331 at batch 8; docs/benchmarks.md section 2).
-        Longer appends (prefill chunks) use the XLA form."""
-        t = x.shape[1]
+        With kernels on, single-token steps (T = 1: decoding) go through the tree-attention kernel
+        as a one-node tree (routes.attention_decode_kernel): it reads the cache only up to each
+        sequence's length, where the XLA form reads the whole capacity under a mask
+        (docs/decisions: decode attention through the tree kernel). Longer appends (prefill
+        chunks) use the XLA form."""
+        t, start = x.shape[1], step.start
         positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
-        q, k, v, gate = self.project(x, positions, impl)
-        if impl != "xla" and t == 1 and not DECODE_KERNEL:
-            warnings.warn("plain decoding's attention uses the XLA form, not the Pallas kernel: "
-                          "ddtree_jax.models.attention.DECODE_KERNEL is False", stacklevel=2)
-        if impl != "xla" and t == 1 and DECODE_KERNEL:
-            from pallas_kernels.tree_attention import tree_attention
-
-            from ddtree_jax.tree import all_visible_bits
-
+        q, k, v, gate = self.project(x, positions, routes)
+        if routes.kernels and t == 1 and routes.attention_decode_kernel:
             attn = tree_attention(q, cache.k, cache.v, start, k, v, all_visible_bits(x.shape[0], 1),  # sees itself
-                                  scale=self.cfg.head_dim**-0.5, impl=impl)
-            return self.output(attn, gate, impl), write_kv(cache, k, v, start)
+                                  scale=self.cfg.head_dim**-0.5, impl=routes.impl)
+            return self.output(attn, gate, routes), write_kv(cache, k, v, start)
         cache = write_kv(cache, k, v, start)
         key_pos = jnp.arange(cache.capacity, dtype=jnp.int32)
         visible = key_pos[None, None, :] <= positions[:, :, None]
         attn = attend(q, [(cache.k, cache.v, visible)], self.cfg.head_dim**-0.5)
-        return self.output(attn, gate, impl), cache
+        return self.output(attn, gate, routes), cache
 
     # ---- speculative entry points -------------------------------------------------------
-    def tree(self, x, cache: KVCache, start, positions, visible, bits=None, impl: str = "xla"
+    def tree(self, x, cache: KVCache, geo: TreeGeometry, start, routes: Routes = REFERENCE
              ) -> tuple[jax.Array, KVPending]:
-        """Outputs of N tree nodes x [B, N, H] at `positions`; node i sees the committed cache
-        (< start) and the nodes in visible[b, i] (its ancestors and itself). Writes nothing.
+        """Outputs of N tree nodes x [B, N, H] at geo.positions; node i sees the committed cache
+        (< start) and the nodes in geo.visible[b, i] (its ancestors and itself). Writes nothing.
 
-        impl "pallas" / "pallas_interpret" use the fused tree-attention kernel, which reads the
-        compact ancestor `bits` [B, N, W] instead of the dense `visible`."""
-        q, k, v, gate = self.project(x, positions, impl)
-        if impl != "xla":
-            from pallas_kernels.tree_attention import tree_attention
-
-            attn = tree_attention(q, cache.k, cache.v, start, k, v, bits, scale=self.cfg.head_dim**-0.5, impl=impl)
-            return self.output(attn, gate, impl), KVPending(k, v)
+        With kernels on, the fused tree-attention kernel, which reads the compact ancestor bits
+        [B, N, W] instead of the dense visibility."""
+        positions, visible = geo.positions, geo.visible
+        q, k, v, gate = self.project(x, positions, routes)
+        if routes.kernels:
+            attn = tree_attention(q, cache.k, cache.v, start, k, v, geo.bits, scale=self.cfg.head_dim**-0.5,
+                                  impl=routes.impl)
+            return self.output(attn, gate, routes), KVPending(k, v)
         key_pos = jnp.arange(cache.capacity, dtype=jnp.int32)
         committed = jnp.broadcast_to(key_pos[None, None, :] < start[:, None, None], (*positions.shape, cache.capacity))
         tree_k, tree_v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
         attn = attend(q, [(cache.k, cache.v, committed), (tree_k, tree_v, visible)], self.cfg.head_dim**-0.5)
-        return self.output(attn, gate, impl), KVPending(k, v)
+        return self.output(attn, gate, routes), KVPending(k, v)
 
     @staticmethod
-    def commit(pending: KVPending, path, count, cache: KVCache, start) -> KVCache:
+    def commit(pending: KVPending, path, count, cache: KVCache, start, routes: Routes = REFERENCE) -> KVCache:
         """Write the K/V of the accepted nodes (path [B, P], first count[b] real) contiguously at start.
 
         Entries past count land beyond the new length: masked until later writes replace them.

@@ -32,17 +32,11 @@ from flax import nnx
 from ddtree_jax.cache import KVCache
 from ddtree_jax.drafter_config import DrafterConfig
 from ddtree_jax.models.attention import NEG_INF
-from ddtree_jax.models.layers import Linear, RMSNorm, SwiGLU, apply_rope, rope_cos_sin, unmerged_inputs
-
-# With kernels on, a drafter layer that sees its whole context and the whole block (non-causal, no
-# sliding window: the DFlash default) attends through the tree-attention kernel
-# (pallas_kernels/tree_attention.py) as a tree whose every node sees every block position: it
-# reads the context K / V up to each row's length, where XLA's einsums over the whole capacity
-# padded a copy of the cache every layer. 27B drafter, H200, 2026-11-30 (docs/benchmarks.md
-# section 1, session 10): draft kernels 1.73 -> 1.54 ms, 155 -> 102 launches. False keeps the
-# XLA form (announced by a warning when traced).
-ATTENTION_KERNEL = True
-
+from ddtree_jax.models.layers import Linear, RMSNorm, SwiGLU, distinct_operands
+from ddtree_jax.routes import REFERENCE, Routes
+from pallas_kernels.ref.rope import apply_rope, rope_cos_sin
+from pallas_kernels.tree_attention import tree_attention
+from pallas_kernels.tree_mask import all_visible_bits
 
 class DrafterCache(NamedTuple):
     """Per-layer context K/V [B, kv_heads, capacity, head_dim] (k after k_norm + RoPE) and lengths [B]."""
@@ -102,20 +96,19 @@ class DrafterAttention(nnx.Module):
         self.k_norm = RMSNorm(hd, eps, zero_centered=False, dtype=dtype, rngs=rngs)
 
     def kv(self, x: jax.Array, cos: jax.Array, sin: jax.Array, x_v: jax.Array | None = None,
-           impl: str = "xla") -> tuple[jax.Array, jax.Array]:
+           routes: Routes = REFERENCE) -> tuple[jax.Array, jax.Array]:
         """k (k_norm + RoPE), v of x [B, T, H]: each [B, T, kv, hd]. x_v: v_proj's own handle on
-        the same values (`DrafterModel.extend`), default x. impl: the products' (an int8 drafter's
-        go through the skinny matmul kernel with kernels on: models/int8.py)."""
+        the same values (`DrafterModel.extend`), default x."""
         b, t, _ = x.shape
         cfg = self.cfg
-        k = self.k_norm(self.k_proj(x, impl).reshape(b, t, cfg.num_kv_heads, cfg.head_dim))
-        v = self.v_proj(x if x_v is None else x_v, impl).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        k = self.k_norm(self.k_proj(x, routes).reshape(b, t, cfg.num_kv_heads, cfg.head_dim))
+        v = self.v_proj(x if x_v is None else x_v, routes).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
         return apply_rope(k, cos, sin), v
 
-    def kernel_problems(self, q: jax.Array, cache: KVCache) -> list[str]:
+    def kernel_problems(self, q: jax.Array, cache: KVCache, routes: Routes) -> list[str]:
         """Why this layer's attention cannot go through the tree-attention kernel (empty: it can)."""
         hd = self.cfg.head_dim
-        out = [] if ATTENTION_KERNEL else ["ddtree_jax.models.drafter.ATTENTION_KERNEL is False"]
+        out = [] if routes.drafter_attention_kernel else ["routes.drafter_attention_kernel is off"]
         if self.causal or self.window is not None:
             out.append("the layer is causal or windowed inside the block")
         if hd < 16 or hd & (hd - 1):
@@ -124,28 +117,27 @@ class DrafterAttention(nnx.Module):
             out.append(f"the context cache is {cache.k.dtype}, the queries {q.dtype}")
         return out
 
-    def __call__(self, x: jax.Array, cache: KVCache, lengths: jax.Array, cos, sin, impl: str = "xla") -> jax.Array:
+    def __call__(self, x: jax.Array, cache: KVCache, lengths: jax.Array, cos, sin, routes: Routes = REFERENCE
+                 ) -> jax.Array:
         """x [B, Bs, H] (already input-normed) at positions lengths[b] + j; cache holds the context.
-        impl "pallas" / "pallas_interpret": the tree-attention kernel (ATTENTION_KERNEL) where the
-        layer takes it; a layer that cannot is announced by a warning when traced."""
+        With kernels on, a layer that sees its whole context and the whole block (non-causal, no
+        sliding window: the DFlash default) attends through the tree-attention kernel as a tree
+        whose every node sees every block position (routes.drafter_attention_kernel; it reads the
+        context only up to each row's length); a layer that cannot is announced by a warning when
+        traced."""
         cfg = self.cfg
         b, t, _ = x.shape
         nh, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         g = nh // kvh
-        q = apply_rope(self.q_norm(self.q_proj(x, impl).reshape(b, t, nh, hd)), cos, sin)
-        k_blk, v_blk = self.kv(x, cos, sin, impl=impl)
+        q = apply_rope(self.q_norm(self.q_proj(x, routes).reshape(b, t, nh, hd)), cos, sin)
+        k_blk, v_blk = self.kv(x, cos, sin, routes=routes)
         scale = hd**-0.5
-        if impl != "xla":
-            problems = self.kernel_problems(q, cache)
-            if not problems:
-                from pallas_kernels.tree_attention import tree_attention
-
-                from ddtree_jax.tree import all_visible_bits
-
-                # every block position sees every other
+        if routes.kernels:
+            problems = self.kernel_problems(q, cache, routes)
+            if not problems:  # every block position sees every other
                 out = tree_attention(q, cache.k, cache.v, lengths, k_blk, v_blk, all_visible_bits(b, t), scale=scale,
-                                     impl=impl)
-                return self.o_proj(out.reshape(b, t, nh * hd).astype(x.dtype), impl)
+                                     impl=routes.impl)
+                return self.o_proj(out.reshape(b, t, nh * hd).astype(x.dtype), routes)
             warnings.warn("the drafter's attention uses the XLA form, not the tree-attention kernel: "
                           + "; ".join(problems), stacklevel=2)
         qg = q.reshape(b, t, kvh, g, hd)
@@ -178,7 +170,7 @@ class DrafterAttention(nnx.Module):
         p_ctx = probs[..., : cache.capacity].astype(cache.v.dtype)
         p_blk = probs[..., cache.capacity :].astype(v_blk.dtype)
         out = jnp.einsum("bkgts,bksd->btkgd", p_ctx, cache.v) + jnp.einsum("bkgts,bskd->btkgd", p_blk, v_blk)
-        return self.o_proj(out.reshape(b, t, nh * hd).astype(x.dtype), impl)
+        return self.o_proj(out.reshape(b, t, nh * hd).astype(x.dtype), routes)
 
 
 class DrafterLayer(nnx.Module):
@@ -191,9 +183,9 @@ class DrafterLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(h, eps, zero_centered=False, dtype=dtype, rngs=rngs)
         self.mlp = SwiGLU(h, dcfg.intermediate_size, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, cache: KVCache, lengths, cos, sin, impl: str = "xla"):
-        x = x + self.self_attn(self.input_layernorm(x), cache, lengths, cos, sin, impl)
-        return x + self.mlp(self.post_attention_layernorm(x), impl)
+    def __call__(self, x, cache: KVCache, lengths, cos, sin, routes: Routes = REFERENCE):
+        x = x + self.self_attn(self.input_layernorm(x), cache, lengths, cos, sin, routes)
+        return x + self.mlp(self.post_attention_layernorm(x), routes)
 
 
 class DrafterModel(nnx.Module):
@@ -216,12 +208,12 @@ class DrafterModel(nnx.Module):
     def _rope(self, positions):
         return rope_cos_sin(positions, self.cfg.rotary_dim, self.cfg.rope_theta)
 
-    def extend(self, cache: DrafterCache, features: jax.Array, n_valid: jax.Array, impl: str = "xla") -> DrafterCache:
-        """Append the first n_valid[b] rows of features [B, T, K*H] to the context of sequence b.
-        impl: the products' (see DrafterAttention.kv)."""
+    def extend(self, cache: DrafterCache, features: jax.Array, n_valid: jax.Array, routes: Routes = REFERENCE
+               ) -> DrafterCache:
+        """Append the first n_valid[b] rows of features [B, T, K*H] to the context of sequence b."""
         b, t, _ = features.shape
         n_valid = n_valid.astype(jnp.int32)
-        ctx = self.hidden_norm(self.fc(features.astype(self.compute_dtype), impl))
+        ctx = self.hidden_norm(self.fc(features.astype(self.compute_dtype), routes))
         offs = jnp.arange(t, dtype=jnp.int32)[None]
         positions = cache.lengths[:, None] + offs
         cos, sin = self._rope(positions)
@@ -230,40 +222,37 @@ class DrafterModel(nnx.Module):
         # every layer's k / v projection reads ctx: XLA's dot merger would join them into products
         # over weights concatenated (copied) every call; a distinct handle each keeps them apart
         attn = [layer.self_attn for layer in self.layers]
-        handles = unmerged_inputs(ctx, *[(p,) for a in attn for p in (a.k_proj, a.v_proj)], min_rows=0)
+        handles = distinct_operands(ctx, *[(p,) for a in attn for p in (a.k_proj, a.v_proj)])
         new_layers = []
         for i, (layer, lc) in enumerate(zip(self.layers, cache.layers)):
-            k, v = layer.self_attn.kv(handles[2 * i], cos, sin, handles[2 * i + 1], impl)
+            k, v = layer.self_attn.kv(handles[2 * i], cos, sin, handles[2 * i + 1], routes)
             new_layers.append(KVCache(_scatter_kv(lc.k, k, slots), _scatter_kv(lc.v, v, slots)))
         return DrafterCache(tuple(new_layers), cache.lengths + n_valid)
 
-    def __call__(self, block_embeds: jax.Array, cache: DrafterCache, impl: str = "xla") -> jax.Array:
-        """block_embeds [B, Bs, H] at positions cache.lengths[b] + j -> final-normed hidden [B, Bs, H].
-        impl: "xla", or "pallas" / "pallas_interpret" for the attention kernel (DrafterAttention)."""
+    def __call__(self, block_embeds: jax.Array, cache: DrafterCache, routes: Routes = REFERENCE) -> jax.Array:
+        """block_embeds [B, Bs, H] at positions cache.lengths[b] + j -> final-normed hidden [B, Bs, H]."""
         t = block_embeds.shape[1]
         positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
         cos, sin = self._rope(positions)
         x = block_embeds.astype(self.compute_dtype)
         for layer, lc in zip(self.layers, cache.layers):
-            x = layer(x, lc, cache.lengths, cos, sin, impl)
+            x = layer(x, lc, cache.lengths, cos, sin, routes)
         return self.norm(x)
-
-
     def draft_hidden(self, target, bonus: jax.Array, cache: DrafterCache, block_size: int | None = None,
-                     impl: str = "xla") -> jax.Array:
+                     routes: Routes = REFERENCE) -> jax.Array:
         """Final-normed drafter hidden states [B, Bs-1, H] of block positions 1..Bs-1 after the bonus
-        tokens [B] (the block embedded by the target). The cache is not modified. impl: see __call__."""
+        tokens [B] (the block embedded by the target). The cache is not modified."""
         dcfg = self.cfg
         embeds = target.embed_tokens(make_block(dcfg, bonus, block_size))
         if dcfg.input_embedding_scale != 1.0:
             embeds = embeds * jnp.asarray(dcfg.input_embedding_scale, embeds.dtype)
-        return self(embeds, cache, impl)[:, 1:]
+        return self(embeds, cache, routes)[:, 1:]
 
     def draft(self, target, bonus: jax.Array, cache: DrafterCache, block_size: int | None = None,
-              impl: str = "xla") -> jax.Array:
+              routes: Routes = REFERENCE) -> jax.Array:
         """Draft logits float32 [B, Bs-1, V] for block positions 1..Bs-1 after the bonus tokens [B],
-        with the target model's embedding and lm_head. The cache is not modified. impl: see __call__."""
-        return logits_from_hidden(self.cfg, target, self.draft_hidden(target, bonus, cache, block_size, impl))
+        with the target model's embedding and lm_head. The cache is not modified."""
+        return logits_from_hidden(self.cfg, target, self.draft_hidden(target, bonus, cache, block_size, routes))
 
 
 # ---- pure entry points (graphdef static, as ddtree_jax/decode.py) -------------------

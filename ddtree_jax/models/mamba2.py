@@ -1,8 +1,8 @@
 """Mamba2 token mixer (Mamba2ForCausalLM, Bamba and NemotronH "linear_attention" layers).
 
 Same interface as the Gated DeltaNet mixer (ddtree_jax/models/gdn.py):
-    __call__(x, cache, n_valid, chunked)  append tokens: chunked SSD prefill or one-token steps
-    tree(x, cache, visible, conv_src)      outputs of every draft node from its own path; writes nothing
+    append(x, cache, step)                 append tokens: chunked SSD prefill or one-token steps
+    tree(x, cache, geo, start)             outputs of every draft node from its own path; writes nothing
     commit(pending, path, count, cache)    scan along the accepted path from the old state
 `pending` holds per-node INPUTS (conv inputs, x, B, dt), never per-node states.
 
@@ -10,7 +10,7 @@ One token (x already through the block norm):
     z, xBC, dt = split(in_proj(x), [I, I + 2 G N, H])
     xBC = silu(conv_K(xBC) + conv_bias);  xs, B, C = split(xBC, [I, G N, G N])
     dt = clip(softplus(dt + dt_bias), lo, hi);  A = -exp(A_log)
-    h = h exp(dt A) + dt xs B^T;  y = h C + D xs            (ddtree_jax/models/ssd.py)
+    h = h exp(dt A) + dt xs B^T;  y = h C + D xs            (pallas_kernels/ref/ssd.py)
     y = grouped_rmsnorm(y * silu(z)) * w;  out_proj(y)     (gate before the norm, G groups)
 
 The dt clamp rule (one function on every path). HF clamps dt to `time_step_limit` in its
@@ -35,9 +35,14 @@ from flax import nnx
 
 from ddtree_jax.cache import RecurrentCache
 from ddtree_jax.config import TargetConfig
-from ddtree_jax.models import ssd
-from ddtree_jax.models.conv import causal_conv, next_window, tree_conv
-from ddtree_jax.models.layers import Linear, rms_normalize
+from ddtree_jax.models.layers import Linear
+from ddtree_jax.models.mixer import Step
+from ddtree_jax.routes import REFERENCE, Routes
+from ddtree_jax.tree import TreeGeometry
+from pallas_kernels.ref import ssd
+from pallas_kernels.ref.conv import causal_conv, next_window, tree_conv
+from pallas_kernels.ref.norms import rms_normalize
+from pallas_kernels.ssd_tree import ssd_path_commit, ssd_tree_verify
 
 
 class Mamba2Pending(NamedTuple):
@@ -47,13 +52,6 @@ class Mamba2Pending(NamedTuple):
     x: jax.Array  # [B, N, H, P] float32 SSM inputs
     b: jax.Array  # [B, N, G, Ns] float32
     dt: jax.Array  # [B, N, H] float32, already softplus'ed and clipped
-
-
-# The SSD tree-verify kernel beat the XLA form on the H200 at 16 nodes (82 vs 94 us, 128 heads x 64,
-# state 128, batch 1) but lost at 64 (405 vs 110 us; docs/benchmarks.md, 2026-11-29): until it is
-# fixed, impl="pallas" verifies larger trees with the XLA form (the path-commit kernel stays: 60 vs
-# 211 us).
-SSD_KERNEL_MAX_NODES = 16
 
 
 class GroupedGatedRMSNorm(nnx.Module):
@@ -124,11 +122,10 @@ class Mamba2Mixer(nnx.Module):
         return None if self.conv_bias is None else self.conv_bias[...]
 
     # ---- append tokens to the committed state -----------------------------------------
-    def __call__(
-        self, x: jax.Array, cache: RecurrentCache, n_valid: jax.Array, *, chunked: bool
-    ) -> tuple[jax.Array, RecurrentCache]:
-        """Consume the first n_valid[b] of T tokens; later (padding) tokens leave the state alone."""
-        t = x.shape[1]
+    def append(self, x: jax.Array, cache: RecurrentCache, step: Step, routes: Routes = REFERENCE
+               ) -> tuple[jax.Array, RecurrentCache]:
+        """Consume the first step.n_valid[b] of T tokens; later (padding) tokens leave the state alone."""
+        t, n_valid, chunked = x.shape[1], step.n_valid, step.chunked
         z, xbc, dt = self.project(x)
         conv = causal_conv(xbc, cache.conv, self.conv_weight[...], self._conv_bias())
         xs, bm, cm = self.ssm_inputs(conv, x.dtype)
@@ -143,17 +140,19 @@ class Mamba2Mixer(nnx.Module):
         return self.output(y, z, x.dtype), new_cache
 
     # ---- speculative entry points -------------------------------------------------------
-    def tree(self, x, cache: RecurrentCache, visible, conv_src=None, bits=None, impl: str = "xla"
+    def tree(self, x, cache: RecurrentCache, geo: TreeGeometry, start=None, routes: Routes = REFERENCE
              ) -> tuple[jax.Array, Mamba2Pending]:
         """Outputs of N nodes x [B, N, H], each from its own root-to-node path. Writes nothing.
 
-        visible [B, N, N]: ancestor-or-self. conv_src [B, N, K] (tree.geometry) gathers each
+        geo.visible [B, N, N]: ancestor-or-self. geo.conv_src [B, N, K] (tree.geometry) gathers each
         node's conv window from its ancestors and the committed window; None means a chain
         (node i's parent is i - 1: linear DFlash), its conv computed with the plain causal form.
-        impl "pallas" / "pallas_interpret": for trees and chains the SSD tree kernel (pallas_kernels/ssd_tree.py), which
-        reads the compact ancestor `bits` [B, N, W] instead of `visible`; "pallas" only up to
-        SSD_KERNEL_MAX_NODES nodes (see there), "pallas_interpret" (tests) always.
+        With kernels on, trees and chains of up to routes.ssd_kernel_max_nodes nodes go through the
+        SSD tree kernel (pallas_kernels/ssd_tree.py), which reads the compact ancestor `bits`
+        [B, N, W] instead of `visible`; larger ones take the XLA form, which measured faster there
+        (docs/decisions: SSD kernel up to 16 nodes), announced by a warning when traced.
         """
+        visible, conv_src, bits = geo.visible, geo.conv_src, geo.bits
         z, xbc, dt = self.project(x)
         w = self.conv_weight[...]
         if conv_src is None:
@@ -162,34 +161,30 @@ class Mamba2Mixer(nnx.Module):
             conv = tree_conv(xbc, cache.conv, w, conv_src, self._conv_bias())
         xs, bm, cm = self.ssm_inputs(conv, x.dtype)
         a, d = self.constants()
-        use_kernel = impl == "pallas_interpret" or (impl == "pallas" and x.shape[1] <= SSD_KERNEL_MAX_NODES)
-        if impl == "pallas" and not use_kernel:
+        use_kernel = routes.kernels and x.shape[1] <= routes.ssd_kernel_max_nodes
+        if routes.kernels and not use_kernel:
             warnings.warn(
-                f"Mamba2 tree verify of {x.shape[1]} nodes uses the XLA form, not the Pallas SSD kernel: the kernel "
-                f"measured slower above {SSD_KERNEL_MAX_NODES} nodes on the H200 (ddtree_jax/models/mamba2.py, "
-                "SSD_KERNEL_MAX_NODES); the path-commit kernel is still used",
+                f"Mamba2 tree verify of {x.shape[1]} nodes uses the XLA form, not the Pallas SSD kernel: "
+                f"routes.ssd_kernel_max_nodes is {routes.ssd_kernel_max_nodes} (the path-commit kernel is still used)",
                 stacklevel=2,
             )
         if use_kernel:  # trees and chains (linear DFlash)
-            from pallas_kernels.ssd_tree import ssd_tree_verify
-
-            y = ssd_tree_verify(xs, dt, a, bm, cm, d, cache.state, bits, impl=impl)
+            y = ssd_tree_verify(xs, dt, a, bm, cm, d, cache.state, bits, impl=routes.impl)
         else:
             acs = ssd.path_sums(dt, a, None if conv_src is None else visible)
             y = ssd.block(xs, dt, a, bm, cm, d, cache.state, visible, acs)
         return self.output(y, z, x.dtype), Mamba2Pending(xbc, xs, bm, dt)
 
-    def commit(self, pending: Mamba2Pending, path, count, cache: RecurrentCache, impl: str = "xla") -> RecurrentCache:
+    def commit(self, pending: Mamba2Pending, path, count, cache: RecurrentCache, start=None,
+               routes: Routes = REFERENCE) -> RecurrentCache:
         """State after the accepted path (path [B, P], first count[b] real): a scan from the
         committed state over the path's nodes, and the conv window slid over their inputs.
-        impl "pallas" / "pallas_interpret": the fused path-commit kernel (state read and written once)."""
+        With kernels on, the fused path-commit kernel (state read and written once)."""
         take = lambda arr: jnp.take_along_axis(arr, path.reshape(*path.shape, *([1] * (arr.ndim - 2))), axis=1)
         window = next_window(take(pending.conv_in), cache.conv, count)
         a, _ = self.constants()
-        if impl != "xla":
-            from pallas_kernels.ssd_tree import ssd_path_commit
-
-            state = ssd_path_commit(pending.x, pending.dt, a, pending.b, cache.state, path, count, impl=impl)
+        if routes.kernels:
+            state = ssd_path_commit(pending.x, pending.dt, a, pending.b, cache.state, path, count, impl=routes.impl)
             return RecurrentCache(conv=window, state=state)
         on = jnp.arange(path.shape[1])[None, :] < count[:, None]
         dt = jnp.where(on[..., None], take(pending.dt), 0.0)

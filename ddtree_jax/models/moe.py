@@ -26,6 +26,8 @@ from flax import nnx
 
 from ddtree_jax.config import TargetConfig
 from ddtree_jax.models.layers import Linear, Relu2MLP, _init, relu2
+from ddtree_jax.models.mixer import StatelessMixer
+from ddtree_jax.routes import REFERENCE, Routes
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -54,7 +56,7 @@ def route_top_k(logits_f32, bias, *, top_k, n_group, topk_group, norm, scale):
     return idx, weights * scale
 
 
-class NemotronMoE(nnx.Module):
+class NemotronMoE(StatelessMixer, nnx.Module):
     def __init__(self, cfg: TargetConfig, *, dtype, rngs: nnx.Rngs):
         self.cfg = cfg
         h, e, inter = cfg.hidden_size, cfg.moe_num_experts, cfg.moe_intermediate_size
@@ -83,7 +85,7 @@ class NemotronMoE(nnx.Module):
         """What the experts read: x, or its latent projection."""
         return x if self.fc1_latent_proj is None else self.fc1_latent_proj(x)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, routes: Routes = REFERENCE) -> jax.Array:
         cfg = self.cfg
         idx, weights = self.route(x)
         xe = self.expert_inputs(x)

@@ -2,17 +2,16 @@
 (attention + Gated DeltaNet), Bamba (attention + Mamba2), NemotronH (one mixer per block:
 Mamba2, attention, relu^2 MLP or MoE) and Mamba2ForCausalLM (pure Mamba2).
 
-Every token mixer (attention, GDN, Mamba2) offers the same entry points (append, tree, commit),
-so `verify` / `commit` below drive any pattern generically. Blocks without a cache (NemotronH
-"mlp" / "moe") have layer cache None and pending None.
+Every token mixer offers the same entry points (models/mixer.py: append, tree, commit), so a
+decoder layer and `verify` / `commit` below drive any pattern generically. Blocks without a cache
+(NemotronH "mlp" / "moe") have layer cache None and pending None.
 
 Layers are a Python list run unrolled under jit: a lax.scan over stacked layer weights ran
-2.8x slower on the H200 (shared/specs/jax_gpu_notes.md).
+2.8x slower on the H200 (docs/decisions: unrolled layers).
 """
 
 from __future__ import annotations
 
-import warnings
 from typing import NamedTuple
 
 import jax
@@ -21,24 +20,21 @@ from flax import nnx
 
 from ddtree_jax.cache import TargetCache
 from ddtree_jax.config import ATTENTION, GDN, MAMBA2, MLP, MOE, TargetConfig
-from ddtree_jax.tree import Tree, TreeGeometry, chain_geometry, geometry
 from ddtree_jax.models.attention import Attention
 from ddtree_jax.models.gdn import GatedDeltaNet
-from ddtree_jax.models.layers import (Embedding, Linear, RMSNorm, Relu2MLP, SplitKParts, SwiGLU, apply_rope, dense,
-                                     rope_cos_sin)
+from ddtree_jax.models.layers import Embedding, Linear, RMSNorm, Relu2MLP, SplitKParts, SwiGLU, dense
 from ddtree_jax.models.mamba2 import Mamba2Mixer
+from ddtree_jax.models.mixer import Step
 from ddtree_jax.models.moe import NemotronMoE
+from ddtree_jax.routes import REFERENCE, Routes
+from ddtree_jax.tree import Tree, TreeGeometry, chain_geometry, geometry
 from pallas_kernels.add_rms_norm import add_rms_norm
-
-# impl "pallas" / "pallas_interpret": each residual add runs with the norm after it as one kernel
-# (pallas_kernels/add_rms_norm.py) in blocks with an MLP and a stream in the params dtype (Qwen3 /
-# Qwen3.5 / Bamba). An A/B switch for measurements; False warns when traced.
-ADD_NORM_KERNEL = True
+from pallas_kernels.ref.rope import apply_rope, rope_cos_sin
 
 
 class Stream(NamedTuple):
     """The residual stream as x + delta: the add is left to the next norm, which does both in one
-    kernel (`ADD_NORM_KERNEL`)."""
+    kernel (routes.add_norm_kernel)."""
 
     x: jax.Array
     delta: jax.Array
@@ -47,21 +43,18 @@ class Stream(NamedTuple):
         return self.x + dense(self.delta, self.x.dtype)
 
 
-def add_norm(norm: RMSNorm, x: jax.Array, delta, impl: str):
+def add_norm(norm: RMSNorm, x: jax.Array, delta, routes: Routes):
     """(x + delta, norm(x + delta)) in one kernel launch; delta may be SplitKParts (the kernel adds
     the partial products too)."""
     mode = "zero_centered" if norm.zero_centered else "fp32_weight" if norm.weight_fp32 else "plain"
     delta = delta.parts if isinstance(delta, SplitKParts) else delta
-    return add_rms_norm(x, delta, norm.weight[...], eps=norm.eps, mode=mode, impl=impl)
+    return add_rms_norm(x, delta, norm.weight[...], eps=norm.eps, mode=mode, impl=routes.impl)
 
 
-def _fuses_add_norm(cfg: TargetConfig, impl: str) -> bool:
-    if impl == "xla" or not cfg.block_ffn or cfg.residual_in_fp32:
-        return False
-    if not ADD_NORM_KERNEL:
-        warnings.warn("residual add + RMSNorm run as XLA fusions: ddtree_jax.models.target.ADD_NORM_KERNEL is False",
-                      stacklevel=3)
-    return ADD_NORM_KERNEL
+def fuses_add_norm(cfg: TargetConfig, routes: Routes) -> bool:
+    """Whether the residual adds run inside the norms' kernels: with kernels on, in blocks with an
+    MLP and a stream in the params dtype (Qwen3 / Qwen3.5 / Bamba)."""
+    return routes.kernels and routes.add_norm_kernel and cfg.block_ffn and not cfg.residual_in_fp32
 
 
 class PlainAttention(Attention):
@@ -77,12 +70,12 @@ class PlainAttention(Attention):
         self.v_proj = Linear(h, kv * hd, bias=bias, dtype=dtype, rngs=rngs)
         self.o_proj = Linear(nh * hd, h, bias=bias, dtype=dtype, rngs=rngs)
 
-    def project(self, x: jax.Array, positions: jax.Array, impl: str = "xla"):
+    def project(self, x: jax.Array, positions: jax.Array, routes: Routes = REFERENCE):
         cfg = self.cfg
         b, t, _ = x.shape
-        q = self.q_proj(x, impl).reshape(b, t, cfg.num_heads, cfg.head_dim)
-        k = self.k_proj(x, impl).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-        v = self.v_proj(x, impl).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        q = self.q_proj(x, routes).reshape(b, t, cfg.num_heads, cfg.head_dim)
+        k = self.k_proj(x, routes).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        v = self.v_proj(x, routes).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
         if cfg.rotary_dim:
             cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -95,104 +88,87 @@ def _ffn(cfg: TargetConfig, inter: int, *, dtype, rngs):
     return SwiGLU(cfg.hidden_size, inter, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
 
 
+# The attribute each kind's mixer lives under (the checkpoint's parameter paths).
+MIXER_ATTRS = {ATTENTION: "self_attn", GDN: "linear_attn", MAMBA2: "mamba", MOE: "moe", MLP: "mlp"}
+
+
+def _mixer(cfg: TargetConfig, kind: str, *, dtype, rngs: nnx.Rngs):
+    if kind == ATTENTION:
+        plain = not cfg.qk_norm and not cfg.attn_output_gate
+        return (PlainAttention if plain else Attention)(cfg, dtype=dtype, rngs=rngs)
+    if kind == GDN:
+        return GatedDeltaNet(cfg, dtype=dtype, rngs=rngs)
+    if kind == MAMBA2:
+        return Mamba2Mixer(cfg, dtype=dtype, rngs=rngs)
+    if kind == MOE:
+        return NemotronMoE(cfg, dtype=dtype, rngs=rngs)
+    return _ffn(cfg, cfg.intermediate_size, dtype=dtype, rngs=rngs)  # MLP
+
+
 class DecoderLayer(nnx.Module):
     """x += mixer(input_layernorm(x)); then, if cfg.block_ffn, x += mlp(post_attention_layernorm(x)).
 
-    The mixer is attention (`self_attn`), Gated DeltaNet (`linear_attn`), Mamba2 (`mamba`), or, in
-    one-mixer-per-block models (NemotronH), a relu^2 MLP (`mlp`) or a MoE (`moe`) without a cache.
+    The mixer (models/mixer.py) is attention (`self_attn`), Gated DeltaNet (`linear_attn`), Mamba2
+    (`mamba`), or, in one-mixer-per-block models (NemotronH), a relu^2 MLP (`mlp`) or a MoE (`moe`)
+    without a cache.
     """
 
     def __init__(self, cfg: TargetConfig, kind: str, *, dtype, rngs: nnx.Rngs):
+        if kind not in MIXER_ATTRS:
+            raise ValueError(f"unknown layer kind {kind!r}")
+        if kind == MLP and cfg.block_ffn:
+            raise ValueError("an 'mlp' mixer block needs block_ffn=False")
         self.kind = kind
         self.block_ffn = cfg.block_ffn
         self.residual_in_fp32 = cfg.residual_in_fp32
         zc, eps, w32 = cfg.norm_zero_centered, cfg.rms_norm_eps, cfg.norm_weight_fp32
         norm = lambda: RMSNorm(cfg.hidden_size, eps, zero_centered=zc, dtype=dtype, rngs=rngs, weight_fp32=w32)
         self.input_layernorm = norm()
-        if kind == ATTENTION:
-            plain = not cfg.qk_norm and not cfg.attn_output_gate
-            self.self_attn = (PlainAttention if plain else Attention)(cfg, dtype=dtype, rngs=rngs)
-        elif kind == GDN:
-            self.linear_attn = GatedDeltaNet(cfg, dtype=dtype, rngs=rngs)
-        elif kind == MAMBA2:
-            self.mamba = Mamba2Mixer(cfg, dtype=dtype, rngs=rngs)
-        elif kind == MOE:
-            self.moe = NemotronMoE(cfg, dtype=dtype, rngs=rngs)
-        elif kind != MLP:
-            raise ValueError(f"unknown layer kind {kind!r}")
-        if kind == MLP and cfg.block_ffn:
-            raise ValueError("an 'mlp' mixer block needs block_ffn=False")
+        setattr(self, MIXER_ATTRS[kind], _mixer(cfg, kind, dtype=dtype, rngs=rngs))
         if cfg.block_ffn:
             self.post_attention_layernorm = norm()
-        if cfg.block_ffn or kind == MLP:
             self.mlp = _ffn(cfg, cfg.intermediate_size, dtype=dtype, rngs=rngs)
         if cfg.block_ffn and not cfg.residual_in_fp32:  # the add + norm kernels take split-K partials
-            out = {ATTENTION: "o_proj", GDN: "out_proj", MAMBA2: "out_proj"}.get(kind)
+            out = {ATTENTION: "o_proj", GDN: "out_proj"}.get(kind)
             for proj in ([getattr(self.mixer(), out)] if out else []) + [self.mlp.down_proj]:
                 proj.split_k_out = True
 
     def mixer(self):
-        return getattr(self, {ATTENTION: "self_attn", GDN: "linear_attn", MAMBA2: "mamba", MOE: "moe", MLP: "mlp"}[self.kind])
+        return getattr(self, MIXER_ATTRS[self.kind])
 
-    def _pre(self, x, impl: str):
+    def _pre(self, x, routes: Routes):
         """(residual, normed input) as HF: the norm reads x in the params dtype; Mamba2ForCausalLM
         keeps the residual stream in float32. A Stream's pending add runs inside the norm's kernel."""
         if isinstance(x, Stream):
-            return add_norm(self.input_layernorm, x.x, x.delta, impl)
+            return add_norm(self.input_layernorm, x.x, x.delta, routes)
         w = self.input_layernorm.weight[...]
         residual = x.astype(jnp.float32) if self.residual_in_fp32 else x
         return residual, self.input_layernorm(x.astype(w.dtype) if self.residual_in_fp32 else x)
 
-    def _post(self, residual, h, impl: str, fused: bool):
+    def _post(self, residual, h, routes: Routes, fused: bool):
         if fused:
-            x, normed = add_norm(self.post_attention_layernorm, residual, h, impl)
-            return Stream(x, self.mlp(normed, impl))  # the next norm adds the MLP's output
+            x, normed = add_norm(self.post_attention_layernorm, residual, h, routes)
+            return Stream(x, self.mlp(normed, routes))  # the next norm adds the MLP's output
         x = residual + dense(h, residual.dtype)
         if self.block_ffn:
-            x = x + dense(self.mlp(self.post_attention_layernorm(x), impl), x.dtype)
+            x = x + dense(self.mlp(self.post_attention_layernorm(x), routes), x.dtype)
         return x
 
-    def _stateless(self, h):
-        return self.mlp(h) if self.kind == MLP else self.moe(h)
+    def __call__(self, x, layer_cache, step: Step, routes: Routes = REFERENCE, fused: bool = False):
+        """Append tokens. x: the stream (an array, or a Stream when `fused`: the residual adds then
+        run inside the norms' kernels and the layer returns a Stream)."""
+        residual, h = self._pre(x, routes)
+        h, layer_cache = self.mixer().append(h, layer_cache, step, routes)
+        return self._post(residual, h, routes, fused), layer_cache
 
-    def __call__(self, x, layer_cache, start, n_valid, *, chunked: bool, impl: str = "xla", fused: bool = False):
-        """x: the stream (an array, or a Stream when `fused`: the residual adds then run inside
-        the norms' kernels and the layer returns a Stream)."""
-        residual, h = self._pre(x, impl)
-        if self.kind == ATTENTION:
-            h, layer_cache = self.self_attn(h, layer_cache, start, impl)
-        elif self.kind == GDN:
-            h, layer_cache = self.linear_attn(h, layer_cache, n_valid, chunked=chunked, impl=impl)
-        elif self.kind == MAMBA2:
-            h, layer_cache = self.mamba(h, layer_cache, n_valid, chunked=chunked)
-        else:
-            h = self._stateless(h)
-        return self._post(residual, h, impl, fused), layer_cache
+    def tree(self, x, layer_cache, start, geo: TreeGeometry, routes: Routes = REFERENCE, fused: bool = False):
+        """Tree (or chain: geo.conv_src None) pass of this layer; returns (x, pending). Writes nothing."""
+        residual, h = self._pre(x, routes)
+        h, pending = self.mixer().tree(h, layer_cache, geo, start, routes)
+        return self._post(residual, h, routes, fused), pending
 
-    def tree(self, x, layer_cache, start, geo: TreeGeometry, impl: str = "xla", fused: bool = False):
-        """Tree (or chain: geo.conv_src None) pass of this layer; returns (x, pending). Writes nothing.
-        impl selects the kernels of the attention / GDN / Mamba2 tree entry points ("xla" = reference);
-        `fused` as in __call__."""
-        residual, h = self._pre(x, impl)
-        pending = None
-        if self.kind == ATTENTION:
-            h, pending = self.self_attn.tree(h, layer_cache, start, geo.positions, geo.visible, geo.bits, impl)
-        elif self.kind == GDN:
-            h, pending = self.linear_attn.tree(h, layer_cache, geo.visible, geo.conv_src, geo.bits, impl)
-        elif self.kind == MAMBA2:
-            h, pending = self.mamba.tree(h, layer_cache, geo.visible, geo.conv_src, geo.bits, impl)
-        else:
-            h = self._stateless(h)
-        return self._post(residual, h, impl, fused), pending
-
-    def commit(self, pending, path, count, layer_cache, start, impl: str = "xla"):
-        if self.kind == ATTENTION:
-            return self.self_attn.commit(pending, path, count, layer_cache, start)
-        if self.kind == GDN:
-            return self.linear_attn.commit(pending, path, count, layer_cache, impl)
-        if self.kind == MAMBA2:
-            return self.mamba.commit(pending, path, count, layer_cache, impl)
-        return layer_cache
+    def commit(self, pending, path, count, layer_cache, start, routes: Routes = REFERENCE):
+        return self.mixer().commit(pending, path, count, layer_cache, start, routes)
 
 
 class TargetModel(nnx.Module):
@@ -213,10 +189,10 @@ class TargetModel(nnx.Module):
         out = self.embed_tokens.attend(h) if self.lm_head is None else self.lm_head(h)
         return out.astype(jnp.float32)
 
-    def _run(self, x, step, hidden_ids, impl: str):
+    def _run(self, x, step, hidden_ids, routes: Routes):
         """Embed -> every layer via step(i, layer, x, fused) -> final norm; collects chosen hidden
-        states. fused: the stream between layers is a Stream (see ADD_NORM_KERNEL)."""
-        fused = _fuses_add_norm(self.cfg, impl)
+        states. fused: the stream between layers is a Stream (`fuses_add_norm`)."""
+        fused = fuses_add_norm(self.cfg, routes)
         saved = {0: x} if 0 in hidden_ids else {}
         outs = []
         for i, layer in enumerate(self.layers):
@@ -224,17 +200,17 @@ class TargetModel(nnx.Module):
             outs.append(out)
             if i + 1 in hidden_ids and i + 1 < self.cfg.num_layers:
                 saved[i + 1] = x.total() if isinstance(x, Stream) else x
-        x = add_norm(self.norm, x.x, x.delta, impl)[1] if isinstance(x, Stream) else self.norm(x)
+        x = add_norm(self.norm, x.x, x.delta, routes)[1] if isinstance(x, Stream) else self.norm(x)
         saved[self.cfg.num_layers] = x
         features = jnp.concatenate([saved[i] for i in hidden_ids], axis=-1) if hidden_ids else None
         return x, features, tuple(outs)
 
-    def verify(self, tokens: jax.Array, cache: TargetCache, tree: Tree | None, *, hidden_ids=(), impl: str = "xla"):
+    def verify(self, tokens: jax.Array, cache: TargetCache, tree: Tree | None, *, hidden_ids=(),
+               routes: Routes = REFERENCE):
         """One forward over draft nodes without touching the committed state.
 
         tokens [B, N]; tree None means a chain at positions lengths + t (linear DFlash, plain causal
         forms); otherwise every node sees the committed prefix and its own ancestors only.
-        impl: "xla" (reference) or "pallas" / "pallas_interpret" (fused tree kernels).
         Returns (final hidden [B,N,H], features, per-layer pending for `commit`).
         """
         start = cache.lengths
@@ -242,14 +218,15 @@ class TargetModel(nnx.Module):
             geo = chain_geometry(start, tokens.shape[1])
         else:
             geo = geometry(tree, self.cfg.conv_kernel)
-        step = lambda i, layer, x, fused: layer.tree(x, cache.layers[i], start, geo, impl, fused)
-        return self._run(self.embed_tokens(tokens), step, hidden_ids, impl)
+        step = lambda i, layer, x, fused: layer.tree(x, cache.layers[i], start, geo, routes, fused)
+        return self._run(self.embed_tokens(tokens), step, hidden_ids, routes)
 
-    def commit(self, pending, path: jax.Array, count: jax.Array, cache: TargetCache, impl: str = "xla") -> TargetCache:
+    def commit(self, pending, path: jax.Array, count: jax.Array, cache: TargetCache, routes: Routes = REFERENCE
+               ) -> TargetCache:
         """Commit the accepted nodes path [B, P] (first count[b] real, root first) after the prefix."""
         start = cache.lengths
         layers = tuple(
-            layer.commit(p, path, count, c, start, impl) for layer, p, c in zip(self.layers, pending, cache.layers)
+            layer.commit(p, path, count, c, start, routes) for layer, p, c in zip(self.layers, pending, cache.layers)
         )
         return TargetCache(layers, start + count.astype(jnp.int32))
 
@@ -261,18 +238,17 @@ class TargetModel(nnx.Module):
         *,
         chunked: bool,
         hidden_ids: tuple[int, ...] = (),
-        impl: str = "xla",
+        routes: Routes = REFERENCE,
     ):
-        """Append tokens [B, T] (the first n_valid[b] of each row are real) after the committed ones.
-        impl "pallas" / "pallas_interpret": single-token steps attend through the tree-attention
-        kernel (models/attention.py) and run the GDN core as one kernel (models/gdn.py).
+        """Append tokens [B, T] (the first n_valid[b] of each row are real) after the committed ones;
+        routes: which kernels the layers take (ddtree_jax/routes.py).
 
         Returns (final normed hidden [B,T,H], features [B,T,len(hidden_ids)*H] or None, new cache).
         hidden_ids index HF's `hidden_states`: 0 = embeddings, i = output of layer i-1, and
         num_layers = the final normed output (HF ties the last entry to it).
         """
         start = cache.lengths
-        step = lambda i, layer, x, fused: layer(x, cache.layers[i], start, n_valid, chunked=chunked, impl=impl,
-                                                fused=fused)
-        x, features, layers = self._run(self.embed_tokens(tokens), step, hidden_ids, impl)
+        where = Step(start, n_valid, chunked)
+        step = lambda i, layer, x, fused: layer(x, cache.layers[i], where, routes, fused)
+        x, features, layers = self._run(self.embed_tokens(tokens), step, hidden_ids, routes)
         return x, features, TargetCache(layers, start + n_valid.astype(jnp.int32))

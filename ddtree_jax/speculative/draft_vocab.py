@@ -2,7 +2,7 @@
 
 Why: a DFlash drafter scores its block with the target's lm_head over the whole vocabulary. At
 the Qwen3.6-27B shape that is 15 draft positions x 248,320 ids: the 2.54 GB head is read once
-per step, 0.57 ms of an ~18.6 ms DDTree step on the H200 (docs/benchmarks.md, session 12). With
+per step, 0.57 ms of an ~18.6 ms DDTree step on the H200 (docs/decisions: draft vocabulary). With
 N ids the draft head is the [H, N] slice of those columns (0.34 GB at N = 32768), sliced once
 when the generation is set up, never inside the loop. This is FR-Spec's frequency-ranked draft
 vocabulary (Zhao et al., 2025) and what SGLang loads with `--speculative-token-map`.
@@ -12,7 +12,7 @@ output stays identical to plain decoding and sampling keeps the target's distrib
 changes is the drafts: the tree's tokens come from the N ids only (the draft log-probs are
 renormalised over them), so text that needs other tokens accepts fewer drafts: on the demo pair
 the 2048 most frequent of its 8192 ids accepted 2.76 tokens a step against 3.07 (-10 %), ids
-0..2047 2.63 (docs/benchmarks.md, session 12), while the 27B step gets ~2 % shorter with 32k of
+0..2047 2.63, while the 27B step gets ~2 % shorter with 32k of
 248k ids. An option for vocabularies a small share of which covers the text. Choose the ids
 by frequency on text like the workload's (`scripts/hot_tokens.py` counts them with the target's
 tokenizer); `first_ids(N)` (ids 0 .. N-1: byte-level BPE vocabularies number their tokens in
@@ -29,6 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ddtree_jax.models import int8
+
 
 class DraftVocab(NamedTuple):
     """The draft head as data (a pytree that travels with the drafter's params): the target
@@ -36,7 +38,7 @@ class DraftVocab(NamedTuple):
     models/int8.py; then ids may be None: the whole vocabulary)."""
 
     ids: jax.Array | None  # [N] int32, ascending, unique: draft index i is token ids[i]; None: i is token i
-    head: jax.Array  # [H, N]; int8: as its proposer's head_layout says ([N, H] for "out_in")
+    head: jax.Array  # [H, N]; int8: [N, H] (models/int8.py stores int8 weights [out, in])
     scale: jax.Array | None = None  # [N] float32 when head is int8
 
 
@@ -109,25 +111,21 @@ def make_draft_vocab(target_model, ids) -> DraftVocab:
 
 
 def int8_draft_head(target_model, vocab: DraftVocab | None = None) -> DraftVocab:
-    """An int8 draft head: `vocab`'s columns quantized, or (None) the target's whole head, ids None;
-    stored as models.int8.LAYOUT says (the proposer records it: DFlashProposer.head_layout)."""
-    from ddtree_jax.models import int8
-
+    """An int8 draft head: `vocab`'s columns quantized, or (None) the target's whole head, ids None.
+    A head that is int8 already is returned as it is."""
     if vocab is None:
         vocab = DraftVocab(None, _target_head(target_model))
-    if "lm_head" in int8.KEEP_FLOAT or vocab.scale is not None:
+    if vocab.scale is not None:
         return vocab
     q, scale = int8.quantize(vocab.head)
-    return DraftVocab(vocab.ids, int8.stored(q), scale)
+    return DraftVocab(vocab.ids, q, scale)
 
 
-def head_logits(vocab: DraftVocab, hidden: jax.Array, impl: str = "xla", layout: str = "in_out") -> jax.Array:
+def head_logits(vocab: DraftVocab, hidden: jax.Array, scheme: int8.Int8Scheme | None = None) -> jax.Array:
     """Float32 logits [..., N] of the draft ids: the target head's arithmetic (a product in the
     head's dtype, then float32), so they equal the full head's logits at those ids; an int8 head
-    (scale set): the product in hidden's dtype, accumulated and scaled in float32 (models.int8.product;
-    impl and the int8 head's storage `layout` as there)."""
+    (scale set): models.int8.product under `scheme` (its W8A8 rule), scaled in float32."""
     if vocab.scale is not None:
-        from ddtree_jax.models import int8
-
-        return int8.product(hidden, vocab.head, vocab.scale, impl, out_dtype=jnp.float32, layout=layout)
+        w8a8 = (scheme or int8.Int8Scheme()).takes_w8a8(vocab.head.shape[0])
+        return int8.product(hidden, vocab.head, vocab.scale, w8a8=w8a8, out_dtype=jnp.float32)
     return jnp.einsum("...h,hn->...n", hidden.astype(vocab.head.dtype), vocab.head).astype(jnp.float32)

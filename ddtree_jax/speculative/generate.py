@@ -23,19 +23,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ddtree_jax.cache import TargetCache, init_target_cache
+from ddtree_jax.routes import REFERENCE, Routes
 from ddtree_jax.speculative.build import build_chain, build_tree, validate_budget
 from ddtree_jax.speculative.sampling import Sampling, choose
 from ddtree_jax.speculative.verify import VerifyResult, tree_verify
 from ddtree_jax.tree import Tree
 
 MODES = ("ar", "dflash", "ddtree")
-KERNELS = ("xla", "pallas", "pallas_interpret")
-
-
-def default_kernels() -> str:
-    """The fastest correct tree kernels for the backend: Pallas on GPU, the XLA reference elsewhere
-    (Pallas runs on CPU only in interpret mode, which is for tests)."""
-    return "pallas" if jax.default_backend() == "gpu" else "xla"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +43,7 @@ class GenSpec:
     sampling: Sampling = Sampling()
     capacity: int = 0  # KV slots; 0 = prompt + max_new + block + 1
     proposer: Any = None
-    kernels: str = "xla"  # tree verify / commit kernels: "xla" (reference), "pallas", "pallas_interpret"
+    routes: Routes = REFERENCE  # kernel routes and forms (ddtree_jax/routes.py; Routes.resolve() per device)
 
     @property
     def block(self) -> int:
@@ -58,8 +52,8 @@ class GenSpec:
     def validate(self, vocab: int) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if self.kernels not in KERNELS:
-            raise ValueError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
+        if not isinstance(self.routes, Routes):
+            raise ValueError(f"routes must be a ddtree_jax.routes.Routes, got {self.routes!r}")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
         if self.mode != "ar":
@@ -119,7 +113,7 @@ def _emit(out, n_out, done, new_tokens, n_new, eos_ids, max_new):
 
 # ---- the phases of one speculative step ------------------------------------------------
 def propose(model, drafter_params, s: LoopState, spec: GenSpec) -> jax.Array:
-    return spec.proposer.propose(drafter_params, s.dstate, model, s.bonus, s.cache.lengths, impl=spec.kernels)
+    return spec.proposer.propose(drafter_params, s.dstate, model, s.bonus, s.cache.lengths, routes=spec.routes)
 
 
 def vocab_ids(spec: GenSpec, drafter_params):
@@ -132,13 +126,13 @@ def build(logq: jax.Array, s: LoopState, spec: GenSpec, ids: jax.Array | None = 
     """The chain or tree of this step; ids: `vocab_ids` (logq over a draft vocabulary)."""
     if spec.mode == "dflash":
         return build_chain(logq, s.bonus, s.cache.lengths, ids)
-    return build_tree(logq, s.bonus, s.cache.lengths, spec.budget, spec.candidates, impl=spec.kernels, vocab_ids=ids)
+    return build_tree(logq, s.bonus, s.cache.lengths, spec.budget, spec.candidates, routes=spec.routes, vocab_ids=ids)
 
 
 def verify(model, s: LoopState, tree: Tree, spec: GenSpec, key) -> VerifyResult:
     shape = None if spec.mode == "dflash" else tree
     return tree_verify(model, s.cache, shape, tree.tokens, spec.sampling, key, max_depth=spec.block - 1,
-                       hidden_ids=spec.proposer.hidden_ids, impl=spec.kernels)
+                       hidden_ids=spec.proposer.hidden_ids, routes=spec.routes)
 
 
 def commit_and_emit(model, drafter_params, s: LoopState, tree: Tree, res: VerifyResult, eos_ids, spec: GenSpec):
@@ -151,13 +145,13 @@ def commit_and_emit(model, drafter_params, s: LoopState, tree: Tree, res: Verify
     # Commit root + the accepted nodes actually emitted (fewer when EOS / max_new cut the step),
     # so the cache always holds exactly the prompt and every emitted token but the last.
     count = n_out - s.n_out
-    cache = model.commit(res.pending, res.path, count, s.cache, spec.kernels)
-    dstate = spec.proposer.extend(drafter_params, s.dstate, res.features, count, impl=spec.kernels)
+    cache = model.commit(res.pending, res.path, count, s.cache, spec.routes)
+    dstate = spec.proposer.extend(drafter_params, s.dstate, res.features, count, routes=spec.routes)
     return s._replace(cache=cache, dstate=dstate, bonus=res.bonus, out=out, n_out=n_out, done=done), count
 
 
 def _ar_step(model, s: LoopState, eos_ids, spec: GenSpec, key):
-    h, _, cache = model(s.bonus[:, None], s.cache, (~s.done).astype(jnp.int32), chunked=False, impl=spec.kernels)
+    h, _, cache = model(s.bonus[:, None], s.cache, (~s.done).astype(jnp.int32), chunked=False, routes=spec.routes)
     nxt = choose(model.logits(h[:, 0]), spec.sampling, key)
     b = nxt.shape[0]
     out, n_out, done = _emit(s.out, s.n_out, s.done, nxt[:, None], jnp.ones((b,), jnp.int32), eos_ids,
@@ -202,7 +196,7 @@ def _start(model, drafter_params, prompt, prompt_lens, eos_ids, key, spec: GenSp
     dstate = None
     if spec.mode != "ar":
         dstate = spec.proposer.init_state(drafter_params, b, capacity)
-        dstate = spec.proposer.extend(drafter_params, dstate, feats, prompt_lens, impl=spec.kernels)
+        dstate = spec.proposer.extend(drafter_params, dstate, feats, prompt_lens, routes=spec.routes)
     out = jnp.full((b, spec.max_new_tokens), -1, jnp.int32)
     out, n_out, done = _emit(out, jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool), bonus[:, None],
                              jnp.ones((b,), jnp.int32), eos_ids, spec.max_new_tokens)
@@ -242,7 +236,7 @@ def bind(graphdef: nnx.GraphDef):
 
     As a static argument jit hashes a GraphDef on every call, walking the whole graph (3.9 ms for
     the 27B-shaped target's on this project's CPU machine; a 0-step advance of a 64-layer model
-    7.5 ms static, 2.2 ms bound: scripts/dispatch_cost.py, docs/benchmarks.md section 1), paid per
+    7.5 ms static, 2.2 ms bound: docs/decisions, bound graphdef), paid per
     chunk of a streamed generation (the engine advances `stream_every` steps a call). Bound, a call
     hashes only its GenSpec."""
     hit = _BOUND.get(id(graphdef))
@@ -258,15 +252,15 @@ def bind(graphdef: nnx.GraphDef):
 @functools.partial(
     jax.jit,
     static_argnames=("graphdef", "proposer", "mode", "budget", "candidates", "max_new_tokens", "sampling", "capacity",
-                     "kernels"),
+                     "routes"),
 )
 def generate(graphdef, params, prompt, prompt_lens, *, proposer=None, drafter_params=None, mode: str = "ddtree",
              budget: int = 64, candidates: int | None = None, max_new_tokens: int = 128,
              sampling: Sampling = Sampling(), eos_ids=None, key=None, capacity: int | None = None,
-             kernels: str = "xla") -> GenerationResult:
+             routes: Routes = REFERENCE) -> GenerationResult:
     """Generate for right-padded prompts [B, T] with prompt_lens [B] real tokens: one jitted call,
     prefill plus one on-device while_loop until every sequence stopped."""
-    spec = GenSpec(mode, budget, candidates, max_new_tokens, sampling, capacity or 0, proposer, kernels)
+    spec = GenSpec(mode, budget, candidates, max_new_tokens, sampling, capacity or 0, proposer, routes)
     model = nnx.merge(graphdef, params)
     key = jax.random.PRNGKey(0) if key is None else key
     eos_ids = _eos(eos_ids)

@@ -11,6 +11,8 @@ from typing import Any, Protocol
 
 import jax
 
+from ddtree_jax.routes import REFERENCE, Routes
+
 
 class Proposer(Protocol):
     block_size: int  # the block is [bonus, MASK x (block_size - 1)]: block_size - 1 draft depths
@@ -20,13 +22,12 @@ class Proposer(Protocol):
         """Empty drafter state for `batch` sequences of up to `capacity` committed tokens."""
 
     def extend(self, params: Any, state: Any, features: jax.Array | None, n_valid: jax.Array,
-               impl: str = "xla") -> Any:
+               routes: Routes = REFERENCE) -> Any:
         """Append the target features [B, T, F] of newly committed tokens (first n_valid[b] real);
-        impl as for `propose`."""
+        routes as for `propose`."""
 
     def propose(self, params: Any, state: Any, target, bonus: jax.Array, start: jax.Array,
-                impl: str = "xla") -> jax.Array:
+                routes: Routes = REFERENCE) -> jax.Array:
         """Log-probs [B, block_size - 1, V] of the draft tokens at positions start+1 .. start+block_size-1,
         given the bonus token at position `start`. `target` is the merged target model (embedding, head);
-        impl: the generation's kernel choice ("xla" | "pallas" | "pallas_interpret"), for drafters
-        that have kernels."""
+        routes: the generation's kernel routes (ddtree_jax/routes.py), for drafters that have kernels."""

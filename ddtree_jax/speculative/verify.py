@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from ddtree_jax.cache import TargetCache
+from ddtree_jax.routes import REFERENCE, Routes
 from ddtree_jax.speculative.accept import accept
 from ddtree_jax.speculative.sampling import Sampling, choose
 from ddtree_jax.tree import Tree
@@ -26,13 +27,13 @@ class VerifyResult(NamedTuple):
 
 
 def tree_verify(model, cache: TargetCache, tree: Tree | None, tokens: jax.Array, sampling: Sampling, key,
-                *, max_depth: int, hidden_ids=(), impl: str = "xla") -> VerifyResult:
+                *, max_depth: int, hidden_ids=(), routes: Routes = REFERENCE) -> VerifyResult:
     """Verify tokens [B, N] laid out as `tree` (None = a chain, linear DFlash).
 
-    max_depth (static) bounds the accepted path length: P = max_depth + 1. impl picks the tree
-    kernels ("xla" reference, "pallas", "pallas_interpret").
+    max_depth (static) bounds the accepted path length: P = max_depth + 1. routes pick the tree
+    kernels (ddtree_jax/routes.py).
     """
-    h, feats, pending = model.verify(tokens, cache, tree, hidden_ids=hidden_ids, impl=impl)
+    h, feats, pending = model.verify(tokens, cache, tree, hidden_ids=hidden_ids, routes=routes)
     logits = model.logits(h)
     post = choose(logits, sampling, key)
     if tree is None:

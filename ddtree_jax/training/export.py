@@ -33,6 +33,7 @@ from converters import qwen3 as qwen3_rules
 from converters.keymap import Rule, depthwise_conv, flatten_paths, linear
 from ddtree_jax.atomic import staged_dir
 from ddtree_jax.config import TargetConfig
+from safetensors.numpy import save_file
 
 SAFETENSORS = "model.safetensors"
 CONFIG = "config.json"
@@ -114,7 +115,6 @@ def params_to_hf(params, rules: list[Rule], prefix: str = "", no_prefix: tuple[s
 
 
 def _write_safetensors(path: str, tensors: Mapping[str, np.ndarray]) -> None:
-    from safetensors.numpy import save_file
 
     save_file(dict(tensors), path, metadata={"format": "pt"})
 

@@ -22,6 +22,7 @@ import time
 from typing import Any, Callable
 
 import jax
+import jaxlib
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -220,8 +221,6 @@ def default_gdn_chunked() -> bool:
     if jax.default_backend() != "cpu":
         return True
     try:
-        import jaxlib
-
         major, minor = (int(x) for x in jaxlib.__version__.split(".")[:2])
     except Exception:  # noqa: BLE001 - unknown version: be safe
         return False

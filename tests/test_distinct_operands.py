@@ -1,12 +1,13 @@
-"""unmerged_inputs: distinct operands for many-row projections (so XLA keeps separate GEMMs), the
-same values, a no-op at decode's few rows, and differentiable (the trainers use the same model)."""
+"""distinct_operands: one handle per projection group on a shared input (so XLA keeps separate
+GEMMs and never concatenates their weights), the same values, and differentiable (the trainers
+use the same model)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ddtree_jax.models.layers import UNMERGED_MIN_ROWS, Linear, unmerged_inputs
+from ddtree_jax.models.layers import Linear, distinct_operands
 
 
 def _projections(rows):
@@ -15,37 +16,34 @@ def _projections(rows):
     x = jax.random.normal(jax.random.PRNGKey(1), (1, rows, 16))
 
     def f(x):
-        xa, xbc = unmerged_inputs(x, (a,), (b, c))
+        xa, xbc = distinct_operands(x, (a,), (b, c))
         return jnp.concatenate([a(xa), b(xbc), c(xbc)], axis=-1)
 
     want = jnp.concatenate([a(x), b(x), c(x)], axis=-1)
     return f, x, want
 
 
-def test_values_and_barrier_only_for_many_rows():
-    for rows in (1, UNMERGED_MIN_ROWS - 1, UNMERGED_MIN_ROWS, 65):
+def test_values_and_one_barrier_per_group():
+    for rows in (1, 65):
         f, x, want = _projections(rows)
         np.testing.assert_array_equal(np.asarray(jax.jit(f)(x)), np.asarray(want))
-        hlo = jax.jit(f).lower(x).as_text()
-        assert hlo.count("optimization_barrier") == (2 if rows >= UNMERGED_MIN_ROWS else 0), rows
+        assert jax.jit(f).lower(x).as_text().count("optimization_barrier") == 2, rows
+
+
+def test_one_group_is_left_alone():
+    a = Linear(16, 8, rngs=nnx.Rngs(0))
+    x = jnp.ones((1, 3, 16))
+    (h,) = distinct_operands(x, (a,))
+    assert h is x
 
 
 def test_gradient_passes_through():
-    f, x, _ = _projections(UNMERGED_MIN_ROWS)
+    f, x, _ = _projections(32)
     g = jax.grad(lambda x: jnp.sum(f(x) ** 2))(x)
     rngs = nnx.Rngs(0)
     a, b, c = (Linear(16, d, rngs=rngs) for d in (8, 4, 4))
     want = jax.grad(lambda x: jnp.sum(jnp.concatenate([a(x), b(x), c(x)], axis=-1) ** 2))(x)
     np.testing.assert_allclose(np.asarray(g), np.asarray(want), rtol=1e-6, atol=1e-6)
-
-
-def test_min_rows_zero_separates_even_one_row():
-    rngs = nnx.Rngs(0)
-    a, b = (Linear(16, d, rngs=rngs) for d in (8, 4))
-    x = jax.random.normal(jax.random.PRNGKey(1), (1, 1, 16))
-    f = lambda x: [p(h) for p, h in zip((a, b), unmerged_inputs(x, (a,), (b,), min_rows=0))]
-    assert jax.jit(f).lower(x).as_text().count("optimization_barrier") == 2
-    np.testing.assert_array_equal(np.asarray(jax.jit(f)(x)[1]), np.asarray(b(x)))
 
 
 def test_drafter_context_projections_stay_apart():

@@ -17,6 +17,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.ref.norms import l2_normalize
+
 HIGHEST = jax.lax.Precision.HIGHEST
 CHUNK = 64
 
@@ -138,3 +140,28 @@ def path_state(k, v, g, beta, state):
     xs = tuple(jnp.moveaxis(a, 2, 0) for a in (k, v, g, beta))
     state, _ = jax.lax.scan(body, state, xs)
     return state
+
+
+# ---- the rule's inputs from a layer's projections ----------------------------------------
+def gate_values(a: jax.Array, b: jax.Array, a_log: jax.Array, dt_bias: jax.Array):
+    """(beta, g) float32 from the a / b projections (in the model dtype): beta = sigmoid(b),
+    g = -exp(A_log) * softplus(a + dt_bias)."""
+    beta = jax.nn.sigmoid(b).astype(jnp.float32)
+    g = -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus(a.astype(jnp.float32) + dt_bias.astype(jnp.float32))
+    return beta, g
+
+
+def split_heads(conv_out: jax.Array, num_k_heads: int, dk: int, num_v_heads: int, dv: int):
+    """Activated conv outputs [..., conv_dim] -> float32 q (normed, scaled), k (normed) [..., Hv, dk]
+    (v-head j reads k-head j // (Hv / Hk)) and v [..., Hv, dv]."""
+    kd = num_k_heads * dk
+    lead = conv_out.shape[:-1]
+    q = conv_out[..., :kd].reshape(*lead, num_k_heads, dk)
+    k = conv_out[..., kd : 2 * kd].reshape(*lead, num_k_heads, dk)
+    v = conv_out[..., 2 * kd :].reshape(*lead, num_v_heads, dv)
+    rep = num_v_heads // num_k_heads
+    if rep > 1:
+        q, k = jnp.repeat(q, rep, axis=-2), jnp.repeat(k, rep, axis=-2)
+    q = l2_normalize(q.astype(jnp.float32)) * dk**-0.5
+    k = l2_normalize(k.astype(jnp.float32))
+    return q, k, v.astype(jnp.float32)

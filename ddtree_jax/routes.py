@@ -1,0 +1,167 @@
+"""Which implementation each part of a generation step runs: the kernel route and the measured
+switches and thresholds that pick between a Pallas kernel and an XLA form.
+
+`Routes` is frozen and hashable. It travels in `GenSpec` (so it is part of the jit cache key:
+another route compiles another program) and down every call where a model or the tree build
+chooses a form. Nothing reads a module global to choose. `Routes()` is the reference (XLA forms
+everywhere, the simplest build forms); `Routes.resolve()` picks the measured-fastest forms for a
+device; `--route name=value` (ddtree-bench, the benchmark scripts) changes one field for an A/B
+run, and reports record `Routes.as_dict()` whole. Why each default is what it is:
+docs/decisions/ (the index names the field).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable
+
+import jax
+
+IMPLS = ("xla", "pallas", "pallas_interpret")
+_NO_LIMIT = 1 << 20  # a threshold no tree reaches: the kernel is always taken where it can be
+
+
+@dataclasses.dataclass(frozen=True)
+class Routes:
+    """Kernel route and form choices of one compiled generation.
+
+    impl: "xla" (the XLA forms, the reference), "pallas" (the Pallas GPU kernels) or
+    "pallas_interpret" (the same kernels in interpret mode: tests on any machine). The switches
+    below choose per kernel when impl is not "xla"; a kernel that cannot take a shape is announced
+    by a warning when the step is traced, never skipped silently.
+    """
+
+    impl: str = "xla"
+    # ---- model kernels (impl != "xla") ----
+    attention_decode_kernel: bool = True  # decode-step attention through the tree-attention kernel
+    attention_prologue_kernel: bool = True  # q / k norms + RoPE of the merged q | k | v product
+    gdn_decode_kernel: bool = True  # a GDN decode step's core as one kernel
+    gdn_tree_prologue_kernel: bool = True  # GDN tree conv .. casts as one kernel
+    add_norm_kernel: bool = True  # residual add + RMSNorm as one kernel
+    split_k_parts: bool = True  # residual-stream products at verify rows return split-K partials
+    split_k_rows: tuple[int, int] = (32, 128)  # row counts (inclusive) that return partials
+    drafter_attention_kernel: bool = True  # the drafter's non-causal attention through the tree kernel
+    ssd_kernel_max_nodes: int = 16  # Mamba2 tree verify: the SSD kernel up to this many nodes
+    # ---- tree build kernels (impl != "xla") ----
+    bits_kernel_max_nodes: int = 64  # ancestor bitsets: the kernel up to this many nodes
+    tree_select_kernel: bool = True  # the DDTree node selection in one launch (budgets it takes)
+    row_top_k_kernel: bool = True  # the vocabulary top-k of short rows in one launch
+    # ---- XLA forms of the build (any impl) ----
+    sort_top_k_max: int = 0  # k up to this: top-k as one stable sort (GPU: beats XLA's TopK kernel)
+    staged_top_k: bool = False  # long rows: top-k of chunks, then of the candidates
+    prefilter_top_k: bool = False  # very long rows: the block-max prefilter before the top-k
+    rank_select_max: int = 0  # beam rows up to this long: selection by pairwise ranks
+
+    def __post_init__(self):
+        problems = self.problems()
+        if problems:
+            raise ValueError("invalid routes: " + "; ".join(problems))
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.impl not in IMPLS:
+            out.append(f"impl must be one of {IMPLS}, got {self.impl!r}")
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.type == "bool" and not isinstance(v, bool):
+                out.append(f"{f.name} must be true or false, got {v!r}")
+            if f.type == "int" and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+                out.append(f"{f.name} must be an integer >= 0, got {v!r}")
+        lo, hi = self.split_k_rows if len(self.split_k_rows) == 2 else (1, 0)
+        if len(self.split_k_rows) != 2 or not 1 <= lo <= hi:
+            out.append(f"split_k_rows must be two row counts lo <= hi, got {self.split_k_rows!r}")
+        return out
+
+    @property
+    def kernels(self) -> bool:
+        """Whether Pallas kernels run at all (impl "pallas" or "pallas_interpret")."""
+        return self.impl != "xla"
+
+    @classmethod
+    def resolve(cls, device=None, impl: str | None = None, *, platform: str | None = None, **overrides) -> "Routes":
+        """The measured defaults for `device` (default: JAX's first device; or name a `platform`,
+        "gpu" / "cpu", directly): Pallas kernels and the GPU build forms on a GPU, the XLA forms
+        elsewhere (Pallas runs on a CPU only in interpret
+        mode, which is for tests). impl "pallas_interpret" takes the SSD kernel at every tree size
+        (its threshold is a GPU measurement), so tests exercise it. `overrides` set fields last."""
+        platform = platform or (device or jax.devices()[0]).platform
+        gpu = platform == "gpu"
+        impl = impl or ("pallas" if gpu else "xla")
+        fields: dict[str, Any] = dict(impl=impl)
+        if gpu:
+            fields.update(sort_top_k_max=16, staged_top_k=True, prefilter_top_k=True, rank_select_max=1024)
+        if impl == "pallas_interpret":
+            fields.update(ssd_kernel_max_nodes=_NO_LIMIT)
+        fields.update(overrides)
+        return cls(**fields)
+
+    def replace(self, **changes) -> "Routes":
+        return dataclasses.replace(self, **changes)
+
+    def with_settings(self, settings: Iterable[str]) -> "Routes":
+        """These routes with `name=value` settings applied (the `--route` option); every bad
+        setting is reported at once (ValueError)."""
+        changes, problems = {}, []
+        types = {f.name: f.type for f in dataclasses.fields(self)}
+        for text in settings or ():
+            name, sep, value = (part.strip() for part in text.partition("="))
+            if not sep or not name:
+                problems.append(f"{text!r}: expected name=value")
+            elif name not in types:
+                problems.append(f"{text!r}: no route named {name!r} (routes: {', '.join(types)})")
+            else:
+                try:
+                    changes[name] = _parse(types[name], value)
+                except ValueError as e:
+                    problems.append(f"{text!r}: {e}")
+        if problems:
+            raise ValueError("bad --route: " + "; ".join(problems))
+        try:
+            return self.replace(**changes)
+        except ValueError as e:
+            raise ValueError(f"bad --route: {e}") from None
+
+    def as_dict(self) -> dict:
+        """Every field, for reports (JSON-ready)."""
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(self).items()}
+
+
+def _parse(kind: str, text: str):
+    low = text.lower()
+    if kind == "bool":
+        if low in ("true", "1", "on", "yes"):
+            return True
+        if low in ("false", "0", "off", "no"):
+            return False
+        raise ValueError(f"expected true or false, got {text!r}")
+    if kind == "int":
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"expected an integer, got {text!r}") from None
+    if kind == "str":
+        return text
+    if kind.startswith("tuple"):
+        try:
+            return tuple(int(x) for x in text.strip("()[] ").split(","))
+        except ValueError:
+            raise ValueError(f"expected integers like 32,128, got {text!r}") from None
+    raise ValueError(f"cannot parse a {kind}")  # pragma: no cover
+
+
+REFERENCE = Routes()  # the XLA forms: the default of every model and build entry point
+
+
+def add_arguments(parser, *, impl_default_help: str = "pallas on GPU, xla elsewhere") -> None:
+    """`--impl` and `--route NAME=VALUE` (repeatable) for the CLIs and benchmark tools."""
+    parser.add_argument("--impl", choices=IMPLS, default=None,
+                        help=f"kernel route: xla (reference forms), pallas (GPU kernels), pallas_interpret "
+                             f"(kernels in interpret mode, for tests) (default: {impl_default_help})")
+    parser.add_argument("--route", action="append", default=[], metavar="NAME=VALUE",
+                        help="change one route for this run, e.g. gdn_decode_kernel=false (A/B of a kernel); "
+                             "repeatable; the names are ddtree_jax.routes.Routes' fields")
+
+
+def from_args(args, device=None) -> Routes:
+    """Routes.resolve(device, args.impl) with args.route applied (ValueError names every bad one)."""
+    return Routes.resolve(device, args.impl).with_settings(args.route)

@@ -1,0 +1,77 @@
+"""ddtree_jax.routes: the frozen Routes object is the only way to choose a kernel or a form, it is
+part of the jit key (another route compiles another program), and bad settings are named."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ddtree_jax.routes import IMPLS, REFERENCE, Routes
+from ddtree_jax.speculative import generate as gen
+from tests.tiny_models import HYBRID, make_target
+
+INTERPRET = Routes.resolve(impl="pallas_interpret")
+
+
+def test_defaults_and_resolve_per_platform():
+    assert REFERENCE == Routes() and REFERENCE.impl == "xla" and not REFERENCE.kernels
+    cpu, gpu = Routes.resolve(platform="cpu"), Routes.resolve(platform="gpu")
+    assert cpu.impl == "xla" and cpu.sort_top_k_max == 0 and not cpu.staged_top_k
+    assert gpu.impl == "pallas" and gpu.kernels and gpu.sort_top_k_max == 16 and gpu.staged_top_k
+    assert gpu.prefilter_top_k and gpu.rank_select_max == 1024 and gpu.ssd_kernel_max_nodes == 16
+    assert INTERPRET.impl == "pallas_interpret" and INTERPRET.ssd_kernel_max_nodes > 1000
+    assert Routes.resolve(platform="gpu", impl="xla", split_k_parts=False).split_k_parts is False
+    assert Routes.resolve().impl == ("pallas" if jax.default_backend() == "gpu" else "xla")
+
+
+def test_frozen_hashable_and_reported_whole():
+    a, b = Routes.resolve(platform="gpu"), Routes.resolve(platform="gpu")
+    assert a == b and hash(a) == hash(b) and a != a.replace(gdn_decode_kernel=False)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.impl = "xla"
+    d = a.as_dict()
+    assert set(d) == {f.name for f in dataclasses.fields(Routes)} and d["split_k_rows"] == [32, 128]
+
+
+def test_settings_parse_and_every_bad_one_is_named():
+    r = REFERENCE.with_settings(["gdn_decode_kernel=false", "bits_kernel_max_nodes = 32", "split_k_rows=16,64",
+                                 "impl=pallas_interpret"])
+    assert (not r.gdn_decode_kernel and r.bits_kernel_max_nodes == 32 and r.split_k_rows == (16, 64)
+            and r.impl == "pallas_interpret")
+    with pytest.raises(ValueError) as e:
+        REFERENCE.with_settings(["nope=1", "ssd_kernel_max_nodes=x", "add_norm_kernel=maybe", "impl"])
+    msg = str(e.value)
+    assert "no route named 'nope'" in msg and "expected an integer, got 'x'" in msg
+    assert "expected true or false, got 'maybe'" in msg and "expected name=value" in msg
+    with pytest.raises(ValueError, match="impl must be one of"):
+        REFERENCE.with_settings(["impl=cuda"])
+    with pytest.raises(ValueError, match="split_k_rows"):
+        Routes(split_k_rows=(64, 32))
+    with pytest.raises(ValueError, match="integer >= 0"):
+        Routes(bits_kernel_max_nodes=-1)
+    assert set(IMPLS) == {"xla", "pallas", "pallas_interpret"}
+
+
+def test_changing_a_route_changes_the_compiled_program():
+    """Routes travel in GenSpec, a static argument of the jitted generation: a generation with
+    another route is another cache entry and another program (here the GDN decode kernel leaves
+    plain decoding's loop), and the same route hits the cache."""
+    cfg, gd, params = make_target(dict(head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16), seed=31,
+                                  base=HYBRID)
+    prompt = jnp.asarray(np.arange(1, 9)[None] % cfg.vocab_size, jnp.int32)
+    lens = jnp.asarray([8], jnp.int32)
+    on, off = INTERPRET, INTERPRET.replace(gdn_decode_kernel=False)
+    run = lambda routes: gen.generate(gd, params, prompt, lens, mode="ar", max_new_tokens=4, routes=routes)
+    before = gen.generate._cache_size()
+    a = run(on)
+    assert gen.generate._cache_size() == before + 1
+    run(on)
+    assert gen.generate._cache_size() == before + 1  # the same routes: a cache hit
+    b = run(off)
+    assert gen.generate._cache_size() == before + 2  # another route: another program
+    np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+    text = lambda routes: str(jax.make_jaxpr(lambda p: gen.generate(gd, p, prompt, lens, mode="ar", max_new_tokens=4,
+                                                                      routes=routes).tokens)(params))
+    assert "gdn_decode" in text(on) and "gdn_decode" not in text(off)
