@@ -2,7 +2,7 @@
 
 The models hold `mlp/gate_up_proj` [in, gate | up], `self_attn/qkv_proj` [in, q | k | v] and
 `linear_attn/in_proj_qkvzba` [in, qkv | z | b | a] (columns in that order; biases likewise;
-docs/decisions: merged projection layouts). HF checkpoints hold the parts. The key maps keep
+docs/decisions/0005-merged-projection-layouts.md). HF checkpoints hold the parts. The key maps keep
 mapping HF tensors onto the parts; `map_into_layout` asks them for the parts a merged model
 needs and concatenates after, `split` cuts them back for an export, and `alternatives` lets a
 converted checkpoint saved in an older layout (separate parts, or qkv | z and b | a) be restored.

@@ -2,8 +2,8 @@
 
 Why: on the H200 XLA autotunes every GEMM fusion when a program compiles and picks among
 near-equal cuBLAS / Triton candidates by timing them, so the same code compiled in two processes
-ran the DDTree verify's GEMMs in 13.28-13.61 ms of kernels (docs/benchmarks.md, session 12): more
-than most changes being measured. With `--xla_gpu_per_fusion_autotune_cache_dir=DIR` XLA writes
+ran the DDTree verify's GEMMs at times a few percent apart (docs/decisions/0002-xla-autotune-cache.md):
+more than most changes being measured. With `--xla_gpu_per_fusion_autotune_cache_dir=DIR` XLA writes
 each fusion's choice to DIR and later processes read it back instead of re-timing, so runs that
 share DIR compare the same kernels. The flag is read when the backend starts (the first device
 use, not `import jax`), so `use_autotune_cache` must run before that.

@@ -79,9 +79,8 @@ def paired_marginal_ms(call: Callable[[int], Callable[[], object]], n: int, repe
                        ) -> tuple[float, float, list[float]]:
     """marginal_ms with the n and 2n calls timed in pairs, one pair per repeat: (median of the
     pairs' ms per iteration, median fixed ms per call, every pair's ms per iteration). The
-    difference of two medians taken minutes apart moves with the GPU's clock between them (the
-    27B decode step read 13.92 ms in one process where its T(16) / 16 and every other process said
-    ~13.1-13.3: docs/benchmarks.md, session 13); a pair shares the conditions it ran under.
+    difference of two medians taken minutes apart moves with the GPU's clock between them
+    (docs/decisions/0001-paired-marginal-step-estimator.md); a pair shares the conditions it ran under.
     call(k)() runs k iterations; both are warmed up first."""
     once, twice = call(n), call(2 * n)
     jax.block_until_ready(once())
@@ -155,9 +154,8 @@ def _phase_loop(graphdef, params, dparams, s, logq, tree, res, eos, key, spec, p
     speculative step ("loop": draft, build, verify, commit and the loop's bookkeeping, as
     gen._advance runs them) instead carry their state from iteration to iteration, as generation
     does: with only a checksum of each output, XLA dropped the recurrent-state and cache writebacks
-    and copied the K cache per layer instead of updating it in place (the session-5 HLO of
-    scripts/profile_step.py), and the separate phases miss the copies the loop itself makes into
-    its carried buffers (session 12). The inputs are not donated: each call first copies the
+    and copied the K cache per layer instead of updating it in place (seen in the profile's HLO),
+    and the separate phases miss the copies the loop itself makes into its carried buffers. The inputs are not donated: each call first copies the
     caches it will update (per call, not per iteration)."""
     model = nnx.merge(graphdef, params)
     vocab = model.cfg.vocab_size

@@ -47,7 +47,7 @@ def ancestor_bits_from_parents(parents: jax.Array, max_depth: int, routes: Route
 
     With kernels on, one kernel launch for trees of up to routes.bits_kernel_max_nodes nodes,
     where one launch beats XLA's ~2 per step; larger trees take the same doubling as XLA gathers
-    (exact, the same bits), which measured faster there (docs/decisions: ancestor-bits kernel).
+    (exact, the same bits), which measured faster there (docs/decisions/0029-ancestor-bits-kernel.md).
     The XLA form above the threshold is announced by a warning when the step is traced."""
     impl = routes.impl
     if routes.kernels and parents.shape[-1] > routes.bits_kernel_max_nodes:

@@ -9,9 +9,8 @@ Qwen3.5), "fp32_weight" (w * norm(s) in float32, then cast: NemotronH), "plain" 
 norm(s): Qwen3 / Llama). `reference` is that module's arithmetic.
 
 Why a kernel: between two GEMVs of a decode step XLA runs the residual add, the sum of squares
-and the normalize as three launches of ~1.4-1.6 us each for a 5120-wide row (the 127-128-launch
-add / reduce / convert fusions of the 27B decode profile, ~0.56 ms a step: docs/benchmarks.md
-section 1); here one program per row loads both inputs once, writes the sum and the normed row.
+and the normalize as three launches for each row (docs/decisions/0013-add-rms-norm-kernel.md);
+here one program per row loads both inputs once, writes the sum and the normed row.
 
 delta may also be split-K partial sums: float32 [S, ..., H]. At 65 rows (a tree verify of the 27B
 model) XLA runs the MLP down and the mixer output products as split-K GEMMs writing S = 8 / 4
@@ -20,13 +19,9 @@ kernel; taking the partials here removes that launch. The kernel adds the S part
 in index order, rounds the sum to x's dtype (what the reduce fusion writes), then adds x as for a
 plain delta. The row goes in power-of-two column blocks of at most PARTS_CHUNK (a static loop;
 a block's S partial loads, its x and weight loads are independent), the blocks' stream values
-stay in registers for the second loop that normalizes and stores. The first form loaded all
-partials as one [8, 8192] float32 block (4 warps, 256 KB of registers a program), spilled heavily
-and took 10.9 us a launch on the H200. This one, after a batched product that writes the
-partials (ncu, H200, 65 x 5120 bf16): 4.1 us at S = 4 (reduce + plain kernel: 2.8 + 3.5 us),
-5.6 us at S = 8 (4.2 + 3.4 us; 2026-11-30, an ad hoc ncu harness: docs/kernels_dense.md; the
-rerunnable comparison is scripts/gpu_add_rms_norm.py); no spill at PARTS_WARPS / PARTS_CHUNK (32
-registers: scripts/offline_triton_compile.py add_rms_norm).
+stay in registers for the second loop that normalizes and stores (a form holding all partials as
+one [8, 8192] float32 block spilled heavily); no spill at PARTS_WARPS / PARTS_CHUNK
+(scripts/offline_triton_compile.py add_rms_norm; figures: docs/decisions/0014-split-k-partials-add-rms-norm.md).
 """
 
 from __future__ import annotations

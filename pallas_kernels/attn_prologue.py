@@ -5,10 +5,10 @@ Triton kernel + its pure-jnp reference).
                             gated=, eps=, zero_centered=, impl="xla" | "pallas" | "pallas_interpret")
 
 Between the q | k | v projection and the attention kernel a Qwen3 / Qwen3.5 layer slices the
-product into heads, RMS-normalizes q and k per head (`models.layers.RMSNorm`) and rotates their
+product into heads, RMS-normalizes q and k per head (`ref.norms.rms_norm`) and rotates their
 first `rotary_dim` features (`apply_rope`, non-interleaved halves). XLA runs that as ~6 launches a
-layer (two slices, two norms, two rope concatenations: ~12 us of a 27B verify's attention layer,
-~7 us of a decode step's; H200, 2026-11-30, docs/benchmarks.md section 1). Here it is one launch.
+layer (two slices, two norms, two rope concatenations). Here it is one launch
+(docs/decisions/0024-attention-prologue-kernel.md).
 
     proj [B, T, W]: per q head h the columns [h * hd, (h + 1) * hd) (gated: [2 h hd, 2 h hd + hd),
     the gate half after each head is left to the output), then kv heads of k, then of v.
@@ -21,9 +21,8 @@ cos / sin rounded to the model dtype (as `apply_rope`) and rounds once after its
 Kernel: one program per (batch row, head, block of up to 16 rows); heads are q heads, then k
 heads, then v heads, each one hd-wide block of columns of the product (read in place: no slice
 copies). 65 rows are 5 blocks of 16, the last masked: 160 programs for the 27B layer at batch 1
-(the first version ran a head's row blocks one after another in one program: 32 programs, 22.3 us
-in the H200 verify against ~12 us for the XLA launches it replaced, docs/kernels_attention.md). Larger blocks
-spill at hd 256. The rotation's partner features are a second, gathered load of the same row
+(one program per head, looping over its row blocks, was too few: docs/kernels_attention.md).
+Larger blocks spill at hd 256. The rotation's partner features are a second, gathered load of the same row
 (column c + rot/2 or c - rot/2).
 """
 

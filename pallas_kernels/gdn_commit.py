@@ -12,12 +12,11 @@ many programs in flight, which is what a bandwidth-bound 16-step scan needs.
 
 With `window` and `conv_in` the same launch also slides the conv window: the last K - 1 rows of
 [window ; conv_in[path[:count]]] (models/conv.next_window), in place. Inside the generation loop
-XLA's form of that slide was a fusion plus a copy into the loop-carried window per GDN layer
-(2026-11-30 session 12). The window's channels go in blocks of `wb` (a power of two dividing
-conv_dim, <= 128) to programs of their own after the state programs (the grid is (batch, state
-programs + window blocks)): a window block costs two dependent loads (path, then a node's row),
-which on the state programs lengthened the commit from 4.3 to 4.5 us a 27B layer inside the
-loop (H200, `profile_step.py --phases loop`); on programs of their own it is 4.2. Each window
+XLA's form of that slide was a fusion plus a copy into the loop-carried window per GDN layer.
+The window's channels go in blocks of `wb` (a power of two dividing conv_dim, <= 128) to programs
+of their own after the state programs (the grid is (batch, state programs + window blocks)): a
+window block costs two dependent loads (path, then a node's row), which lengthened the state
+programs (docs/decisions/0022-gdn-path-commit-in-place.md). Each window
 program reads the K - 1 rows it needs (a window row or a path node's conv input, chosen per row)
 before it writes any.
 """
@@ -140,8 +139,7 @@ def _pallas(k, v, g, beta, state, path, count, window, conv_in, *, interpret, bl
     args = [path.astype(jnp.int32), count.astype(jnp.int32), k, v, g.astype(jnp.float32), beta.astype(jnp.float32),
             state.astype(jnp.float32)]
     # in place: each program reads its state tile whole before it writes the same tile. Inside the
-    # generation loop a fresh output cost a 3 MB copy into the carried buffer per layer (48 of the
-    # 27B DDTree step's memcpy kernels, 2026-11-30 session 12)
+    # generation loop a fresh output cost a 3 MB copy into the carried buffer per layer
     aliases = {6: 0}
     out_specs = state_spec
     out_shape = jax.ShapeDtypeStruct(state.shape, jnp.float32)

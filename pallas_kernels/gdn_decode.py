@@ -22,8 +22,8 @@ place (no slice copies, no a / b weight slices or transposes, no x).
 Why a kernel: XLA runs this part of a 27B-shaped GDN layer's decode step as ~9 launches (the a / b
 products as multiply + reduce fusions in two stages, the gates, conv + SiLU + norms, the key
 broadcast, kv_mem, the state update with the output and the gated norm, the window slide),
-reading the 64 KB float32 state of every head twice; ~20 us a layer in the session-5 profile, 48
-layers a step (docs/benchmarks.md section 1). Here one program per
+reading the 64 KB float32 state of every head twice (docs/decisions/0017-gdn-decode-kernel.md).
+Here one program per
 (sequence, value head) loads its head's q / k / v columns and conv window, does everything in
 registers and writes y, the state (in place) and its window columns: one launch, the state read
 and written once. Its a / b products read its head's row of the transposed a / b weights
@@ -47,9 +47,7 @@ from pallas_kernels.ref.conv import causal_conv, next_window
 from pallas_kernels.ref.delta_rule import gate_values, split_heads
 from pallas_kernels.ref.norms import gated_rms_norm
 
-# H200, session 6 (scripts/gpu_gdn_decode.py --warps 4): 4 warps 17.1 us against 21.4 us at 8 and
-# 21.4 us for the XLA form at batch 1; 32.9 / 44.1 / 55.4 us at batch 8.
-DEFAULT_WARPS = 4
+DEFAULT_WARPS = 4  # fastest measured (docs/decisions/0017-gdn-decode-kernel.md)
 
 
 def reference(mixed, z, x, w_a, w_b, a_log, dt_bias, window, conv_w, state, norm_w, n_valid, *,
@@ -194,10 +192,9 @@ def _pallas(mixed, z, x, w_a, w_b, a_log, dt_bias, window, conv_w, state, norm_w
     if packed:
         lead_args, lead_specs = (mixed,), [full((b, width))]
     else:
-        # the a / b weights as [Hv, hidden]: each program reads its head's row contiguously. Strided
-        # column reads of the [hidden, Hv] kernels cost ~8 us a launch on the H200 (scripts/gpu_gdn_decode.py
-        # at 8 warps, session 6: 29.1 us with columns, 21.4 with rows). The transpose is loop-invariant in
-        # a decode loop (XLA may hoist it; at worst one 480 KB transpose a layer).
+        # the a / b weights as [Hv, hidden]: each program reads its head's row contiguously (strided
+        # column reads of the [hidden, Hv] kernels measured slower: docs/decisions/0017). The
+        # transpose is loop-invariant in a decode loop (XLA may hoist it).
         w_a, w_b = w_a.T, w_b.T
         lead_args = (mixed, z, x, w_a, w_b)
         lead_specs = [full((b, c)), head(dv), full(x.shape), full(w_a.shape), full(w_b.shape)]

@@ -59,9 +59,7 @@ PRECISIONS = ("ieee", "tf32x3", "tf32", "bf16x3")
 ROOT_ROWS = 16  # the peeled root's tiles: node 0 in row 0 (a tl.dot operand needs >= 16 rows)
 # 16-bit q / k: the products with the float32 state as two 16-bit passes, S0 = hi + lo (q / k are
 # exact in 16 bits, each product exact, float32 sums: ~16 mantissa bits against TF32's 10), so q / k
-# stay 16-bit in shared memory and are not widened to float32 first. H200, 27B verify (2026-11-30,
-# session 11, docs/benchmarks.md): 17.0 -> 13.3 us a layer on the random drafter's tree, 22.4 ->
-# 18.5 on a depth-15 tree (-0.18 ms a verify); offline 3,064 SASS instructions against 3,304.
+# stay 16-bit in shared memory and are not widened to float32 first (docs/decisions/0021-gdn-tree-split-state.md).
 SPLIT_STATE = True
 
 
@@ -174,7 +172,7 @@ def _tree_kernel(*refs, n, c, bk, p_in, p32, peel, in_place=False, split_state=F
         # 16-bit inputs (root_tiles): node 0 travels as row 0 of 16-row tiles (zeros below), so its
         # products with the state and with the block rows run as small matmuls; as row reductions
         # over dk across the threads they were much of the kernel's shuffle / shared-memory traffic
-        # (offline compile and Nsight Compute, 2026-11-30, docs/kernels_gdn.md). float32 inputs keep
+        # (offline compile and Nsight Compute: docs/kernels_gdn.md). float32 inputs keep
         # the reductions: their 3-pass TF32 tile products spilled far more (offline compile).
         top = lax.broadcasted_iota(jnp.int32, (ROOT_ROWS, 1), 0) == 0
         first_row = lambda x: jnp.where(top, x[None, :], jnp.zeros((), x.dtype))  # [ROOT_ROWS, w]

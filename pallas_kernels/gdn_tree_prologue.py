@@ -16,8 +16,7 @@ concatenation of window and nodes (docs/kernels_gdn.md, "Next"); here it is one 
 Kernel: one program per (batch row, key head, channel group): group 0 is the key head's q
 channels, group 1 its k channels, group 2 + r its r-th value head (value head j * rep + r reads
 key head j). 2 + rep groups per key head keep 80 programs in flight for the 27B layer at batch 1
-(the first version ran a key head's q, k and value heads in one program: 16 programs, 27.5 us
-at 65 nodes on the H200 against 12.7 for XLA's fusions). Every group is one dk-wide
+(one program per key head was too few: docs/decisions/0018-gdn-tree-prologue-kernel.md). Every group is one dk-wide
 block of channels (dk == dv), so one BlockSpec serves all groups; a program stores only its own
 outputs. Taps are gather loads (`ref[idx, :]`: a row of the window or of the nodes, selected by
 index). Pallas Triton needs power-of-two shapes for every value, so the nodes run as one block
@@ -31,8 +30,7 @@ Gates (optional, `gates=(a_log, dt_bias), ba_col=c`): where `mixed` is the whole
 product, each value-head program also computes its head's gates from the
 b and a columns at `c + head` and `c + Hv + head`, as the decode kernel does (gdn_decode: beta =
 sigmoid(b) rounded to the model dtype, g = -exp(A_log) softplus(a + dt_bias) in float32), and
-stores g and beta [B, Hv, N] heads-first: two XLA fusions (~1.7 us each a 27B layer on the H200;
-docs/kernels_gdn.md) fewer per GDN layer.
+stores g and beta [B, Hv, N] heads-first: two XLA fusions fewer per GDN layer.
 
 impl="xla" is the reference, "pallas" the Triton kernel, "pallas_interpret" the same kernel in the
 Pallas interpreter (CPU tests).

@@ -9,7 +9,7 @@ order, ties to the lower index, -0.0 below +0.0.
 Why a kernel: on a GPU XLA runs a vocabulary top-16 as a sort (`sort_top_k` below, staged over
 chunks of 2048) plus a second sort over the chunk winners and the gathers around them:
 15.3 + 2.6 us and ~5 launches of the demo pair's DDTree-16 build, the largest piece left after the
-node selection kernel (docs/decisions: row top-k kernel). Here one program
+node selection kernel (docs/decisions/0032-row-top-k-kernel.md). Here one program
 per row holds the row's int32 order keys in registers and takes the k largest one at a time: a max,
 then the lowest index holding it, then that entry masked out (2k dependent block reductions).
 For rows up to ROW_TOP_K_MAX_LEN entries and k up to ROW_TOP_K_MAX_K.
@@ -33,7 +33,7 @@ from pallas_kernels._common import check_impl, compiler_params, load, next_pow2,
 
 ROW_TOP_K_MAX_LEN = 8192  # the row's keys in registers: 64 per thread at 4 warps
 ROW_TOP_K_MAX_K = 32
-DEFAULT_WARPS = 4  # fastest at every measured shape (docs/decisions: row top-k kernel)
+DEFAULT_WARPS = 4  # fastest at every measured shape (docs/decisions/0032-row-top-k-kernel.md)
 
 
 def _kernel(x_ref, val_ref, idx_ref, *, n, k, n_pad, kp):
@@ -106,7 +106,7 @@ def sort_top_k(x: jax.Array, k: int):
     """lax.top_k over the last axis as one stable sort of descending keys (ties: lower index first).
 
     For k <= 16 XLA runs lax.top_k on GPUs as its TopK custom kernel, which such a sort beats on
-    short rows (docs/decisions: sort top-k). Integer keys with a less-than order keep XLA from
+    short rows (docs/decisions/0034-vocabulary-top-k-xla-forms.md). Integer keys with a less-than order keep XLA from
     matching the sort back into a TopK."""
     idx = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
     _, idx = jax.lax.sort((~order_key(x), idx), dimension=x.ndim - 1, num_keys=1, is_stable=True)

@@ -196,11 +196,9 @@ def _verify_pallas(x, dt, A, B, C, D, state, ancestor_bits, *, interpret, block_
         x, dt, B, C = x[:, 1:], dt[:, 1:], B[:, 1:], C[:, 1:]
         n = n - 1
     n_pad = pow2_at_least(n)
-    # Defaults from ptxas (scripts/offline_triton_compile.py ssd, 128 heads x 64, state 128): the
-    # former 32-row blocks x 64-wide tiles x 4 warps at 64 nodes got 32 registers and 8.9 KB of
-    # spill stack per thread (405 us on the H200 vs 110 us for XLA); 64-row blocks x 32-wide tiles
-    # x 8 warps compile to 209 registers and no spills (256 programs). 16 nodes keep the measured
-    # 16 x 64 x 4-warp tiles (255 registers, no spills; 82 us vs XLA's 94 us).
+    # Defaults from ptxas (scripts/offline_triton_compile.py ssd, 128 heads x 64, state 128): 64-row
+    # blocks x 32-wide tiles x 8 warps compile without spills at 64 nodes (32-row blocks x 64-wide
+    # tiles spilled); 16 nodes keep 16 x 64 x 4-warp tiles (docs/decisions/0027-ssd-kernel-max-nodes.md).
     small = n_pad <= 16
     bn = min(n_pad, block_n or (16 if small else 64))
     bp = min(hd, block_p or (min(hd, 64) if small else min(hd, 32)))

@@ -107,9 +107,8 @@ class Config:
 
 def _max_block_r(hd: int) -> int:
     """Largest row block: the float32 accumulator is block_r x hd, 128 registers per thread at
-    128 x 256 with 8 warps (block_r > 64 gets 8 warps). The H200 tile sweep (2026-11-29,
-    docs/benchmarks.md) put 128 rows x 64 keys x 8 warps first for a 64-node tree at head_dim 256:
-    47.8 us against 63.3 us for 64 rows x 4 warps."""
+    128 x 256 with 8 warps (block_r > 64 gets 8 warps); the tile sweep put 128 rows x 64 keys x 8
+    warps first for a 64-node tree at head_dim 256 (docs/decisions/0025-tree-attention-tiles-split-balance.md)."""
     return 128 if hd <= 256 else 64
 
 

@@ -14,12 +14,8 @@ root, nodes numbered from 1) and whether it is a real node (score > -inf). Inval
 included.
 
 Why a kernel: on a GPU the XLA form costs ~4 launches per depth plus ~10 for the final pick and
-the index mapping (the demo pair's DDTree-32 build: 82 kernels, 0.15 ms of a 0.7 ms step), and a
-small model's step is bound by launches. A first one-launch form ran the beam in a kernel with a
-32-step bitwise search per depth: 480 dependent block reductions, 79 us on the H200 at budget 16,
-no faster than the XLA beam. This kernel: 10.1 / 21.2 / 57.8 us at budgets 16 / 32 / 64 against
-88.6 / 107.3 / 305.3 us for the XLA form (batch 1, 15 depths, in an on-device loop;
-docs/decisions: tree-select kernel).
+the index mapping, and a small model's step is bound by launches; this kernel is one launch and
+several times faster up to budget 64 (docs/decisions/0030-tree-select-kernel.md).
 
 The algorithm has few dependent steps. Every prefix has one predecessor in the left-child /
 right-sibling view of the candidate tree (its previous sibling, or its parent for a first child)
@@ -45,11 +41,11 @@ from jax.experimental import pallas as pl
 from pallas_kernels._common import check_impl, compiler_params, load, next_pow2, order_key, plus_zero, store
 from pallas_kernels.row_top_k import top_k
 
-SELECT_KERNEL_MAX_BUDGET = 64  # frontier of 128 slots; 57.8 us at budget 64 vs 305 us for the XLA form (H200)
+SELECT_KERNEL_MAX_BUDGET = 64  # a frontier of 128 slots in registers
 
 
-# One warp reduces without shared memory or barriers: fastest at every budget measured on the H200
-# (docs/decisions: tree-select kernel).
+# One warp reduces without shared memory or barriers: fastest at every budget measured
+# (docs/decisions/0030-tree-select-kernel.md).
 DEFAULT_WARPS = 1
 
 
@@ -118,8 +114,8 @@ def _kernel(val_ref, depth_ref, rank_ref, parent_ref, valid_ref, *, depth, k, bu
     def winner(sc, fw, live):
         """The live entry no other beats: the highest score key, then the smallest (depth, path)
         words, one reduction per field on [F] vectors. (A form with one [F, F] comparison and one
-        reduction per pop instead was 1.4x / 3.1x / 28x slower at budgets 16 / 32 / 64 on the
-        H200: its tiles need 4-8 warps, whose reductions cross shared memory.)"""
+        reduction per pop instead measured slower: its tiles need 4-8 warps, whose reductions
+        cross shared memory.)"""
         key = jnp.where(live == 1, order_key(sc), lowest)
         top = jnp.max(key)
         win = (live == 1) & (key == top)
@@ -226,8 +222,8 @@ def select_in_index_order(x: jax.Array, width: int, inf_last: bool = False) -> j
     [B, width], by pairwise comparison: three reductions (rank of every entry, selected entries
     before each, the index holding each output slot) instead of a top-k sort, a sort of the picks
     and the copies XLA's in-place sorts make (~6 kernels). O(n^2) work, for short rows on a GPU,
-    where a small model's tree build is one kernel launch per op (docs/decisions: pairwise-rank
-    beam). inf_last: picked -inf entries after all others (each group in index order)."""
+    where a small model's tree build is one kernel launch per op (docs/decisions/0031-pairwise-rank-beam.md
+    ). inf_last: picked -inf entries after all others (each group in index order)."""
     n = x.shape[-1]
     idx = jnp.arange(n, dtype=jnp.int32)
     earlier = idx[None, :] < idx[:, None]  # [i, j]: j before i

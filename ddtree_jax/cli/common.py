@@ -74,7 +74,7 @@ def add_int8_drafter_argument(group) -> None:
     group.add_argument("--int8-drafter", nargs="?", const="w8a8", default=None, choices=["w8a8", "weight-only"],
                        help="run the drafter and its draft head with int8 weights (one scale per output column; "
                        "w8a8, the default: the wide products with int8 activations too; weight-only): fewer bytes "
-                       "a draft step reads (H200 figures at the 27B shape: docs/benchmarks.md); output unchanged, "
+                       "a draft step reads (figures at the 27B shape: docs/benchmarks.md); output unchanged, "
                        "the drafts may differ slightly (ddtree_jax/models/int8.py)")
 
 

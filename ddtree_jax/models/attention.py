@@ -70,7 +70,7 @@ def attend(q: jax.Array, parts, scale: float) -> jax.Array:
 class Attention(nnx.Module):
     """Qwen3 attention (q/k norms, RoPE, GQA); with `attn_output_gate` the Qwen3.5 gated form.
     q, k and v come from one [hidden, q + k + v] weight (`qkv_proj`; the converters join HF's
-    separate projections: docs/decisions, merged projection layouts)."""
+    separate projections: docs/decisions/0005-merged-projection-layouts.md)."""
 
     def __init__(self, cfg: TargetConfig, *, dtype, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -144,7 +144,7 @@ class Attention(nnx.Module):
         With kernels on, single-token steps (T = 1: decoding) go through the tree-attention kernel
         as a one-node tree (routes.attention_decode_kernel): it reads the cache only up to each
         sequence's length, where the XLA form reads the whole capacity under a mask
-        (docs/decisions: decode attention through the tree kernel). Longer appends (prefill
+        (docs/decisions/0023-attention-decode-tree-kernel.md). Longer appends (prefill
         chunks) use the XLA form."""
         t, start = x.shape[1], step.start
         positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None]

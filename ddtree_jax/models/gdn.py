@@ -2,7 +2,7 @@
 
 The input projections are held as one [hidden, conv_dim + value_dim + 2 Hv] weight
 (`in_proj_qkvzba`, columns qkv | z | b | a; the converters join HF's separate or Qwen3-Next's
-grouped projections into it: docs/decisions, merged projection layouts). Prefill uses the
+grouped projections into it: docs/decisions/0005-merged-projection-layouts.md). Prefill uses the
 chunked form, single-token steps the recurrence; both are pure functions of (params, inputs,
 RecurrentCache). The math: pallas_kernels/ref/delta_rule.py; the tree-state contract:
 docs/tree_state.md.
@@ -156,8 +156,9 @@ class GatedDeltaNet(nnx.Module):
         pending = RecurrentPending(mixed, k, v, g, beta)
         if routes.kernels:  # trees and chains (linear DFlash): a chain is a tree of depth N - 1
             # 16-bit models hand the kernel q / k / v in the model dtype (its loads halve and its
-            # float32 products run as one-pass TF32, below the bf16 rounding of o: docs/decisions,
-            # bf16 GDN inputs); the state stays exact: the commit replays the float32 k / v.
+            # float32 products run as one-pass TF32, below the bf16 rounding of o:
+            # docs/decisions/0020-gdn-tree-root-peel-bf16-inputs.md); the state stays exact: the
+            # commit replays the float32 k / v.
             lo = (lambda a: a.astype(x.dtype)) if x.dtype in (jnp.bfloat16, jnp.float16) else (lambda a: a)
             o = gdn_tree_verify(lo(q), lo(k), lo(v), g, beta, cache.state, bits, impl=routes.impl)
             return self.output(o, z, x.dtype, routes), pending

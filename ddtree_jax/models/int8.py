@@ -4,7 +4,7 @@ and, for the wide products, int8 activations with one scale per row (W8A8).
 Why: a DFlash step reads the drafter's weights and, for its draft head, the target's lm_head once
 per step; those products have 15-16 rows a sequence, so they are bound by the bytes of their
 weights, and int8 halves them. The [out, in] storage and the W8A8 threshold are what measured
-fastest for XLA's int8 GEMMs (docs/decisions: the int8 drafter).
+fastest for XLA's int8 GEMMs (docs/decisions/0036-int8-drafter-w8a8.md).
 
 Output is unchanged: the drafter only proposes; the target verifies every draft in its own dtype,
 so greedy output stays identical to plain decoding and sampling keeps the target's distribution.

@@ -27,7 +27,7 @@ def _init(rngs: nnx.Rngs, shape, dtype, scale: float):
 def split_k_count(rows: int, k: int, routes: Routes) -> int:
     """Contraction slices of a `split_k_out` product of `rows` rows and contraction k (1: none):
     at a tree verify's row counts (routes.split_k_rows), the split XLA's autotuner chose for its own
-    GEMM there (docs/decisions: split-K partials into the add + RMSNorm kernel)."""
+    GEMM there (docs/decisions/0014-split-k-partials-add-rms-norm.md)."""
     lo, hi = routes.split_k_rows
     if not (routes.kernels and routes.split_k_parts and lo <= rows <= hi):
         return 1
@@ -108,7 +108,7 @@ def distinct_operands(x: jax.Array, *groups: tuple[Linear, ...]) -> tuple[jax.Ar
 
     XLA's dot merger joins projections of the same input into one GEMM over the concatenated
     weights: a concatenation copied on every call where the weights are separate parameters (the
-    drafter's context K / V of all layers; docs/decisions: unmerged projections). An optimization
+    drafter's context K / V of all layers; docs/decisions/0008-unmerged-verify-inputs.md). An optimization
     barrier of x together with each group's first kernel gives every group a distinct operand,
     without a copy."""
     if len(groups) < 2:
@@ -145,8 +145,8 @@ class GatedRMSNorm(nnx.Module):
 
 class SwiGLU(StatelessMixer, nnx.Module):
     """down(silu(gate(x)) * up(x)), gate and up held as one [hidden, 2 * inter] weight (gate
-    columns first): one product where HF's separate weights make two (docs/decisions: merged
-    projection layouts; the converters join HF's weights)."""
+    columns first): one product where HF's separate weights make two (docs/decisions/0005-merged-projection-layouts.md
+    ; the converters join HF's weights)."""
 
     def __init__(self, hidden: int, inter: int, *, dtype="float32", rngs: nnx.Rngs, bias: bool = False):
         self.gate_up_proj = Linear(hidden, 2 * inter, bias=bias, dtype=dtype, rngs=rngs)

@@ -150,7 +150,7 @@ class Mamba2Mixer(nnx.Module):
         With kernels on, trees and chains of up to routes.ssd_kernel_max_nodes nodes go through the
         SSD tree kernel (pallas_kernels/ssd_tree.py), which reads the compact ancestor `bits`
         [B, N, W] instead of `visible`; larger ones take the XLA form, which measured faster there
-        (docs/decisions: SSD kernel up to 16 nodes), announced by a warning when traced.
+        (docs/decisions/0027-ssd-kernel-max-nodes.md), announced by a warning when traced.
         """
         visible, conv_src, bits = geo.visible, geo.conv_src, geo.bits
         z, xbc, dt = self.project(x)

@@ -7,7 +7,7 @@ decoder layer and `verify` / `commit` below drive any pattern generically. Block
 (NemotronH "mlp" / "moe") have layer cache None and pending None.
 
 Layers are a Python list run unrolled under jit: a lax.scan over stacked layer weights ran
-2.8x slower on the H200 (docs/decisions: unrolled layers).
+2.8x slower on the H200 (docs/decisions/0004-unrolled-layers.md).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Why: a DFlash drafter scores its block with the target's lm_head over the whole vocabulary. At
 the Qwen3.6-27B shape that is 15 draft positions x 248,320 ids: the 2.54 GB head is read once
-per step, 0.57 ms of an ~18.6 ms DDTree step on the H200 (docs/decisions: draft vocabulary). With
+per step, 0.57 ms of an ~18.6 ms DDTree step on the H200 (docs/decisions/0038-draft-vocabulary.md). With
 N ids the draft head is the [H, N] slice of those columns (0.34 GB at N = 32768), sliced once
 when the generation is set up, never inside the loop. This is FR-Spec's frequency-ranked draft
 vocabulary (Zhao et al., 2025) and what SGLang loads with `--speculative-token-map`.

@@ -236,7 +236,7 @@ def bind(graphdef: nnx.GraphDef):
 
     As a static argument jit hashes a GraphDef on every call, walking the whole graph (3.9 ms for
     the 27B-shaped target's on this project's CPU machine; a 0-step advance of a 64-layer model
-    7.5 ms static, 2.2 ms bound: docs/decisions, bound graphdef), paid per
+    7.5 ms static, 2.2 ms bound: docs/decisions/0003-bound-graphdef.md), paid per
     chunk of a streamed generation (the engine advances `stream_every` steps a call). Bound, a call
     hashes only its GenSpec."""
     hit = _BOUND.get(id(graphdef))
