@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ddtree_jax.models.layers import rope_cos_sin
+from pallas_kernels.ref.rope import rope_cos_sin
 from pallas_kernels.attn_prologue import attn_prologue, kernel_problems, row_block
 
 B, NH, KV, HD, ROT = 2, 4, 2, 32, 8

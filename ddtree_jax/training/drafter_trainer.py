@@ -35,7 +35,7 @@ from ddtree_jax.config import TargetConfig
 from ddtree_jax.drafter_config import DrafterConfig, default_target_layer_ids
 from ddtree_jax.models.attention import NEG_INF
 from ddtree_jax.models.drafter import DrafterModel, logits_from_hidden
-from ddtree_jax.models.layers import apply_rope
+from pallas_kernels.ref.rope import apply_rope
 from ddtree_jax.training.target_trainer import (
     TrainSettings,
     apply_updates,
