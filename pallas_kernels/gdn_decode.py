@@ -193,7 +193,7 @@ def _pallas(mixed, z, x, w_a, w_b, a_log, dt_bias, window, conv_w, state, norm_w
         lead_args, lead_specs = (mixed,), [full((b, width))]
     else:
         # the a / b weights as [Hv, hidden]: each program reads its head's row contiguously (strided
-        # column reads of the [hidden, Hv] kernels measured slower: docs/decisions/0017). The
+        # column reads of the [hidden, Hv] kernels measured slower: docs/decisions/0017-gdn-decode-kernel.md). The
         # transpose is loop-invariant in a decode loop (XLA may hoist it).
         w_a, w_b = w_a.T, w_b.T
         lead_args = (mixed, z, x, w_a, w_b)

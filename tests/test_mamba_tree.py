@@ -194,8 +194,8 @@ def test_pallas_routes_large_trees_to_the_xla_form(n, expect_kernel, chain):
     """A GPU's routes run the SSD verify kernel up to routes.ssd_kernel_max_nodes (16, the measured
     crossover on the H200) nodes only, for trees and for linear DFlash's chains (tree None); larger
     ones take the XLA form, with a warning. Traced on the CPU, never run."""
-    routes = Routes.resolve(impl="pallas", platform="gpu")
-    assert routes.ssd_kernel_max_nodes == 16
+    assert Routes.resolve(impl="pallas", platform="gpu").ssd_kernel_max_nodes == 16
+    routes = Routes.resolve(impl="pallas_interpret", platform="gpu", ssd_kernel_max_nodes=16)  # traced on a CPU
     cfg, gd, params = MODELS["mamba2"]
     cache = committed_cache("mamba2", 0)
     tokens = jnp.zeros((B, n), jnp.int32)
