@@ -165,7 +165,8 @@ def generate_main(argv=None) -> int:
         sys.stdout.flush()
 
     def with_bar(callback, bar):
-        if bar is None:
+        """The stream callback: the text (or nothing) and the progress bar, where one is shown."""
+        if not bar.show:
             return callback
 
         def both(row, ids):
@@ -176,21 +177,19 @@ def generate_main(argv=None) -> int:
         return both
 
     try:
-        bar = progress.token_bar(args.max_new_tokens, streaming=stream_text)
+        bar = progress.TokenBar(args.max_new_tokens, streaming=stream_text)
         [c] = engine.generate([ids], mode=mode, budget=args.budget, max_new_tokens=args.max_new_tokens,
                               sampling=sampling, seed=args.seed, stop_token_ids=args.stop_token_ids,
                               stream=with_bar(on_tokens if stream_text else None, bar),
-                              stream_every=4 if stream_text else 16)
-        if bar is not None:
-            bar.close()
+                              stream_every=4 if stream_text else 16)  # a bar alone: a host sync per 16 steps
+        bar.close()
         same = None
         if args.compare_ar and mode != "ar":
-            bar = progress.token_bar(args.max_new_tokens, streaming=False)
+            bar = progress.TokenBar(args.max_new_tokens, streaming=False)
             [ref] = engine.generate([ids], mode="ar", max_new_tokens=args.max_new_tokens, sampling=sampling,
                                     seed=args.seed, stop_token_ids=args.stop_token_ids, stream=with_bar(None, bar),
                                     stream_every=16)
-            if bar is not None:
-                bar.close()
+            bar.close()
             same = ref.token_ids == c.token_ids
     except ValueError as e:
         die(str(e))

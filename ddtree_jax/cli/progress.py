@@ -65,11 +65,27 @@ def compiling():
     return step(COMPILING)
 
 
-def token_bar(total: int, streaming: bool):
-    """A tqdm bar of generated tokens on stderr, or None: only on a terminal, for a long generation,
-    and not when the text itself streams to a terminal (the two would interleave)."""
-    if total < LONG_GENERATION or not stderr_is_terminal() or (streaming and stdout_is_terminal()):
-        return None
-    from tqdm.auto import tqdm
+class TokenBar:
+    """A tqdm bar of generated tokens on stderr, shown only on a terminal, for a long generation, and
+    not when the text itself streams to a terminal (the two would interleave). Drawn from the first
+    tokens on, so the compilation before them (its own line) is not counted in its rate."""
 
-    return tqdm(total=total, desc="generating", unit="tok", leave=False, dynamic_ncols=True, file=sys.stderr)
+    def __init__(self, total: int, streaming: bool):
+        self.total = total
+        self.show = total >= LONG_GENERATION and stderr_is_terminal() and not (streaming and stdout_is_terminal())
+        self._bar = None
+
+    def update(self, n: int) -> None:
+        if not self.show:
+            return
+        if self._bar is None:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=self.total, desc="generating", unit="tok", leave=False, dynamic_ncols=True,
+                             file=sys.stderr)
+        self._bar.update(n)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
