@@ -95,6 +95,18 @@ def test_truncated_safetensors_is_one_root_cause(dirs, capsys, tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_corrupt_converted_checkpoint_is_one_line(dirs, capsys, tmp_path):
+    """Was: Orbax's traceback with pages of TensorStore spec."""
+    dst = tmp_path / "converted"
+    assert convert_cli.main([dirs["target"], str(dst), "-q"]) == 0
+    capsys.readouterr()
+    data = max((os.path.join(d, f) for d, _, fs in os.walk(dst / "params") for f in fs), key=os.path.getsize)
+    os.truncate(data, 100)
+    err = fails(capsys, generate_cli.main, ["--target", dst, "--mode", "ar", "--prompt", "x"])
+    assert len(err.strip().splitlines()) == 2 and "cannot read the stored params" in err, err
+    assert "truncated or corrupt" in err
+
+
 @pytest.mark.parametrize("case", ["src_file", "dst_file", "dst_parent_file", "already_converted", "exists"])
 def test_convert_input_errors_in_cli_words(dirs, capsys, tmp_path, case):
     config = os.path.join(dirs["target"], "config.json")
