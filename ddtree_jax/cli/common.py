@@ -72,7 +72,7 @@ def decode_utf8(data: bytes, what: str) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         die(f"{what} is not valid UTF-8: byte 0x{data[e.start]:02x} at byte offset {e.start} ({e.reason}); "
-            "save it as UTF-8")
+            "expected UTF-8 text")
 
 
 def read_text_file(path: str, what: str) -> str:

@@ -112,8 +112,8 @@ def prompt_ids(engine, prompt, args) -> list[int]:
     need = len(ids) + args.max_new_tokens
     if need > engine.max_context:
         die(f"the prompt has {len(ids)} tokens; with --max-new-tokens {args.max_new_tokens} it needs {need} "
-            f"positions but the context limit is {engine.max_context} (--max-context; default and most: the "
-            "model's max_position_embeddings)")
+            f"positions but the context limit is {engine.max_context} (--max-context, default: the model's "
+            "max_position_embeddings)")
     return ids
 
 
