@@ -64,8 +64,9 @@ class Completion:
 class Engine:
     """A loaded target, optionally a DFlash drafter and a tokenizer; `generate` is the one API."""
 
-    # Called with no arguments around the first run of a (spec, shape) bucket, where JAX compiles:
-    # returns a context manager (the CLIs print a "compiling ..." line with its time). None: nothing.
+    # Set on an instance: called with no arguments around the first run of a (spec, shape) bucket,
+    # where JAX compiles; returns a context manager (the CLIs print a "compiling ..." line with its
+    # time). None: nothing.
     on_first_run: Callable[[], contextlib.AbstractContextManager] | None = None
 
     def __init__(self, cfg: TargetConfig, graphdef, params, *, proposer=None, drafter_params=None, tokenizer=None,
@@ -124,8 +125,8 @@ class Engine:
     # ---- text <-> ids ------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
-            raise ValueError("this target directory has no tokenizer.json: set Engine.tokenizer "
-                             "(load_tokenizer(a directory with one)) or pass token ids instead of text")
+            raise ValueError("this target directory has no tokenizer.json: give the engine one "
+                             "(engine.tokenizer = load_tokenizer(DIR)) or pass token ids instead of text")
         return self.tokenizer.encode(text).ids
 
     def decode(self, ids: Sequence[int]) -> str | None:
