@@ -63,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     dec.add_argument("--max-context", type=positive_int, default=None,
                      help="longest prompt + generation allowed (default: the model's max_position_embeddings)")
     dec.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy (default)")
-    dec.add_argument("--top-k", type=non_negative_int, default=0, help="sample among the k most likely tokens (0 = off)")
+    dec.add_argument("--top-k", type=non_negative_int, default=0,
+                     help="sample among the k most likely tokens (0 = off)")
     dec.add_argument("--top-p", type=probability_mass, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off)")
     dec.add_argument("--seed", type=int, default=0, help="sampling seed")
     dec.add_argument("--stop-token-ids", type=parse_ids, default=(), help="extra stop tokens besides EOS, e.g. 13,198")
