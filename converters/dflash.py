@@ -102,8 +102,10 @@ def load_drafter(path: str | os.PathLike, dtype=None):
     The returned config's dtype is the params dtype (so `init_drafter_cache` matches).
     """
     path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"drafter directory {path} does not exist")
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"drafter directory {path} does not exist or is not a directory")
+        raise NotADirectoryError(f"{path} is a file, expected a directory (the drafter directory, not a file in it)")
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise FileNotFoundError(f"no config.json in {path}")
@@ -115,6 +117,8 @@ def load_drafter(path: str | os.PathLike, dtype=None):
     dcfg = DrafterConfig.from_hf_dict(raw, source=cfg_path)
     dcfg = dcfg.replace(dtype=_dtype_name(dtype) or dcfg.dtype)
     with SafetensorsCheckpoint(path) as ckpt:
+        if ckpt.unreadable_unknown:  # the root cause of every missing parameter: report only it
+            raise CheckpointError(ckpt.problems, path)
         problems = list(ckpt.problems)
         try:
             graphdef, params = drafter_params_from_tensors(dcfg, ckpt.names, ckpt.load, source=path)

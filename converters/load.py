@@ -7,11 +7,14 @@ and convert the former into the latter.
 
 A converted directory holds:
     config.json           copy of the HF config
-    ddtree_manifest.json  format name + version, params dtype, source, model type
+    ddtree_manifest.json  format name + version, params dtype, source, model type, copied files
     params/               Orbax StandardCheckpointer directory of the params pytree
+    tokenizer.json, ...   copies of the source's tokenizer, generation config and chat template
+                          (GENERATION_FILES, those present), so the directory generates text alone
     CONVERSION_COMPLETE   written last; a directory without it is refused
-It is written under a temporary sibling name and renamed into place only once complete, so a
-failed or interrupted conversion never leaves a directory that looks finished.
+It is written under a temporary sibling name (ddtree_jax.atomic.staged_dir) and renamed into place
+only once complete, so a failed or interrupted conversion never leaves a directory that looks
+finished; a leftover of a killed conversion is removed by the next conversion to the same place.
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import time
 from typing import Callable
 
@@ -31,7 +33,7 @@ from converters import dflash, orbax_io
 from converters.keymap import CheckpointError
 from converters.params import target_params_from_tensors
 from converters.safetensors_io import SafetensorsCheckpoint
-from ddtree_jax.atomic import move_into_place
+from ddtree_jax.atomic import staged_dir
 from ddtree_jax.config import DTYPES, ConfigError, TargetConfig
 
 log = logging.getLogger(__name__)
@@ -43,13 +45,23 @@ MANIFEST_FILE = "ddtree_manifest.json"
 MARKER_FILE = "CONVERSION_COMPLETE"
 PARAMS_DIR = "params"
 CONFIG_FILE = "config.json"
+# What generation needs besides the weights, copied from the source when present: the tokenizer
+# (fast tokenizer file, its config with the chat template and special tokens, or the vocabulary /
+# merges / sentencepiece files it may be built from), the generation config, the chat template.
+GENERATION_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
+    "merges.txt", "vocab.txt", "tokenizer.model", "generation_config.json", "chat_template.jinja",
+    "chat_template.json",
+)
 
 HF = "hf"
 CONVERTED = "converted"
 
 __all__ = [
+    "AlreadyConvertedError",
     "CheckpointError",
     "ConfigError",
+    "DestinationExistsError",
     "IncompleteConversionError",
     "checkpoint_kind",
     "convert_target",
@@ -66,6 +78,25 @@ class IncompleteConversionError(ValueError):
     """A converted-checkpoint directory whose conversion never finished (no completion marker)."""
 
 
+class DestinationExistsError(FileExistsError):
+    """The conversion's destination exists; `replaceable`: it is a ddtree-jax conversion (or empty),
+    which overwrite=True replaces (anything else is never deleted)."""
+
+    def __init__(self, path: str, replaceable: bool):
+        self.path, self.replaceable = path, replaceable
+        super().__init__(f"{path} already exists; overwrite=True replaces it" if replaceable else
+                         f"{path} exists and is not a ddtree-jax converted checkpoint; refusing to delete it "
+                         "even with overwrite=True (choose another destination or remove it yourself)")
+
+
+class AlreadyConvertedError(ValueError):
+    """The conversion's source is itself a converted checkpoint (it loads as it is)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        super().__init__(f"{path} is already a converted checkpoint; load it directly")
+
+
 def resolve_dtype(dtype, cfg: TargetConfig | None = None) -> str:
     """'bf16' / 'bfloat16' / jnp.bfloat16 / None -> canonical name; None means the config's dtype."""
     if dtype is None:
@@ -80,7 +111,7 @@ def _require_dir(path: str) -> None:
     if not os.path.exists(path):
         raise FileNotFoundError(f"checkpoint directory {path} does not exist")
     if not os.path.isdir(path):
-        raise NotADirectoryError(f"{path} is not a directory (pass the model directory, not a file in it)")
+        raise NotADirectoryError(f"{path} is a file, expected a directory (the model directory, not a file in it)")
 
 
 def _read_config(path: str) -> tuple[dict, TargetConfig]:
@@ -186,6 +217,8 @@ def _load_hf(path: str, cfg: TargetConfig, dtype: str, *, progress: bool, on_ten
             if on_tensor is not None:
                 on_tensor(name)
 
+        if ckpt.unreadable_unknown:  # every parameter would be listed as missing after it: say only the cause
+            raise CheckpointError(ckpt.problems, path)
         problems = list(ckpt.problems)
         try:
             graphdef, params = target_params_from_tensors(
@@ -228,7 +261,7 @@ def convert_target(
     _check_destination(dst, overwrite)
     _require_dir(src)
     if checkpoint_kind(src) == CONVERTED:
-        raise ValueError(f"{src} is already a converted checkpoint; load it with load_target() directly")
+        raise AlreadyConvertedError(src)
     raw_cfg, cfg = _read_config(src)
     want = resolve_dtype(dtype, cfg)
 
@@ -240,23 +273,24 @@ def convert_target(
 
 
 def _check_destination(dst: str, overwrite: bool) -> None:
+    ancestor = os.path.dirname(dst)
+    while not os.path.lexists(ancestor) and os.path.dirname(ancestor) != ancestor:
+        ancestor = os.path.dirname(ancestor)  # the nearest existing one must be a directory
+    if not os.path.isdir(ancestor):
+        raise NotADirectoryError(f"{ancestor} is a file, expected a directory (the destination {dst} goes inside it)")
     if os.path.lexists(dst):
-        if not overwrite:
-            raise FileExistsError(f"{dst} already exists; pass --force (overwrite=True) to replace it")
-        if not _is_replaceable(dst):
-            raise FileExistsError(
-                f"{dst} exists and is not a ddtree-jax converted checkpoint; refusing to delete it even with "
-                "--force (choose another destination or remove it yourself)"
-            )
+        if not os.path.isdir(dst):
+            raise NotADirectoryError(f"{dst} is a file, expected a directory (the converted checkpoint to create)")
+        if not overwrite or not _is_replaceable(dst):
+            raise DestinationExistsError(dst, replaceable=_is_replaceable(dst))
 
 
 def _write_converted(src: str, dst: str, raw_cfg: dict, fmt: str, model_type: str, dtype: str, read, progress) -> str:
-    """Atomically write config + manifest + Orbax params (from read(progress) -> (params, count)) at dst."""
-    parent = os.path.dirname(dst)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=os.path.basename(dst) + ".tmp-", dir=parent)
-    try:
+    """Atomically write config + manifest + Orbax params (from read(progress) -> (params, count)) and
+    copies of the source's GENERATION_FILES at dst."""
+    with staged_dir(dst) as tmp:  # removed on any error or interrupt; a killed one by the next conversion
         start = time.time()
+        copied = [name for name in GENERATION_FILES if os.path.isfile(os.path.join(src, name))]
         manifest = {
             "format": fmt,
             "format_version": FORMAT_VERSION,
@@ -264,10 +298,13 @@ def _write_converted(src: str, dst: str, raw_cfg: dict, fmt: str, model_type: st
             "model_type": model_type,
             "source": os.path.abspath(src),
             "created_unix": int(start),
+            "copied_files": copied,
         }
         # The manifest goes first so a leftover temp directory is recognisable as an incomplete conversion.
         _write_json(os.path.join(tmp, MANIFEST_FILE), manifest)
         _write_json(os.path.join(tmp, CONFIG_FILE), raw_cfg)
+        for name in copied:
+            shutil.copyfile(os.path.join(src, name), os.path.join(tmp, name))
         params, count = read(progress)
         orbax_io.save_params(os.path.join(tmp, PARAMS_DIR), params)
         manifest["num_source_tensors"] = count
@@ -276,10 +313,6 @@ def _write_converted(src: str, dst: str, raw_cfg: dict, fmt: str, model_type: st
             f.write(f"{fmt} v{FORMAT_VERSION} complete in {time.time() - start:.1f} s\n")
             f.flush()
             os.fsync(f.fileno())
-        move_into_place(tmp, dst)
-    except BaseException:  # includes KeyboardInterrupt: never leave a half-written tree behind
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return dst
 
 
@@ -302,7 +335,7 @@ def convert_drafter(src, dst, dtype=None, overwrite: bool = False, progress: boo
     _check_destination(dst, overwrite)
     _require_dir(src)
     if checkpoint_kind(src) == CONVERTED:
-        raise ValueError(f"{src} is already a converted checkpoint; load it with load_drafter() directly")
+        raise AlreadyConvertedError(src)
     with open(os.path.join(src, CONFIG_FILE)) as f:
         raw_cfg = json.load(f)
 

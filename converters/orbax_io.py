@@ -61,6 +61,16 @@ def _restore_flat(path: str, shapes: dict, sharding) -> dict:
         checkpointer.close()
 
 
+def _root_cause(e: BaseException) -> str:
+    """The first line of the innermost exception under `e` (TensorStore's own message, not Orbax's
+    wrapper with its pages of spec)."""
+    seen = set()
+    while (e.__cause__ or e.__context__) is not None and id(e) not in seen:
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
 def restore_tree(path: str | os.PathLike, abstract, *, device=None, kv_width: int | None = None):
     """Restore an nnx.State of the same structure as `abstract` (shapes and dtypes checked / cast).
 
@@ -72,7 +82,7 @@ def restore_tree(path: str | os.PathLike, abstract, *, device=None, kv_width: in
     expected = {k: (tuple(v.shape), v.dtype) for k, v in flatten_paths(nnx.to_pure_dict(abstract)).items()}
     try:
         flat = _restore_flat(where, expected, sharding)
-    except ValueError as e:
+    except ValueError as e:  # another layout's shapes (or a read error, reported by the alternatives' failure)
         first = e
         for stored, convert in layout.alternatives(expected, kv_width):
             try:
@@ -82,9 +92,13 @@ def restore_tree(path: str | os.PathLike, abstract, *, device=None, kv_width: in
                 continue
         else:
             raise CheckpointError(
-                [f"stored params do not match the model described by config.json: {first}"], os.fspath(path)
+                [f"stored params do not match the model described by config.json: {_root_cause(first)}"],
+                os.fspath(path),
             ) from None
         flat = {k: jax.device_put(jax.numpy.asarray(v, expected[k][1]), sharding) for k, v in flat.items()}
+    except Exception as e:  # noqa: BLE001 - Orbax wraps TensorStore's read errors in a bare Exception
+        raise CheckpointError([f"cannot read the stored params: {_root_cause(e)} - the checkpoint is truncated or "
+                               "corrupt (convert it again)"], os.fspath(path)) from None
     params = jax.tree_util.tree_map(lambda x: x, abstract)
     nnx.replace_by_pure_dict(params, unflatten_paths(flat))
     return params

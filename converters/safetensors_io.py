@@ -41,6 +41,13 @@ def _describe_dir(directory: str, limit: int = 12) -> str:
     return shown + (f", ... ({len(entries) - limit} more)" if len(entries) > limit else "")
 
 
+def _size(path: str) -> str:
+    try:
+        return f"{os.path.getsize(path):,} bytes"
+    except OSError:
+        return "size unknown"
+
+
 def no_safetensors_message(directory: str) -> str:
     present = _describe_dir(directory)
     msg = (
@@ -67,12 +74,16 @@ class SafetensorsCheckpoint:
     names: every readable tensor name, grouped by shard (each shard is opened once while streaming).
     problems: structural problems found while reading the headers (may be non-empty).
     unavailable: names the index lists that cannot be read (already covered by `problems`).
+    unreadable_unknown: a file whose tensor names nothing else lists (the single model.safetensors)
+    could not be read, so which tensors are missing because of it is unknown: its problem is the
+    root cause of every missing parameter and the only one worth reporting.
     """
 
     def __init__(self, directory: str | os.PathLike):
         self.directory = os.fspath(directory)
         self.problems: list[str] = []
         self.unavailable: list[str] = []
+        self.unreadable_unknown = False
         self._file_of: dict[str, str] = {}
         self._dtype_of: dict[str, str] = {}
         self._shape_of: dict[str, tuple[int, ...]] = {}
@@ -130,8 +141,10 @@ class SafetensorsCheckpoint:
                 self._dtype_of[name] = sl.get_dtype()
                 self._shape_of[name] = tuple(sl.get_shape())
         except Exception as e:  # safetensors raises its own SafetensorError (not an OSError)
-            self.problems.append(f"cannot read '{fname}': {e}")
+            self.problems.append(f"cannot read '{fname}' ({_size(path)}): {e} - the file is truncated or corrupt "
+                                 "(copy or download it again)")
             self.unavailable.extend(n for n in (wanted or []) if n not in self._file_of)
+            self.unreadable_unknown |= wanted is None
             return
         if wanted is not None:
             for name in wanted:

@@ -11,6 +11,7 @@ chunk of steps, never per step.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -68,6 +69,11 @@ class Completion:
 
 class Engine:
     """A loaded target, optionally a DFlash drafter and a tokenizer; `generate` is the one API."""
+
+    # Set on an instance: called with no arguments around the first run of a (spec, shape) bucket,
+    # where JAX compiles; returns a context manager (the CLIs print a "compiling ..." line with its
+    # time). None: nothing.
+    on_first_run: Callable[[], contextlib.AbstractContextManager] | None = None
 
     def __init__(self, cfg: TargetConfig, graphdef, params, *, proposer=None, drafter_params=None, tokenizer=None,
                  max_context: int | None = None, impl: str | None = None, routes: Routes | None = None,
@@ -130,7 +136,8 @@ class Engine:
     # ---- text <-> ids ------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
-            raise ValueError("this target directory has no tokenizer.json: pass token ids instead of text")
+            raise ValueError("this target directory has no tokenizer.json: give the engine one "
+                             "(engine.tokenizer = load_tokenizer(DIR)) or pass token ids instead of text")
         return self.tokenizer.encode(text).ids
 
     def decode(self, ids: Sequence[int]) -> str | None:
@@ -199,8 +206,9 @@ class Engine:
         start, advance = gen.bind(self.graphdef)  # no GraphDef hash per call
         warm_key = (spec, prompt.shape, eos.shape)
         if warm_key not in self._warm:
-            state = start(self.params, dparams, prompt, lens, eos, key, spec=spec)
-            jax.block_until_ready(advance(self.params, dparams, state, eos, jnp.int32(1), spec=spec))
+            with self.on_first_run() if self.on_first_run else contextlib.nullcontext():
+                state = start(self.params, dparams, prompt, lens, eos, key, spec=spec)
+                jax.block_until_ready(advance(self.params, dparams, state, eos, jnp.int32(1), spec=spec))
             self._warm.add(warm_key)
         t0 = time.perf_counter()
         state = start(self.params, dparams, prompt, lens, eos, key, spec=spec)
@@ -264,14 +272,31 @@ def int8_scheme(choice) -> int8.Int8Scheme:
     raise ValueError(f"int8_drafter must be True, one of {sorted(int8.SCHEMES)} or an Int8Scheme, got {choice!r}")
 
 
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def tokenizer_file(path: str | os.PathLike) -> str | None:
+    """The tokenizer.json of a model directory (or `path` itself, a tokenizer.json file), or None
+    when there is none. ddtree-convert copies it next to the converted parameters."""
+    path = os.fspath(path)
+    if os.path.isfile(path):
+        return path
+    candidate = os.path.join(path, TOKENIZER_FILE)
+    return candidate if os.path.isfile(candidate) else None
+
+
 def load_tokenizer(target_dir: str | os.PathLike):
-    """tokenizers.Tokenizer from target_dir/tokenizer.json, or None when the directory has none."""
-    path = os.path.join(os.fspath(target_dir), "tokenizer.json")
-    if not os.path.isfile(path):
+    """tokenizers.Tokenizer from target_dir/tokenizer.json (or from a tokenizer.json path), or None
+    when there is none. An unreadable file is a ValueError naming it."""
+    path = tokenizer_file(target_dir)
+    if path is None:
         return None
     from tokenizers import Tokenizer
 
-    return Tokenizer.from_file(path)
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as e:  # the tokenizers library raises its own exception type
+        raise ValueError(f"{path} is not a readable tokenizer file ({e})") from None
 
 
 def completion_json(c: Completion, mode: str) -> str:

@@ -27,7 +27,7 @@ def char_tokenizer() -> Tokenizer:
     return tok
 
 
-def write_target(directory: str, seed: int = 0) -> str:
+def write_target(directory: str, seed: int = 0, max_position_embeddings: int = 512) -> str:
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     torch.manual_seed(seed)
@@ -35,7 +35,7 @@ def write_target(directory: str, seed: int = 0) -> str:
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
         linear_value_head_dim=16, linear_conv_kernel_dim=4, full_attention_interval=2, eos_token_id=EOS,
-        max_position_embeddings=512,
+        max_position_embeddings=max_position_embeddings,
     )
     model = Qwen3_5ForCausalLM(cfg).float().eval()
     with torch.no_grad():

@@ -159,8 +159,11 @@ def test_sharded_fp32_convert_restore_matches_state_dict_and_hf(models, tmp_path
     assert (src / "model.safetensors.index.json").exists()
     dst = tmp_path / "q35"
     assert convert_target(src, dst, progress=False) == str(dst)
-    assert sorted(os.listdir(dst)) == sorted(["config.json", MANIFEST_FILE, MARKER_FILE, PARAMS_DIR])
+    # generation_config.json (save_pretrained writes one) is carried along; there is no tokenizer here.
+    assert sorted(os.listdir(dst)) == sorted(["config.json", MANIFEST_FILE, MARKER_FILE, PARAMS_DIR,
+                                              "generation_config.json"])
     manifest = json.loads((dst / MANIFEST_FILE).read_text())
+    assert manifest["copied_files"] == ["generation_config.json"]
     assert manifest["format_version"] == 1 and manifest["dtype"] == "float32"
     assert manifest["source"] == os.path.abspath(src) and manifest["model_type"] == "qwen3_5_text"
     assert [p for p in os.listdir(tmp_path) if p != "q35"] == []  # no temp dir left behind
@@ -399,7 +402,7 @@ def test_overwrite(models, tmp_path):
     src = models["root"] / "q3_tied"
     dst = tmp_path / "dst"
     convert_target(src, dst, dtype="bf16", progress=False)
-    with pytest.raises(FileExistsError, match="--force"):
+    with pytest.raises(FileExistsError, match="already exists; overwrite=True replaces it"):
         convert_target(src, dst, progress=False)
     assert json.loads((dst / MANIFEST_FILE).read_text())["dtype"] == "bfloat16"  # untouched
     convert_target(src, dst, progress=False, overwrite=True)
@@ -437,23 +440,29 @@ def test_cli_converts(models, tmp_path, capsys):
     assert "converted" in out.out and str(dst) in out.out
     assert "converting" in out.err  # tqdm progress bar
     assert json.loads((dst / MANIFEST_FILE).read_text())["dtype"] == "bfloat16"
-    # Second run without --force: one-line error, non-zero exit, no traceback.
-    assert cli_main([str(models["root"] / "q3_tied"), str(dst), "-q"]) == 1
+    # Second run without --force: one-line error in CLI words, exit 2 (input error), no traceback.
+    with pytest.raises(SystemExit) as e:
+        cli_main([str(models["root"] / "q3_tied"), str(dst), "-q"])
+    assert e.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith("ddtree-convert: error:") and "--force" in err
-    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert err.startswith("ddtree-convert: error:") and "pass --force to replace it" in err
+    assert "overwrite" not in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert cli_main([str(models["root"] / "q3_tied"), str(dst), "-q", "--force"]) == 0
 
 
 def test_cli_bad_input(q35_raw, tmp_path, capsys):
-    assert cli_main([str(tmp_path / "missing"), str(tmp_path / "dst")]) == 1
+    with pytest.raises(SystemExit) as e:
+        cli_main([str(tmp_path / "missing"), str(tmp_path / "dst")])
+    assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("ddtree-convert: error:") and "does not exist" in err and "Traceback" not in err
     config, tensors = q35_raw
     del tensors["model.norm.weight"]
     tensors["model.layers.0.mystery.weight"] = np.zeros((3,), np.float32)
     src = write_hf_dir(tmp_path / "src", config, tensors)
-    assert cli_main([src, str(tmp_path / "dst"), "-q"]) == 1
+    with pytest.raises(SystemExit) as e:
+        cli_main([src, str(tmp_path / "dst"), "-q"])
+    assert e.value.code == 2
     err = capsys.readouterr().err
     assert "2 problem(s)" in err and "norm/weight" in err and "mystery" in err and "Traceback" not in err
     assert not (tmp_path / "dst").exists()

@@ -11,18 +11,25 @@ import platform
 import sys
 
 from ddtree_jax import atomic
-from ddtree_jax.cli.common import (add_autotune_cache_argument, add_draft_vocab_argument, add_int8_drafter_argument,
+from ddtree_jax.cli import progress
+from ddtree_jax.cli.common import (EXIT_STATUS_HELP, add_autotune_cache_argument, add_draft_vocab_argument,
                                    add_routes_arguments, routes_from,
-                                   die, non_negative_int, positive_int, use_autotune_cache)
+                                   add_int8_drafter_argument, add_tokenizer_argument, die, model_paths,
+                                   non_negative_int, note, positive_int, read_text_file, run, tokenizer_source,
+                                   use_autotune_cache, use_tokenizer)
 
+PROG = "ddtree-bench"
 EPILOG = """\
 examples:
   ddtree-bench --prompts prompts.txt --out results/                 # the embedded demo pair
   ddtree-bench --target T --drafter D --prompts p.jsonl --budgets 16,64,256 --max-new-tokens 256
 
-Prompts: a text file with one prompt per line ("\\n" inside a line is a newline), or JSONL with
-{"prompt": "..."} or {"prompt_ids": [...]} per line. Writes bench.json and bench.png in --out.
-"""
+Prompts: a UTF-8 text file with one prompt per line ("\\n" inside a line is a newline), or JSONL
+with {"prompt": "..."} or {"prompt_ids": [...]} per line. Writes bench.json and, with matplotlib
+installed (pip install 'ddtree-jax[bench]'), bench.png in --out.
+
+""" + EXIT_STATUS_HELP.format(extra="; also: some outputs differ from plain decoding\n       away "
+                              "from any near-tie of the target's top two logits")
 
 
 def budgets(text: str) -> tuple[int, ...]:
@@ -36,10 +43,11 @@ def budgets(text: str) -> tuple[int, ...]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ddtree-bench", description=__doc__, epilog=EPILOG,
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__, epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=None, help="target directory (default: the embedded demo pair)")
     p.add_argument("--drafter", default=None, help="DFlash drafter directory")
+    add_tokenizer_argument(p)
     p.add_argument("--prompts", required=True, help="prompt file (text lines or JSONL)")
     p.add_argument("--limit", type=positive_int, default=None, help="use only the first N prompts")
     p.add_argument("--modes", default="ar,dflash,ddtree", help="comma-separated modes (default ar,dflash,ddtree)")
@@ -60,36 +68,62 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def read_prompts(path: str, engine) -> list[list[int]]:
-    if not os.path.isfile(path):
-        die(f"prompt file {path} does not exist")
+def read_prompts(path: str) -> list[tuple[int, str | list[int]]]:
+    """(line number, text or token ids) of every prompt in the file; every error names the line."""
     prompts = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            line = line.rstrip("\n")
-            if not line.strip():
-                continue
-            if line.lstrip().startswith("{"):
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    die(f"{path}:{n}: invalid JSON ({e})")
-                if "prompt_ids" in obj:
-                    prompts.append([int(t) for t in obj["prompt_ids"]])
-                    continue
-                line = obj.get("prompt", "")
-            else:
-                line = line.replace("\\n", "\n")
+    for n, line in enumerate(read_text_file(path, "prompt file").split("\n"), 1):
+        line = line.rstrip("\r")
+        if not line.strip():
+            continue
+        if line.lstrip().startswith("{"):
             try:
-                prompts.append(engine.encode(line))
-            except ValueError as e:
-                die(f"{path}:{n}: {e}")
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                die(f"{path}:{n}: invalid JSON ({e})")
+            if not isinstance(obj, dict):
+                die(f"{path}:{n}: expected an object with 'prompt' or 'prompt_ids'")
+            if "prompt_ids" in obj:
+                ids = obj["prompt_ids"]
+                if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
+                    die(f"{path}:{n}: 'prompt_ids' must be a non-empty list of token ids (integers >= 0)")
+                prompts.append((n, ids))
+                continue
+            line = obj.get("prompt", "")
+            if not isinstance(line, str) or not line:
+                die(f"{path}:{n}: 'prompt' must be a non-empty string")
+        else:
+            line = line.replace("\\n", "\n")
+        prompts.append((n, line))
     if not prompts:
         die(f"no prompts in {path}")
     return prompts
 
 
+def encode_prompts(path: str, prompts, engine, max_new_tokens: int) -> list[list[int]]:
+    """Token ids of every prompt, checked against the vocabulary and the context limit (by line)."""
+    out = []
+    for n, p in prompts:
+        try:
+            ids = engine.encode(p) if isinstance(p, str) else p
+        except ValueError as e:
+            die(f"{path}:{n}: {e}")
+        bad = [t for t in ids if t >= engine.cfg.vocab_size]
+        if bad:
+            die(f"{path}:{n}: token ids outside the vocabulary [0, {engine.cfg.vocab_size}): {bad[:5]}")
+        if len(ids) + max_new_tokens > engine.max_context:
+            die(f"{path}:{n}: the prompt has {len(ids)} tokens; with --max-new-tokens {max_new_tokens} it needs "
+                f"{len(ids) + max_new_tokens} positions but the model's context limit is {engine.max_context}")
+        out.append(ids)
+    return out
+
+
 def main(argv=None) -> int:
+    """ddtree-bench; Ctrl-C / SIGTERM at any moment end it on one line (exit 130 / 143), bench.json
+    keeping the runs that finished."""
+    return run(PROG, bench_main, argv)
+
+
+def bench_main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     use_autotune_cache(args)  # before the backend starts
@@ -98,6 +132,13 @@ def main(argv=None) -> int:
     bad = [m for m in modes if m not in ("ar", "dflash", "ddtree")]
     if bad:
         die(f"unknown mode(s) {bad}: choose from ar, dflash, ddtree")
+    texts = read_prompts(args.prompts)[: args.limit]
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        die(f"--out {args.out} is a file, expected a directory")
+    target, drafter = model_paths(args.target, args.drafter)
+    if drafter is None and any(m != "ar" for m in modes):
+        die("dflash / ddtree modes need a drafter: pass --drafter DIR (or --modes ar)")
+    tokenizer = tokenizer_source(args.tokenizer, target, needed=any(isinstance(p, str) for _, p in texts))
     from tqdm.auto import tqdm
 
     from ddtree_jax import bench
@@ -105,9 +146,10 @@ def main(argv=None) -> int:
 
     engine = load_engine(args.target, args.drafter, args.dtype, routes=routes, draft_vocab=args.draft_vocab,
                          int8_drafter=args.int8_drafter)
-    if engine.proposer is None and any(m != "ar" for m in modes):
-        die("dflash / ddtree modes need a drafter (--drafter DIR)")
-    prompts = read_prompts(args.prompts, engine)[: args.limit]
+    if args.tokenizer is not None:
+        use_tokenizer(engine, tokenizer)
+    prompts = encode_prompts(args.prompts, texts, engine, args.max_new_tokens)
+    engine.on_first_run = progress.compiling
     runs = [(m, None) for m in modes if m != "ddtree"] + [("ddtree", b) for b in args.budgets if "ddtree" in modes]
     if "ar" not in modes:
         runs.insert(0, ("ar", None))  # the reference for speedups and output identity
@@ -151,9 +193,13 @@ def main(argv=None) -> int:
     report.update(status="complete", results=[dataclasses.asdict(r) for r in results])
     atomic.write_json(json_path, report)
     png = os.path.join(args.out, "bench.png")
-    bench.plot(results, png)
+    try:
+        bench.plot(results, png)
+    except ImportError:  # matplotlib is the optional 'bench' extra
+        note("matplotlib is not installed, so no bench.png (pip install 'ddtree-jax[bench]')")
+        png = None
     print(bench.table(results))
-    print(f"wrote {os.path.join(args.out, 'bench.json')} and {png}", file=sys.stderr)
+    print(f"wrote {json_path}" + (f" and {png}" if png else ""), file=sys.stderr)
     ties = [f"{r.mode}/{r.budget}" for r in results if r.outputs_match_ar is False and r.divergences_are_ties]
     bugs = [f"{r.mode}/{r.budget}" for r in results if r.outputs_match_ar is False and not r.divergences_are_ties]
     if ties:
@@ -164,7 +210,7 @@ def main(argv=None) -> int:
               "use the first pass; see 'passes_differ' in bench.json)", file=sys.stderr)
     if bugs:
         print(f"ERROR: outputs differ from plain decoding away from any near-tie for {bugs}", file=sys.stderr)
-        return 1
+        return 1  # a finding, not an input error
     return 0
 
 

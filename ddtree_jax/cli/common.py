@@ -1,4 +1,9 @@
-"""Shared CLI plumbing: argument types, one-line errors, loading an engine with clear messages."""
+"""Shared CLI plumbing: running a command (interrupts, program name), argument types, one-line
+errors, input checks that name the problem, loading an engine with clear messages.
+
+Exit status of every ddtree command (EXIT_STATUS_HELP, in each --help): 0 success; 1 a runtime
+failure; 2 a usage or input error, reported on one line (or one line per checkpoint problem)
+before anything is written to stdout; 130 / 143 interrupted by SIGINT / SIGTERM."""
 
 from __future__ import annotations
 
@@ -6,12 +11,127 @@ import argparse
 import os
 import sys
 
+from ddtree_jax.cli import interrupts
 
-def die(message: str, code: int = 2):
+INPUT_ERROR = 2  # usage or input error (argparse's own code for bad options)
+RUNTIME_ERROR = 1
+MAX_BUDGET = 1024  # ddtree_jax.speculative.build.MAX_BUDGET (checked equal by tests/test_cli_errors.py)
+
+EXIT_STATUS_HELP = """\
+exit status:
+  0    success
+  1    runtime failure (a failed write, out of memory, ...){extra}
+  2    usage or input error (bad option, missing / wrong kind of / unreadable file, checkpoint that
+       does not fit), reported before anything is written to stdout
+  130  interrupted by Ctrl-C (SIGINT); 143: terminated by SIGTERM. Either way one line on stderr,
+       and nothing unfinished is left behind
+"""
+
+_prog = ["ddtree"]  # the running command's name, for die()
+
+
+def run(prog: str, work, argv):
+    """Run a command's work(argv) as `prog` (its errors say `prog: error: ...`), with Ctrl-C / SIGTERM
+    ending it on one line (ddtree_jax.cli.interrupts)."""
+    _prog[0] = prog
+    return interrupts.run(prog, work, argv)
+
+
+def die(message: str, code: int = INPUT_ERROR):
     """Print `prog: error: message` (no traceback) and exit."""
-    prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "ddtree"
-    print(f"{prog}: error: {message}", file=sys.stderr)
+    print(f"{_prog[0]}: error: {message}", file=sys.stderr)
     raise SystemExit(code)
+
+
+def note(message: str) -> None:
+    print(f"{_prog[0]}: note: {message}", file=sys.stderr)
+
+
+# ---- paths and text ----------------------------------------------------------------------------
+def check_dir(path: str, what: str) -> str:
+    """`path` must be an existing directory; the error names what it is instead."""
+    if not os.path.exists(path):
+        die(f"{what} {path} does not exist")
+    if not os.path.isdir(path):
+        die(f"{what} {path} is a file, expected a directory")
+    return path
+
+
+def check_file(path: str, what: str) -> str:
+    """`path` must be an existing file (not a directory); the error names what it is instead."""
+    if not os.path.exists(path):
+        die(f"{what} {path} does not exist")
+    if os.path.isdir(path):
+        die(f"{what} {path} is a directory, expected a file")
+    return path
+
+
+def decode_utf8(data: bytes, what: str) -> str:
+    """UTF-8 bytes -> str; invalid UTF-8 is an error naming the first bad byte and its offset."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        die(f"{what} is not valid UTF-8: byte 0x{data[e.start]:02x} at byte offset {e.start} ({e.reason}); "
+            "expected UTF-8 text")
+
+
+def read_text_file(path: str, what: str) -> str:
+    """A UTF-8 text file, or one clear error (missing, a directory, unreadable, not UTF-8)."""
+    check_file(path, what)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        die(f"cannot read {what} {path}: {e.strerror or e}")
+    return decode_utf8(data, f"{what} {path}")
+
+
+def read_stdin_text(what: str = "the text on stdin") -> str:
+    """All of stdin as UTF-8 text (read as bytes, so invalid UTF-8 is named, not passed on as
+    surrogate escapes)."""
+    buffer = getattr(sys.stdin, "buffer", None)
+    if buffer is None:  # a text stream without bytes underneath (e.g. io.StringIO)
+        return sys.stdin.read()
+    return decode_utf8(buffer.read(), what)
+
+
+def check_argv_text(text: str, what: str) -> str:
+    """Text from the command line: bytes that were not UTF-8 arrive as surrogate escapes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        decode_utf8(os.fsencode(text), what)
+    return text
+
+
+def budget(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer in [1, {MAX_BUDGET}], got {text!r}") from None
+    if not 1 <= value <= MAX_BUDGET:
+        raise argparse.ArgumentTypeError(f"expected an integer in [1, {MAX_BUDGET}], got {value}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
+    return value
+
+
+def probability_mass(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text}")
+    return value
 
 
 def non_negative_int(text: str) -> int:
@@ -96,13 +216,16 @@ def routes_from(args):
         die(str(e))
 
 
-def load_engine(target, drafter, dtype=None, max_context=None, routes=None, draft_vocab=None,
-                int8_drafter=None):
-    """Engine from CLI paths (demo pair when target is None), with every load error as one line."""
-    from converters.keymap import CheckpointError
-    from ddtree_jax.config import ConfigError
+def add_tokenizer_argument(group) -> None:
+    group.add_argument("--tokenizer", default=None, metavar="DIR",
+                       help="directory with the tokenizer.json to use (or that file), for a target directory "
+                       "without one (default: the target's own; ddtree-convert copies it)")
+
+
+def model_paths(target, drafter) -> tuple[str, str | None]:
+    """(target, drafter) directories as given, the embedded demo pair when no target is given; each
+    checked to be a directory (the error names what the path is instead)."""
     from ddtree_jax.demo import demo_paths
-    from ddtree_jax.engine import Engine
 
     if target is None:
         try:
@@ -110,18 +233,66 @@ def load_engine(target, drafter, dtype=None, max_context=None, routes=None, draf
         except FileNotFoundError as e:
             die(str(e))
         drafter = drafter or default_drafter
+    check_dir(target, "target checkpoint directory")
+    if drafter is not None:
+        check_dir(drafter, "drafter checkpoint directory")
+    return target, drafter
+
+
+def tokenizer_source(tokenizer, target: str, needed: bool) -> str | None:
+    """The tokenizer.json to use: --tokenizer's (DIR or the file itself), else the target's. When
+    text must be encoded (`needed`) and there is none, the error names both ways out."""
+    from ddtree_jax.engine import TOKENIZER_FILE, tokenizer_file
+
+    if tokenizer is not None:
+        if not os.path.exists(tokenizer):
+            die(f"--tokenizer {tokenizer} does not exist")
+        path = tokenizer_file(tokenizer)
+        if path is None:
+            die(f"--tokenizer {tokenizer}: no {TOKENIZER_FILE} in this directory")
+        return path
+    path = tokenizer_file(target) if os.path.isdir(target) else None
+    if path is None and needed:
+        die(f"the target {target} has no {TOKENIZER_FILE}, so text cannot be turned into token ids: pass "
+            f"--tokenizer DIR (a directory with {TOKENIZER_FILE}, e.g. the Hugging Face model it was converted "
+            "from) or give the prompt as token ids (--prompt-ids 1,2,3 / {\"prompt_ids\": [...]} lines)")
+    return path
+
+
+def use_tokenizer(engine, path: str) -> None:
+    """Give the engine the tokenizer at `path` (--tokenizer, resolved by tokenizer_source)."""
+    from ddtree_jax.engine import load_tokenizer
+
+    try:
+        engine.tokenizer = load_tokenizer(path)
+    except ValueError as e:
+        die(str(e))
+
+
+def load_engine(target, drafter, dtype=None, max_context=None, routes=None, draft_vocab=None,
+                int8_drafter=None):
+    """Engine from CLI paths (demo pair when target is None), with every load error as one line. On a
+    terminal a line (and, for Hugging Face directories, a bar) shows the load on stderr."""
+    from converters.keymap import CheckpointError
+    from ddtree_jax.cli import progress
+    from ddtree_jax.config import ConfigError
+    from ddtree_jax.engine import Engine
+
+    if target is None:
+        target, drafter = model_paths(None, drafter)
         if dtype is None:
             import jax
 
             # The demo is stored in bf16; XLA:CPU runs bf16 matmuls slowly, so upcast (exactly) there.
             dtype = "fp32" if jax.default_backend() == "cpu" else None
-    for name, path in (("target", target), ("drafter", drafter)):
-        if path is not None and not os.path.isdir(path):
-            die(f"{name} checkpoint directory {path} does not exist")
+    target, drafter = model_paths(target, drafter)
+    terminal = progress.stderr_is_terminal()
     try:
-        return Engine.load(target, drafter, dtype=dtype, max_context=max_context, routes=routes,
-                           draft_vocab=draft_vocab, int8_drafter=int8_drafter or False)
+        with progress.step(f"loading {target}" + (f" and {drafter}" if drafter else ""), show=terminal):
+            return Engine.load(target, drafter, dtype=dtype, max_context=max_context, routes=routes,
+                               draft_vocab=draft_vocab, int8_drafter=int8_drafter or False,
+                               progress=terminal)
     except (ConfigError, CheckpointError) as e:
         die(str(e))
-    except (FileNotFoundError, ValueError) as e:
+    except (OSError, ValueError) as e:
         die(str(e))

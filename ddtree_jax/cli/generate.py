@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-from ddtree_jax.cli.common import (add_autotune_cache_argument, add_draft_vocab_argument, add_int8_drafter_argument,
+from ddtree_jax.cli import progress
+from ddtree_jax.cli.common import (EXIT_STATUS_HELP, add_autotune_cache_argument, add_draft_vocab_argument,
                                    add_routes_arguments, routes_from,
-                                   die, parse_ids, positive_int, use_autotune_cache)
-from ddtree_jax.speculative.sampling import Sampling
+                                   add_int8_drafter_argument, add_tokenizer_argument, budget, check_argv_text, die,
+                                   model_paths, non_negative_float, non_negative_int, parse_ids, positive_int,
+                                   probability_mass, read_stdin_text, read_text_file, run, tokenizer_source,
+                                   use_autotune_cache, use_tokenizer)
 
+PROG = "ddtree-generate"
 EPILOG = """\
 examples:
   ddtree-generate --prompt "def fibonacci(n):"                      # the embedded demo pair
@@ -19,16 +22,19 @@ examples:
   ddtree-generate --prompt-ids 1,2,3 --mode ar --json
 
 Output is the same as plain decoding of the target (greedy by default); --mode only changes
-how fast it is produced. At the end: tokens/s, mean acceptance length (tokens per target pass)
-and time per step.
-"""
+how fast it is produced. The text goes to stdout; on stderr a "compiling (first run of this
+shape) ..." line with its time (the first run of a prompt / generation shape compiles), on a
+terminal the loading and, for long generations, a progress bar, and at the end tokens/s, mean
+acceptance length (tokens per target pass) and time per step.
+
+""" + EXIT_STATUS_HELP.format(extra="")
 
 
 def build_parser() -> argparse.ArgumentParser:
     from ddtree_jax.demo import DEMO_DIR
 
     p = argparse.ArgumentParser(
-        prog="ddtree-generate",
+        prog=PROG,
         description="Generate text with tree speculative decoding (DDTree over a DFlash drafter).",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -38,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
                      f"(default: the embedded demo pair in {DEMO_DIR})")
     src.add_argument("--drafter", default=None, help="DFlash drafter directory (default: the demo drafter when "
                      "--target is not given; none otherwise, which allows only --mode ar)")
+    add_tokenizer_argument(src)
     src.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None, help="params dtype (default: checkpoint's)")
     add_routes_arguments(src)
     inp = p.add_argument_group("prompt (one of)")
@@ -48,16 +55,17 @@ def build_parser() -> argparse.ArgumentParser:
     dec.add_argument("--mode", choices=["ar", "dflash", "ddtree"], default=None,
                      help="ar = plain decoding; dflash = linear drafts; ddtree = draft trees (default: ddtree with a "
                      "drafter, ar without)")
-    dec.add_argument("--budget", type=positive_int, default=64, help="DDTree nodes per step (1..1024, default 64)")
+    dec.add_argument("--budget", type=budget, default=64, help="DDTree nodes per step (1..1024, default 64)")
     dec.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens to generate (default 128)")
     add_draft_vocab_argument(dec)
     add_int8_drafter_argument(dec)
     add_autotune_cache_argument(src)  # e.g. the one scripts/pick_autotune_cache.py installs
     dec.add_argument("--max-context", type=positive_int, default=None,
                      help="longest prompt + generation allowed (default: the model's max_position_embeddings)")
-    dec.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    dec.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
-    dec.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    dec.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy (default)")
+    dec.add_argument("--top-k", type=non_negative_int, default=0,
+                     help="sample among the k most likely tokens (0 = off)")
+    dec.add_argument("--top-p", type=probability_mass, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off)")
     dec.add_argument("--seed", type=int, default=0, help="sampling seed")
     dec.add_argument("--stop-token-ids", type=parse_ids, default=(), help="extra stop tokens besides EOS, e.g. 13,198")
     out = p.add_argument_group("output")
@@ -69,46 +77,86 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def read_prompt(args) -> str | list[int]:
+    """The prompt from --prompt / --prompt-file / --prompt-ids / stdin: text or token ids."""
     given = [x for x in (args.prompt, args.prompt_file, args.prompt_ids) if x is not None]
     if len(given) > 1:
         die("give only one of --prompt, --prompt-file, --prompt-ids")
     if args.prompt_ids is not None:
         return list(args.prompt_ids)
     if args.prompt is not None:
-        return args.prompt
-    path = args.prompt_file
-    if path is None:
-        if sys.stdin is None or sys.stdin.isatty():
+        text = check_argv_text(args.prompt, "--prompt")
+    elif args.prompt_file not in (None, "-"):
+        text = read_text_file(args.prompt_file, "prompt file")
+    else:
+        if args.prompt_file is None and (sys.stdin is None or sys.stdin.isatty()):
             die("no prompt: use --prompt TEXT, --prompt-file FILE, --prompt-ids 1,2,3, or pipe text on stdin")
-        path = "-"
-    if path == "-":
-        return sys.stdin.read()
-    if not os.path.isfile(path):
-        die(f"prompt file {path} does not exist")
-    with open(path) as f:
-        return f.read()
+        text = read_stdin_text("the prompt on stdin")
+    if not text:
+        die("the prompt is empty")
+    return text
+
+
+def prompt_ids(engine, prompt, args) -> list[int]:
+    """The prompt as token ids, checked against the vocabulary and the context limit."""
+    if isinstance(prompt, str):
+        try:
+            ids = engine.encode(prompt)
+        except ValueError as e:
+            die(str(e))
+        if not ids:
+            die("the prompt encodes to no tokens")
+    else:
+        ids = prompt
+        bad = [t for t in ids if not 0 <= t < engine.cfg.vocab_size]
+        if bad:
+            die(f"--prompt-ids: token ids outside the vocabulary [0, {engine.cfg.vocab_size}): {bad[:5]}")
+    need = len(ids) + args.max_new_tokens
+    if need > engine.max_context:
+        die(f"the prompt has {len(ids)} tokens; with --max-new-tokens {args.max_new_tokens} it needs {need} "
+            f"positions but the context limit is {engine.max_context} (--max-context, default: the model's "
+            "max_position_embeddings)")
+    return ids
 
 
 def main(argv=None) -> int:
+    """ddtree-generate; Ctrl-C / SIGTERM at any moment end it on one line (exit 130 / 143)."""
+    return run(PROG, generate_main, argv)
+
+
+def generate_main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     use_autotune_cache(args)  # before the backend starts
+    routes = routes_from(args)
+    prompt = read_prompt(args)
+    target, _ = model_paths(args.target, args.drafter)
+    tokenizer = tokenizer_source(args.tokenizer, target, needed=isinstance(prompt, str))
+    from ddtree_jax.speculative.sampling import Sampling
+
     try:
         sampling = Sampling(args.temperature, args.top_k, args.top_p)
     except ValueError as e:
         die(str(e))
-    prompt = read_prompt(args)
-    if isinstance(prompt, str) and not prompt:
-        die("the prompt is empty")
 
     from ddtree_jax.cli.common import load_engine
 
-    engine = load_engine(args.target, args.drafter, args.dtype, args.max_context, routes_from(args),
-                         args.draft_vocab, args.int8_drafter)
+    engine = load_engine(args.target, args.drafter, args.dtype, args.max_context, routes, args.draft_vocab,
+                         args.int8_drafter)
+    if args.tokenizer is not None:
+        use_tokenizer(engine, tokenizer)
     mode = args.mode or ("ddtree" if engine.proposer is not None else "ar")
+    if mode != "ar" and engine.proposer is None:
+        die(f"--mode {mode} needs a drafter: pass --drafter DIR (or --mode ar)")
+    ids = prompt_ids(engine, prompt, args)
+    engine.on_first_run = progress.compiling
     stream_text = not args.json and not args.no_stream
     printed = []
+    echo = [stream_text and isinstance(prompt, str)]  # the prompt goes out with the first tokens: no
+    # stdout before every check has passed and the compilation (its stderr line) is over
 
     def on_tokens(row, ids):
+        if echo[0]:
+            sys.stdout.write(prompt)
+            echo[0] = False
         printed.extend(ids)
         if engine.tokenizer is None:
             sys.stdout.write(" ".join(map(str, ids)) + " ")
@@ -118,16 +166,32 @@ def main(argv=None) -> int:
             sys.stdout.write(full[len(prev):] if full.startswith(prev) else "")
         sys.stdout.flush()
 
+    def with_bar(callback, bar):
+        """The stream callback: the text (or nothing) and the progress bar, where one is shown."""
+        if not bar.show:
+            return callback
+
+        def both(row, ids):
+            bar.update(len(ids))
+            if callback is not None:
+                callback(row, ids)
+
+        return both
+
     try:
-        if stream_text and isinstance(prompt, str):
-            sys.stdout.write(prompt)
-        [c] = engine.generate([prompt], mode=mode, budget=args.budget, max_new_tokens=args.max_new_tokens,
+        bar = progress.TokenBar(args.max_new_tokens, streaming=stream_text)
+        [c] = engine.generate([ids], mode=mode, budget=args.budget, max_new_tokens=args.max_new_tokens,
                               sampling=sampling, seed=args.seed, stop_token_ids=args.stop_token_ids,
-                              stream=on_tokens if stream_text else None)
+                              stream=with_bar(on_tokens if stream_text else None, bar),
+                              stream_every=4 if stream_text else 16)  # a bar alone: a host sync per 16 steps
+        bar.close()
         same = None
         if args.compare_ar and mode != "ar":
-            [ref] = engine.generate([prompt], mode="ar", max_new_tokens=args.max_new_tokens, sampling=sampling,
-                                    seed=args.seed, stop_token_ids=args.stop_token_ids)
+            bar = progress.TokenBar(args.max_new_tokens, streaming=False)
+            [ref] = engine.generate([ids], mode="ar", max_new_tokens=args.max_new_tokens, sampling=sampling,
+                                    seed=args.seed, stop_token_ids=args.stop_token_ids, stream=with_bar(None, bar),
+                                    stream_every=16)
+            bar.close()
             same = ref.token_ids == c.token_ids
     except ValueError as e:
         die(str(e))
@@ -143,6 +207,8 @@ def main(argv=None) -> int:
             line = json.dumps(d)
         print(line)
         return 0
+    if echo[0]:  # no token was streamed (e.g. the first one was a stop token)
+        sys.stdout.write(prompt)
     if not stream_text:
         sys.stdout.write((c.text if c.text is not None else " ".join(map(str, c.token_ids))))
     s = c.stats
@@ -158,7 +224,7 @@ def main(argv=None) -> int:
         if sampling.greedy:
             print(f"[check] output identical to plain decoding: {'yes' if same else 'NO'}", file=sys.stderr)
             if not same:
-                print(f"[check] {explain_divergence(engine, prompt, c.token_ids, ref.token_ids)}", file=sys.stderr)
+                print(f"[check] {explain_divergence(engine, ids, c.token_ids, ref.token_ids)}", file=sys.stderr)
         else:
             print("[check] sampling: both runs draw from the target's distribution with different random "
                   "streams, so token-for-token equality is not expected", file=sys.stderr)
