@@ -78,16 +78,16 @@ def sweep_configs(base, which: str):
     out["flip_layout"] = (both(layout=flip), "in_out")
     if which == "smoke":
         return out
-    out["k128"] = (both(block_k=128), "in_out")
     bm2 = min(128, 2 * base.block_m)
     out["bm_x2"] = (both(dataclasses.replace(base, block_m=bm2), num_warps=8 if bm2 >= 128 else base.up.num_warps),
                     "in_out")
-    for n in (32, 16):
+    for n in (32, 16) if which == "full" else (32,):
         cfg = dataclasses.replace(base, up=dataclasses.replace(base.up, block_n=n, split_k=1),
                                   down=dataclasses.replace(base.down, split_k=1))
         out[f"nosplit_n{n}"] = (cfg, "in_out")
         out[f"nosplit_n{n}_out_in"] = (cfg, "out_in")
     if which == "full":
+        out["k128"] = (both(block_k=128), "in_out")
         out["stages3"] = (both(num_stages=3), "in_out")
         out["stages5"] = (both(num_stages=5), "in_out")
         out["n128_w8"] = (both(block_n=128, num_warps=8), "in_out")
@@ -185,8 +185,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", default=None, help=f"token counts T (default {TOKENS}; smoke {SMOKE_TOKENS})")
     ap.add_argument("--routings", default="random,correlated")
     ap.add_argument("--act", default="silu_glu", choices=("silu_glu", "relu2"))
-    ap.add_argument("--sweep", default="small", choices=("none", "small", "full"),
-                    help="kernel tilings timed beside the default (sweep_configs)")
+    ap.add_argument("--sweep", default=None, choices=("none", "smoke", "small", "full"),
+                    help="kernel tilings timed beside the default (sweep_configs; default small, smoke with --smoke)")
     ap.add_argument("--out-in", action=argparse.BooleanOptionalAction, default=True,
                     help="also time the kernel on weights stored [E, out, in] (HF's layout; a second copy)")
     ap.add_argument("--max-gather-pairs", type=int, default=64,
@@ -238,7 +238,7 @@ def main(argv=None) -> int:
     for t in tokens:
         pairs = t * k
         base = moe.default_config(t, k, e, h, inter)
-        configs = sweep_configs(base, "smoke" if args.smoke else args.sweep)
+        configs = sweep_configs(base, args.sweep or ("smoke" if args.smoke else "small"))
         forms, weights_of = {}, {}
         for name, (cfg, layout) in configs.items():
             if layout == "out_in" and w_t is None:
@@ -257,14 +257,15 @@ def main(argv=None) -> int:
         forms["prep"] = lambda x, ids, w, wi, wo: moe.group_pairs(ids, e, base.block_m).token
         weights_of["prep"] = (w_in, w_out)
         runners = {name: make_runner(f) for name, f in forms.items()}
+        # rotations: enough routings that a round touches > L2_CLEAR_BYTES of experts under the
+        # routing touching fewest (correlated); one count for every routing (same compiled runners)
+        fewest = min(e, k + (t - 1) * (k - SHARED)) if "correlated" in routings else min(e, pairs)
+        nrot = max(1, min(8, math.ceil(L2_CLEAR_BYTES / (fewest * expert_bytes)))) if on_gpu else 1
         for how in routings:
             if time.time() - t_start > args.budget_s:
                 report["stopped"] = f"budget of {args.budget_s} s reached before T={t} {how}"
                 break
             rng = np.random.default_rng(1000 * t + len(how))
-            first_ids, _ = routing(rng, t, k, e, how)
-            distinct = len(np.unique(first_ids))
-            nrot = max(1, min(8, math.ceil(L2_CLEAR_BYTES / (distinct * expert_bytes)))) if on_gpu else 1
             sets, counts = [], []
             for r in range(nrot):
                 ids, w = routing(rng, t, k, e, how)
