@@ -294,7 +294,8 @@ def main(argv=None) -> int:
                 in_out = {n: v for n, v in sweep.items() if configs[n][1] == "in_out"}
                 out_in = {n: v for n, v in sweep.items() if configs[n][1] == "out_in"}
                 if in_out and out_in:  # the layout question: each layout's best tiling
-                    row["kernel_best_in_out_us"], row["kernel_best_out_in_us"] = min(in_out.values()), min(out_in.values())
+                    row["kernel_best_in_out_us"] = min(in_out.values())
+                    row["kernel_best_out_in_us"] = min(out_in.values())
                 row["kernel_TBps"] = row["touched_MB"] * 1e6 / (sweep[best] * 1e-6) / 1e12
                 row["x_roofline"] = sweep[best] * 1e-6 / (row["touched_MB"] * 1e6 / copy_Bps)
             for name in XLA_FORMS:
@@ -303,8 +304,9 @@ def main(argv=None) -> int:
             if "prep" in times:
                 row["prep_time"] = times["prep"] * 1e6
             us = " ".join(f"{key[:-3]}={v:.1f}" for key, v in row.items() if key.endswith("_us") and v)
-            record_row(report, row, args.out, f"[moe] T={t} {how}: {row['distinct']:.1f} experts, {us} us "
-                                              f"(best tiling {row.get('best_config')}), prep {row.get('prep_time', 0):.1f} us")
+            line = (f"[moe] T={t} {how}: {row['distinct']:.1f} experts, {us} us (best tiling "
+                    f"{row.get('best_config')}), prep {row.get('prep_time', 0):.1f} us")
+            record_row(report, row, args.out, line)
         if "stopped" in report:
             break
     report["elapsed_s"] = time.time() - t_start
