@@ -1,7 +1,8 @@
 """Merged projection layouts (the defaults): one weight where HF holds several.
 
 A model built under `models.layers.MERGED_GATE_UP`, `models.attention.MERGED_QKV` and
-`models.gdn.MERGED_QKVZ_BA` (the defaults) holds `mlp/gate_up_proj` [in, gate | up],
+`models.gdn.MERGED_QKVZ_BA` (the defaults) holds `mlp/gate_up_proj` [in, gate | up] (and a MoE's
+`shared_expert/gate_up_proj`),
 `self_attn/qkv_proj` [in, q | k | v] and `linear_attn/in_proj_qkvzba` [in, qkv | z | b | a]
 (columns in that order; biases likewise). With MERGED_QKVZ_BA off, `models.gdn.MERGED_QKV_Z` and
 `models.gdn.MERGED_BA` give `linear_attn/in_proj_qkv_z` [in, qkv | z] and `linear_attn/in_proj_ba`
@@ -36,6 +37,7 @@ SWITCHES = (
 # merged module name -> its parts, in column order
 MERGES = {
     "mlp/gate_up_proj": ("mlp/gate_proj", "mlp/up_proj"),
+    "shared_expert/gate_up_proj": ("shared_expert/gate_proj", "shared_expert/up_proj"),  # a MoE's SwiGLU
     "self_attn/qkv_proj": ("self_attn/q_proj", "self_attn/k_proj", "self_attn/v_proj"),
     "linear_attn/in_proj_qkv_z": ("linear_attn/in_proj_qkv", "linear_attn/in_proj_z"),
     "linear_attn/in_proj_ba": ("linear_attn/in_proj_b", "linear_attn/in_proj_a"),
@@ -165,7 +167,7 @@ def _overlapping(kinds) -> bool:
 def alternatives(expected: Shapes, kv_width: int | None):
     """[(stored shapes, convert)] for a checkpoint saved in another layout than the model's:
     every combination of merged / separate per kind of MERGES that the model has, kinds that
-    claim the same part never together (at most 19 others); convert(flat of the stored shapes)
+    claim the same part never together (at most 39 others); convert(flat of the stored shapes)
     gives the model's flat params."""
     parts, model_plan = to_parts(expected, kv_width)
     present = [m for m in MERGES if to_merged(parts, {m})[1]]

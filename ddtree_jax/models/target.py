@@ -27,7 +27,7 @@ from ddtree_jax.models.gdn import GatedDeltaNet
 from ddtree_jax.models.layers import (Embedding, Linear, RMSNorm, Relu2MLP, SplitKParts, SwiGLU, apply_rope, dense,
                                      rope_cos_sin)
 from ddtree_jax.models.mamba2 import Mamba2Mixer
-from ddtree_jax.models.moe import NemotronMoE
+from ddtree_jax.models.moe import NemotronMoE, SparseMoeBlock
 from pallas_kernels.add_rms_norm import add_rms_norm
 
 # impl "pallas" / "pallas_interpret": each residual add runs with the norm after it as one kernel
@@ -89,7 +89,9 @@ class PlainAttention(Attention):
         return q, k, v, None
 
 
-def _ffn(cfg: TargetConfig, inter: int, *, dtype, rngs):
+def _ffn(cfg: TargetConfig, inter: int, *, dtype, rngs, kind: str = MLP):
+    if kind == MOE:  # a sparse FFN slot (Qwen3.5-MoE, Qwen3-Next)
+        return SparseMoeBlock(cfg, dtype=dtype, rngs=rngs)
     if cfg.mlp_kind == "relu2":
         return Relu2MLP(cfg.hidden_size, inter, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
     return SwiGLU(cfg.hidden_size, inter, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
@@ -102,7 +104,8 @@ class DecoderLayer(nnx.Module):
     one-mixer-per-block models (NemotronH), a relu^2 MLP (`mlp`) or a MoE (`moe`) without a cache.
     """
 
-    def __init__(self, cfg: TargetConfig, kind: str, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: TargetConfig, kind: str, *, dtype, rngs: nnx.Rngs, ffn: str = MLP):
+        """ffn: the FFN slot's kind when cfg.block_ffn (cfg.ffn_kinds[i]): MLP or MOE (SparseMoeBlock)."""
         self.kind = kind
         self.block_ffn = cfg.block_ffn
         self.residual_in_fp32 = cfg.residual_in_fp32
@@ -125,10 +128,11 @@ class DecoderLayer(nnx.Module):
         if cfg.block_ffn:
             self.post_attention_layernorm = norm()
         if cfg.block_ffn or kind == MLP:
-            self.mlp = _ffn(cfg, cfg.intermediate_size, dtype=dtype, rngs=rngs)
+            self.mlp = _ffn(cfg, cfg.intermediate_size, dtype=dtype, rngs=rngs, kind=ffn if cfg.block_ffn else MLP)
         if cfg.block_ffn and not cfg.residual_in_fp32:  # the add + norm kernels take split-K partials
             out = {ATTENTION: "o_proj", GDN: "out_proj", MAMBA2: "out_proj"}.get(kind)
-            for proj in ([getattr(self.mixer(), out)] if out else []) + [self.mlp.down_proj]:
+            down = [self.mlp.down_proj] if isinstance(self.mlp, (SwiGLU, Relu2MLP)) else []  # a MoE sums its own
+            for proj in ([getattr(self.mixer(), out)] if out else []) + down:
                 proj.split_k_out = True
 
     def mixer(self):
@@ -152,8 +156,8 @@ class DecoderLayer(nnx.Module):
             x = x + dense(self.mlp(self.post_attention_layernorm(x), impl), x.dtype)
         return x
 
-    def _stateless(self, h):
-        return self.mlp(h) if self.kind == MLP else self.moe(h)
+    def _stateless(self, h, impl: str):
+        return self.mlp(h) if self.kind == MLP else self.moe(h, impl)
 
     def __call__(self, x, layer_cache, start, n_valid, *, chunked: bool, impl: str = "xla", fused: bool = False):
         """x: the stream (an array, or a Stream when `fused`: the residual adds then run inside
@@ -166,7 +170,7 @@ class DecoderLayer(nnx.Module):
         elif self.kind == MAMBA2:
             h, layer_cache = self.mamba(h, layer_cache, n_valid, chunked=chunked)
         else:
-            h = self._stateless(h)
+            h = self._stateless(h, impl)
         return self._post(residual, h, impl, fused), layer_cache
 
     def tree(self, x, layer_cache, start, geo: TreeGeometry, impl: str = "xla", fused: bool = False):
@@ -182,7 +186,7 @@ class DecoderLayer(nnx.Module):
         elif self.kind == MAMBA2:
             h, pending = self.mamba.tree(h, layer_cache, geo.visible, geo.conv_src, geo.bits, impl)
         else:
-            h = self._stateless(h)
+            h = self._stateless(h, impl)
         return self._post(residual, h, impl, fused), pending
 
     def commit(self, pending, path, count, layer_cache, start, impl: str = "xla"):
@@ -200,7 +204,8 @@ class TargetModel(nnx.Module):
         self.cfg = cfg
         dtype = jnp.dtype(dtype or cfg.dtype)
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
-        self.layers = nnx.List([DecoderLayer(cfg, kind, dtype=dtype, rngs=rngs) for kind in cfg.layer_types])
+        self.layers = nnx.List([DecoderLayer(cfg, kind, dtype=dtype, rngs=rngs, ffn=ffn)
+                                for kind, ffn in zip(cfg.layer_types, cfg.ffn_kinds)])
         self.norm = RMSNorm(
             cfg.hidden_size, cfg.rms_norm_eps, zero_centered=cfg.norm_zero_centered, dtype=dtype, rngs=rngs,
             weight_fp32=cfg.norm_weight_fp32,

@@ -48,6 +48,8 @@ def _inverse_transform(transform) -> Callable[[np.ndarray], np.ndarray]:
         return lambda x: np.ascontiguousarray(x.T)
     if transform is depthwise_conv:
         return lambda x: np.ascontiguousarray(x.T[:, None, :])
+    if getattr(transform, "inverse", None) is not None:  # keymap.stacked_linear / checked_linear
+        return transform.inverse
     raise ValueError(f"no inverse known for transform {transform!r} (multi-output rules cannot be exported)")
 
 
