@@ -1,6 +1,7 @@
-"""NemotronH MoE block (ddtree_jax/models/moe.py): the gathered form (each token's chosen experts
-only: what a decode step runs) equals the dense form (every expert, zero weights off the chosen
-ones: prefill and tree verify), and the block picks the one that reads fewer expert matrices."""
+"""NemotronH MoE block (ddtree_jax/models/moe.py): the gathered form of the expert products (each
+token's chosen experts only: what a decode step runs) equals the dense form (every expert, zero
+weights off the chosen ones: prefill and tree verify), and the block picks the one that reads fewer
+expert matrices. (The Qwen sparse block and the shared expert products: tests/test_qwen_moe.py.)"""
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ddtree_jax.config import TargetConfig
-from ddtree_jax.models.moe import NemotronMoE, gathered_reads_less
+from ddtree_jax.models.moe import RELU2, NemotronMoE, expert_mlp_dense, expert_mlp_gathered, gathered_reads_less
 from tests.hf_mamba_models import config_dict, random_jax_params
 
 BLOCKS = {}
@@ -56,12 +57,12 @@ def _both(name, dtype):
 
     @jax.jit
     def both(p, x):
-        from ddtree_jax.models.moe import dense_combine
-
         m = nnx.merge(gd, p)
         idx, w = m.route(x)
         xe = m.expert_inputs(x)
-        return m._gathered(xe, idx, w), m._dense(xe, dense_combine(idx, w, cfg.moe_num_experts)), idx
+        weights = (m.up_proj[...], m.down_proj[...])
+        return (expert_mlp_gathered(xe, idx, w, *weights, act=RELU2), expert_mlp_dense(xe, idx, w, *weights, act=RELU2),
+                idx)
 
     FORMS[name, dtype] = both
     return both
@@ -76,8 +77,8 @@ def test_block_reads_the_fewer_expert_matrices(tokens, gathered):
     assert gathered_reads_less(x, cfg.moe_top_k, cfg.moe_num_experts) == gathered
     jaxpr = str(jax.make_jaxpr(lambda p, x: nnx.merge(gd, p)(x))(params, x))
     d, inter = cfg.moe_latent_size, cfg.moe_intermediate_size
-    slices = f"[1,{tokens},{cfg.moe_top_k},{d},{inter}]"  # the chosen experts' up weights, gathered
-    every = f"[1,{tokens},{cfg.moe_num_experts},{inter}]"  # every expert's hidden activations
+    slices = f"[{tokens},{cfg.moe_top_k},{d},{inter}]"  # the chosen experts' up weights, gathered
+    every = f"[{tokens},{cfg.moe_num_experts},{inter}]"  # every expert's hidden activations
     assert (slices in jaxpr) == gathered and (every in jaxpr) != gathered
     out = jax.jit(lambda p, x: nnx.merge(gd, p)(x))(params, x + 0.5)
     assert out.shape == x.shape and bool(jnp.all(jnp.isfinite(out)))
