@@ -378,12 +378,12 @@ def _qwen_ffn_types(r: FieldReader, model_type: str, num_layers: int) -> tuple[s
         r.problems.append(f"field 'num_experts' must be >= 0, got {experts}")
     if experts <= 0:
         return (MLP,) * num_layers
-    step = r.positive_int("decoder_sparse_step", 1)
+    step = r.positive_int("decoder_sparse_step", 1) or 1  # a bad one is reported; go on to check the rest
     mlp_only = r.get("mlp_only_layers", [], kind=(list, tuple))
     if any(not isinstance(i, int) or isinstance(i, bool) for i in mlp_only):
         r.problems.append(f"field 'mlp_only_layers' must list layer indices, got {mlp_only!r}")
         mlp_only = []
-    return tuple(MOE if step and i not in mlp_only and (i + 1) % step == 0 else MLP for i in range(num_layers))
+    return tuple(MOE if i not in mlp_only and (i + 1) % step == 0 else MLP for i in range(num_layers))
 
 
 def _qwen_moe_fields(r: FieldReader, model_type: str) -> dict[str, Any]:
