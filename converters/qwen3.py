@@ -80,7 +80,8 @@ def _moe_rules(cfg: TargetConfig) -> list[Rule]:
     return [
         Rule(L + r"mlp\.gate\.weight", r"layers/\1/mlp/router/kernel",
              checked_linear((e, h), f"one router row per expert: num_experts {e}, hidden_size {h}")),
-        Rule(L + r"mlp\.experts\.(gate_up_proj)", r"layers/\1/mlp/experts/\2", stacked_linear((e, 2 * inter, h), sizes)),
+        Rule(L + r"mlp\.experts\.(gate_up_proj)", r"layers/\1/mlp/experts/\2",
+             stacked_linear((e, 2 * inter, h), sizes)),
         Rule(L + r"mlp\.experts\.(down_proj)", r"layers/\1/mlp/experts/\2", stacked_linear((e, h, inter), sizes)),
         Rule(L + r"mlp\.shared_expert\.(gate_proj|up_proj|down_proj)\.weight", r"layers/\1/mlp/shared_expert/\2/kernel",
              linear),
@@ -192,7 +193,8 @@ def stack_experts(
                     continue
                 w = np.asarray(load(groups[name][part][i]))
                 if tuple(w.shape) != part_shape[part]:
-                    problems.append(f"expert {i} {part} has shape {tuple(w.shape)}, the config needs {part_shape[part]}")
+                    problems.append(
+                        f"expert {i} {part} has shape {tuple(w.shape)}, the config needs {part_shape[part]}")
                     continue
                 if problems:
                     continue  # keep checking shapes, fill nothing

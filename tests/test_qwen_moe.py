@@ -34,7 +34,7 @@ from converters.keymap import CheckpointError, flatten_paths
 from converters.load import load_target
 from ddtree_jax.config import MLP, MOE, ConfigError, TargetConfig
 from ddtree_jax.models import moe
-from ddtree_jax.models.moe import (ACTS, RELU2, SILU_GLU, SparseMoeBlock, expert_mlp_dense, expert_mlp_gathered,
+from ddtree_jax.models.moe import (ACTS, SILU_GLU, SparseMoeBlock, expert_mlp_dense, expert_mlp_gathered,
                                    route_softmax_top_k)
 from hf_models import converted, hf_model
 from tests.tiny_models import HYBRID_MOE, random_params
@@ -339,7 +339,8 @@ def test_experts_in_a_missing_shard_are_reported_once(tmp_path):
     d.mkdir()
     kept = {k: v for k, v in tensors.items() if k not in lost}
     save_file(kept, str(d / "model-00001-of-00002.safetensors"), metadata={"format": "pt"})
-    index = {k: "model-00001-of-00002.safetensors" for k in kept} | {k: "model-00002-of-00002.safetensors" for k in lost}
+    shards = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+    index = {k: shards[0] for k in kept} | {k: shards[1] for k in lost}
     (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index}))
     (d / "config.json").write_text(config)
     with pytest.raises(CheckpointError) as e:
@@ -391,5 +392,6 @@ def test_moe_ffn_in_the_fused_residual_stream_matches_xla():
     nodes = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 5)), jnp.int32)
 
     verify = jax.jit(lambda p, c, t, impl: nnx.merge(gd, p).verify(t, c, None, impl=impl)[0], static_argnums=3)
-    ref, got = np.asarray(verify(params, cache, nodes, "xla")), np.asarray(verify(params, cache, nodes, "pallas_interpret"))
+    ref = np.asarray(verify(params, cache, nodes, "xla"))
+    got = np.asarray(verify(params, cache, nodes, "pallas_interpret"))
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * float(np.abs(ref).max()))

@@ -1,5 +1,5 @@
 """The hybrid target stack, driven by the config's layer pattern: Qwen3 / Qwen3.5 / Qwen3-Next
-(attention + Gated DeltaNet), Bamba (attention + Mamba2), NemotronH (one mixer per block:
+(attention + Gated DeltaNet; each block's FFN dense or a sparse MoE, cfg.ffn_types), Bamba (attention + Mamba2), NemotronH (one mixer per block:
 Mamba2, attention, relu^2 MLP or MoE) and Mamba2ForCausalLM (pure Mamba2).
 
 Every token mixer (attention, GDN, Mamba2) offers the same entry points (append, tree, commit),
