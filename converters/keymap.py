@@ -50,6 +50,31 @@ def linear(w: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(w.T)
 
 
+def stacked_linear(shape: tuple[int, ...], what: str) -> Transform:
+    """A stack of torch Linear weights [E, out, in] that must have `shape` (what: the config sizes
+    that give it, for the error) -> [E, in, out]. Its own inverse (`.inverse`, for the export)."""
+
+    def transform(w: np.ndarray) -> np.ndarray:
+        if tuple(w.shape) != tuple(shape):
+            raise ValueError(f"has shape {tuple(w.shape)}, the config needs {tuple(shape)} ({what})")
+        return np.ascontiguousarray(np.swapaxes(w, 1, 2))
+
+    transform.inverse = lambda x: np.ascontiguousarray(np.swapaxes(x, 1, 2))
+    return transform
+
+
+def checked_linear(shape: tuple[int, int], what: str) -> Transform:
+    """`linear` for a weight [out, in] that must have `shape` (what: the config sizes that give it)."""
+
+    def transform(w: np.ndarray) -> np.ndarray:
+        if tuple(w.shape) != tuple(shape):
+            raise ValueError(f"has shape {tuple(w.shape)}, the config needs {tuple(shape)} ({what})")
+        return linear(w)
+
+    transform.inverse = lambda x: np.ascontiguousarray(x.T)
+    return transform
+
+
 def depthwise_conv(w: np.ndarray) -> np.ndarray:
     """torch depthwise Conv1d weight [C, 1, K] -> [K, C]."""
     if w.ndim != 3 or w.shape[1] != 1:

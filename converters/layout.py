@@ -1,11 +1,12 @@
 """Merged projection layouts: one weight where HF holds several.
 
-The models hold `mlp/gate_up_proj` [in, gate | up], `self_attn/qkv_proj` [in, q | k | v] and
-`linear_attn/in_proj_qkvzba` [in, qkv | z | b | a] (columns in that order; biases likewise;
-docs/decisions/0005-merged-projection-layouts.md). HF checkpoints hold the parts. The key maps keep
-mapping HF tensors onto the parts; `map_into_layout` asks them for the parts a merged model
-needs and concatenates after, `split` cuts them back for an export, and `alternatives` lets a
-converted checkpoint saved in an older layout (separate parts, or qkv | z and b | a) be restored.
+The models hold `mlp/gate_up_proj` [in, gate | up] (and a MoE's `shared_expert/gate_up_proj`),
+`self_attn/qkv_proj` [in, q | k | v] and `linear_attn/in_proj_qkvzba` [in, qkv | z | b | a]
+(columns in that order; biases likewise; docs/decisions/0005-merged-projection-layouts.md). HF
+checkpoints hold the parts. The key maps keep mapping HF tensors onto the parts; `map_into_layout`
+asks them for the parts a merged model needs and concatenates after, `split` cuts them back for an
+export, and `alternatives` lets a converted checkpoint saved in an older layout (separate parts, or
+qkv | z and b | a) be restored.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from converters.keymap import map_checkpoint
 # merged module name -> its parts, in column order
 MERGES = {
     "mlp/gate_up_proj": ("mlp/gate_proj", "mlp/up_proj"),
+    "shared_expert/gate_up_proj": ("shared_expert/gate_proj", "shared_expert/up_proj"),  # a MoE's SwiGLU
     "self_attn/qkv_proj": ("self_attn/q_proj", "self_attn/k_proj", "self_attn/v_proj"),
     "linear_attn/in_proj_qkv_z": ("linear_attn/in_proj_qkv", "linear_attn/in_proj_z"),
     "linear_attn/in_proj_ba": ("linear_attn/in_proj_b", "linear_attn/in_proj_a"),
@@ -151,7 +153,7 @@ def _overlapping(kinds) -> bool:
 def alternatives(expected: Shapes, kv_width: int | None):
     """[(stored shapes, convert)] for a checkpoint saved in another layout than the model's:
     every combination of merged / separate per kind of MERGES that the model has, kinds that
-    claim the same part never together (at most 19 others); convert(flat of the stored shapes)
+    claim the same part never together (at most 39 others); convert(flat of the stored shapes)
     gives the model's flat params."""
     parts, model_plan = to_parts(expected, kv_width)
     present = [m for m in MERGES if to_merged(parts, {m})[1]]

@@ -52,6 +52,8 @@ def target_params_from_tensors(
     family = family_for(cfg)
     if cfg.model_type == "nemotron_h":
         names, load, on_tensor = mamba.fuse_experts(cfg, names, load, on_tensor)
+    elif cfg.sparse_ffn_layers:  # per-expert tensors -> the stacked ones the rules map
+        names, load, on_tensor, unavailable = qwen3.stack_experts(cfg, names, load, on_tensor, unavailable)
     flat = map_into_layout(  # the key maps fill HF's separate projections; merged layouts join them
         names,
         load,

@@ -16,12 +16,18 @@ ATTENTION = "attention"
 GDN = "gdn"
 MAMBA2 = "mamba2"
 MLP = "mlp"  # a feed-forward block in the mixer slot (NemotronH "mlp"): no cache, no state
-MOE = "moe"  # a mixture-of-experts block in the mixer slot (NemotronH "moe")
+MOE = "moe"  # a mixture-of-experts block in the mixer slot (NemotronH "moe") or in the FFN slot (Qwen)
 MIXER_KINDS = (ATTENTION, GDN, MAMBA2, MLP, MOE)
 RECURRENT_KINDS = (GDN, MAMBA2)  # kinds with a RecurrentCache (conv window + state)
-FFN_KINDS = (MLP, MOE)  # kinds without any cache
+FFN_KINDS = (MLP, MOE)  # kinds without any cache; also the kinds of a block's FFN slot (`ffn_types`)
 
-QWEN_MODEL_TYPES = ("qwen3_5_text", "qwen3_5", "qwen3_next", "qwen3")
+# Mixture-of-experts routers (`moe_router`)
+ROUTER_SOFTMAX = "softmax_top_k"  # Qwen3.5-MoE / Qwen3-Next: fp32 softmax, top-k, optional renormalisation
+ROUTER_SIGMOID_GROUPED = "sigmoid_group_top_k"  # NemotronH: sigmoid + correction bias, grouped top-k
+
+QWEN_MOE_MODEL_TYPES = ("qwen3_5_moe_text", "qwen3_5_moe")  # every layer's FFN is a sparse MoE
+QWEN_WRAPPER_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")  # multimodal configs: the text part under text_config
+QWEN_MODEL_TYPES = ("qwen3_5_text", "qwen3_5", "qwen3_next", "qwen3") + QWEN_MOE_MODEL_TYPES
 MAMBA_MODEL_TYPES = ("mamba2", "bamba", "nemotron_h")
 SUPPORTED_MODEL_TYPES = QWEN_MODEL_TYPES + MAMBA_MODEL_TYPES
 DTYPES = {
@@ -81,6 +87,9 @@ class TargetConfig:
     # mixer per block, x += mixer(norm(x)), where the mixer may be an MLP / MoE (NemotronH, Mamba2).
     block_ffn: bool = True
     mlp_kind: str = "swiglu"  # "swiglu": down(silu(gate x) * up x); "relu2": down(relu(up x)^2)
+    # block_ffn models: per layer, the FFN slot's kind: MLP (dense, mlp_kind) or MOE (sparse mixture of
+    # experts, moe_* below). Empty: every layer MLP.
+    ffn_types: tuple[str, ...] = ()
     mlp_bias: bool = False
     qk_norm: bool = True  # RMSNorm on q and k per head (Qwen3); rotary_dim = 0 means no RoPE
     norm_weight_fp32: bool = False  # RMSNorm: (w_f32 * normed_f32).astype(x) (NemotronH) instead of w * normed.astype(x)
@@ -96,7 +105,9 @@ class TargetConfig:
     # dt = clip(softplus(dt_raw + dt_bias), *mamba_dt_limit) in prefill, decode AND tree verify
     # (one function on every path; see ddtree_jax/models/mamba2.py for why).
     mamba_dt_limit: tuple[float, float] = (0.0, float("inf"))
-    # ---- NemotronH mixture of experts (sigmoid router, grouped top-k, shared expert) ----
+    # ---- mixture of experts: Qwen (softmax router, gated shared SwiGLU expert) or NemotronH (sigmoid
+    # router, grouped top-k, relu^2 shared expert); n_group .. latent_size are NemotronH's only ----
+    moe_router: str = ""  # ROUTER_SOFTMAX or ROUTER_SIGMOID_GROUPED
     moe_num_experts: int = 0
     moe_top_k: int = 0
     moe_intermediate_size: int = 0
@@ -144,6 +155,16 @@ class TargetConfig:
     @property
     def recurrent_layers(self) -> tuple[int, ...]:
         return tuple(i for i, t in enumerate(self.layer_types) if t in RECURRENT_KINDS)
+
+    @property
+    def ffn_kinds(self) -> tuple[str, ...]:
+        """Per layer, the kind of the block's FFN slot (MLP or MOE); meaningful when block_ffn."""
+        return self.ffn_types or (MLP,) * self.num_layers
+
+    @property
+    def sparse_ffn_layers(self) -> tuple[int, ...]:
+        """Layers whose FFN slot is a mixture of experts (block_ffn models)."""
+        return tuple(i for i, t in enumerate(self.ffn_kinds) if t == MOE) if self.block_ffn else ()
 
     def replace(self, **changes: Any) -> "TargetConfig":
         return dataclasses.replace(self, **changes)
@@ -265,14 +286,14 @@ def _parse_target(raw: Mapping[str, Any], source: str) -> TargetConfig:
     if model_type in MAMBA_MODEL_TYPES:
         return _mamba_family(raw, model_type, source)
     outer = raw
-    if model_type == "qwen3_5":
+    if model_type in QWEN_WRAPPER_MODEL_TYPES:
         text = raw.get("text_config")
         if not isinstance(text, Mapping):
-            raise ConfigError(["model_type 'qwen3_5' needs a 'text_config' object"], source)
+            raise ConfigError([f"model_type {model_type!r} needs a 'text_config' object"], source)
         # Fields the composite config keeps at top level (dtype, tie) are defaults for the text part.
         merged = {k: outer[k] for k in ("dtype", "torch_dtype") if outer.get(k) is not None}
         merged.update({k: v for k, v in text.items() if v is not None or k not in merged})  # null: no override
-        # Qwen3_5ForConditionalGeneration ties lm_head by the TOP-LEVEL flag; text_config keeps its
+        # Qwen3_5(Moe)ForConditionalGeneration ties lm_head by the TOP-LEVEL flag; text_config keeps its
         # own (ignored) copy, which save_pretrained always writes.
         if "tie_word_embeddings" in outer:
             merged["tie_word_embeddings"] = outer["tie_word_embeddings"]
@@ -284,9 +305,8 @@ def _parse_target(raw: Mapping[str, Any], source: str) -> TargetConfig:
     head_dim = r.positive_int("head_dim", (hidden // num_heads) if hidden and num_heads else None)
     num_layers = r.positive_int("num_hidden_layers")
     vocab = r.positive_int("vocab_size")
-    inter = r.positive_int("intermediate_size")
     eps = float(r.get("rms_norm_eps", 1e-6))
-    qwen35_like = model_type in ("qwen3_5_text", "qwen3_5", "qwen3_next")
+    qwen35_like = model_type != "qwen3"
     rotary_dim, theta = read_rope(r, head_dim, 0.25 if qwen35_like else 1.0)
     if num_heads and num_kv and num_heads % num_kv:
         problems.append(f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv})")
@@ -306,22 +326,14 @@ def _parse_target(raw: Mapping[str, Any], source: str) -> TargetConfig:
                 problems.append(
                     f"linear_num_value_heads ({hv}) must be a multiple of linear_num_key_heads ({hk})"
                 )
-        if model_type == "qwen3_next":
-            experts = r.get("num_experts", 512)
-            mlp_only = set(r.get("mlp_only_layers") or [])
-            step = r.get("decoder_sparse_step", 1) or 1
-            moe_layers = [
-                i for i in range(num_layers) if experts and i not in mlp_only and (i + 1) % step == 0
-            ]
-            if moe_layers:
-                problems.append(
-                    f"qwen3_next with mixture-of-experts layers {moe_layers[:4]}... is not supported "
-                    "(only dense qwen3_next: num_experts = 0)"
-                )
     else:
         layer_types = tuple([ATTENTION] * num_layers)
         if raw.get("use_sliding_window") and raw.get("sliding_window"):
             problems.append("qwen3 sliding-window attention (use_sliding_window) is not supported")
+    ffn_types = _qwen_ffn_types(r, model_type, num_layers)
+    fields.update(_qwen_moe_fields(r, model_type) if MOE in ffn_types else {})
+    # Qwen3.5-MoE text configs have no intermediate_size (no dense FFN): needed only by dense layers.
+    inter = r.positive_int("intermediate_size") if MLP in ffn_types else 0
     if r.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act {raw.get('hidden_act')!r} is not supported (only 'silu')")
     dtype = read_dtype(r)
@@ -348,7 +360,46 @@ def _parse_target(raw: Mapping[str, Any], source: str) -> TargetConfig:
         eos_token_ids=read_eos(raw) or read_eos(outer),
         bos_token_id=raw.get("bos_token_id"),
         pad_token_id=raw.get("pad_token_id"),
+        ffn_types=ffn_types,
         **fields,
+    )
+
+
+def _qwen_ffn_types(r: FieldReader, model_type: str, num_layers: int) -> tuple[str, ...]:
+    """Per layer MLP or MOE, as HF builds the decoder layers: every layer sparse in Qwen3.5-MoE; in
+    Qwen3-Next layer i is sparse iff num_experts > 0, i not in mlp_only_layers and
+    (i + 1) % decoder_sparse_step == 0."""
+    if model_type in QWEN_MOE_MODEL_TYPES:
+        return (MOE,) * num_layers
+    if model_type != "qwen3_next":
+        return (MLP,) * num_layers
+    experts = r.get("num_experts", 512, kind=int)  # HF's default: 512 experts
+    if experts < 0:
+        r.problems.append(f"field 'num_experts' must be >= 0, got {experts}")
+    if experts <= 0:
+        return (MLP,) * num_layers
+    step = r.positive_int("decoder_sparse_step", 1) or 1  # a bad one is reported; go on to check the rest
+    mlp_only = r.get("mlp_only_layers", [], kind=(list, tuple))
+    if any(not isinstance(i, int) or isinstance(i, bool) for i in mlp_only):
+        r.problems.append(f"field 'mlp_only_layers' must list layer indices, got {mlp_only!r}")
+        mlp_only = []
+    return tuple(MOE if i not in mlp_only and (i + 1) % step == 0 else MLP for i in range(num_layers))
+
+
+def _qwen_moe_fields(r: FieldReader, model_type: str) -> dict[str, Any]:
+    """The sparse MoE block's sizes (HF defaults where a field is absent). Qwen3.5-MoE always
+    renormalises the top-k weights (its config has no norm_topk_prob); Qwen3-Next if norm_topk_prob."""
+    moe35 = model_type in QWEN_MOE_MODEL_TYPES
+    experts = r.positive_int("num_experts", 256 if moe35 else 512)
+    top_k = r.positive_int("num_experts_per_tok", 8 if moe35 else 10)
+    if experts and top_k and top_k > experts:
+        r.problems.append(f"num_experts_per_tok ({top_k}) exceeds num_experts ({experts})")
+    norm = True if moe35 else r.get("norm_topk_prob", True, kind=bool)
+    return dict(
+        moe_router=ROUTER_SOFTMAX, moe_num_experts=experts, moe_top_k=top_k,
+        moe_intermediate_size=r.positive_int("moe_intermediate_size", 512),
+        moe_shared_intermediate_size=r.positive_int("shared_expert_intermediate_size", 512),
+        moe_norm_topk_prob=norm,
     )
 
 

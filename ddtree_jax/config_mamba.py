@@ -13,6 +13,7 @@ from ddtree_jax.config import (
     MAMBA2,
     MLP,
     MOE,
+    ROUTER_SIGMOID_GROUPED,
     ConfigError,
     TargetConfig,
     read_dtype,
@@ -216,7 +217,7 @@ def _parse_mamba_family(raw: Mapping[str, Any], model_type: str, source: str) ->
                 problems.append(f"field 'moe_latent_size' must be a positive integer or null, got {latent!r}")
                 latent = None
             fields.update(
-                moe_num_experts=experts, moe_top_k=top_k,
+                moe_router=ROUTER_SIGMOID_GROUPED, moe_num_experts=experts, moe_top_k=top_k,
                 moe_intermediate_size=r.positive_int("moe_intermediate_size", 7688),
                 moe_shared_intermediate_size=r.positive_int("moe_shared_expert_intermediate_size", 7688),
                 moe_n_group=n_group, moe_topk_group=topk_group, moe_norm_topk_prob=_flag(r, "norm_topk_prob", True),

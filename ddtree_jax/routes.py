@@ -42,6 +42,7 @@ class Routes:
     split_k_rows: tuple[int, int] = (32, 128)  # row counts (inclusive) that return partials
     drafter_attention_kernel: bool = True  # the drafter's non-causal attention through the tree kernel
     ssd_kernel_max_nodes: int = 16  # Mamba2 tree verify: the SSD kernel up to this many nodes
+    moe_experts_kernel: bool = True  # MoE expert products through the grouped expert kernel
     # ---- tree build kernels (impl != "xla") ----
     bits_kernel_max_nodes: int = 64  # ancestor bitsets: the kernel up to this many nodes
     tree_select_kernel: bool = True  # the DDTree node selection in one launch (budgets it takes)

@@ -25,7 +25,7 @@ from flax import nnx
 from ddtree_jax import atomic
 from ddtree_jax.bench import median_ms
 from ddtree_jax.config import TargetConfig
-from ddtree_jax.models.moe import NemotronMoE, dense_combine
+from ddtree_jax.models.moe import RELU2, NemotronMoE, expert_mlp_dense, expert_mlp_gathered
 
 
 def block_config(hidden: int, experts: int, top_k: int, inter: int, shared: int) -> TargetConfig:
@@ -68,8 +68,13 @@ def main(argv=None) -> int:
     expert_bytes = 2 * args.hidden * args.inter * 2  # up + down of one expert, bf16
 
     route = jax.jit(lambda p, x: nnx.merge(gd, p).route(x))
-    gathered = jax.jit(lambda p, x, idx, w: nnx.merge(gd, p)._gathered(x, idx, w))
-    dense = jax.jit(lambda p, x, idx, w: nnx.merge(gd, p)._dense(x, dense_combine(idx, w, cfg.moe_num_experts)))
+    def form(products):
+        def run(p, x, idx, w):
+            m = nnx.merge(gd, p)
+            return products(x, idx, w, m.up_proj[...], m.down_proj[...], act=RELU2)
+        return jax.jit(run)
+
+    gathered, dense = form(expert_mlp_gathered), form(expert_mlp_dense)
     rows = []
     for t in [int(v) for v in args.tokens.split(",")]:
         x = jax.random.normal(jax.random.PRNGKey(t), (t, args.hidden), jnp.float32).astype(jnp.bfloat16)

@@ -42,7 +42,7 @@ class Spec:
     """One tiny reference model: HF model type, text-config overrides, tie, seed."""
 
     name: str
-    model_type: str  # qwen3_5_text | qwen3_5 | qwen3_next | qwen3
+    model_type: str  # qwen3_5_text | qwen3_5 | qwen3_next | qwen3 | qwen3_5_moe_text | qwen3_5_moe
     text: str  # JSON of the text-config overrides (a string keeps the spec hashable)
     tie: bool
     seed: int
@@ -72,6 +72,11 @@ def _spec(name, model_type, tie, seed, slow=False, **text) -> Spec:
 
 def _rope(partial: float, theta: float = 10000.0) -> dict:
     return {"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": partial}
+
+
+def _moe(experts, top_k, inter, shared) -> dict:
+    return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=inter,
+                shared_expert_intermediate_size=shared)
 
 
 def _gdn(hk, hv, dk, dv, kernel) -> dict:
@@ -117,6 +122,23 @@ SPECS: dict[str, Spec] = {s.name: s for s in [
     _spec("qnext_c", "qwen3_next", tie=False, seed=23, num_experts=0,
           intermediate_size=128, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
           head_dim=8, rope_parameters=_rope(1.0), full_attention_interval=2, **_gdn(3, 3, 8, 8, 2)),
+    # ---- mixtures of experts: few experts, top-k > 1, odd widths. Decode steps of 2 rows run the
+    # gathered expert form where 2 * top_k < num_experts (q35moet_a), the dense form otherwise.
+    _spec("q35moet_a", "qwen3_5_moe_text", tie=False, seed=41,
+          num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+          rope_parameters=_rope(0.25), full_attention_interval=2, **_gdn(2, 4, 16, 16, 4), **_moe(8, 3, 22, 36)),
+    _spec("q35moe_a", "qwen3_5_moe", tie=True, seed=42,
+          num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+          rope_parameters=_rope(0.5), full_attention_interval=3, **_gdn(2, 6, 8, 16, 3), **_moe(5, 3, 18, 30)),
+    # Qwen3-Next: sparse layers 1 and 5 (decoder_sparse_step 2; layer 3 kept dense by mlp_only_layers)
+    _spec("qnextmoe_a", "qwen3_next", tie=False, seed=43, norm_topk_prob=False, decoder_sparse_step=2,
+          mlp_only_layers=[3], intermediate_size=72, num_hidden_layers=6, num_attention_heads=4,
+          num_key_value_heads=2, head_dim=16, rope_parameters=_rope(0.25), full_attention_interval=3,
+          **_gdn(2, 4, 16, 16, 4), **_moe(4, 2, 26, 14)),
+    _spec("qnextmoe_b", "qwen3_next", tie=True, seed=44, slow=True, norm_topk_prob=True, mlp_only_layers=[0],
+          intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+          head_dim=16, rope_parameters=_rope(0.5), full_attention_interval=2, **_gdn(1, 3, 16, 8, 3),
+          **_moe(6, 3, 20, 24)),
     # ---- Qwen3 (all attention, plain q/k norms, no output gate) -----------------------------
     _spec("qwen3_a", "qwen3", tie=False, seed=31,
           intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
@@ -138,9 +160,15 @@ TINY_VISION = dict(
 
 # ---- building ------------------------------------------------------------------------------
 def _hf_config(spec: Spec):
-    from transformers import Qwen3_5Config, Qwen3_5TextConfig, Qwen3Config, Qwen3NextConfig
+    from transformers import (Qwen3_5Config, Qwen3_5MoeConfig, Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3Config,
+                              Qwen3NextConfig)
 
     kw = spec.kwargs
+    if spec.model_type == "qwen3_5_moe_text":
+        return Qwen3_5MoeTextConfig(**kw, tie_word_embeddings=spec.tie)
+    if spec.model_type == "qwen3_5_moe":
+        text = Qwen3_5MoeTextConfig(**kw, tie_word_embeddings=spec.tie).to_dict()
+        return Qwen3_5MoeConfig(text_config=text, vision_config=dict(TINY_VISION), tie_word_embeddings=spec.tie)
     if spec.model_type == "qwen3_5_text":
         return Qwen3_5TextConfig(**kw, tie_word_embeddings=spec.tie)
     if spec.model_type == "qwen3_5":
@@ -161,6 +189,8 @@ def _hf_class(model_type: str):
     return {
         "qwen3_5_text": tf.Qwen3_5ForCausalLM,
         "qwen3_5": tf.Qwen3_5ForConditionalGeneration,
+        "qwen3_5_moe_text": tf.Qwen3_5MoeForCausalLM,
+        "qwen3_5_moe": tf.Qwen3_5MoeForConditionalGeneration,
         "qwen3_next": tf.Qwen3NextForCausalLM,
         "qwen3": tf.Qwen3ForCausalLM,
     }[model_type]
@@ -174,6 +204,7 @@ def randomise_(model: torch.nn.Module, seed: int) -> None:
     - 1-D weights that HF initialises to all zeros (zero-centred RMSNorms): N(0, NORM_STD);
       all ones (GDN gated norm, Qwen3 RMSNorm, LayerNorm): 1 + N(0, NORM_STD); other 1-D (biases): N(0, 0.1)
     - embeddings: N(0, EMBED_STD); lm_head: N(0, LM_HEAD_GAIN / sqrt(fan_in)); other weights N(0, 1 / sqrt(fan_in))
+      (fan_in: the last axis; of a stack of expert matrices [E, out, in] too)
     """
     gen = torch.Generator().manual_seed(seed)
     seen: set[int] = set()
@@ -197,7 +228,7 @@ def randomise_(model: torch.nn.Module, seed: int) -> None:
         elif "embed_tokens" in name or name.endswith("pos_embed.weight"):
             value = normal(EMBED_STD)
         else:
-            fan_in = math.prod(p.shape[1:])
+            fan_in = p.shape[-1] if p.ndim == 3 else math.prod(p.shape[1:])  # [E, out, in] experts; [C, 1, K] conv
             gain = LM_HEAD_GAIN if name.startswith("lm_head") else 1.0
             value = normal(gain / math.sqrt(fan_in))
         p.copy_(value.to(p.dtype))
@@ -209,6 +240,7 @@ def hf_model(name: str) -> torch.nn.Module:
     spec = SPECS[name]
     config = _hf_config(spec)
     config._attn_implementation = "eager"
+    config._experts_implementation = "eager"  # the modeling file's per-expert loop (not torch._grouped_mm)
     torch.manual_seed(spec.seed)
     model = _hf_class(spec.model_type)(config).to(torch.float32).eval()
     randomise_(model, spec.seed)

@@ -1,4 +1,5 @@
-"""The real DFlash drafter (random weights) driving DFlash linear and DDTree on a hybrid target."""
+"""The real DFlash drafter (random weights) driving DFlash linear and DDTree on hybrid targets
+(dense, and mixture-of-experts: Qwen3.5-MoE, Qwen3-Next with sparse and dense layers)."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +10,7 @@ from ddtree_jax.drafter_config import DrafterConfig, validate_against_target
 from ddtree_jax.models.drafter import DrafterModel
 from ddtree_jax.speculative.dflash import DFlashProposer
 from ddtree_jax.speculative.generate import generate
-from tests.tiny_models import HYBRID, make_target, random_params
+from tests.tiny_models import HYBRID, HYBRID_MOE, NEXT_MOE, make_target, random_params
 
 NEW = 128
 
@@ -28,9 +29,13 @@ def drafter_for(cfg, seed=0, block_size=5, head_dim=8):
     return DFlashProposer(graphdef, dcfg), random_params(params, seed, zero_centered_norms=False)
 
 
+TARGETS = {"qwen3_5": (HYBRID, 7), "qwen3_5_moe": (HYBRID_MOE, 17), "qwen3_next_moe": (NEXT_MOE, 19)}
+
+
+@pytest.mark.parametrize("target", ["qwen3_5", "qwen3_5_moe", pytest.param("qwen3_next_moe", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("mode", ["dflash", "ddtree"])
-def test_random_dflash_drafter_is_lossless(mode):
-    cfg, gd, params = make_target(HYBRID, seed=7)
+def test_random_dflash_drafter_is_lossless(mode, target):
+    cfg, gd, params = make_target(*TARGETS[target])
     proposer, dparams = drafter_for(cfg)
     rng = np.random.default_rng(0)
     prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 10)), jnp.int32)

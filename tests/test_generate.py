@@ -1,8 +1,10 @@
 """End-to-end speculative generation: lossless greedy output, exact committed state, drafter context.
 
-DFlash linear and DDTree must reproduce plain greedy decoding token for token on hybrid and
-attention-only targets, with a random drafter (almost nothing accepted) and with the target's
-own continuation with injected errors (long accepts and rejects at every depth).
+DFlash linear and DDTree must reproduce plain greedy decoding token for token on hybrid,
+attention-only and mixture-of-experts targets (Qwen3.5-MoE; Qwen3-Next with sparse and dense layers;
+4 experts, top 2: tree nodes and batch rows share experts), with a random drafter (almost nothing
+accepted) and with the target's own continuation with injected errors (long accepts and rejects at
+every depth).
 """
 
 import jax
@@ -14,10 +16,11 @@ from ddtree_jax import decode
 from ddtree_jax.cache import KVCache, init_target_cache
 from ddtree_jax.speculative.generate import generate
 from tests.scripted_proposers import RecordingProposer, ScriptedProposer
-from tests.tiny_models import ATTENTION_ONLY, HYBRID, make_target
+from tests.tiny_models import ATTENTION_ONLY, HYBRID, HYBRID_MOE, NEXT_MOE, make_target
 
 B, T, NEW, BLOCK = 2, 12, 128, 6
-MODELS = {"qwen3_5": make_target(HYBRID, seed=3), "qwen3": make_target(ATTENTION_ONLY, seed=4)}
+MODELS = {"qwen3_5": make_target(HYBRID, seed=3), "qwen3": make_target(ATTENTION_ONLY, seed=4),
+          "qwen3_5_moe": make_target(HYBRID_MOE, seed=8), "qwen3_next_moe": make_target(NEXT_MOE, seed=9)}
 
 
 def prompts(cfg, seed=0):
@@ -60,9 +63,18 @@ def test_ar_generate_matches_greedy_decode_loop():
         np.testing.assert_array_equal(np.asarray(res.tokens[b]), np.asarray(toks[0]))
 
 
-@pytest.mark.parametrize("name", ["qwen3_5", "qwen3"])
-@pytest.mark.parametrize("mode,budget", [("dflash", 0), ("ddtree", 12)])
-@pytest.mark.parametrize("drafter", ["oracle_with_errors", "random"])
+def _lossless_cases():
+    """Every target x mode x drafter; on the MoE targets the random drafter (almost nothing accepted,
+    so little beyond what the oracle cases verify) runs under -m slow."""
+    for drafter in ("oracle_with_errors", "random"):
+        for mode, budget in (("dflash", 0), ("ddtree", 12)):
+            for name in MODELS:
+                slow = drafter == "random" and "moe" in name
+                yield pytest.param(name, mode, budget, drafter, id=f"{drafter}-{mode}-{budget}-{name}",
+                                   marks=[pytest.mark.slow] if slow else [])
+
+
+@pytest.mark.parametrize("name,mode,budget,drafter", list(_lossless_cases()))
 def test_greedy_speculative_equals_plain_greedy(name, mode, budget, drafter):
     cfg, gd, params = MODELS[name]
     table, ref = reference(name)

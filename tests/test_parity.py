@@ -23,6 +23,13 @@ Measured (jax 0.10.2 CPU, highest matmul precision), max |diff| / scale over all
   qnext_b     15.2        1.2e-05         1.1e-05        3.0e-06      3.1e-06       yes
   qnext_c      9.6        8.1e-06         8.1e-06        2.6e-06      2.0e-06       yes
   qwen3_a/b/c  8.6-18.4   <= 9.4e-07      <= 1.1e-06     <= 8.4e-07   <= 9.2e-07    yes
+  q35moet_a    8.6        5.2e-06         3.9e-06        9.0e-06      8.6e-06       yes
+  q35moe_a    15.7        1.7e-05         1.7e-05        4.2e-06      6.5e-06       yes
+  qnextmoe_a   7.5        9.8e-06         1.4e-05        6.2e-06      6.8e-06       yes
+  qnextmoe_b  19.1        6.4e-06         5.9e-06        4.1e-06      5.7e-06       yes
+
+The mixture-of-experts specs fail by ~1x the logit scale when the router's renormalisation is
+flipped, the shared expert's sigmoid gate dropped or gate / up swapped in the experts.
 
 The largest (q35t_c, 4.5e-5) is one prompt position where a GDN head's output has an RMS 35x
 below the median, so the gated RMSNorm magnifies float32 rounding of o; it is conditioning, not a
@@ -96,12 +103,22 @@ def test_config_matches_hf(name):
         assert (cfg.gdn_num_k_heads, cfg.gdn_num_v_heads) == (text.linear_num_key_heads, text.linear_num_value_heads)
         assert (cfg.gdn_k_head_dim, cfg.gdn_v_head_dim) == (text.linear_key_head_dim, text.linear_value_head_dim)
         assert cfg.conv_kernel == text.linear_conv_kernel_dim
+    # The FFN slot of every layer: sparse exactly where HF built a sparse MoE block, with HF's sizes.
+    hf_layers = model.model.language_model.layers if hasattr(model.model, "language_model") else model.model.layers
+    sparse = ["experts" in dict(layer.mlp.named_children()) for layer in hf_layers]
+    assert [k == "moe" for k in cfg.ffn_kinds] == sparse
+    if any(sparse):
+        assert (cfg.moe_num_experts, cfg.moe_top_k) == (text.num_experts, text.num_experts_per_tok)
+        assert (cfg.moe_intermediate_size, cfg.moe_shared_intermediate_size) == (
+            text.moe_intermediate_size, text.shared_expert_intermediate_size)
+        assert cfg.moe_norm_topk_prob == getattr(text, "norm_topk_prob", True)  # Qwen3.5-MoE always renormalises
 
 
 def test_specs_cover_the_variations():
     """The spec table covers what the acceptance asks for (keeps future edits honest)."""
     specs = list(SPECS.values())
-    assert {s.model_type for s in specs} == {"qwen3_5_text", "qwen3_5", "qwen3_next", "qwen3"}
+    assert {s.model_type for s in specs} == {"qwen3_5_text", "qwen3_5", "qwen3_next", "qwen3", "qwen3_5_moe_text",
+                                             "qwen3_5_moe"}
     gdn = [s.kwargs for s in specs if s.model_type != "qwen3"]
     assert {k["linear_num_value_heads"] // k["linear_num_key_heads"] for k in gdn} >= {1, 2, 3}
     assert {k["linear_conv_kernel_dim"] for k in gdn} >= {2, 3, 4}
@@ -109,11 +126,21 @@ def test_specs_cover_the_variations():
     assert {s.tie for s in specs} == {True, False}
     for t in ("qwen3_5_text", "qwen3_5", "qwen3_next", "qwen3"):
         assert {s.tie for s in specs if s.model_type == t and not s.slow} == {True, False}, t
+    # Mixtures of experts in the default run: both Qwen3.5-MoE forms and Qwen3-Next with sparse and dense
+    # layers mixed (decoder_sparse_step > 1 and an mlp_only_layers entry), top-k > 1, few experts.
+    moe = [s.kwargs for s in specs if "num_experts" in s.kwargs and s.kwargs["num_experts"] and not s.slow]
+    assert {s.model_type for s in specs if s.kwargs.get("num_experts") and not s.slow} == {
+        "qwen3_5_moe_text", "qwen3_5_moe", "qwen3_next"}
+    assert all(k["num_experts_per_tok"] > 1 and k["num_experts"] <= 8 for k in moe)
+    assert {2 * k["num_experts_per_tok"] < k["num_experts"] for k in moe} == {True, False}  # both expert forms
+    assert any(k.get("decoder_sparse_step", 1) > 1 and k.get("mlp_only_layers") for k in moe)
+    assert {k.get("norm_topk_prob", True) for s in specs for k in [s.kwargs] if s.model_type == "qwen3_next"
+            and k.get("num_experts")} == {True, False}
 
 
 def test_randomised_parameters_are_not_at_init():
     """No parameter keeps HF's constant init (zeros / ones norms, ones dt_bias)."""
-    for name in ("q35t_a", "q35_a", "qnext_a", "qwen3_b"):
+    for name in ("q35t_a", "q35_a", "qnext_a", "qwen3_b", "q35moet_a", "qnextmoe_a"):
         for pname, p in hf_model(name).named_parameters():
             flat = p.detach().flatten()
             assert flat.numel() == 1 or float(flat.std()) > 0, f"{name}: {pname} is constant"

@@ -5,7 +5,8 @@ Tiny vocabulary (6 tokens), 3 generated tokens (216 sequences). The exact target
 from plain sampling, DFlash linear and DDTree (one generate call, one row per seed) are compared
 with it by a chi-square goodness-of-fit test at significance level alpha = 0.001 (cells with
 expected count < 5 pooled). The same test rejects samples drawn at a wrong temperature, so it
-has the power to catch a biased sampler.
+has the power to catch a biased sampler. The same test runs at temperature 1 (no filtering) on a
+mixture-of-experts target (Qwen3.5-MoE, 4 experts, top 2: the verify's nodes share experts).
 """
 
 import jax
@@ -18,11 +19,13 @@ from ddtree_jax.cache import init_target_cache
 from ddtree_jax.speculative.generate import generate
 from ddtree_jax.speculative.sampling import Sampling, filtered_logits
 from tests.scripted_proposers import ScriptedProposer
-from tests.tiny_models import HYBRID, make_target
+from tests.tiny_models import HYBRID, HYBRID_MOE, make_target
 
 V, NEW, SAMPLES = 6, 3, 6000
 SETTINGS = Sampling(temperature=0.9, top_k=5, top_p=0.95)
 MODEL = make_target({"vocab_size": V}, seed=21, base=HYBRID)
+MOE_MODEL = make_target({"vocab_size": V}, seed=23, base=HYBRID_MOE)
+PLAIN = Sampling(temperature=1.0)
 PROMPT = jnp.asarray([[1, 4, 2, 5]], jnp.int32)
 
 
@@ -31,9 +34,9 @@ def chi2_critical(dof: int, z: float = 3.0902) -> float:
     return dof * (1 - 2 / (9 * dof) + z * np.sqrt(2 / (9 * dof))) ** 3
 
 
-def exact_distribution(sampling: Sampling) -> np.ndarray:
+def exact_distribution(sampling: Sampling, model=MODEL) -> np.ndarray:
     """P(t1, t2, t3) over V**3 sequences by enumeration with the plain decode step."""
-    cfg, gd, params = MODEL
+    cfg, gd, params = model
     n = V * V
     prompt = jnp.repeat(PROMPT, n, axis=0)
     pre = decode.prefill(gd, params, init_target_cache(cfg, n, 16), prompt, jnp.full((n,), 4, jnp.int32))
@@ -52,8 +55,8 @@ def exact_distribution(sampling: Sampling) -> np.ndarray:
     return joint.reshape(-1)
 
 
-def sample(mode: str, sampling: Sampling, seed: int) -> np.ndarray:
-    cfg, gd, params = MODEL
+def sample(mode: str, sampling: Sampling, seed: int, model=MODEL) -> np.ndarray:
+    cfg, gd, params = model
     proposer = ScriptedProposer(3, V, error_rate=0.5, seed=seed)
     res = generate(gd, params, jnp.repeat(PROMPT, SAMPLES, axis=0), jnp.full((SAMPLES,), 4, jnp.int32),
                    proposer=None if mode == "ar" else proposer, mode=mode, budget=5, max_new_tokens=NEW,
@@ -82,6 +85,17 @@ def exact():
 def test_sampled_sequences_follow_the_target_distribution(mode, exact):
     stat, critical = chi2(sample(mode, SETTINGS, seed=1), exact)
     assert stat < critical, f"{mode}: chi2 {stat:.1f} >= critical {critical:.1f} at alpha=0.001"
+
+
+@pytest.fixture(scope="module")
+def moe_exact():
+    return exact_distribution(PLAIN, MOE_MODEL)
+
+
+@pytest.mark.parametrize("mode", ["dflash", "ddtree"])
+def test_moe_target_sampled_at_temperature_1_follows_its_distribution(mode, moe_exact):
+    stat, critical = chi2(sample(mode, PLAIN, seed=3, model=MOE_MODEL), moe_exact)
+    assert stat < critical, f"{mode} on the MoE target: chi2 {stat:.1f} >= critical {critical:.1f} at alpha=0.001"
 
 
 def test_the_test_rejects_a_wrong_distribution(exact):

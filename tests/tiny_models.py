@@ -20,6 +20,16 @@ HYBRID = dict(
     linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4, full_attention_interval=2,
     rope_theta=10000.0, partial_rotary_factor=0.5,
 )
+# Mixtures of experts with few experts, so a verify's tree nodes and batch rows share experts.
+HYBRID_MOE = {k: v for k, v in HYBRID.items() if k != "intermediate_size"} | dict(
+    model_type="qwen3_5_moe_text", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=20,
+    shared_expert_intermediate_size=28,
+)
+NEXT_MOE = dict(  # Qwen3-Next, sparse layers 1 and 5 (step 2; layer 3 dense by mlp_only_layers), no renormalisation
+    HYBRID, model_type="qwen3_next", num_hidden_layers=6, full_attention_interval=3, num_experts=4,
+    num_experts_per_tok=2, moe_intermediate_size=20, shared_expert_intermediate_size=28, decoder_sparse_step=2,
+    mlp_only_layers=[3], norm_topk_prob=False,
+)
 ATTENTION_ONLY = dict(
     model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
     num_attention_heads=4, num_key_value_heads=2, head_dim=8, rope_theta=10000.0, tie_word_embeddings=True,
@@ -44,7 +54,7 @@ def random_params(params, seed: int, zero_centered_norms: bool, scale: float = 0
         elif "embedding" in name:
             value = rng.normal(0.0, 1.0, shape)
         else:
-            fan_in = shape[0] if len(shape) == 2 else 1
+            fan_in = shape[-2] if len(shape) >= 2 else 1  # [in, out] kernels, [E, in, out] expert stacks
             value = rng.normal(0.0, scale * 2.0 / np.sqrt(max(fan_in, 1)), shape)
         leaves.append(jnp.asarray(value, leaf.dtype))
     return jax.tree_util.tree_unflatten(treedef, leaves)

@@ -16,8 +16,9 @@ model.safetensors.index.json with its shard files) into a ddtree-jax checkpoint 
 generation_config.json and the chat template are copied along, so ddtree-generate reads text
 prompts with DST alone.
 
-Supported model types: qwen3, qwen3_5_text, qwen3_5 (text part), qwen3_next (dense), and
-z-lab DFlash drafters (DFlashDraftModel), told apart by config.json.
+Supported model types: qwen3, qwen3_5_text, qwen3_5 (text part), qwen3_next (dense or with
+experts), qwen3_5_moe_text, qwen3_5_moe (text part; experts fused or one tensor per expert),
+nemotron_h, bamba, mamba2, and z-lab DFlash drafters (DFlashDraftModel), told apart by config.json.
 PyTorch .bin / pytorch_model weights are not supported: re-save them as safetensors first.
 The conversion is atomic: DST appears only once everything has been written (into DST.tmp-*
 beside it, removed on failure or Ctrl-C; one left by a killed conversion is removed by the next

@@ -1,42 +1,124 @@
-"""NemotronH mixture-of-experts block (HF NemotronHMoE + NemotronHTopkRouter).
+"""Mixture-of-experts blocks: one sparse expert computation, two routers.
 
-    logits = x_f32 @ W_router_f32 ;  s = sigmoid(logits)
-    choice = s + e_score_correction_bias
-    group score = sum of the top-2 `choice` in each of n_group groups; keep the topk_group best
-    groups; top_k experts by `choice` among the kept ones; weights = s at those experts
-    (NOT choice), / (sum + 1e-20) if norm_topk_prob, * routed_scaling_factor
-    out = sum_k w_k down_k(relu(up_k(x'))^2)  (x' = fc1_latent(x) if latent, then fc2_latent(out))
-        + shared_experts(x)                                        (relu^2 MLP, no gate)
+Expert products (every MoE family): `experts(x [T, H], expert_ids [T, k] int32, weights [T, k]
+float32, w_in, w_out, *, act, routes) -> y [T, H]` (pallas_kernels/moe_experts.py: the grouped
+expert kernel and its XLA forms) with stacked expert weights [E, in, out]:
+    y_t = sum_j weights[t, j] * act(x_t @ w_in[e]) @ w_out[e],   e = expert_ids[t, j]
+- act "silu_glu" (Qwen): w_in [E, H, 2I] holds gate | up per expert (gate columns first),
+  act(h) = silu(gate) * up;  act "relu2" (NemotronH): w_in [E, H, I], act(h) = relu(h)^2;
+- w_out [E, I, H]; each (token, choice)'s product is made in the weights' dtype and the k products
+  are summed in float32 with their weights, then rounded to x's dtype.
+A token may pick the same expert as other tokens (tree nodes, batch rows share experts); exact:
+no capacity factor, nothing dropped.
 
-Two exact forms of the expert products, picked by how many expert weights each would read:
-- gathered (T * top_k assignments < E experts: decoding, small batches): each token's chosen
-  experts' weights are gathered and only those products made, so a decode step reads top_k of the
-  E expert matrices per token instead of all E (the bulk of a MoE checkpoint's bytes);
-- dense (otherwise: prefill, tree verify, large batches): every expert on every token, combined
-  with a [T, E] weight matrix that is zero off the chosen experts; each expert's weights are read
-  once for all T tokens. (A grouped matmul over tokens sorted by expert would do the chosen
-  products only here as well; not written yet.)
+Routers:
+- Qwen3.5-MoE / Qwen3-Next (`SparseMoeBlock`, HF Qwen3_5MoeSparseMoeBlock / Qwen3NextSparseMoeBlock):
+      logits = x @ W_router (params dtype) ; p = softmax(float32(logits)) over the E experts
+      top-k of p (ties: the lower expert index first) ; weights = p_top / sum(p_top) if renormalised
+      (always in Qwen3.5-MoE, norm_topk_prob in Qwen3-Next), rounded to the params dtype as HF does
+      out = experts(x) + sigmoid(x @ w_shared_gate) * shared_expert(x)      (shared: SwiGLU)
+- NemotronH (`NemotronMoE`, HF NemotronHMoE + NemotronHTopkRouter):
+      logits = x_f32 @ W_router_f32 ;  s = sigmoid(logits) ; choice = s + e_score_correction_bias
+      group score = sum of the top-2 `choice` in each of n_group groups; keep the topk_group best
+      groups; top_k experts by `choice` among the kept ones; weights = s at those experts
+      (NOT choice), / (sum + 1e-20) if norm_topk_prob, * routed_scaling_factor
+      out = experts(x') (act relu2; x' = fc1_latent(x) if latent, then fc2_latent(out))
+          + shared_experts(x)                                        (relu^2 MLP, no gate)
+
+Ties in router scores: torch.topk leaves the order of equal values unspecified (its CPU kernel
+selects with std::partial_sort / std::nth_element, whose pick among equal values depends on k and
+on the other values: neither the lower nor the higher index first, and CUDA's kernel differs), so
+HF has no tie rule to copy. Here jax.lax.top_k decides: equal scores go to the lower expert index,
+on every path (prefill, decode, tree verify), which is what lossless speculation needs.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from ddtree_jax.config import TargetConfig
-from ddtree_jax.models.layers import Linear, Relu2MLP, _init, relu2
+from ddtree_jax.models.layers import Linear, Relu2MLP, SwiGLU, _init, relu2
 from ddtree_jax.models.mixer import StatelessMixer
 from ddtree_jax.routes import REFERENCE, Routes
+from pallas_kernels import moe_experts
 
 HIGHEST = jax.lax.Precision.HIGHEST
+SILU_GLU, RELU2 = moe_experts.ACTS
 
 
-def dense_combine(idx, weights, num_experts: int):
-    """Chosen experts idx [..., k] and their weights -> [..., E] weights, zero off the chosen."""
-    return jnp.sum(jax.nn.one_hot(idx, num_experts, dtype=jnp.float32) * weights[..., None], axis=-2)
+# ---- expert products --------------------------------------------------------------------------
+def experts(x, expert_ids, weights, w_in, w_out, *, act: str, routes: Routes = REFERENCE) -> jax.Array:
+    """The expert products y [T, H] (module docstring) through pallas_kernels/moe_experts.py: with
+    kernels on (routes.moe_experts_kernel) the grouped expert kernel, which reads each touched
+    expert's weights once per tile of its tokens; otherwise the kernel module's XLA form (each
+    (token, choice)'s weights gathered while T * k < E, else tokens grouped by expert). A layer the
+    kernel cannot take is announced by a warning when traced and runs the XLA form."""
+    impl = "xla"
+    if routes.kernels and routes.moe_experts_kernel:
+        problems = moe_experts.kernel_problems(w_in.shape[1], w_out.shape[1], w_in.shape[0], expert_ids.shape[-1],
+                                               x.dtype)
+        if problems:
+            warnings.warn("the MoE expert products use the XLA form, not the grouped kernel: " + "; ".join(problems),
+                          stacklevel=3)
+        else:
+            impl = routes.impl
+    return moe_experts.expert_mlp(x, expert_ids, weights, w_in, w_out, act=act, impl=impl)
 
 
+# ---- Qwen3.5-MoE / Qwen3-Next ---------------------------------------------------------------------
+def route_softmax_top_k(logits, *, top_k: int, norm: bool) -> tuple[jax.Array, jax.Array]:
+    """Router logits [..., E] -> chosen experts [..., k] (int32, by descending probability, equal
+    probabilities: lower index first) and their float32 weights (renormalised to sum 1 if norm)."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    top, idx = jax.lax.top_k(probs, top_k)
+    if norm:
+        top = top / jnp.sum(top, axis=-1, keepdims=True)
+    return idx.astype(jnp.int32), top
+
+
+class StackedExperts(nnx.Module):
+    """E SwiGLU experts stacked: gate_up_proj [E, H, 2I] (per expert gate columns, then up) and
+    down_proj [E, I, H] (HF's in-memory experts.gate_up_proj [E, 2I, H] / down_proj [E, H, I],
+    each expert's matrix transposed to [in, out])."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int, *, dtype, rngs: nnx.Rngs):
+        self.gate_up_proj = nnx.Param(_init(rngs, (num_experts, hidden, 2 * inter), dtype, hidden**-0.5))
+        self.down_proj = nnx.Param(_init(rngs, (num_experts, inter, hidden), dtype, inter**-0.5))
+
+
+class SparseMoeBlock(StatelessMixer, nnx.Module):
+    """The sparse FFN of Qwen3.5-MoE and Qwen3-Next (module docstring): router (HF mlp.gate), routed
+    experts (mlp.experts), shared SwiGLU expert (mlp.shared_expert) scaled by
+    sigmoid(mlp.shared_expert_gate(x))."""
+
+    def __init__(self, cfg: TargetConfig, *, dtype, rngs: nnx.Rngs):
+        h, e = cfg.hidden_size, cfg.moe_num_experts
+        self.top_k, self.norm_topk_prob = cfg.moe_top_k, cfg.moe_norm_topk_prob
+        self.router = Linear(h, e, dtype=dtype, rngs=rngs)
+        self.experts = StackedExperts(e, h, cfg.moe_intermediate_size, dtype=dtype, rngs=rngs)
+        self.shared_expert = SwiGLU(h, cfg.moe_shared_intermediate_size, dtype=dtype, rngs=rngs)
+        self.shared_expert_gate = Linear(h, 1, dtype=dtype, rngs=rngs)
+
+    def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Chosen experts [..., k] and their combine weights [..., k] (float32 holding values of the
+        params dtype: HF rounds the weights to it) of tokens x [..., H]."""
+        idx, weights = route_softmax_top_k(self.router(x), top_k=self.top_k, norm=self.norm_topk_prob)
+        return idx, weights.astype(x.dtype).astype(jnp.float32)
+
+    def __call__(self, x: jax.Array, routes: Routes = REFERENCE) -> jax.Array:
+        flat = x.reshape(-1, x.shape[-1])
+        idx, weights = self.route(flat)
+        stack = self.experts
+        routed = experts(flat, idx, weights, stack.gate_up_proj[...], stack.down_proj[...], act=SILU_GLU, routes=routes)
+        shared = jax.nn.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat, routes)
+        return (routed + shared).reshape(x.shape)
+
+
+# ---- NemotronH ------------------------------------------------------------------------------------
 def route_top_k(logits_f32, bias, *, top_k, n_group, topk_group, norm, scale):
     """Router logits [..., E] (float32) -> chosen experts [..., k] (int32) and their weights
     [..., k] (float32)."""
@@ -53,7 +135,7 @@ def route_top_k(logits_f32, bias, *, top_k, n_group, topk_group, norm, scale):
     weights = jnp.take_along_axis(scores, idx, axis=-1)
     if norm:
         weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
-    return idx, weights * scale
+    return idx.astype(jnp.int32), weights * scale
 
 
 class NemotronMoE(StatelessMixer, nnx.Module):
@@ -86,34 +168,11 @@ class NemotronMoE(StatelessMixer, nnx.Module):
         return x if self.fc1_latent_proj is None else self.fc1_latent_proj(x)
 
     def __call__(self, x: jax.Array, routes: Routes = REFERENCE) -> jax.Array:
-        cfg = self.cfg
         idx, weights = self.route(x)
         xe = self.expert_inputs(x)
-        if gathered_reads_less(x, cfg.moe_top_k, cfg.moe_num_experts):
-            routed = self._gathered(xe, idx, weights).astype(x.dtype)
-        else:
-            routed = self._dense(xe, dense_combine(idx, weights, cfg.moe_num_experts)).astype(x.dtype)
+        k = idx.shape[-1]
+        routed = experts(xe.reshape(-1, xe.shape[-1]), idx.reshape(-1, k), weights.reshape(-1, k),
+                         self.up_proj[...], self.down_proj[...], act=RELU2, routes=routes).reshape(xe.shape)
         if self.fc2_latent_proj is not None:
             routed = self.fc2_latent_proj(routed)
         return routed + self.shared_experts(x)
-
-    def _dense(self, xe: jax.Array, combine: jax.Array) -> jax.Array:
-        """Every expert on every token; combine [..., E] is zero off the chosen experts."""
-        hidden = relu2(jnp.einsum("...d,edi->...ei", xe, self.up_proj[...]))
-        out = jnp.einsum("...ei,eid->...ed", hidden, self.down_proj[...])
-        return jnp.einsum("...ed,...e->...d", out.astype(jnp.float32), combine)
-
-    def _gathered(self, xe: jax.Array, idx: jax.Array, weights: jax.Array) -> jax.Array:
-        """Each token's chosen experts only: their weights gathered [..., k, in, out]."""
-        hidden = relu2(jnp.einsum("...d,...kdi->...ki", xe, self.up_proj[...][idx]))
-        out = jnp.einsum("...ki,...kid->...kd", hidden, self.down_proj[...][idx])
-        return jnp.einsum("...kd,...k->...d", out.astype(jnp.float32), weights)
-
-
-def gathered_reads_less(x: jax.Array, top_k: int, num_experts: int) -> bool:
-    """Whether gathering each token's top_k experts reads fewer expert matrices than the dense
-    form's E (static: from x's shape)."""
-    tokens = 1
-    for d in x.shape[:-1]:
-        tokens *= d
-    return tokens * top_k < num_experts

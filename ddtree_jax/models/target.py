@@ -1,5 +1,5 @@
 """The hybrid target stack, driven by the config's layer pattern: Qwen3 / Qwen3.5 / Qwen3-Next
-(attention + Gated DeltaNet), Bamba (attention + Mamba2), NemotronH (one mixer per block:
+(attention + Gated DeltaNet; each block's FFN dense or a sparse MoE, cfg.ffn_types), Bamba (attention + Mamba2), NemotronH (one mixer per block:
 Mamba2, attention, relu^2 MLP or MoE) and Mamba2ForCausalLM (pure Mamba2).
 
 Every token mixer offers the same entry points (models/mixer.py: append, tree, commit), so a
@@ -25,7 +25,7 @@ from ddtree_jax.models.gdn import GatedDeltaNet
 from ddtree_jax.models.layers import Embedding, Linear, RMSNorm, Relu2MLP, SplitKParts, SwiGLU, dense
 from ddtree_jax.models.mamba2 import Mamba2Mixer
 from ddtree_jax.models.mixer import Step
-from ddtree_jax.models.moe import NemotronMoE
+from ddtree_jax.models.moe import NemotronMoE, SparseMoeBlock
 from ddtree_jax.routes import REFERENCE, Routes
 from ddtree_jax.tree import Tree, TreeGeometry, chain_geometry, geometry
 from pallas_kernels.add_rms_norm import add_rms_norm
@@ -82,7 +82,9 @@ class PlainAttention(Attention):
         return q, k, v, None
 
 
-def _ffn(cfg: TargetConfig, inter: int, *, dtype, rngs):
+def _ffn(cfg: TargetConfig, inter: int, *, dtype, rngs, kind: str = MLP):
+    if kind == MOE:  # a sparse FFN slot (Qwen3.5-MoE, Qwen3-Next)
+        return SparseMoeBlock(cfg, dtype=dtype, rngs=rngs)
     if cfg.mlp_kind == "relu2":
         return Relu2MLP(cfg.hidden_size, inter, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
     return SwiGLU(cfg.hidden_size, inter, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
@@ -113,7 +115,8 @@ class DecoderLayer(nnx.Module):
     without a cache.
     """
 
-    def __init__(self, cfg: TargetConfig, kind: str, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: TargetConfig, kind: str, *, dtype, rngs: nnx.Rngs, ffn: str = MLP):
+        """ffn: the FFN slot's kind when cfg.block_ffn (cfg.ffn_kinds[i]): MLP or MOE (SparseMoeBlock)."""
         if kind not in MIXER_ATTRS:
             raise ValueError(f"unknown layer kind {kind!r}")
         if kind == MLP and cfg.block_ffn:
@@ -127,10 +130,11 @@ class DecoderLayer(nnx.Module):
         setattr(self, MIXER_ATTRS[kind], _mixer(cfg, kind, dtype=dtype, rngs=rngs))
         if cfg.block_ffn:
             self.post_attention_layernorm = norm()
-            self.mlp = _ffn(cfg, cfg.intermediate_size, dtype=dtype, rngs=rngs)
+            self.mlp = _ffn(cfg, cfg.intermediate_size, dtype=dtype, rngs=rngs, kind=ffn)
         if cfg.block_ffn and not cfg.residual_in_fp32:  # the add + norm kernels take split-K partials
             out = {ATTENTION: "o_proj", GDN: "out_proj"}.get(kind)
-            for proj in ([getattr(self.mixer(), out)] if out else []) + [self.mlp.down_proj]:
+            down = [self.mlp.down_proj] if isinstance(self.mlp, (SwiGLU, Relu2MLP)) else []  # a MoE sums its own
+            for proj in ([getattr(self.mixer(), out)] if out else []) + down:
                 proj.split_k_out = True
 
     def mixer(self):
@@ -176,7 +180,8 @@ class TargetModel(nnx.Module):
         self.cfg = cfg
         dtype = jnp.dtype(dtype or cfg.dtype)
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
-        self.layers = nnx.List([DecoderLayer(cfg, kind, dtype=dtype, rngs=rngs) for kind in cfg.layer_types])
+        self.layers = nnx.List([DecoderLayer(cfg, kind, dtype=dtype, rngs=rngs, ffn=ffn)
+                                for kind, ffn in zip(cfg.layer_types, cfg.ffn_kinds)])
         self.norm = RMSNorm(
             cfg.hidden_size, cfg.rms_norm_eps, zero_centered=cfg.norm_zero_centered, dtype=dtype, rngs=rngs,
             weight_fp32=cfg.norm_weight_fp32,

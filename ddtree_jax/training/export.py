@@ -1,7 +1,9 @@
 """Write trained params as Hugging Face directories: the inverse of the converters' key maps.
 
-Target (`Qwen3_5ForCausalLM`, model_type qwen3_5_text):
-    config.json, model.safetensors (names `model.layers.{i}...`, torch layouts), tokenizer.json
+Target (`Qwen3_5ForCausalLM`, model_type qwen3_5_text, or `Qwen3_5MoeForCausalLM`, qwen3_5_moe_text):
+    config.json, model.safetensors (names `model.layers.{i}...`, torch layouts; experts fused as HF
+    holds them in memory and Qwen3.5-MoE checkpoints store them, `mlp.experts.gate_up_proj`
+    [E, 2I, H] and `mlp.experts.down_proj` [E, H, I]), tokenizer.json
 Drafter (z-lab `DFlashDraftModel`):
     config.json (dflash_config {mask_token_id, target_layer_ids, block_size}), model.safetensors
     (names without a `model.` prefix).
@@ -35,6 +37,7 @@ from ddtree_jax.atomic import staged_dir
 from ddtree_jax.config import TargetConfig
 from safetensors.numpy import save_file
 
+EXPORTED_TARGETS = ("qwen3_5_text", "qwen3_5_moe_text")  # the model types export_target writes
 SAFETENSORS = "model.safetensors"
 CONFIG = "config.json"
 TOKENIZER = "tokenizer.json"
@@ -49,6 +52,8 @@ def _inverse_transform(transform) -> Callable[[np.ndarray], np.ndarray]:
         return lambda x: np.ascontiguousarray(x.T)
     if transform is depthwise_conv:
         return lambda x: np.ascontiguousarray(x.T[:, None, :])
+    if getattr(transform, "inverse", None) is not None:  # keymap.stacked_linear / checked_linear
+        return transform.inverse
     raise ValueError(f"no inverse known for transform {transform!r} (multi-output rules cannot be exported)")
 
 
@@ -126,10 +131,11 @@ def _write_json(path: str, obj) -> None:
 
 
 def export_target(out_dir: str, hf_config: dict, params, *, tokenizer=None, dtype: str = "bfloat16") -> dict:
-    """Write a qwen3_5_text HF directory (atomically: replaces out_dir once complete); returns {file: bytes}."""
+    """Write a qwen3_5_text / qwen3_5_moe_text HF directory (atomically: replaces out_dir once
+    complete); returns {file: bytes}."""
     cfg = TargetConfig.from_hf_dict(hf_config)
-    if cfg.model_type != "qwen3_5_text":
-        raise ValueError(f"export_target writes qwen3_5_text directories, got {cfg.model_type!r}")
+    if cfg.model_type not in EXPORTED_TARGETS:
+        raise ValueError(f"export_target writes {' / '.join(EXPORTED_TARGETS)} directories, got {cfg.model_type!r}")
     tensors = params_to_hf(params, qwen3_rules.rules_for(cfg), prefix="model.", no_prefix=("lm_head.",), dtype=dtype,
                            kv_width=cfg.num_kv_heads * cfg.head_dim)
     config = dict(hf_config, dtype=dtype)
