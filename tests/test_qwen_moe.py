@@ -395,7 +395,7 @@ def test_moe_ffn_in_the_fused_residual_stream_matches_xla():
                     jnp.asarray([8, 6], jnp.int32)).cache
     nodes = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 5)), jnp.int32)
 
-    verify = jax.jit(lambda p, c, t, impl: nnx.merge(gd, p).verify(t, c, None, impl=impl)[0], static_argnums=3)
-    ref = np.asarray(verify(params, cache, nodes, "xla"))
-    got = np.asarray(verify(params, cache, nodes, "pallas_interpret"))
+    verify = jax.jit(lambda p, c, t, routes: nnx.merge(gd, p).verify(t, c, None, routes=routes)[0], static_argnums=3)
+    ref = np.asarray(verify(params, cache, nodes, REFERENCE))
+    got = np.asarray(verify(params, cache, nodes, INTERPRET))
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * float(np.abs(ref).max()))
