@@ -1,4 +1,5 @@
-"""Mamba2-family configs (mamba2, bamba, nemotron_h) parsed into the shared TargetConfig.
+"""Mamba2-family configs (mamba2, bamba, nemotron_h) parsed into the fields of the shared
+TargetConfig (ddtree_jax/config.py builds it).
 
 Split from config.py, which dispatches here by model_type; every problem is collected into one
 ConfigError, as for the Qwen family.
@@ -8,14 +9,13 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from ddtree_jax.config import (
+from ddtree_jax.config_fields import (
     ATTENTION,
     MAMBA2,
     MLP,
     MOE,
     ROUTER_SIGMOID_GROUPED,
     ConfigError,
-    TargetConfig,
     read_dtype,
     read_eos,
     FieldReader,
@@ -93,8 +93,8 @@ def _need(r: FieldReader, key: str, allowed: tuple, default=None) -> None:
         r.problems.append(f"{key} {value!r} is not supported (only {', '.join(map(repr, allowed))})")
 
 
-def _parse_mamba_family(raw: Mapping[str, Any], model_type: str, source: str) -> TargetConfig:
-    """mamba2 / bamba / nemotron_h config.json -> TargetConfig (every problem collected)."""
+def mamba_fields(raw: Mapping[str, Any], model_type: str, source: str) -> dict[str, Any]:
+    """mamba2 / bamba / nemotron_h config.json -> TargetConfig's fields (every problem collected)."""
     problems: list[str] = []
     if model_type == "nemotron_h":
         raw = dict(raw)
@@ -247,7 +247,7 @@ def _parse_mamba_family(raw: Mapping[str, Any], model_type: str, source: str) ->
     dtype = read_dtype(r)
     if problems:
         raise ConfigError(problems, source)
-    return TargetConfig(
+    return dict(
         model_type=model_type,
         vocab_size=vocab,
         hidden_size=hidden,
