@@ -7,6 +7,7 @@ Engine.generate; a client that disconnects mid-stream frees its slot; a full que
 Retry-After and every bad input a 400 with an OpenAI error; SIGTERM ends the server with status 0.
 """
 
+import asyncio
 import concurrent.futures
 import json
 import os
@@ -31,8 +32,7 @@ from ddtree_jax.engine import Engine  # noqa: E402
 from ddtree_jax.speculative.sampling import Sampling  # noqa: E402
 
 MODE, BUDGET, MAX_CONTEXT, SLOTS, QUEUE = "ddtree", 16, 128, 4, 16
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+CHAT_TEMPLATE = "{% for m in messages %}# {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
 NAME = "demo-chat"
 PROMPTS = ["def fib(n):", "import os\n", "class Stack:", "for i in range(", "x = [1, 2,", "def add(a, b):",
            "# sort a list", "while True:"]
@@ -121,8 +121,13 @@ def engine():
 
 @pytest.fixture(scope="module")
 def ready(server, engine):
-    """The server up (it compiled while the engine loaded here)."""
+    """The server up and compiled: its first request (its compilations) runs while this process
+    compiles the reference engine (two processes, two cores)."""
     server.wait_ready()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        first = pool.submit(lambda: server.client().completions.create(model=NAME, prompt="x", max_tokens=2))
+        reference(engine, "x", 2)
+        assert first.result().choices[0].finish_reason in ("stop", "length")
     return server
 
 
@@ -148,9 +153,9 @@ def test_models_health_and_completion(ready, engine):
 
 
 def test_chat_completion_renders_the_template(ready, engine):
-    messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "fibonacci"}]
+    messages = [{"role": "system", "content": "Python"}, {"role": "user", "content": "fib"}]
     r = ready.client().chat.completions.create(model=NAME, messages=messages, max_tokens=10, temperature=0)
-    rendered = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
+    rendered = "".join(f"# {m['role']}: {m['content']}\n" for m in messages)
     prompt_ids = engine.tokenizer.encode(rendered, add_special_tokens=False).ids
     ids, text, finish = reference(engine, prompt_ids, 10)
     assert r.choices[0].message.content == text and r.choices[0].message.role == "assistant"
@@ -290,6 +295,24 @@ def test_metrics_are_prometheus_text(ready):
                  "ddtree_time_to_first_token_seconds_bucket", "ddtree_request_acceptance_length_bucket"):
         assert name in text, name
     assert ready.metric("ddtree_step_tokens_total") / ready.metric("ddtree_row_steps_total") > 1  # speculation accepts
+
+
+def test_load_test_script(ready, engine, tmp_path):
+    """scripts/load_test.py's clients against the server, its static-batch run, its plot."""
+    from scripts import load_test
+
+    prompts = [engine.encode(p) for p in PROMPTS]
+    requests = load_test.request_list(prompts, 4, 0, (2, 8), (2, 8))
+    row = asyncio.run(load_test.run_level(ready.url, NAME, requests, 2, 120))
+    assert row["requests"] == 4 and row["error_count"] == 0 and row["throughput_tok_s"] > 0
+    assert row["ttft_ms"]["p50"] > 0 and row["itl_ms"]["p99"] >= row["itl_ms"]["p50"] >= 0
+    static = load_test.static_batches(engine, requests, 1, MODE, BUDGET)
+    assert static["completion_tokens"] == row["completion_tokens"]  # greedy: the same tokens either way
+    load_test.plot({"device": "cpu", "levels": {MODE: [row]}, "static": [dict(static, mode=MODE)]},
+                   str(tmp_path / "load.png"))
+    assert (tmp_path / "load.png").stat().st_size > 1000
+    with pytest.raises(ValueError, match="only targets this machine"):
+        load_test.check_local("http://10.0.0.1:8000")
 
 
 def test_sigterm_stops_cleanly(ready):

@@ -254,3 +254,27 @@ def test_good_requests_parse():
     job = protocol.parse_chat({"messages": [{"role": "user", "content": [{"type": "text", "text": "ab"}]}]}, LIMITS,
                               TOKENIZER, tpl)
     assert job.request.max_new == 64 - 2 and job.request.sampling.temperature == 1.0 and job.chat
+
+
+def test_serve_without_its_extra_names_the_extra(monkeypatch, capsys):
+    import importlib
+    import signal
+
+    from ddtree_jax.cli import serve as cli
+
+    real = importlib.import_module
+
+    def no_uvicorn(name, *args):
+        if name == "uvicorn":
+            raise ImportError(name)
+        return real(name, *args)
+
+    monkeypatch.setattr(importlib, "import_module", no_uvicorn)
+    monkeypatch.setattr(signal, "signal", lambda *a: None)
+    with pytest.raises(SystemExit) as e:
+        cli.main([])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "uvicorn" in err and "pip install 'ddtree-jax[serve]'" in err
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    assert "--max-batch" in capsys.readouterr().out

@@ -195,14 +195,14 @@ class Scheduler:
                 self._finish(a, reason, message)
             self._active = []
             for h in left:
-                self._emit_finish(h, reason, len(h.request.prompt_ids), 0, message)
+                self._emit_finish(h, reason, message)
             self._gauges()
 
     def _cancel_all(self, message: str) -> None:
         with self._cond:
             left, self._queue = list(self._queue), collections.deque()
         for h in left:
-            self._emit_finish(h, "cancelled", len(h.request.prompt_ids), 0, message)
+            self._emit_finish(h, "cancelled", message)
         for r in reversed(range(len(self._active))):
             self._finish(self._active[r], "cancelled", message)
             self.slots.move(r, r)
@@ -220,13 +220,13 @@ class Scheduler:
                 break
             req = handle.request
             if handle.cancelled:
-                self._emit_finish(handle, "cancelled", len(req.prompt_ids), 0, "the client went away")
+                self._emit_finish(handle, "cancelled", "the client went away")
                 continue
             t0 = time.monotonic()
             try:
                 row = self.slots.prefill(req.prompt_ids, req.sampling, req.seed, req.max_new, req.stop_ids)
             except ValueError as e:  # a request the validation should have refused
-                self._emit_finish(handle, "error", len(req.prompt_ids), 0, str(e))
+                self._emit_finish(handle, "error", str(e))
                 continue
             if self.metrics:
                 self.metrics.on_prefill(time.monotonic() - t0, len(req.prompt_ids), t0 - handle.submitted)
@@ -295,15 +295,14 @@ class Scheduler:
         return reason
 
     def _finish(self, a: _Active, reason: str, message: str | None = None) -> None:
-        req = a.handle.request
-        self._emit_finish(a.handle, reason, len(req.prompt_ids), a.tokens, message, a.steps)
-        if self.metrics:
-            now = time.monotonic()
-            ttft = None if a.first_token_at is None else a.first_token_at - a.handle.submitted
-            self.metrics.on_finish(reason, a.tokens, a.steps, ttft, now - a.handle.submitted)
+        self._emit_finish(a.handle, reason, message, a.tokens, a.steps, a.first_token_at)
 
-    def _emit_finish(self, handle: Handle, reason, prompt_tokens, completion_tokens, message=None, steps=0) -> None:
-        handle._emit(Finish(reason, prompt_tokens, completion_tokens, steps, message))
+    def _emit_finish(self, handle: Handle, reason: str, message: str | None = None, tokens: int = 0, steps: int = 0,
+                     first_token_at: float | None = None) -> None:
+        handle._emit(Finish(reason, len(handle.request.prompt_ids), tokens, steps, message))
+        if self.metrics:
+            ttft = None if first_token_at is None else first_token_at - handle.submitted
+            self.metrics.on_finish(reason, tokens, steps, ttft, time.monotonic() - handle.submitted)
 
     def _gauges(self) -> None:
         if self.metrics:
