@@ -281,7 +281,10 @@ def main(argv=None) -> int:
         if args.url:
             url = args.url
         else:
-            extra = ["--budget", str(args.budget)] + args.server_args.split()
+            # batch buckets at the client counts, room for the longest request, prefills warmed up
+            # to the longest prompt; --server-args come last and override these
+            extra = ["--budget", str(args.budget), "--batch-buckets", ",".join(map(str, levels)),
+                     "--max-context", str(hi_p + hi_t), "--warmup-prompt-len", str(hi_p)] + args.server_args.split()
             server = LaunchedServer(mode, args.port, max(levels), extra, os.path.splitext(args.out)[0] + f"_{mode}.log")
             server.wait_ready(args.start_timeout)
             url = server.url

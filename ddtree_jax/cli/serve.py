@@ -64,11 +64,16 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--chunk-steps", type=positive_int, default=4,
                      help="device steps between two scheduling points (default 4): new requests join and tokens "
                      "stream after each chunk")
+    srv.add_argument("--batch-buckets", type=_int_list, default=None, metavar="B1,B2,...",
+                     help="batch sizes a chunk may run, one compilation each: the smallest holding the active "
+                     "requests runs, so idle slots cost nothing (default: powers of two up to --max-batch)")
     srv.add_argument("--no-compact", action="store_true",
-                     help="always run all --max-batch rows (default: the smallest power-of-two batch holding the "
-                     "active requests, one compilation each)")
+                     help="always run all --max-batch rows (one batch size, one compilation)")
     srv.add_argument("--no-warmup", action="store_true",
                      help="compile lazily (default: compile every prompt-length bucket and batch size first)")
+    srv.add_argument("--warmup-prompt-len", type=positive_int, default=None, metavar="N",
+                     help="warm up the prefill of prompt buckets up to N tokens only (longer prompts compile "
+                     "on first use; default: all up to --max-context)")
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     srv.add_argument("--port", type=non_negative_int, default=8000, help="port (default 8000)")
     srv.add_argument("--shutdown-timeout", type=non_negative_int, default=30,
@@ -76,6 +81,16 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     srv.add_argument("--access-log", action="store_true", help="log every HTTP request")
     return p
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return values
 
 
 def _stop_quietly(signum, frame):  # noqa: ARG001
@@ -140,7 +155,7 @@ def main(argv=None) -> int:
         template = load_chat_template(target_dir)
         slots = SlotBatch(engine, mode=mode, budget=args.budget, max_batch=args.max_batch, max_context=max_context,
                           max_top_k=args.max_top_k, max_stop_ids=args.max_stop_ids, chunk_steps=args.chunk_steps,
-                          compact=not args.no_compact)
+                          buckets=(args.max_batch,) if args.no_compact else args.batch_buckets)
     except ValueError as e:
         die(str(e))
     print(f"ddtree-serve: {name}, mode {mode}, {args.max_batch} slots of {max_context} tokens, "
@@ -148,7 +163,7 @@ def main(argv=None) -> int:
     if not args.no_warmup:
         print(f"ddtree-serve: compiling (prompt buckets {slots.prompt_buckets}, batch buckets {slots.buckets})",
               file=sys.stderr, flush=True)
-        slots.warm_up()
+        slots.warm_up(args.warmup_prompt_len)
     metrics = Metrics(args.max_batch, mode)
     scheduler = Scheduler(slots, engine.tokenizer, max_queue=args.max_queue, metrics=metrics)
     limits = Limits(name, max_context, engine.cfg.vocab_size, args.max_top_k, args.max_stop_ids)

@@ -116,12 +116,13 @@ class SlotBatch:
 
     spec: the compiled generation (mode, budget, kernel routes; sampling code that samples with
     top-k up to max_top_k and top-p, skipped at run time when no row uses it); every slot has
-    room for max_context tokens (prompt + generated).
+    room for max_context tokens (prompt + generated). buckets: the batch sizes a chunk may run
+    (one compilation each; default powers of two and max_batch; (max_batch,): always every slot).
     """
 
     def __init__(self, engine: Engine, *, mode: str = "ddtree", budget: int = 64, candidates: int | None = None,
                  max_batch: int = 8, max_context: int = 2048, max_top_k: int = 64, max_stop_ids: int = 8,
-                 chunk_steps: int = 4, compact: bool = True):
+                 chunk_steps: int = 4, buckets: Sequence[int] | None = None):
         if mode != "ar" and engine.proposer is None:
             raise ValueError(f"mode {mode!r} needs a drafter (--drafter)")
         if not 2 <= max_context <= engine.max_context:
@@ -140,7 +141,9 @@ class SlotBatch:
         code = SamplingCode(sample=True, top_k=max_top_k, top_p=True)
         self.spec = gen.GenSpec(mode, budget, candidates, max_context, code, self.capacity, proposer, engine.routes)
         self.spec.validate(engine.cfg.vocab_size)
-        self.buckets = batch_buckets(max_batch) if compact else (max_batch,)
+        self.buckets = batch_buckets(max_batch) if buckets is None else tuple(sorted(set(buckets) | {max_batch}))
+        if not 1 <= self.buckets[0] or self.buckets[-1] != max_batch:
+            raise ValueError(f"batch buckets must be in [1, max_batch={max_batch}], got {tuple(buckets)}")
         self.prompt_buckets = prompt_buckets(max_context)
         self.window = chunk_steps * block + 1  # a chunk's tokens per row, plus the prefill's
         self.eos = jnp.asarray(sorted(set(engine.stop_ids)), jnp.int32)
@@ -218,10 +221,11 @@ class SlotBatch:
                                          spec=self.spec, rows=rows, window=self.window)
         return ChunkReport(*jax.device_get(report))
 
-    def warm_up(self, prompt_buckets: Sequence[int] | None = None) -> None:
-        """Compile and run once: the prefill of each prompt bucket (default all), the insert, the
-        move, and a chunk of each batch bucket; the slots end idle."""
-        for t in self.prompt_buckets if prompt_buckets is None else prompt_buckets:
+    def warm_up(self, max_prompt: int | None = None) -> None:
+        """Compile and run once: the prefill of each prompt bucket (up to max_prompt tokens; default
+        all), the insert, the move, and a chunk of each batch bucket; the slots end idle."""
+        limit = max_prompt or self.max_context
+        for t in self.prompt_buckets[: 1 + sum(t < limit for t in self.prompt_buckets)]:
             row = self.prefill([1] * min(t, self.max_context - 1), Sampling(), 0, 1)
         for rows in self.buckets:
             for slot in range(rows):
