@@ -124,6 +124,21 @@ def test_continuous_batching_equals_each_request_alone(slots):
     assert scheduler.active == 0 and bool(np.asarray(slots.state.done).all())
 
 
+@pytest.mark.parametrize("mode", ["ar", "dflash"])
+def test_the_other_modes_serve_the_same_tokens(mode):
+    slots = SlotBatch(engine(), mode=mode, budget=6, max_batch=2, max_context=64, max_stop_ids=1, chunk_steps=3,
+                      buckets=(2,))
+    requests = [Request((3 + i, 40, 41 + i), 6 + 5 * i, Sampling(), 0, stop_ids=(50,) if i == 1 else ())
+                for i in range(3)]
+    scheduler = Scheduler(slots, TOKENIZER, max_queue=4)
+    scheduler.start()
+    try:
+        results = run(scheduler, requests)
+    finally:
+        scheduler.stop()
+    assert [ids for ids, _, _ in results] == alone(requests)
+
+
 def test_sampled_rows_depend_on_their_seed_only(slots):
     """A seeded sampled request gives the same tokens alone and beside others."""
     req = Request((5, 9, 17, 33), 20, Sampling(temperature=1.0), seed=1234)
@@ -137,6 +152,11 @@ def test_sampled_rows_depend_on_their_seed_only(slots):
         scheduler.stop()
     assert lone[0] == mixed[2][0]
     assert len({tuple(m[0]) for m in mixed}) > 1
+
+
+def test_warm_up_leaves_the_slots_idle(slots):
+    slots.warm_up(max_prompt=16)
+    assert bool(np.asarray(slots.state.done).all())
 
 
 def test_cancelled_and_overflowing_requests(slots):

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ddtree_jax.engine import Engine, bucket
+from ddtree_jax.engine import Engine
 from ddtree_jax.speculative import generate as gen
 from ddtree_jax.speculative.sampling import RowSampling, Sampling, SamplingCode, seed_key
 
@@ -136,8 +136,9 @@ class SlotBatch:
         self.chunk_steps = chunk_steps
         proposer = None if mode == "ar" else engine.proposer
         block = 1 if mode == "ar" else proposer.block_size
-        # Every slot: prompt + generated <= max_context, and a commit's padded path past it.
-        self.capacity = gen.required_capacity(0, max_context, block)
+        # Every slot: prompt + generated <= max_context, and a commit's padded path past it
+        # (rounded up to a multiple of 64, the kernels' key blocks).
+        self.capacity = -(-gen.required_capacity(0, max_context, block) // 64) * 64
         code = SamplingCode(sample=True, top_k=max_top_k, top_p=True)
         self.spec = gen.GenSpec(mode, budget, candidates, max_context, code, self.capacity, proposer, engine.routes)
         self.spec.validate(engine.cfg.vocab_size)
