@@ -27,9 +27,11 @@ try:
 except ImportError:
     httpx = pytest.importorskip("httpx")
 
+# one worker runs the whole module under pytest -n (one server, started once)
+pytestmark = pytest.mark.xdist_group("serve-live")
+
 from ddtree_jax.demo import demo_paths  # noqa: E402
 from ddtree_jax.engine import Engine  # noqa: E402
-from ddtree_jax.speculative.sampling import Sampling  # noqa: E402
 
 MODE, BUDGET, MAX_CONTEXT, SLOTS, QUEUE = "ddtree", 16, 128, 4, 16
 CHAT_TEMPLATE = "{% for m in messages %}# {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"

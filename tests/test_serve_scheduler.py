@@ -11,10 +11,13 @@ import pytest
 
 pytest.importorskip("fastapi")
 
+# one worker runs the whole module under pytest -n (its compiled slots are shared)
+pytestmark = pytest.mark.xdist_group("serve-core")
+
 from ddtree_jax.routes import REFERENCE  # noqa: E402
 from ddtree_jax.serve import protocol  # noqa: E402
 from ddtree_jax.serve.chat import ChatTemplate  # noqa: E402
-from ddtree_jax.serve.scheduler import Closed, Delta, Finish, QueueFull, Request, Scheduler  # noqa: E402
+from ddtree_jax.serve.scheduler import Closed, Delta, QueueFull, Request, Scheduler  # noqa: E402
 from ddtree_jax.serve.slots import SlotBatch, batch_buckets, prompt_buckets  # noqa: E402
 from ddtree_jax.serve.text import TextStream  # noqa: E402
 from ddtree_jax.speculative.generate import generate  # noqa: E402
