@@ -31,7 +31,7 @@ from ddtree_jax.routes import Routes
 from ddtree_jax.speculative import generate as gen
 from ddtree_jax.speculative.dflash import DFlashProposer
 from ddtree_jax.speculative.draft_vocab import check_ids, load_ids
-from ddtree_jax.speculative.sampling import Sampling
+from ddtree_jax.speculative.sampling import RowSampling, Sampling, SamplingCode, seed_key
 
 MIN_BUCKET = 16
 
@@ -160,18 +160,28 @@ class Engine:
         return spec
 
     def generate(self, prompts: Sequence[str | Sequence[int]], *, mode: str = "ddtree", budget: int = 64,
-                 candidates: int | None = None, max_new_tokens: int = 128, sampling: Sampling = Sampling(),
-                 seed: int = 0, stop_token_ids: Sequence[int] = (), stream: Callable[[int, list[int]], None] | None = None,
+                 candidates: int | None = None, max_new_tokens: int | Sequence[int] = 128,
+                 sampling: Sampling | Sequence[Sampling] = Sampling(), seed: int = 0,
+                 stop_token_ids: Sequence[int] = (), stream: Callable[[int, list[int]], None] | None = None,
                  stream_every: int = 4) -> list[Completion]:
         """Generate for a batch of prompts (text or token ids); one Completion per prompt.
 
-        stream(row, new_token_ids) is called after every `stream_every` device steps with the tokens
-        committed since the last call.
+        max_new_tokens and sampling: one for every prompt, or one each (per-row settings share one
+        compiled program). Prompt r samples with the seed `seed + r`. stream(row, new_token_ids) is
+        called after every `stream_every` device steps with the tokens committed since the last call.
         """
         if not prompts:
             raise ValueError("no prompts given")
         ids = [self.encode(p) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
-        for i, p in enumerate(ids):
+        max_news = per_prompt(max_new_tokens, len(ids), "max_new_tokens")
+        settings = per_prompt(sampling, len(ids), "sampling")
+        for i, x in enumerate(settings):
+            if not isinstance(x, Sampling):
+                raise ValueError(f"sampling must be a Sampling, got {x!r} (prompt {i})")
+        for i, m in enumerate(max_news):
+            if not isinstance(m, int) or isinstance(m, bool) or m < 1:
+                raise ValueError(f"max_new_tokens must be a positive integer, got {m!r} (prompt {i})")
+        for i, (p, max_new_tokens) in enumerate(zip(ids, max_news)):
             if not p:
                 raise ValueError(f"prompt {i} is empty")
             bad = [t for t in p if not 0 <= t < self.cfg.vocab_size]
@@ -189,15 +199,23 @@ class Engine:
         for i, p in enumerate(ids):
             prompt[i, : len(p)] = p
             lens[i] = len(p)
-        spec = self.spec(mode, budget=budget, candidates=candidates, max_new_tokens=max_new_tokens,
-                         sampling=sampling, prompt_bucket=t)
+        # The output buffer's width in buckets too (rows stop at their own max_new), and the spec
+        # holds the sampling code, not the values: fewer compilations.
+        spec = self.spec(mode, budget=budget, candidates=candidates, max_new_tokens=bucket(max(max_news)),
+                         sampling=settings[0], prompt_bucket=t)
+        pad = b - len(ids)  # padding rows: greedy, done after their first token
+        spec = dataclasses.replace(spec, sampling=SamplingCode.covering(settings))
+        rows = gen.RowControls(
+            RowSampling.of(settings + [Sampling()] * pad, [seed_key(seed + r) for r in range(b)]),
+            jnp.asarray(np.asarray(max_news + [1] * pad, np.int32)), jnp.zeros((b, 0), jnp.int32))
         eos = jnp.asarray(sorted(set(self.stop_ids) | set(int(x) for x in stop_token_ids)), jnp.int32)
-        args = (jnp.asarray(prompt), jnp.asarray(lens), eos, jax.random.PRNGKey(seed))
+        args = (jnp.asarray(prompt), jnp.asarray(lens), eos, rows)
         state = self._run(spec, args, stream, stream_every, len(ids))
         return self._completions(ids, state, spec, eos)
 
     def _run(self, spec, args, stream, stream_every, n_rows):
-        prompt, lens, eos, key = args
+        prompt, lens, eos, rows = args
+        key = None
         dparams = self.drafter_params
         # The first call of a bucket runs prefill and one step untimed on a throwaway state
         # (compilation, tracing, and XLA:CPU's kernels built on their first run: ~4.7 s for the demo
@@ -207,11 +225,11 @@ class Engine:
         warm_key = (spec, prompt.shape, eos.shape)
         if warm_key not in self._warm:
             with self.on_first_run() if self.on_first_run else contextlib.nullcontext():
-                state = start(self.params, dparams, prompt, lens, eos, key, spec=spec)
+                state = start(self.params, dparams, prompt, lens, eos, key, spec=spec, rows=rows)
                 jax.block_until_ready(advance(self.params, dparams, state, eos, jnp.int32(1), spec=spec))
             self._warm.add(warm_key)
         t0 = time.perf_counter()
-        state = start(self.params, dparams, prompt, lens, eos, key, spec=spec)
+        state = start(self.params, dparams, prompt, lens, eos, key, spec=spec, rows=rows)
         if stream:
             sent = [0] * n_rows
             self._stream(state, stream, sent, n_rows)
@@ -259,6 +277,15 @@ class Engine:
             )
             res.append(Completion(p, toks, self.decode(toks), finish, stats))
         return res
+
+
+def per_prompt(value, n: int, name: str) -> list:
+    """value for each of n prompts: one value for all, or a sequence of n."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
+        return list(value)
+    return [value] * n
 
 
 def int8_scheme(choice) -> int8.Int8Scheme:

@@ -242,7 +242,8 @@ def main(argv=None) -> int:
         max_new = 10**6
         state = gen.LoopState(cache, dcache, jnp.zeros((batch,), jnp.int32) + 7, jnp.zeros((batch, 8), jnp.int32),
                               jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), bool), jnp.zeros((batch,), jnp.int32),
-                              jnp.zeros((17,), jnp.int32), jnp.int32(0), key)
+                              jnp.zeros((17,), jnp.int32), jnp.int32(0),
+                              gen.uniform_rows(Sampling(), batch, 10**6, key))
         modes = [m for m in ("ar", "ddtree") if m in args.modes.split(",")]
         for mode in modes:
             spec = gen.GenSpec(mode, args.budget, None, max_new, Sampling(), capacity, None if mode == "ar" else proposer,

@@ -255,7 +255,7 @@ def main(argv=None) -> int:
     key = jax.random.PRNGKey(0)
     s = gen.LoopState(cache, dcache, jnp.zeros((b,), jnp.int32) + 7, jnp.zeros((b, 8), jnp.int32),
                       jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool), jnp.zeros((b,), jnp.int32),
-                      jnp.zeros((17,), jnp.int32), jnp.int32(0), key)
+                      jnp.zeros((17,), jnp.int32), jnp.int32(0), gen.uniform_rows(Sampling(), b, 10**6, key))
     eos = jnp.zeros((0,), jnp.int32)
     tree_spec = gen.GenSpec("ddtree", args.budget, None, 10**6, Sampling(), capacity, proposer, kernels)
     ar_spec = gen.GenSpec("ar", args.budget, None, 10**6, Sampling(), capacity, None, kernels)

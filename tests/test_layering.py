@@ -14,8 +14,11 @@ PACKAGES = ("ddtree_jax", "pallas_kernels", "converters")
 FORBIDDEN = {
     "pallas_kernels": ("ddtree_jax", "converters"),
     "ddtree_jax.models": ("ddtree_jax.speculative", "ddtree_jax.engine", "ddtree_jax.cli", "ddtree_jax.bench",
-                          "ddtree_jax.training", "converters"),
-    "ddtree_jax.speculative": ("ddtree_jax.engine", "ddtree_jax.cli", "ddtree_jax.bench", "converters"),
+                          "ddtree_jax.training", "ddtree_jax.serve", "converters"),
+    "ddtree_jax.speculative": ("ddtree_jax.engine", "ddtree_jax.cli", "ddtree_jax.bench", "ddtree_jax.serve",
+                               "converters"),
+    "ddtree_jax.engine": ("ddtree_jax.serve", "ddtree_jax.cli"),
+    "ddtree_jax.serve": ("ddtree_jax.cli",),
 }
 # imports that may stay inside functions: optional or heavy dependencies loaded only by the feature
 # that needs them; the CLIs import the engine lazily so --help and usage errors answer without JAX

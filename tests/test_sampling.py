@@ -108,3 +108,53 @@ def test_sampling_settings_are_validated():
     for bad in (dict(temperature=-1.0), dict(top_k=-2), dict(top_p=0.0), dict(top_p=1.5)):
         with pytest.raises(ValueError, match="invalid sampling"):
             Sampling(**bad)
+
+
+OTHER = Sampling(temperature=1.3, top_p=0.8)  # no top-k: another code path per row
+
+
+def test_mixed_rows_share_a_batch_and_keep_each_rows_distribution(exact):
+    """One compiled program, rows interleaved: SETTINGS, OTHER and greedy rows (with filters set,
+    which greedy ignores). Each sampled group follows its own target distribution; every greedy
+    row is plain greedy decoding."""
+    from ddtree_jax.speculative import generate as gen
+    from ddtree_jax.speculative.sampling import RowSampling, SamplingCode, seed_key
+
+    cfg, gd, params = MODEL
+    n_greedy = 8
+    kinds = np.random.default_rng(0).permutation([0] * SAMPLES + [1] * SAMPLES + [2] * n_greedy)
+    settings = [(SETTINGS, OTHER, Sampling(top_k=2, top_p=0.5))[k] for k in kinds]
+    b = len(settings)
+    code = SamplingCode.covering(settings)
+    assert code == SamplingCode(sample=True, top_k=5, top_p=True)
+    rows = gen.RowControls(RowSampling.of(settings, [seed_key(s) for s in range(b)]),
+                           jnp.full((b,), NEW, jnp.int32), jnp.zeros((b, 0), jnp.int32))
+    spec = gen.GenSpec("ddtree", 5, None, NEW, code, 0, ScriptedProposer(3, V, error_rate=0.5, seed=4))
+    eos = jnp.zeros((0,), jnp.int32)
+    s = gen.start(gd, params, None, jnp.repeat(PROMPT, b, axis=0), jnp.full((b,), 4, jnp.int32), eos, None, spec,
+                  rows=rows)
+    toks = np.asarray(gen.advance(gd, params, None, s, eos, jnp.int32(2**30), spec).out)
+    assert (toks >= 0).all()
+    cells = toks[:, 0] * V * V + toks[:, 1] * V + toks[:, 2]
+    for kind, settings_k, probs in ((0, SETTINGS, exact), (1, OTHER, exact_distribution(OTHER))):
+        stat, critical = chi2(np.bincount(cells[kinds == kind], minlength=V**3), probs)
+        assert stat < critical, f"{settings_k}: chi2 {stat:.1f} >= critical {critical:.1f} at alpha=0.001"
+    greedy = generate(gd, params, PROMPT, jnp.asarray([4], jnp.int32), mode="ar", max_new_tokens=NEW)
+    assert (toks[kinds == 2] == np.asarray(greedy.tokens)).all()
+
+
+def test_per_row_filters_equal_the_single_setting_form():
+    """filtered_rows with each row's settings == filtered_logits row by row."""
+    from ddtree_jax.speculative.sampling import RowSampling, SamplingCode, filtered_rows
+
+    rng = np.random.default_rng(1)
+    logits = jnp.asarray(rng.normal(0, 2, (6, 3, 40)), jnp.float32)
+    settings = [Sampling(0.7, 5, 0.9), Sampling(1.0), Sampling(1.5, 0, 0.6), Sampling(0.5, 12), Sampling(2.0, 1),
+                Sampling(1.0, 40, 0.999)]
+    code = SamplingCode.covering(settings)
+    got = np.asarray(filtered_rows(logits, code, RowSampling.of(settings, np.zeros((6, 2)))))
+    for r, s in enumerate(settings):
+        np.testing.assert_array_equal(got[r], np.asarray(filtered_logits(logits[r], s)))
+    assert SamplingCode.covering([Sampling(), Sampling(top_k=3)]) == SamplingCode()  # greedy needs no code
+    assert not SamplingCode(True, 4, False).serves(Sampling(1.0, 5)) and SamplingCode(True, 4, True).serves(
+        Sampling(1.0, 4, 0.5))

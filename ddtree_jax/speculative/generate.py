@@ -10,6 +10,12 @@ target under the same `Sampling`.
 stream: `advance` runs up to `max_steps` steps on device per call (one host sync per chunk of
 steps, never per step). The phase functions (`propose`, `build`, `verify`, `commit_and_emit`)
 are the loop body's parts, exposed so the benchmark can time them separately.
+
+Per-row settings (`RowControls`: temperature / top-k / top-p / seed, max_new_tokens, stop ids)
+are arrays in the loop state, not compile-time constants: rows with different settings share a
+batch and one compiled program (GenSpec.sampling says only which sampling code is compiled).
+Every field in ROW_FIELDS carries the batch on axis 0, so a server can copy one row's state into
+a slot of a running batch (ddtree_jax/serve/slots.py).
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from flax import nnx
 from ddtree_jax.cache import TargetCache, init_target_cache
 from ddtree_jax.routes import REFERENCE, Routes
 from ddtree_jax.speculative.build import build_chain, build_tree, validate_budget
-from ddtree_jax.speculative.sampling import Sampling, choose
+from ddtree_jax.speculative.sampling import RowSampling, Sampling, SamplingCode, choose, to_code
 from ddtree_jax.speculative.verify import VerifyResult, tree_verify
 from ddtree_jax.tree import Tree
 
@@ -39,8 +45,8 @@ class GenSpec:
     mode: str = "ddtree"
     budget: int = 64
     candidates: int | None = None  # per-depth candidate count for DDTree (default min(budget, V))
-    max_new_tokens: int = 128
-    sampling: Sampling = Sampling()
+    max_new_tokens: int = 128  # the output buffer's width: every row's max_new is at most this
+    sampling: Sampling | SamplingCode = Sampling()  # the compiled sampling code (a Sampling: the code serving it)
     capacity: int = 0  # KV slots; 0 = prompt + max_new + block + 1
     proposer: Any = None
     routes: Routes = REFERENCE  # kernel routes and forms (ddtree_jax/routes.py; Routes.resolve() per device)
@@ -49,11 +55,17 @@ class GenSpec:
     def block(self) -> int:
         return 1 if self.mode == "ar" else self.proposer.block_size
 
+    @property
+    def code(self) -> SamplingCode:
+        return to_code(self.sampling)
+
     def validate(self, vocab: int) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if not isinstance(self.routes, Routes):
             raise ValueError(f"routes must be a ddtree_jax.routes.Routes, got {self.routes!r}")
+        if not isinstance(self.sampling, (Sampling, SamplingCode)):
+            raise ValueError(f"sampling must be a Sampling or a SamplingCode, got {self.sampling!r}")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
         if self.mode != "ar":
@@ -74,6 +86,20 @@ class GenerationResult(NamedTuple):
     drafter_state: Any  # the proposer's final state (None for "ar")
 
 
+class RowControls(NamedTuple):
+    """Each row's own settings, as arrays (traced: changing them compiles nothing)."""
+
+    sampling: RowSampling  # temperature / top_k / top_p / PRNG key of each row
+    max_new: jax.Array  # [B] int32: tokens to generate at most (capped at GenSpec.max_new_tokens)
+    stop: jax.Array  # [B, S] int32: the row's stop token ids besides eos_ids, -1 = none
+
+
+def uniform_rows(sampling: Sampling, batch: int, max_new: int, key: jax.Array, stop_width: int = 0) -> RowControls:
+    """Every row with the same settings; row r's PRNG key is fold_in(key, r)."""
+    return RowControls(RowSampling.uniform(sampling, batch, key), jnp.full((batch,), max_new, jnp.int32),
+                       jnp.full((batch, stop_width), -1, jnp.int32))
+
+
 class LoopState(NamedTuple):
     cache: TargetCache
     dstate: Any
@@ -81,13 +107,27 @@ class LoopState(NamedTuple):
     out: jax.Array  # [B, max_new_tokens]
     n_out: jax.Array  # [B]
     done: jax.Array  # [B] bool
-    steps: jax.Array  # [B]
+    steps: jax.Array  # [B] steps taken while active (each row's sampling keys fold it in)
     hist: jax.Array  # [block + 1]
-    i: jax.Array  # step counter (keys fold it in)
-    key: jax.Array
+    i: jax.Array  # step counter of the batch (chunks of `advance` count with it)
+    rows: RowControls
 
     def result(self) -> GenerationResult:
         return GenerationResult(self.out, self.n_out, self.steps, self.hist, self.cache, self.dstate)
+
+
+# The LoopState fields whose every leaf has the batch on axis 0 (a proposer's state included):
+# one row of these is one sequence's whole state. The others (hist, i) belong to the batch.
+ROW_FIELDS = ("cache", "dstate", "bonus", "out", "n_out", "done", "steps", "rows")
+
+
+def step_keys(rows: RowControls, counter: jax.Array) -> jax.Array:
+    """Each row's PRNG key [B, 2] for its draw number `counter` [B] (0: the prefill's choice)."""
+    return jax.vmap(jax.random.fold_in)(rows.sampling.key, counter.astype(jnp.uint32))
+
+
+def _max_new(s: LoopState, spec: GenSpec) -> jax.Array:
+    return jnp.minimum(s.rows.max_new, spec.max_new_tokens)
 
 
 def required_capacity(prompt_len: int, max_new_tokens: int, block_size: int) -> int:
@@ -95,12 +135,16 @@ def required_capacity(prompt_len: int, max_new_tokens: int, block_size: int) -> 
     return prompt_len + max_new_tokens + block_size + 1
 
 
-def _emit(out, n_out, done, new_tokens, n_new, eos_ids, max_new):
-    """Append new_tokens [B, P] (first n_new[b] real) to out; stop rows at EOS or max_new."""
+def _emit(out, n_out, done, new_tokens, n_new, eos_ids, max_new, stop=None):
+    """Append new_tokens [B, P] (first n_new[b] real) to out; stop rows at EOS, at one of their
+    own stop ids stop [B, S] (-1: none), or at max_new (a scalar or [B])."""
     p = new_tokens.shape[1]
     idx = jnp.arange(p)[None, :]
     real = idx < n_new[:, None]
-    eos = jnp.any(new_tokens[..., None] == eos_ids, axis=-1) & real
+    eos = jnp.any(new_tokens[..., None] == eos_ids, axis=-1)
+    if stop is not None and stop.shape[-1]:
+        eos = eos | jnp.any(new_tokens[..., None] == stop[:, None, :], axis=-1)
+    eos = eos & real
     first_eos = jnp.where(jnp.any(eos, axis=1), jnp.argmax(eos, axis=1) + 1, n_new)
     n_new = jnp.where(done, 0, jnp.minimum(first_eos, max_new - n_out))
     keep = idx < n_new[:, None]
@@ -129,10 +173,11 @@ def build(logq: jax.Array, s: LoopState, spec: GenSpec, ids: jax.Array | None = 
     return build_tree(logq, s.bonus, s.cache.lengths, spec.budget, spec.candidates, routes=spec.routes, vocab_ids=ids)
 
 
-def verify(model, s: LoopState, tree: Tree, spec: GenSpec, key) -> VerifyResult:
+def verify(model, s: LoopState, tree: Tree, spec: GenSpec, keys) -> VerifyResult:
+    """keys [B, 2]: each row's key of this step (step_keys; unused by greedy code)."""
     shape = None if spec.mode == "dflash" else tree
-    return tree_verify(model, s.cache, shape, tree.tokens, spec.sampling, key, max_depth=spec.block - 1,
-                       hidden_ids=spec.proposer.hidden_ids, routes=spec.routes)
+    return tree_verify(model, s.cache, shape, tree.tokens, spec.code, s.rows.sampling, keys,
+                       max_depth=spec.block - 1, hidden_ids=spec.proposer.hidden_ids, routes=spec.routes)
 
 
 def commit_and_emit(model, drafter_params, s: LoopState, tree: Tree, res: VerifyResult, eos_ids, spec: GenSpec):
@@ -141,7 +186,7 @@ def commit_and_emit(model, drafter_params, s: LoopState, tree: Tree, res: Verify
     path_tokens = jnp.take_along_axis(tree.tokens, res.path, axis=1)
     emitted = jnp.concatenate([path_tokens[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)
     emitted = jax.vmap(lambda e, c, x: e.at[c - 1].set(x))(emitted, res.count, res.bonus)
-    out, n_out, done = _emit(s.out, s.n_out, s.done, emitted, res.count, eos_ids, spec.max_new_tokens)
+    out, n_out, done = _emit(s.out, s.n_out, s.done, emitted, res.count, eos_ids, _max_new(s, spec), s.rows.stop)
     # Commit root + the accepted nodes actually emitted (fewer when EOS / max_new cut the step),
     # so the cache always holds exactly the prompt and every emitted token but the last.
     count = n_out - s.n_out
@@ -150,40 +195,49 @@ def commit_and_emit(model, drafter_params, s: LoopState, tree: Tree, res: Verify
     return s._replace(cache=cache, dstate=dstate, bonus=res.bonus, out=out, n_out=n_out, done=done), count
 
 
-def _ar_step(model, s: LoopState, eos_ids, spec: GenSpec, key):
+def _ar_step(model, s: LoopState, eos_ids, spec: GenSpec, keys):
     h, _, cache = model(s.bonus[:, None], s.cache, (~s.done).astype(jnp.int32), chunked=False, routes=spec.routes)
-    nxt = choose(model.logits(h[:, 0]), spec.sampling, key)
+    nxt = choose(model.logits(h[:, 0]), spec.code, s.rows.sampling, keys)
     b = nxt.shape[0]
     out, n_out, done = _emit(s.out, s.n_out, s.done, nxt[:, None], jnp.ones((b,), jnp.int32), eos_ids,
-                             spec.max_new_tokens)
+                             _max_new(s, spec), s.rows.stop)
     return s._replace(cache=cache, bonus=nxt, out=out, n_out=n_out, done=done), n_out - s.n_out
 
 
 def _step(model, drafter_params, s: LoopState, eos_ids, spec: GenSpec) -> LoopState:
-    key = jax.random.fold_in(s.key, s.i)
+    keys = step_keys(s.rows, s.steps + 1)
     active = ~s.done
     if spec.mode == "ar":
-        new, n_new = _ar_step(model, s, eos_ids, spec, key)
+        new, n_new = _ar_step(model, s, eos_ids, spec, keys)
     else:
         logq = propose(model, drafter_params, s, spec)
         tree = build(logq, s, spec, vocab_ids(spec, drafter_params))
-        res = verify(model, s, tree, spec, key)
+        res = verify(model, s, tree, spec, keys)
         new, n_new = commit_and_emit(model, drafter_params, s, tree, res, eos_ids, spec)
     hist = s.hist.at[jnp.where(active, n_new, spec.block + 1)].add(1, mode="drop")
     return new._replace(steps=s.steps + active, hist=hist, i=s.i + 1)
 
 
 # ---- entry points ---------------------------------------------------------------------
-def _start(model, drafter_params, prompt, prompt_lens, eos_ids, key, spec: GenSpec) -> LoopState:
+def _start(model, drafter_params, prompt, prompt_lens, eos_ids, key, spec: GenSpec, rows: RowControls | None = None,
+           capacity: int = 0) -> LoopState:
+    """rows: each row's settings (None: spec.sampling, a Sampling, for every row, keys from key).
+    capacity: the caches' size when it is not the spec's: a caller that prefills rows to copy into
+    a larger running batch (ddtree_jax/serve) checks the room itself."""
     cfg = model.cfg
     spec.validate(cfg.vocab_size)
     b, t = prompt.shape
-    capacity = spec.capacity or required_capacity(t, spec.max_new_tokens, spec.block)
-    if capacity < required_capacity(t, spec.max_new_tokens, spec.block):
-        raise ValueError(
-            f"cache capacity {capacity} is too small for a prompt of {t} tokens plus {spec.max_new_tokens} new "
-            f"tokens (needs {required_capacity(t, spec.max_new_tokens, spec.block)})"
-        )
+    if rows is None:
+        if not isinstance(spec.sampling, Sampling):
+            raise ValueError("a GenSpec whose sampling is a SamplingCode needs per-row settings (rows=RowControls)")
+        rows = uniform_rows(spec.sampling, b, spec.max_new_tokens, key)
+    if not capacity:
+        capacity = spec.capacity or required_capacity(t, spec.max_new_tokens, spec.block)
+        if capacity < required_capacity(t, spec.max_new_tokens, spec.block):
+            raise ValueError(
+                f"cache capacity {capacity} is too small for a prompt of {t} tokens plus {spec.max_new_tokens} new "
+                f"tokens (needs {required_capacity(t, spec.max_new_tokens, spec.block)})"
+            )
     if spec.mode != "ar" and hasattr(spec.proposer, "check_target"):
         spec.proposer.check_target(cfg)
     hidden_ids = () if spec.mode == "ar" else spec.proposer.hidden_ids
@@ -191,17 +245,17 @@ def _start(model, drafter_params, prompt, prompt_lens, eos_ids, key, spec: GenSp
     cache = init_target_cache(cfg, b, capacity)
     h, feats, cache = model(prompt, cache, prompt_lens, chunked=True, hidden_ids=hidden_ids)
     last = jnp.take_along_axis(h, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
-    prefill_key, key = jax.random.split(key)
-    bonus = choose(model.logits(last), spec.sampling, prefill_key)
+    bonus = choose(model.logits(last), spec.code, rows.sampling, step_keys(rows, jnp.zeros((b,), jnp.int32)))
     dstate = None
     if spec.mode != "ar":
         dstate = spec.proposer.init_state(drafter_params, b, capacity)
         dstate = spec.proposer.extend(drafter_params, dstate, feats, prompt_lens, routes=spec.routes)
     out = jnp.full((b, spec.max_new_tokens), -1, jnp.int32)
     out, n_out, done = _emit(out, jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool), bonus[:, None],
-                             jnp.ones((b,), jnp.int32), eos_ids, spec.max_new_tokens)
+                             jnp.ones((b,), jnp.int32), eos_ids, jnp.minimum(rows.max_new, spec.max_new_tokens),
+                             rows.stop)
     return LoopState(cache, dstate, bonus, out, n_out, done, jnp.zeros((b,), jnp.int32),
-                     jnp.zeros((spec.block + 1,), jnp.int32), jnp.int32(0), key)
+                     jnp.zeros((spec.block + 1,), jnp.int32), jnp.int32(0), rows)
 
 
 def _advance(model, drafter_params, s: LoopState, eos_ids, spec: GenSpec, max_steps) -> LoopState:
@@ -214,9 +268,11 @@ def _eos(eos_ids):
     return jnp.zeros((0,), jnp.int32) if eos_ids is None else jnp.asarray(eos_ids, jnp.int32)
 
 
-def _start_from(graphdef, params, drafter_params, prompt, prompt_lens, eos_ids, key, spec: GenSpec) -> LoopState:
-    """Prefill and the first token (the prefill's own choice)."""
-    return _start(nnx.merge(graphdef, params), drafter_params, prompt, prompt_lens, _eos(eos_ids), key, spec)
+def _start_from(graphdef, params, drafter_params, prompt, prompt_lens, eos_ids, key, spec: GenSpec,
+                rows: RowControls | None = None, capacity: int = 0) -> LoopState:
+    """Prefill and the first token (the prefill's own choice); rows and capacity as for _start."""
+    return _start(nnx.merge(graphdef, params), drafter_params, prompt, prompt_lens, _eos(eos_ids), key, spec, rows,
+                  capacity)
 
 
 def _advance_from(graphdef, params, drafter_params, state: LoopState, eos_ids, max_steps, spec: GenSpec) -> LoopState:
@@ -224,7 +280,7 @@ def _advance_from(graphdef, params, drafter_params, state: LoopState, eos_ids, m
     return _advance(nnx.merge(graphdef, params), drafter_params, state, _eos(eos_ids), spec, max_steps)
 
 
-start = jax.jit(_start_from, static_argnames=("graphdef", "spec"))
+start = jax.jit(_start_from, static_argnames=("graphdef", "spec", "capacity"))
 advance = jax.jit(_advance_from, static_argnames=("graphdef", "spec"), donate_argnames=("state",))
 
 
@@ -242,7 +298,7 @@ def bind(graphdef: nnx.GraphDef):
     hit = _BOUND.get(id(graphdef))
     if hit is None or hit[0] is not graphdef:
         hit = (graphdef,
-               jax.jit(functools.partial(_start_from, graphdef), static_argnames=("spec",)),
+               jax.jit(functools.partial(_start_from, graphdef), static_argnames=("spec", "capacity")),
                jax.jit(functools.partial(_advance_from, graphdef), static_argnames=("spec",),
                        donate_argnames=("state",)))
         _BOUND[id(graphdef)] = hit

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from ddtree_jax.cache import TargetCache
 from ddtree_jax.routes import REFERENCE, Routes
 from ddtree_jax.speculative.accept import accept
-from ddtree_jax.speculative.sampling import Sampling, choose
+from ddtree_jax.speculative.sampling import RowSampling, SamplingCode, choose
 from ddtree_jax.tree import Tree
 
 
@@ -26,16 +26,18 @@ class VerifyResult(NamedTuple):
     pending: tuple  # per-layer inputs of commit (tree K/V, recurrent inputs): never per-node states
 
 
-def tree_verify(model, cache: TargetCache, tree: Tree | None, tokens: jax.Array, sampling: Sampling, key,
-                *, max_depth: int, hidden_ids=(), routes: Routes = REFERENCE) -> VerifyResult:
+def tree_verify(model, cache: TargetCache, tree: Tree | None, tokens: jax.Array, code: SamplingCode,
+                rows: RowSampling | None, keys, *, max_depth: int, hidden_ids=(), routes: Routes = REFERENCE
+                ) -> VerifyResult:
     """Verify tokens [B, N] laid out as `tree` (None = a chain, linear DFlash).
 
-    max_depth (static) bounds the accepted path length: P = max_depth + 1. routes pick the tree
-    kernels (ddtree_jax/routes.py).
+    The target's choice at every node follows each row's settings (rows, keys [B, 2]: this step's
+    key of each row; both unused by greedy code). max_depth (static) bounds the accepted path
+    length: P = max_depth + 1. routes pick the tree kernels (ddtree_jax/routes.py).
     """
     h, feats, pending = model.verify(tokens, cache, tree, hidden_ids=hidden_ids, routes=routes)
     logits = model.logits(h)
-    post = choose(logits, sampling, key)
+    post = choose(logits, code, rows, keys)
     if tree is None:
         b, n = tokens.shape
         parents = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32) - 1, (b, n))

@@ -1,0 +1,194 @@
+"""ddtree-serve: an OpenAI-compatible HTTP server with continuous batching over the speculative loop."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+
+from ddtree_jax.cli.common import (add_autotune_cache_argument, add_draft_vocab_argument, add_int8_drafter_argument,
+                                   add_routes_arguments, die, non_negative_int, positive_int, routes_from,
+                                   use_autotune_cache)
+
+EPILOG = """\
+examples:
+  ddtree-serve                                            # the embedded demo pair on 127.0.0.1:8000
+  ddtree-serve --target ckpt/qwen35 --drafter ckpt/qwen35-dflash --max-batch 16 --max-context 8192
+  curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
+       -d '{"prompt": "def fib(n):", "max_tokens": 64, "temperature": 0}'
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (needs the model's chat template),
+GET /v1/models, GET /health, GET /metrics (Prometheus). Requests share B slots on the device; a
+request waits in a bounded queue for a free slot (429 when the queue is full). SIGTERM stops
+accepting, lets running requests finish for --shutdown-timeout seconds, cancels the rest and
+exits 0. Design: docs/serving.md.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ddtree_jax.demo import DEMO_DIR
+
+    p = argparse.ArgumentParser(prog="ddtree-serve", description="Serve a target (+ DFlash drafter) over the OpenAI "
+                                "API with continuous batching and speculative decoding.", epilog=EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_argument_group("models")
+    src.add_argument("--target", default=None, help=f"target model directory with its tokenizer.json (default: the "
+                     f"embedded demo pair in {DEMO_DIR})")
+    src.add_argument("--drafter", default=None, help="DFlash drafter directory (default: the demo drafter when "
+                     "--target is not given; none otherwise, which allows only --mode ar)")
+    src.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None, help="params dtype (default: the "
+                     "checkpoint's; the demo pair runs in fp32 on a CPU)")
+    src.add_argument("--model-name", default=None, help="the model id clients send (default: the target "
+                     "directory's name, 'ddtree-demo' for the demo pair)")
+    add_routes_arguments(src)
+    add_autotune_cache_argument(src)
+    dec = p.add_argument_group("decoding")
+    dec.add_argument("--mode", choices=["ar", "dflash", "ddtree"], default=None,
+                     help="ar = plain decoding; dflash = linear drafts; ddtree = draft trees (default: ddtree with a "
+                     "drafter, ar without)")
+    dec.add_argument("--budget", type=positive_int, default=64, help="DDTree nodes per step (1..1024, default 64)")
+    add_draft_vocab_argument(dec)
+    add_int8_drafter_argument(dec)
+    dec.add_argument("--max-top-k", type=non_negative_int, default=64,
+                     help="the largest top_k a request may ask for (compiled in; default 64, 0 = no top-k)")
+    dec.add_argument("--max-stop-ids", type=non_negative_int, default=8,
+                     help="stop_token_ids a request may give (default 8)")
+    srv = p.add_argument_group("serving")
+    srv.add_argument("--max-batch", type=positive_int, default=8, help="slots: requests generated at once (default 8)")
+    srv.add_argument("--max-context", type=positive_int, default=None,
+                     help="prompt + generated tokens of one request (default: the model's limit, at most 4096); "
+                     "every slot holds caches this long")
+    srv.add_argument("--max-queue", type=positive_int, default=64,
+                     help="requests that may wait for a slot; more get 429 (default 64)")
+    srv.add_argument("--chunk-steps", type=positive_int, default=4,
+                     help="device steps between two scheduling points (default 4): new requests join and tokens "
+                     "stream after each chunk")
+    srv.add_argument("--batch-buckets", type=_int_list, default=None, metavar="B1,B2,...",
+                     help="batch sizes a chunk may run, one compilation each: the smallest holding the active "
+                     "requests runs, so idle slots cost nothing (default: powers of two up to --max-batch)")
+    srv.add_argument("--no-compact", action="store_true",
+                     help="always run all --max-batch rows (one batch size, one compilation)")
+    srv.add_argument("--no-warmup", action="store_true",
+                     help="compile lazily (default: compile every prompt-length bucket and batch size first)")
+    srv.add_argument("--warmup-prompt-len", type=positive_int, default=None, metavar="N",
+                     help="warm up the prefill of prompt buckets up to N tokens only (longer prompts compile "
+                     "on first use; default: all up to --max-context)")
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    srv.add_argument("--port", type=non_negative_int, default=8000, help="port (default 8000)")
+    srv.add_argument("--shutdown-timeout", type=non_negative_int, default=30,
+                     help="seconds running requests may finish after SIGTERM before they are cancelled (default 30)")
+    srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    srv.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    return p
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return values
+
+
+def _stop_quietly(signum, frame):  # noqa: ARG001
+    raise SystemExit(0)
+
+
+def _draining_server_class():
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn's server; its first exit signal also starts the scheduler's drain."""
+
+        def __init__(self, config, scheduler, grace_s: float):
+            super().__init__(config)
+            self.scheduler, self.grace_s = scheduler, grace_s
+
+        def handle_exit(self, sig, frame):
+            if not self.should_exit:
+                self.scheduler.drain(self.grace_s)
+            super().handle_exit(sig, frame)
+
+    return DrainingServer
+
+
+def main(argv=None) -> int:
+    # SIGTERM while loading or compiling: exit 0 without serving (uvicorn takes it over later).
+    signal.signal(signal.SIGTERM, _stop_quietly)
+    args = build_parser().parse_args(argv)
+    from ddtree_jax.serve import missing_dependencies
+
+    missing = missing_dependencies()
+    if missing:
+        die(f"ddtree-serve needs {', '.join(missing)}: install the serve extra, pip install 'ddtree-jax[serve]'")
+    if args.port > 65535:
+        die(f"--port must be in [0, 65535], got {args.port}")
+    use_autotune_cache(args)
+    routes = routes_from(args)
+
+    import uvicorn
+
+    from ddtree_jax.cli.common import load_engine
+    from ddtree_jax.serve.app import create_app
+    from ddtree_jax.serve.chat import load_chat_template
+    from ddtree_jax.serve.metrics import Metrics
+    from ddtree_jax.serve.protocol import Limits
+    from ddtree_jax.serve.scheduler import Scheduler
+    from ddtree_jax.serve.slots import SlotBatch
+
+    engine = load_engine(args.target, args.drafter, args.dtype, routes=routes, draft_vocab=args.draft_vocab,
+                         int8_drafter=args.int8_drafter)
+    if engine.tokenizer is None:
+        die("the target directory has no tokenizer.json: ddtree-serve needs one")
+    target_dir = args.target
+    if target_dir is None:
+        from ddtree_jax.demo import demo_paths
+
+        target_dir = demo_paths()[0]
+    name = args.model_name or ("ddtree-demo" if args.target is None else os.path.basename(os.path.normpath(target_dir)))
+    mode = args.mode or ("ddtree" if engine.proposer is not None else "ar")
+    max_context = args.max_context or min(engine.max_context, 4096)
+    try:
+        template = load_chat_template(target_dir)
+        slots = SlotBatch(engine, mode=mode, budget=args.budget, max_batch=args.max_batch, max_context=max_context,
+                          max_top_k=args.max_top_k, max_stop_ids=args.max_stop_ids, chunk_steps=args.chunk_steps,
+                          buckets=(args.max_batch,) if args.no_compact else args.batch_buckets)
+    except ValueError as e:
+        die(str(e))
+    print(f"ddtree-serve: {name}, mode {mode}, {args.max_batch} slots of {max_context} tokens, "
+          f"{'no' if template is None else 'a'} chat template", file=sys.stderr, flush=True)
+    if not args.no_warmup:
+        print(f"ddtree-serve: compiling (prompt buckets {slots.prompt_buckets}, batch buckets {slots.buckets})",
+              file=sys.stderr, flush=True)
+        slots.warm_up(args.warmup_prompt_len)
+    metrics = Metrics(args.max_batch, mode)
+    scheduler = Scheduler(slots, engine.tokenizer, max_queue=args.max_queue, metrics=metrics)
+    limits = Limits(name, max_context, engine.cfg.vocab_size, args.max_top_k, args.max_stop_ids)
+    import jax
+
+    info = {"model": name, "mode": mode, "budget": args.budget if mode == "ddtree" else None,
+            "slots": args.max_batch, "max_context": max_context, "device": jax.devices()[0].device_kind}
+    app = create_app(scheduler, limits, engine.tokenizer, template, metrics, info)
+    # Past --shutdown-timeout the scheduler cancels what is left, which ends those responses
+    # properly (an error event and [DONE]); uvicorn's own limit is a backstop behind it.
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            access_log=args.access_log, timeout_graceful_shutdown=args.shutdown_timeout + 10,
+                            lifespan="on")
+    server = _draining_server_class()(config, scheduler, args.shutdown_timeout)
+    # uvicorn handles SIGINT / SIGTERM while it runs (stop listening, let requests finish, then the
+    # app's shutdown cancels what is left) and raises the signal again after restoring these
+    # handlers: they must not end the process with the signal's status.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    signal.signal(signal.SIGINT, lambda *_: None)
+    server.run()
+    if scheduler.error is not None:
+        print(f"ddtree-serve: the scheduler failed: {scheduler.error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

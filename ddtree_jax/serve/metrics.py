@@ -1,0 +1,87 @@
+"""Prometheus metrics of a server (one registry per server, so several can live in one process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2)
+ACCEPT_BUCKETS = (1, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10, 12, 16)
+
+
+class Metrics:
+    """The scheduler's hooks (on_*) and the HTTP side's request counts, in their own registry."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, max_batch: int, mode: str):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("ddtree_requests", "HTTP generation requests by endpoint and outcome",
+                                ["endpoint", "status"], registry=r)
+        self.finished = Counter("ddtree_requests_finished", "Generations ended, by finish reason", ["reason"],
+                                registry=r)
+        self.prompt_tokens = Counter("ddtree_prompt_tokens", "Prompt tokens prefilled", registry=r)
+        self.generation_tokens = Counter("ddtree_generation_tokens", "Tokens generated (prefill's first included)",
+                                         registry=r)
+        self.row_steps = Counter("ddtree_row_steps", "Device steps summed over active requests", registry=r)
+        self.step_tokens = Counter("ddtree_step_tokens", "Tokens emitted by those steps (over row_steps: the "
+                                   "mean acceptance length)", registry=r)
+        self.acceptance = Histogram("ddtree_request_acceptance_length", "Tokens per step of each finished request",
+                                    buckets=ACCEPT_BUCKETS, registry=r)
+        self.queue = Gauge("ddtree_queue_requests", "Requests waiting for a slot", registry=r)
+        self.active = Gauge("ddtree_active_slots", "Slots holding a request", registry=r)
+        self.slots = Gauge("ddtree_slots", "Slots (max batch)", registry=r)
+        self.slots.set(max_batch)
+        self.info = Gauge("ddtree_mode_info", "The speculative mode served", ["mode"], registry=r)
+        self.info.labels(mode=mode).set(1)
+        self.step_time = Histogram("ddtree_step_seconds", "Wall time per device step (a chunk's time / its steps)",
+                                   buckets=STEP_BUCKETS, registry=r)
+        self.chunk_time = Histogram("ddtree_chunk_seconds", "Wall time of a chunk of device steps, host sync included",
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.batch_rows = Histogram("ddtree_chunk_batch_rows", "Batch rows a chunk ran (its bucket)",
+                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
+        self.prefill_time = Histogram("ddtree_prefill_seconds", "Wall time of a request's prefill",
+                                      buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("ddtree_queue_seconds", "Time from submission to prefill",
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("ddtree_time_to_first_token_seconds", "Time from submission to the first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.latency = Histogram("ddtree_request_seconds", "Time from submission to the end", buckets=LATENCY_BUCKETS,
+                                 registry=r)
+
+    # ---- scheduler hooks -------------------------------------------------------------------
+    def on_prefill(self, seconds: float, prompt_tokens: int, waited: float) -> None:
+        self.prefill_time.observe(seconds)
+        self.queue_time.observe(waited)
+        self.prompt_tokens.inc(prompt_tokens)
+
+    def on_steps(self, steps: int, tokens: int) -> None:
+        self.row_steps.inc(steps)
+        self.step_tokens.inc(tokens)
+
+    def on_chunk(self, seconds: float, steps: int, rows: int, active: int) -> None:
+        self.chunk_time.observe(seconds)
+        self.batch_rows.observe(rows)
+        if steps:
+            self.step_time.observe(seconds / steps)
+
+    def on_finish(self, reason: str, tokens: int, steps: int, ttft: float | None, seconds: float) -> None:
+        self.finished.labels(reason=reason).inc()
+        self.generation_tokens.inc(tokens)
+        if steps:
+            self.acceptance.observe((tokens - 1) / steps)
+        if ttft is not None:
+            self.ttft.observe(ttft)
+        self.latency.observe(seconds)
+
+    def on_load(self, queued: int, active: int) -> None:
+        self.queue.set(queued)
+        self.active.set(active)
+
+    # ---- HTTP side -------------------------------------------------------------------------
+    def on_request(self, endpoint: str, status: int) -> None:
+        self.requests.labels(endpoint=endpoint, status=str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

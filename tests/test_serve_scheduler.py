@@ -1,0 +1,303 @@
+"""The serving core without HTTP, on a tiny random target: continuous batching reproduces each
+request run alone, slots are reused and kept packed, text and stop strings come out right, and
+every bad field of an OpenAI request is refused before anything is queued."""
+
+import asyncio
+import types
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("fastapi")
+
+# one worker runs the whole module under pytest -n (its compiled slots are shared)
+pytestmark = pytest.mark.xdist_group("serve-core")
+
+from ddtree_jax.routes import REFERENCE  # noqa: E402
+from ddtree_jax.serve import protocol  # noqa: E402
+from ddtree_jax.serve.chat import ChatTemplate  # noqa: E402
+from ddtree_jax.serve.scheduler import Closed, Delta, QueueFull, Request, Scheduler  # noqa: E402
+from ddtree_jax.serve.slots import SlotBatch, batch_buckets, prompt_buckets  # noqa: E402
+from ddtree_jax.serve.text import TextStream  # noqa: E402
+from ddtree_jax.speculative.generate import generate  # noqa: E402
+from ddtree_jax.speculative.sampling import Sampling  # noqa: E402
+from tests.cli_fixtures import char_tokenizer  # noqa: E402
+from tests.scripted_proposers import ScriptedProposer  # noqa: E402
+from tests.tiny_models import HYBRID, make_target  # noqa: E402
+
+VOCAB, EOS, MAX_NEW = 128, 1, 32
+CFG, GRAPHDEF, PARAMS = make_target({"vocab_size": VOCAB}, seed=5, base=HYBRID)
+PROPOSER = ScriptedProposer(4, VOCAB, error_rate=0.5, seed=3)
+TOKENIZER = char_tokenizer()
+
+
+def engine():
+    """What SlotBatch reads of an Engine, around the tiny target and a scripted drafter."""
+    return types.SimpleNamespace(cfg=CFG, graphdef=GRAPHDEF, params=PARAMS, proposer=PROPOSER, drafter_params=None,
+                                 routes=REFERENCE, stop_ids=(EOS,), max_context=512)
+
+
+def alone(requests):
+    """Each request by itself: plain greedy decoding of the target (speculative output equals it),
+    cut at the request's max_new and stop ids (one batched call: rows are independent)."""
+    n, t = len(requests), max(len(r.prompt_ids) for r in requests)
+    prompt = np.zeros((n, t), np.int32)
+    for i, r in enumerate(requests):
+        prompt[i, : len(r.prompt_ids)] = r.prompt_ids
+    res = generate(GRAPHDEF, PARAMS, jnp.asarray(prompt), jnp.asarray([len(r.prompt_ids) for r in requests]),
+                   mode="ar", max_new_tokens=MAX_NEW, eos_ids=jnp.asarray([EOS], jnp.int32))
+    out = []
+    for r, row in zip(requests, np.asarray(res.tokens).tolist()):
+        ids = [x for x in row if x >= 0][: r.max_new]
+        stops = [i for i, x in enumerate(ids) if x in r.stop_ids]
+        out.append(ids[: stops[0] + 1] if stops else ids)
+    return out
+
+
+async def collect(handles):
+    out = []
+    for h in handles:
+        ids, text = [], ""
+        while True:
+            event = await asyncio.wait_for(h.events.get(), 120)
+            if isinstance(event, Delta):
+                ids += event.token_ids
+                text += event.text
+            else:
+                out.append((ids, text, event))
+                break
+    return out
+
+
+def run(scheduler, requests, cancel=()):
+    async def main():
+        loop = asyncio.get_running_loop()
+        handles = [scheduler.submit(r, loop) for r in requests]
+        for i in cancel:
+            handles[i].cancel()
+        return await collect(handles)
+
+    return asyncio.run(main())
+
+
+@pytest.fixture(scope="module")
+def slots():
+    return SlotBatch(engine(), mode="ddtree", budget=6, max_batch=2, max_context=64, max_top_k=8, max_stop_ids=2,
+                     chunk_steps=2)
+
+
+def test_buckets():
+    assert batch_buckets(1) == (1,) and batch_buckets(6) == (1, 2, 4, 6) and batch_buckets(8) == (1, 2, 4, 8)
+    assert prompt_buckets(64) == (16, 32, 64) and prompt_buckets(100) == (16, 32, 64, 100)
+
+
+def test_continuous_batching_equals_each_request_alone(slots):
+    """More requests than slots, of different lengths, greedy and sampled: each greedy one is
+    exactly its lone plain decoding; slots are reused (rows move to keep the active ones packed)
+    and every chunk runs the batch bucket of the active requests only."""
+    rng = np.random.default_rng(0)
+    requests = []
+    for i in range(10):
+        prompt = tuple(int(t) for t in rng.integers(2, VOCAB, rng.integers(3, 16)))  # one prompt bucket
+        max_new = int(rng.integers(2, MAX_NEW))
+        stop = (int(rng.integers(2, VOCAB)),) if i % 3 == 0 else ()
+        sampling = Sampling() if i % 4 else Sampling(temperature=0.8, top_k=5, top_p=0.9)
+        requests.append(Request(prompt, max_new, sampling, seed=i, stop_ids=stop))
+    refs = [ref if r.sampling.greedy else None for r, ref in zip(requests, alone(requests))]
+    rows = []
+    chunk = slots.advance
+    slots.advance = lambda n, sent, steps=None: rows.append(slots.rows_for(n)) or chunk(n, sent, steps)
+    scheduler = Scheduler(slots, TOKENIZER, max_queue=16)
+    scheduler.start()
+    try:
+        results = run(scheduler, requests)
+    finally:
+        scheduler.stop()
+        slots.advance = chunk
+    for req, ref, (ids, text, fin) in zip(requests, refs, results):
+        assert fin.completion_tokens == len(ids) and fin.prompt_tokens == len(req.prompt_ids)
+        if ref is not None:
+            assert ids == ref, req
+        assert len(ids) <= req.max_new
+        last_stops = ids[-1] in (EOS,) + req.stop_ids
+        assert fin.reason == ("stop" if last_stops else "length")
+        assert text == TOKENIZER.decode(ids[:-1] if last_stops else ids)
+    assert set(rows) == {1, 2}, rows  # the last request alone runs batch 1
+    assert scheduler.active == 0 and bool(np.asarray(slots.state.done).all())
+
+
+@pytest.mark.parametrize("mode", ["ar", "dflash"])
+def test_the_other_modes_serve_the_same_tokens(mode):
+    slots = SlotBatch(engine(), mode=mode, budget=6, max_batch=2, max_context=64, max_stop_ids=1, chunk_steps=3,
+                      buckets=(2,))
+    requests = [Request((3 + i, 40, 41 + i), 6 + 5 * i, Sampling(), 0, stop_ids=(50,) if i == 1 else ())
+                for i in range(3)]
+    scheduler = Scheduler(slots, TOKENIZER, max_queue=4)
+    scheduler.start()
+    try:
+        results = run(scheduler, requests)
+    finally:
+        scheduler.stop()
+    assert [ids for ids, _, _ in results] == alone(requests)
+
+
+def test_sampled_rows_depend_on_their_seed_only(slots):
+    """A seeded sampled request gives the same tokens alone and beside others."""
+    req = Request((5, 9, 17, 33), 20, Sampling(temperature=1.0), seed=1234)
+    others = [Request((7, 8, 9), 25, Sampling(temperature=0.7, top_p=0.8), seed=s) for s in range(3)]
+    scheduler = Scheduler(slots, TOKENIZER, max_queue=8)
+    scheduler.start()
+    try:
+        [lone] = run(scheduler, [req])
+        mixed = run(scheduler, others[:2] + [req] + others[2:])
+    finally:
+        scheduler.stop()
+    assert lone[0] == mixed[2][0]
+    assert len({tuple(m[0]) for m in mixed}) > 1
+
+
+def test_warm_up_leaves_the_slots_idle(slots):
+    slots.warm_up(max_prompt=16)
+    assert bool(np.asarray(slots.state.done).all())
+
+
+def test_cancelled_and_overflowing_requests(slots):
+    scheduler = Scheduler(slots, TOKENIZER, max_queue=2)  # not started: the queue only fills
+
+    async def fill():
+        loop = asyncio.get_running_loop()
+        req = Request((3, 4), 5, Sampling(), 0)
+        handles = [scheduler.submit(req, loop) for _ in range(2)]
+        with pytest.raises(QueueFull):
+            scheduler.submit(req, loop)
+        handles[0].cancel()
+        scheduler.start()
+        out = await collect(handles)
+        scheduler.close()
+        with pytest.raises(Closed):
+            scheduler.submit(req, loop)
+        return out
+
+    try:
+        first, second = asyncio.run(fill())
+    finally:
+        scheduler.stop()
+    assert first[2].reason == "cancelled" and first[0] == []
+    assert second[2].reason in ("stop", "length") and second[0]
+
+
+def test_text_stream_stop_strings_across_tokens():
+    tok = TOKENIZER
+    ids = tok.encode("hello world, stop here").ids
+    s = TextStream(tok, stop=("lo w", "zzz"))
+    streamed = ""
+    for i, t in enumerate(ids):
+        hit = s.add(t)
+        streamed += s.ready(final=hit)
+        if hit:
+            break
+    assert streamed == "hel" and s.stopped and i == ids.index(tok.encode("w").ids[0])
+    s = TextStream(tok, stop=("xyz",))
+    for t in tok.encode("abcx").ids:
+        s.add(t)
+    assert s.ready() == "abc"  # "x" may begin the stop string: held back
+    assert s.ready(final=True) == "x"
+
+
+def test_chat_template_renders_like_hf():
+    t = ChatTemplate("{{ bos_token }}{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('no') }}"
+                     "{% endif %}<|{{ m.role }}|>\n{{ m.content | trim }}\n{% endfor %}"
+                     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}", {"bos_token": "<s>"})
+    assert t.render([{"role": "user", "content": " hi "}]) == "<s><|user|>\nhi\n<|assistant|>\n"
+    with pytest.raises(ValueError, match="no"):
+        t.render([{"role": "system", "content": "x"}])
+
+
+LIMITS = protocol.Limits("m", max_context=64, vocab_size=VOCAB, max_top_k=8, max_stop_ids=2)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"model": "other", "prompt": "a"}, "model"),
+    ({"prompt": "a" * 70}, "prompt"),
+    ({"prompt": "a" * 50, "max_tokens": 20}, "max_tokens"),
+    ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "a", "max_tokens": 2.5}, "max_tokens"),
+    ({"prompt": "a", "temperature": -0.1}, "temperature"),
+    ({"prompt": "a", "temperature": "hot"}, "temperature"),
+    ({"prompt": "a", "top_p": 0}, "top_p"),
+    ({"prompt": "a", "top_p": 1.5}, "top_p"),
+    ({"prompt": "a", "top_k": 9}, "top_k"),
+    ({"prompt": "a", "top_k": -2}, "top_k"),
+    ({"prompt": "a", "seed": "x"}, "seed"),
+    ({"prompt": "a", "stop": 3}, "stop"),
+    ({"prompt": "a", "stop": [""]}, "stop"),
+    ({"prompt": "a", "stop_token_ids": [VOCAB]}, "stop_token_ids"),
+    ({"prompt": "a", "stop_token_ids": [2, 3, 4]}, "stop_token_ids"),
+    ({"prompt": "a", "n": 2}, "n"),
+    ({"prompt": "a", "logprobs": 3}, "logprobs"),
+    ({"prompt": "a", "stream": "yes"}, "stream"),
+    ({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": [1, VOCAB]}, "prompt"),
+    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": ""}, "prompt"),
+    ({}, "prompt"),
+    ([1, 2], None),
+])
+def test_every_bad_completion_field_is_a_400(body, param):
+    with pytest.raises(protocol.BadRequest) as e:
+        protocol.parse_completion(body, LIMITS, TOKENIZER)
+    assert e.value.status == 400 and e.value.param == param, e.value.message
+
+
+@pytest.mark.parametrize("body, template", [
+    ({"messages": []}, True),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, True),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, True),
+    ({"messages": [{"role": "user", "content": "x"}]}, False),
+    ({"messages": [{"role": "user", "content": "x" * 70}]}, True),
+])
+def test_bad_chat_requests_are_400(body, template):
+    tpl = ChatTemplate("{% for m in messages %}{{ m.content }}{% endfor %}") if template else None
+    with pytest.raises(protocol.BadRequest) as e:
+        protocol.parse_chat(body, LIMITS, TOKENIZER, tpl)
+    assert e.value.status == 400 and e.value.param == "messages"
+    if not template:
+        assert "no chat template" in e.value.message
+
+
+def test_good_requests_parse():
+    job = protocol.parse_completion({"model": "m", "prompt": [5, 6], "max_tokens": 3, "temperature": 0, "top_k": -1,
+                                     "stop": "x", "stop_token_ids": [2], "seed": 7, "stream": True,
+                                     "stream_options": {"include_usage": True}, "n": 1, "user": "u"}, LIMITS, TOKENIZER)
+    r = job.request
+    assert r.prompt_ids == (5, 6) and r.max_new == 3 and r.sampling == Sampling() and r.seed == 7
+    assert r.stop == ("x",) and r.stop_ids == (2,) and job.stream and job.include_usage
+    tpl = ChatTemplate("{% for m in messages %}{{ m.content }}{% endfor %}")
+    job = protocol.parse_chat({"messages": [{"role": "user", "content": [{"type": "text", "text": "ab"}]}]}, LIMITS,
+                              TOKENIZER, tpl)
+    assert job.request.max_new == 64 - 2 and job.request.sampling.temperature == 1.0 and job.chat
+
+
+def test_serve_without_its_extra_names_the_extra(monkeypatch, capsys):
+    import importlib
+    import signal
+
+    from ddtree_jax.cli import serve as cli
+
+    real = importlib.import_module
+
+    def no_uvicorn(name, *args):
+        if name == "uvicorn":
+            raise ImportError(name)
+        return real(name, *args)
+
+    monkeypatch.setattr(importlib, "import_module", no_uvicorn)
+    monkeypatch.setattr(signal, "signal", lambda *a: None)
+    with pytest.raises(SystemExit) as e:
+        cli.main([])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "uvicorn" in err and "pip install 'ddtree-jax[serve]'" in err
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    assert "--max-batch" in capsys.readouterr().out
