@@ -110,8 +110,8 @@ def _build(logq, s, spec, ids=None):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec"))
-def _verify(graphdef, params, s, tree, spec, key):
-    return gen.verify(nnx.merge(graphdef, params), s, tree, spec, key)
+def _verify(graphdef, params, s, tree, spec):
+    return gen.verify(nnx.merge(graphdef, params), s, tree, spec)
 
 
 def deep_parents(n: int, seed, max_depth: int = 15) -> np.ndarray:
@@ -162,7 +162,7 @@ def _phase_loop(graphdef, params, dparams, s, logq, tree, res, eos, key, spec, p
     if phase == "step":
         def carried(i, carry):
             st, acc = carry
-            st = gen._ar_step(model, st, eos, spec, key)[0]
+            st = gen._ar_step(model, st, eos, spec)[0]
             return st, acc + _checksum(st.bonus)
 
         last, acc = jax.lax.fori_loop(0, n, carried, (s, jnp.float32(0)))
@@ -179,7 +179,7 @@ def _phase_loop(graphdef, params, dparams, s, logq, tree, res, eos, key, spec, p
             out = gen.build(logq.at[:, 0, 0].add(i.astype(jnp.float32) * 1e-6), s, spec, gen.vocab_ids(spec, dparams))
         elif phase == "verify":
             out = gen.verify(model, s, tree._replace(tokens=tree.tokens.at[:, 0].set((tree.tokens[:, 0] + i) % vocab)),
-                             spec, key)
+                             spec)
         elif phase == "commit":
             out = gen.commit_and_emit(model, dparams, s, tree, res._replace(bonus=(res.bonus + i) % vocab), eos, spec)[0]
         else:
@@ -217,7 +217,7 @@ def phase_times_at(graphdef, params, dparams, s: gen.LoopState, spec: gen.GenSpe
     if spec.mode != "ar":
         logq = _propose(graphdef, params, dparams, s, spec)
         tree = _build(logq, s, spec, gen.vocab_ids(spec, dparams))
-        res = _verify(graphdef, params, s, tree, spec, key)
+        res = _verify(graphdef, params, s, tree, spec)
     out = {}
     for phase in phases:
         run = lambda n: (lambda: _phase_loop(graphdef, params, dparams, s, logq, tree, res, eos, key, spec, phase,

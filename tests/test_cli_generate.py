@@ -337,7 +337,7 @@ def test_ar_phase_timing_carries_the_state(ckpts):
     model = nnx.merge(g, p)
     st, acc = s, jnp.float32(0)
     for _ in range(3):
-        st = gen._ar_step(model, st, eos, spec, key)[0]
+        st = gen._ar_step(model, st, eos, spec)[0]
         acc = acc + bench._checksum(st.bonus)
     np.testing.assert_allclose(float(got), float(acc + bench._checksum(st)), rtol=1e-6)
     assert int(st.cache.lengths[0]) == int(s.cache.lengths[0]) + 3

@@ -202,7 +202,7 @@ def test_bound_start_advance_match_the_static_graphdef_forms(monkeypatch):
     cfg, gd, params = MODELS["qwen3_5"]
     prompt, lens = prompts(cfg, seed=3)
     eos = jnp.zeros((0,), jnp.int32)
-    spec = gen.GenSpec("ar", 4, None, 12, Sampling(), 64, None, "xla")
+    spec = gen.GenSpec("ar", 4, None, 12, Sampling(), 64, None)
     start, advance = gen.bind(gd)
     assert gen.bind(gd) == (start, advance)
     s_ref = gen.start(gd, params, None, prompt, lens, eos, jax.random.PRNGKey(0), spec)

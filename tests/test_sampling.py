@@ -158,3 +158,27 @@ def test_per_row_filters_equal_the_single_setting_form():
     assert SamplingCode.covering([Sampling(), Sampling(top_k=3)]) == SamplingCode()  # greedy needs no code
     assert not SamplingCode(True, 4, False).serves(Sampling(1.0, 5)) and SamplingCode(True, 4, True).serves(
         Sampling(1.0, 4, 0.5))
+
+
+@pytest.mark.parametrize("mode", ["dflash", "ddtree"])
+def test_a_seeded_speculative_sample_is_the_plain_sample(mode):
+    """Each position's draw uses its own key (the row's key folded with the position: generate.
+    position_keys), so with the same seed speculative sampling writes plain sampling's tokens, not
+    only tokens from the same distribution: what the CLI's --compare-ar checks for sampled output."""
+    cfg, gd, params = make_target(dict(vocab_size=64), seed=25, base=HYBRID)
+    rng = np.random.default_rng(2)
+    prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 6)), jnp.int32)
+    lens = jnp.asarray([6, 4], jnp.int32)
+    settings, key = Sampling(temperature=1.0, top_p=0.9), jax.random.PRNGKey(7)
+    ref = generate(gd, params, prompt, lens, mode="ar", max_new_tokens=20, sampling=settings, key=key)
+    table = np.zeros((2, 64), np.int32)  # the proposer drafts plain sampling's tokens, 30 % of them wrong
+    for r, n in enumerate(np.asarray(lens)):
+        table[r, :n], table[r, n : n + 20] = np.asarray(prompt[r, :n]), np.asarray(ref.tokens[r])
+    proposer = ScriptedProposer(5, cfg.vocab_size, error_rate=0.3, seed=1)
+    got = generate(gd, params, prompt, lens, proposer=proposer, drafter_params=jnp.asarray(table), mode=mode,
+                   budget=8, max_new_tokens=20, sampling=settings, key=key)
+    assert int(got.steps.max()) < 20  # drafts were accepted: the speculative path was exercised
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
+    other = generate(gd, params, prompt, lens, mode="ar", max_new_tokens=20, sampling=settings,
+                     key=jax.random.PRNGKey(8))
+    assert not np.array_equal(np.asarray(other.tokens), np.asarray(ref.tokens))  # the seed matters

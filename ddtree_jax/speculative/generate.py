@@ -121,9 +121,16 @@ class LoopState(NamedTuple):
 ROW_FIELDS = ("cache", "dstate", "bonus", "out", "n_out", "done", "steps", "rows")
 
 
-def step_keys(rows: RowControls, counter: jax.Array) -> jax.Array:
-    """Each row's PRNG key [B, 2] for its draw number `counter` [B] (0: the prefill's choice)."""
-    return jax.vmap(jax.random.fold_in)(rows.sampling.key, counter.astype(jnp.uint32))
+def position_keys(rows: RowControls, positions: jax.Array) -> jax.Array:
+    """The PRNG keys [B, ..., 2] of the tokens at absolute `positions` [B, ...] of each row: the row's
+    key folded with the position. The target's draw for a position depends on nothing else, so plain
+    decoding and every speculative mode sample the same token there from the same distribution:
+    speculative output is then identical to plain decoding's for a seed, sampled as well as greedy
+    (up to near-ties of the two passes' logits), and each position's draw stays independent of the
+    others (exact sampling)."""
+    flat = positions.reshape(positions.shape[0], -1).astype(jnp.uint32)
+    keys = jax.vmap(lambda k, p: jax.vmap(lambda q: jax.random.fold_in(k, q))(p))(rows.sampling.key, flat)
+    return keys.reshape(*positions.shape, *keys.shape[2:])
 
 
 def _max_new(s: LoopState, spec: GenSpec) -> jax.Array:
@@ -173,8 +180,10 @@ def build(logq: jax.Array, s: LoopState, spec: GenSpec, ids: jax.Array | None = 
     return build_tree(logq, s.bonus, s.cache.lengths, spec.budget, spec.candidates, routes=spec.routes, vocab_ids=ids)
 
 
-def verify(model, s: LoopState, tree: Tree, spec: GenSpec, keys) -> VerifyResult:
-    """keys [B, 2]: each row's key of this step (step_keys; unused by greedy code)."""
+def verify(model, s: LoopState, tree: Tree, spec: GenSpec) -> VerifyResult:
+    """The target's choice at node n is the token at position tree.positions[n] + 1, drawn with that
+    position's key (position_keys; unused by greedy code)."""
+    keys = position_keys(s.rows, tree.positions + 1)
     shape = None if spec.mode == "dflash" else tree
     return tree_verify(model, s.cache, shape, tree.tokens, spec.code, s.rows.sampling, keys,
                        max_depth=spec.block - 1, hidden_ids=spec.proposer.hidden_ids, routes=spec.routes)
@@ -195,7 +204,8 @@ def commit_and_emit(model, drafter_params, s: LoopState, tree: Tree, res: Verify
     return s._replace(cache=cache, dstate=dstate, bonus=res.bonus, out=out, n_out=n_out, done=done), count
 
 
-def _ar_step(model, s: LoopState, eos_ids, spec: GenSpec, keys):
+def _ar_step(model, s: LoopState, eos_ids, spec: GenSpec):
+    keys = position_keys(s.rows, s.cache.lengths + 1)  # the bonus sits at `lengths`; this draws the next
     h, _, cache = model(s.bonus[:, None], s.cache, (~s.done).astype(jnp.int32), chunked=False, routes=spec.routes)
     nxt = choose(model.logits(h[:, 0]), spec.code, s.rows.sampling, keys)
     b = nxt.shape[0]
@@ -205,14 +215,13 @@ def _ar_step(model, s: LoopState, eos_ids, spec: GenSpec, keys):
 
 
 def _step(model, drafter_params, s: LoopState, eos_ids, spec: GenSpec) -> LoopState:
-    keys = step_keys(s.rows, s.steps + 1)
     active = ~s.done
     if spec.mode == "ar":
-        new, n_new = _ar_step(model, s, eos_ids, spec, keys)
+        new, n_new = _ar_step(model, s, eos_ids, spec)
     else:
         logq = propose(model, drafter_params, s, spec)
         tree = build(logq, s, spec, vocab_ids(spec, drafter_params))
-        res = verify(model, s, tree, spec, keys)
+        res = verify(model, s, tree, spec)
         new, n_new = commit_and_emit(model, drafter_params, s, tree, res, eos_ids, spec)
     hist = s.hist.at[jnp.where(active, n_new, spec.block + 1)].add(1, mode="drop")
     return new._replace(steps=s.steps + active, hist=hist, i=s.i + 1)
@@ -245,7 +254,7 @@ def _start(model, drafter_params, prompt, prompt_lens, eos_ids, key, spec: GenSp
     cache = init_target_cache(cfg, b, capacity)
     h, feats, cache = model(prompt, cache, prompt_lens, chunked=True, hidden_ids=hidden_ids)
     last = jnp.take_along_axis(h, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
-    bonus = choose(model.logits(last), spec.code, rows.sampling, step_keys(rows, jnp.zeros((b,), jnp.int32)))
+    bonus = choose(model.logits(last), spec.code, rows.sampling, position_keys(rows, prompt_lens))
     dstate = None
     if spec.mode != "ar":
         dstate = spec.proposer.init_state(drafter_params, b, capacity)

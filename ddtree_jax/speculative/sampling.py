@@ -184,14 +184,16 @@ def filtered_rows(logits: jax.Array, code: SamplingCode, rows: RowSampling) -> j
 
 def choose(logits: jax.Array, code: SamplingCode, rows: RowSampling | None, keys: jax.Array | None) -> jax.Array:
     """The target's token at every position of logits [B, ..., V]: each row's argmax or its own
-    draw (keys [B, 2]: this step's key of each row; draws are independent across positions)."""
+    draw, one PRNG key per position (keys [B, ..., 2], generate.position_keys)."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if not code.sample:
         return greedy
 
     def sample(logits):
         x = filtered_rows(logits, code, rows)
-        drawn = jax.vmap(lambda k, l: jax.random.categorical(k, l, axis=-1))(keys, x).astype(jnp.int32)
+        flat_keys, flat_x = keys.reshape(-1, keys.shape[-1]), x.reshape(-1, x.shape[-1])
+        drawn = jax.vmap(lambda k, l: jax.random.categorical(k, l))(flat_keys, flat_x)
+        drawn = drawn.reshape(x.shape[:-1]).astype(jnp.int32)
         return jnp.where(_per_row(rows.temperature > 0, greedy), drawn, greedy)
 
     return jax.lax.cond(jnp.any(rows.temperature > 0), sample, lambda _: greedy, logits)

@@ -31,8 +31,8 @@ def tree_verify(model, cache: TargetCache, tree: Tree | None, tokens: jax.Array,
                 ) -> VerifyResult:
     """Verify tokens [B, N] laid out as `tree` (None = a chain, linear DFlash).
 
-    The target's choice at every node follows each row's settings (rows, keys [B, 2]: this step's
-    key of each row; both unused by greedy code). max_depth (static) bounds the accepted path
+    The target's choice at every node follows each row's settings (rows; keys [B, N, 2]: the key
+    of the position each node's choice fills; both unused by greedy code). max_depth (static) bounds the accepted path
     length: P = max_depth + 1. routes pick the tree kernels (ddtree_jax/routes.py).
     """
     h, feats, pending = model.verify(tokens, cache, tree, hidden_ids=hidden_ids, routes=routes)
