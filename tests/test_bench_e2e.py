@@ -1,14 +1,18 @@
-"""scripts/bench_e2e.py (issue #6's measurement) at its --smoke shapes: the decode / DDTree loop
-figures, the roofline and the phase split land in its JSON."""
+"""scripts.bench.e2e at its --smoke shapes (the decode / DDTree loop figures, the roofline and the
+phase split land in its JSON), the route overrides it takes, and the marginal-step estimators of
+ddtree_jax.bench it reports."""
 
 import json
+import math
 
 import numpy as np
+import pytest
 
 
+@pytest.mark.script
 def test_bench_e2e_smoke_writes_every_figure(tmp_path, monkeypatch):
     from ddtree_jax.models import gdn
-    from scripts.bench_e2e import main
+    from scripts.bench.e2e import main
 
     monkeypatch.setattr(gdn, "DECODE_KERNEL", True)  # the --override below is undone after the test
     out = tmp_path / "e2e.json"
@@ -17,8 +21,7 @@ def test_bench_e2e_smoke_writes_every_figure(tmp_path, monkeypatch):
     report = json.loads(out.read_text())
     assert report["overrides"] == {"ddtree_jax.models.gdn.DECODE_KERNEL": False}
     [row] = report["runs"]
-    import math
-
+    assert report["shape"] == "smoke" and report["context"] == 64
     for key in ("roofline_ms", "ar_loop_incl_dispatch_ms", "decode_fraction_of_roofline_incl_dispatch"):
         assert row[key] > 0, key
     # the marginal steps (T(32) - T(16)) / 16 of the smoke's microsecond-sized steps can come out
@@ -34,8 +37,6 @@ def test_bench_e2e_smoke_writes_every_figure(tmp_path, monkeypatch):
 
 
 def test_overrides_set_route_constants_and_report_every_bad_spec(monkeypatch):
-    import pytest
-
     from ddtree_jax.models import gdn
     from pallas_kernels import row_top_k
     from ddtree_jax.overrides import apply_overrides
@@ -58,9 +59,8 @@ def test_overrides_set_route_constants_and_report_every_bad_spec(monkeypatch):
 
 
 def test_marginal_ms_separates_the_per_call_cost():
-    """bench.marginal_ms (profile_step's marginal figures; bench_e2e's step and the phase split
-    take the paired form below since session 13):
-    from a call costing 7 ms plus 2.5 ms an iteration it recovers both, where T(16) / 16 would
+    """bench.marginal_ms (scripts.bench.profile's marginal figures; scripts.bench.e2e's step and the
+    phase split take the paired form below): from a call costing 7 ms plus 2.5 ms an iteration it recovers both, where T(16) / 16 would
     read 2.94 ms an iteration."""
     from ddtree_jax.bench import marginal_ms
 
@@ -71,11 +71,11 @@ def test_marginal_ms_separates_the_per_call_cost():
 
 
 def test_paired_marginal_ms_times_n_and_2n_back_to_back(monkeypatch):
-    """bench.paired_marginal_ms (bench_e2e's step): each repeat times an n- and a 2n-iteration call
+    """bench.paired_marginal_ms (scripts.bench.e2e's step): each repeat times an n- and a 2n-iteration call
     back to back and the step is the median of the pairs' differences. A slow stretch of the GPU
     (here calls 6..9 in time order run 1 ms an iteration slower) covers two of five pairs and
     leaves the median alone (2.5 ms), where the difference of a median of five n-calls and a median
-    of five 2n-calls timed after them (the estimator before session 13) reads 4.5."""
+    of five 2n-calls timed after them (marginal_ms over two medians) reads 4.5."""
     import ddtree_jax.bench as B
 
     clock = {"t": 0.0, "i": 0}

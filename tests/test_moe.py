@@ -81,17 +81,3 @@ def test_block_reads_the_fewer_expert_matrices(tokens, gathered):
     assert (slices in jaxpr) == gathered and (every in jaxpr) != gathered
     out = jax.jit(lambda p, x: nnx.merge(gd, p)(x))(params, x + 0.5)
     assert out.shape == x.shape and bool(jnp.all(jnp.isfinite(out)))
-
-
-def test_decode_cost_script_smoke(tmp_path):
-    """scripts/moe_decode_cost.py at tiny shapes: both forms timed, the block's pick recorded."""
-    import json
-
-    from scripts.moe_decode_cost import main
-
-    out = tmp_path / "m.json"
-    assert main(["--smoke", "--tokens", "1,8", "--out", str(out)]) == 0
-    rows = json.loads(out.read_text())["rows"]
-    assert [r["block_picks"] for r in rows] == ["gathered", "dense"]  # 16 experts, top 2
-    assert all(r["gathered_ms"] > 0 and r["dense_ms"] > 0 for r in rows)
-    assert rows[0]["gathered_expert_GB"] < rows[0]["dense_expert_GB"]
