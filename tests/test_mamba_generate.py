@@ -22,6 +22,7 @@ from ddtree_jax.speculative.generate import generate
 from tests.hf_mamba_models import make_jax_target
 from tests.scripted_proposers import ScriptedProposer
 from tests.tiny_models import random_params
+from tests.tolerance import scaled_error
 
 B, T, NEW, BLOCK = 2, 12, 96, 6
 MODELS = {"nemotron_h": make_jax_target("nemotron_h", seed=5), "bamba": make_jax_target("bamba", seed=6)}
@@ -64,7 +65,8 @@ def dflash_drafter(cfg, seed=0, block_size=5):
 
 
 def assert_caches_equal_sequential(name, res, table, lens, prompt):
-    """Final caches == prompt prefill + the emitted tokens decoded one by one (fp32, 1e-5)."""
+    """Final caches == prompt prefill + the emitted tokens decoded one by one (fp32: within 1e-5 of
+    each compared array's magnitude; SSM states reach ~40)."""
     cfg, gd, params = MODELS[name]
     lengths = np.asarray(res.cache.lengths)
     cache = decode.prefill(gd, params, init_target_cache(cfg, B, res.cache.capacity), prompt, lens).cache
@@ -84,8 +86,8 @@ def assert_caches_equal_sequential(name, res, table, lens, prompt):
             else:
                 pairs = [(got.state[b], want.state[b]), (got.conv[b], want.conv[b])]
             for x, y in pairs:
-                worst = max(worst, float(np.abs(np.asarray(x) - np.asarray(y)).max()))
-    assert worst <= 1e-5, f"committed state drifted from sequential decoding: max abs diff {worst:.2e}"
+                worst = max(worst, scaled_error(x, y))
+    assert worst <= 1e-5, f"committed state drifted from sequential decoding: {worst:.2e} of its magnitude"
 
 
 @pytest.mark.parametrize("name", list(MODELS))
