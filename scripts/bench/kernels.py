@@ -52,12 +52,31 @@ import functools
 import os
 import sys
 import time
+import traceback
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ddtree_jax.bench import deep_parents
+from ddtree_jax.speculative.build import top_k
+from ddtree_jax.tree import ancestor_bits_from_parents, geometry, make_tree, root_path
+from pallas_kernels import add_rms_norm as arn
+from pallas_kernels._common import pow2_at_least, summed_partials
+from pallas_kernels.gdn_commit import gdn_path_commit
+from pallas_kernels.gdn_decode import DEFAULT_WARPS as GDN_DECODE_WARPS
+from pallas_kernels.gdn_decode import gdn_decode
+from pallas_kernels.gdn_tree import default_blocks, gdn_tree_verify
+from pallas_kernels.gdn_tree_prologue import gdn_tree_prologue
+from pallas_kernels.row_top_k import DEFAULT_WARPS as ROW_TOP_K_WARPS
+from pallas_kernels.row_top_k import row_top_k
+from pallas_kernels.ssd_tree import ssd_path_commit, ssd_tree_verify
+from pallas_kernels.tree_attention import choose_config, tree_attention
+from pallas_kernels.tree_mask import ancestor_bits
+from pallas_kernels.tree_select import DEFAULT_WARPS as TREE_SELECT_WARPS
+from pallas_kernels.tree_select import select_nodes
+from scripts.bench import peers
 from scripts.bench.common import (err_str, fmt, jax_rates, max_rel_err, on_gpu, print_timing_table, record_row,
                                   rotations_for, start_report, time_jax, time_torch, trace_kernel_us, write_report)
 from scripts.bench.shapes import ATTENTION_27B, DRAFT_DEPTHS, GDN_27B, SSD_NEMOTRON_H_8B
@@ -171,8 +190,6 @@ def add_sweep(ap):
 def tree_parents(rng, n: int, kind: str = "ddtree") -> list[int]:
     """A topological parent list: a chain, a star (every node under the root: what the random-weight
     benchmark's drafter builds), or DDTree-like (ddtree_jax.bench.deep_parents: depth <= 15)."""
-    from ddtree_jax.bench import deep_parents
-
     if kind == "chain":
         return [-1] + list(range(n - 1))
     if kind == "star":
@@ -182,8 +199,6 @@ def tree_parents(rng, n: int, kind: str = "ddtree") -> list[int]:
 
 def ancestor_words(trees) -> jax.Array:
     """[B, N, ceil(N / 32)] uint32 ancestor-or-self bits of parent lists (the library's form)."""
-    from ddtree_jax.tree import ancestor_bits_from_parents
-
     n = len(trees[0])
     return ancestor_bits_from_parents(jnp.asarray(np.asarray(trees, np.int32)), max(n - 1, 0))
 
@@ -229,8 +244,6 @@ def gdn_copy(args: tuple, r: int) -> tuple:
 def gdn_tree_call(impl: str, **tuning):
     """f(i, (q, k, v, g, beta, state, bits)): the loop index reaches the kernel through the bits
     (a select XLA cannot fold, fused into the wrapper's own bits preparation)."""
-    from pallas_kernels.gdn_tree import gdn_tree_verify
-
     def f(i, a):
         q, k, v, g, beta, state, bits = a
         bits = jnp.where(i < 0, bits ^ jnp.uint32(1), bits)
@@ -251,8 +264,6 @@ def gdn_layer(run: Run) -> dict:
 
 def leaf_path(tree, p: int):
     """The deepest root-to-leaf path padded to p entries (an accepted path) and its length."""
-    from ddtree_jax.tree import root_path
-
     depth = [len(root_path(tree, i)) for i in range(len(tree))]
     path = root_path(tree, int(np.argmax(depth)))[:p]
     return path + [0] * (p - len(path)), len(path)
@@ -270,12 +281,7 @@ def gdn_tree_options(ap):
                      ("kernel_GBps", "GB/s", 6, ".0f"), ("kernel_pct_hbm", "%HBM", 5, ".0f"),
                      ("kernel_err", "err", 8, ".1e")],
         "GDN tree verify against XLA and the per-node / FLA peers", gdn_tree_options)
-def gdn_tree(run: Run) -> None:
-    from ddtree_jax.tree import root_path
-    from pallas_kernels._common import pow2_at_least
-    from pallas_kernels.gdn_tree import default_blocks
-    from scripts.bench import peers
-
+def run_gdn_tree(run: Run) -> None:
     a = run.args
     dims = gdn_layer(run)
     sizes = [16, 32] if run.smoke else ([16, 64] if a.quick else ints(a.sizes))
@@ -332,9 +338,7 @@ def gdn_tree(run: Run) -> None:
 
 
 def gdn_tree_peers(run: Run, row: dict, pb: dict, ref, device: str, fla_ops, kind: str) -> None:
-    import torch
-
-    from scripts.bench import peers
+    import torch  # the peers' framework: optional, imported only when they run
 
     try:
         peer = peers.TorchPerNode(pb, "bf16", device)
@@ -379,9 +383,7 @@ def gdn_commit_options(ap):
 @kernel("gdn_commit", [("b", "B", 2, None), ("count", "cnt", 3, None), ("kernel_GBps", "GB/s", 6, ".0f"),
                        ("kernel_pct_hbm", "%HBM", 5, ".0f"), ("kernel_err", "err", 8, ".1e")],
         "GDN path commit (with and without the conv window) against XLA's gather + scan", gdn_commit_options)
-def gdn_commit(run: Run) -> None:
-    from pallas_kernels.gdn_commit import gdn_path_commit
-
+def run_gdn_commit(run: Run) -> None:
     a = run.args
     dims = gdn_layer(run)
     p = 8 if run.smoke else 16
@@ -473,9 +475,7 @@ def gdn_decode_options(ap):
 @kernel("gdn_decode", [("batch", "B", 2, None), ("float32_rel_err", "fp32 err", 9, ".1e"),
                        ("bfloat16_rel_err", "bf16 err", 9, ".1e")],
         "GDN decode step against the model's XLA decode path", gdn_decode_options)
-def gdn_decode(run: Run) -> None:
-    from pallas_kernels.gdn_decode import DEFAULT_WARPS, gdn_decode
-
+def run_gdn_decode(run: Run) -> None:
     a = run.args
     shape = dict(hk=2, hv=4, dk=16, dv=16, taps=4, hidden=64) if run.smoke else dict(GDN_27B)
     run.report["shape"] = shape
@@ -494,7 +494,7 @@ def gdn_decode(run: Run) -> None:
         row = {"batch": batch}
         variants = {"xla": dict(impl="xla"), "kernel": dict(impl=run.impl)}
         variants.update({f"kernel_w{nw}": dict(impl=run.impl, num_warps=nw) for nw in ints(a.warps)
-                         if nw != DEFAULT_WARPS})
+                         if nw != GDN_DECODE_WARPS})
         for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)):
             args = gdn_decode_problem(batch, batch, **shape, dtype=dtype)
             name = jnp.dtype(dtype).name
@@ -521,8 +521,6 @@ def gdn_decode(run: Run) -> None:
 def gdn_prologue_problem(seed: int, batch: int, nodes: int, hk: int, hv: int, dk: int, dv: int, taps: int, dtype):
     """(mixed, window, conv_w, conv_src) of a random tree per batch row (parents among the 4 previous
     nodes: deep paths, as DDTree's best-first trees have)."""
-    from ddtree_jax.tree import geometry, make_tree
-
     rng = np.random.default_rng(seed)
     c = 2 * hk * dk + hv * dv
     parents = np.stack([[-1] + [int(rng.integers(max(0, i - 4), i)) for i in range(1, nodes)] for _ in range(batch)])
@@ -542,9 +540,7 @@ def gdn_prologue_options(ap):
 @kernel("gdn_prologue", [("batch", "B", 2, None), ("nodes", "N", 4, None), ("float32_rel_err", "fp32 err", 9, ".1e"),
                          ("bfloat16_rel_err", "bf16 err", 9, ".1e")],
         "GDN tree prologue against the model's XLA form", gdn_prologue_options)
-def gdn_prologue(run: Run) -> None:
-    from pallas_kernels.gdn_tree_prologue import gdn_tree_prologue
-
+def run_gdn_prologue(run: Run) -> None:
     a = run.args
     shape = (dict(hk=2, hv=6, dk=16, dv=16, taps=4) if run.smoke else
              {k: GDN_27B[k] for k in ("hk", "hv", "dk", "dv", "taps")})
@@ -611,8 +607,6 @@ def attention_problem(key, b: int, n: int, cap: int, lengths, dtype, nrot: int =
 def attention_call(impl: str, tuning=None):
     """f(i, args) of tree_attention; tuning may hold split_scale (a factor on the default split
     count). The loop index reaches the lengths (the kernel's) or q (the reference's)."""
-    from pallas_kernels.tree_attention import choose_config, tree_attention
-
     tuning = dict(tuning or {})
     split_scale = tuning.pop("split_scale", None)
 
@@ -699,7 +693,7 @@ def attention_sweep(run: Run, dims, cache: int, nodes: int) -> dict:
                            ("kernel_TFLOPs", "TF/s", 5, ".0f"), ("bound_us", "bound", 7, ".1f"),
                            ("kernel_over_bound", "x bnd", 5, ".2f"), ("over_decode", "x dec", 5, ".2f")],
         "tree attention against XLA, SDPA and flex_attention", tree_attention_options)
-def tree_attention(run: Run) -> None:
+def run_tree_attention(run: Run) -> None:
     a = run.args
     dims = dict(nq=4, nkv=2, hd=32) if run.smoke else dict(nq=ATTENTION_27B["heads"], nkv=ATTENTION_27B["kv_heads"],
                                                            hd=ATTENTION_27B["head_dim"])
@@ -717,10 +711,8 @@ def tree_attention(run: Run) -> None:
                        {(1, 8192, 64)} if a.quick else {(1, 8192, 64), (8, 8192, 64), (1, 32768, 64), (1, 8192, 256)})
     torch_peers = None
     if not a.no_peers:
-        from scripts.bench.peers import TorchAttention
-
         try:
-            torch_peers = TorchAttention()
+            torch_peers = peers.TorchAttention()
         except Exception as e:
             run.report["peers"] = f"unavailable: {err_str(e)}"
     for b in batches:
@@ -798,9 +790,7 @@ def ancestor_bits_options(ap):
 
 @kernel("ancestor_bits", [("batch", "B", 2, None), ("nodes", "N", 4, None)],
         "ancestor bitsets of a tree against the XLA doubling", ancestor_bits_options)
-def ancestor_bits(run: Run) -> None:
-    from pallas_kernels.tree_mask import ancestor_bits
-
+def run_ancestor_bits(run: Run) -> None:
     shapes = ([(2, 9), (1, 40)] if run.smoke else
               [tuple(int(x) for x in s.split("x")) for s in run.args.shapes.split(",")])
     for b, n in shapes:
@@ -823,8 +813,6 @@ def ancestor_bits(run: Run) -> None:
 # ---------------------------------------------------------------------------------------------
 def ssd_problem(rng, b: int, n: int, heads: int, head_dim: int, groups: int, state: int, kind: str = "ddtree"):
     """ssd_tree_verify's arguments (x, dt, a, bm, cm, d, state, bits), float32, a tree per row."""
-    from ddtree_jax.tree import make_tree
-
     f = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)
     x, bm, cm = f(b, n, heads, head_dim), f(b, n, groups, state) * state**-0.5, f(b, n, groups, state) * state**-0.5
     d, s0 = f(heads), f(b, heads, head_dim, state)
@@ -859,9 +847,7 @@ def ssd_tree_options(ap):
 @kernel("ssd_tree", [("batch", "B", 2, None), ("n", "N", 4, None), ("kernel_GBps", "GB/s", 6, ".0f"),
                      ("kernel_err", "err", 8, ".1e")],
         "Mamba2 / SSD tree verify against the model's XLA path", ssd_tree_options)
-def ssd_tree(run: Run) -> None:
-    from pallas_kernels.ssd_tree import ssd_tree_verify
-
+def run_ssd_tree(run: Run) -> None:
     a = run.args
     L = ssd_layer(run)
     run.report["shape"] = L
@@ -905,9 +891,7 @@ def ssd_tree(run: Run) -> None:
 @kernel("ssd_commit", [("batch", "B", 2, None), ("p", "P", 3, None), ("kernel_GBps", "GB/s", 6, ".0f"),
                        ("kernel_err", "err", 8, ".1e")],
         "Mamba2 / SSD path commit against XLA's gather + scan", ssd_options)
-def ssd_commit(run: Run) -> None:
-    from pallas_kernels.ssd_tree import ssd_path_commit
-
+def run_ssd_commit(run: Run) -> None:
     L = ssd_layer(run)
     run.report["shape"] = L
     rng = np.random.default_rng(1)
@@ -960,10 +944,7 @@ def row_top_k_options(ap):
 
 @kernel("row_top_k", [("batch", "B", 2, None), ("n", "n", 6, None), ("k", "k", 3, None)],
         "row top-k against the DDTree build's staged XLA top-k and lax.top_k", row_top_k_options)
-def row_top_k(run: Run) -> None:
-    from ddtree_jax.speculative.build import top_k
-    from pallas_kernels.row_top_k import DEFAULT_WARPS, row_top_k
-
+def run_row_top_k(run: Run) -> None:
     a = run.args
     depth = 2 if run.smoke else DRAFT_DEPTHS
     for batch in [1] if run.smoke else ints(a.batches):
@@ -974,7 +955,7 @@ def row_top_k(run: Run) -> None:
                 variants = {"lax_top_k": lambda v: jax.lax.top_k(v, k), "xla": lambda v: top_k(v, k),
                             "kernel": lambda v: row_top_k(v, k, impl=run.impl)}
                 variants.update({f"kernel_w{nw}": lambda v, nw=nw: row_top_k(v, k, impl=run.impl, num_warps=nw)
-                                 for nw in ints(a.warps) if nw != DEFAULT_WARPS})
+                                 for nw in ints(a.warps) if nw != ROW_TOP_K_WARPS})
                 want = [np.asarray(x) for x in jax.jit(lambda v: jax.lax.top_k(v, k))(sets[0])]
                 for name, f in variants.items():
                     try:
@@ -1006,9 +987,7 @@ def tree_select_options(ap):
 
 @kernel("tree_select", [("batch", "B", 2, None), ("budget", "budget", 6, None)],
         "DDTree node selection in one launch against the XLA form", tree_select_options)
-def tree_select(run: Run) -> None:
-    from pallas_kernels.tree_select import DEFAULT_WARPS, select_nodes
-
+def run_tree_select(run: Run) -> None:
     a = run.args
     depth = 4 if run.smoke else DRAFT_DEPTHS
     for batch in ints(a.batches):
@@ -1017,7 +996,7 @@ def tree_select(run: Run) -> None:
             sets = tree_select_problem(batch * 100 + budget, batch, depth, budget, 1 if run.smoke else 4)
             variants = {"xla": dict(impl="xla"), "kernel": dict(impl=run.impl)}
             variants.update({f"kernel_w{nw}": dict(impl=run.impl, num_warps=nw) for nw in ints(a.warps)
-                             if nw != DEFAULT_WARPS})
+                             if nw != TREE_SELECT_WARPS})
             want = [np.asarray(x) for x in jax.jit(lambda v: select_nodes(v, budget, impl="xla"))(sets[0])]
             for name, opts in variants.items():
                 try:
@@ -1040,8 +1019,6 @@ ADD_NORM_TILINGS = ((1024, 8), (2048, 16), (4096, 16), (4096, 32))  # (PARTS_CHU
 
 def with_parts_chunk(chunk: int, fn):
     """fn() traced with add_rms_norm.PARTS_CHUNK = chunk (the kernel reads it when traced)."""
-    import pallas_kernels.add_rms_norm as arn
-
     old, arn.PARTS_CHUNK = arn.PARTS_CHUNK, chunk
     try:
         return fn()
@@ -1056,10 +1033,7 @@ def add_rms_norm_options(ap):
 
 @kernel("add_rms_norm", [("parts", "S", 3, None), ("rows", "rows", 5, None)],
         "add + RMSNorm over split-K partials against XLA's reduce + the plain kernel", add_rms_norm_options)
-def add_rms_norm(run: Run) -> None:
-    import pallas_kernels.add_rms_norm as arn
-    from pallas_kernels._common import summed_partials
-
+def run_add_rms_norm(run: Run) -> None:
     h, rows = (80, 3) if run.smoke else (GDN_27B["hidden"], run.args.rows)
     tilings = ((32, 4),) if run.smoke else ADD_NORM_TILINGS
     for parts in ints(run.args.parts):
@@ -1124,12 +1098,16 @@ def main(argv=None) -> int:
     report = start_report("scripts.bench.kernels", argv, kernel=args.name, impl="pallas" if gpu else "pallas_interpret",
                           rows=[])
     run = Run(args.name, args, gpu, report["impl"], report, out)
-    k.run(run)
+    try:
+        k.run(run)
+    except Exception as e:  # the rows measured so far are kept, and the table printed
+        traceback.print_exc()
+        report["failure"] = err_str(e, 2000)
     report["seconds"] = round(run.elapsed(), 1)
     write_report(out, report)
     print_timing_table(report["rows"], k.lead, row_ok)
-    print(f"wrote {out}")
-    return 0 if all(row_ok(r) for r in report["rows"]) else 1
+    print(f"wrote {out}" + (f"; the run stopped early: {report['failure'][:200]}" if "failure" in report else ""))
+    return 0 if all(row_ok(r) for r in report["rows"]) and "failure" not in report else 1
 
 
 if __name__ == "__main__":
