@@ -20,13 +20,18 @@ import tempfile
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax import lax
+from jax.profiler import ProfileData
 
 from ddtree_jax import atomic, autotune_cache, overrides
 from ddtree_jax.models import int8
 from ddtree_jax.speculative import generate as gen
-from scripts.bench.shapes import SHAPES
+from ddtree_jax.speculative.dflash import DFlashProposer
+from ddtree_jax.speculative.draft_vocab import first_ids
+from scripts.bench.shapes import SHAPES, random_models
 
 L2_BYTES = 50 * 2**20  # the H200's L2
 
@@ -109,7 +114,7 @@ def time_jax(f, arg_sets, est_s: float, *, carry=None, round_s=0.005, rounds=7, 
         out_shape = jax.eval_shape(lambda a: f(0, a), arg_sets[0])
 
         def run(sets):
-            zeros = lambda: jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), out_shape)
+            zeros = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shape)
             return lax.fori_loop(0, iters, lambda i, c: tuple(f(i, a) for a in sets), tuple(zeros() for _ in sets))
     else:
         def step(a, held):
@@ -141,7 +146,7 @@ def time_jax(f, arg_sets, est_s: float, *, carry=None, round_s=0.005, rounds=7, 
 def time_torch(fns, *, round_s=0.005, rounds=7, max_iters=200):
     """Median seconds per call over rotated zero-argument torch callables: captured in one CUDA
     graph when they allow it (eager otherwise), CUDA events; on a CPU only the path runs."""
-    import torch
+    import torch  # the peers' framework: optional, imported only when one runs
 
     nrot = len(fns)
     if not torch.cuda.is_available():  # --cpu-smoke
@@ -201,8 +206,6 @@ def time_torch(fns, *, round_s=0.005, rounds=7, max_iters=200):
 def jax_rates(gpu: bool, quick: bool = False, matmul: bool = True) -> dict:
     """The device's best read rate measured in jax (a bf16 reduction and a bf16 GEMV over 1-2 GiB;
     hbm_GBps is the faster of the two) and, with matmul, the bf16 matmul rate (8192^3)."""
-    import jax.numpy as jnp
-
     res = {}
     n = (2**30 if not quick else 2**29) if gpu else 2**20
     x = jax.random.normal(jax.random.PRNGKey(1), (n,), jnp.float32).astype(jnp.bfloat16)
@@ -238,8 +241,6 @@ def jax_rates(gpu: bool, quick: bool = False, matmul: bool = True) -> dict:
 
 def trace_kernels(trace_dir: str) -> list[tuple[str, str, float]]:
     """(kernel name, hlo_op, duration us) of every event on the GPU planes of a jax.profiler trace."""
-    from jax.profiler import ProfileData
-
     out = []
     for path in glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True):
         for plane in ProfileData.from_file(path).planes:
@@ -342,12 +343,6 @@ def model_configs(args):
 def model_setup(args, cfg, dcfg):
     """(graphdef, params, proposer, drafter params, report fields) of `model_configs`' pair with
     random weights on the device, as the drafter options ask (draft vocabulary, int8)."""
-    from flax import nnx
-
-    from ddtree_jax.speculative.dflash import DFlashProposer
-    from ddtree_jax.speculative.draft_vocab import first_ids
-    from scripts.bench.shapes import random_models
-
     graphdef, params, dgraph, dparams = random_models(cfg, dcfg)
     proposer = DFlashProposer(dgraph, dcfg)
     if args.draft_vocab:

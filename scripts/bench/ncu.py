@@ -30,6 +30,8 @@ import sys
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.gdn_tree import gdn_tree_verify
+from pallas_kernels.tree_attention import tree_attention
 from scripts.bench.kernels import attention_problem, gdn_args, gdn_problem
 
 GEMM_WEIGHTS = {"down": (17408, 5120), "out": (6144, 5120), "qkvzba": (5120, 16480), "gate_up": (5120, 34816)}
@@ -46,16 +48,12 @@ def cuda_profiler():
 
 
 def gdn_call(nodes: int, tree: str, impl: str):
-    from pallas_kernels.gdn_tree import gdn_tree_verify
-
     args = gdn_args(gdn_problem(0, 1, nodes, "ddtree" if tree == "deep" else tree), jnp.bfloat16)
     f = jax.jit(lambda *a: gdn_tree_verify(*a, impl=impl))
     return lambda: f(*args)
 
 
 def attention_call(nodes: int, impl: str):
-    from pallas_kernels.tree_attention import tree_attention
-
     [args] = attention_problem(jax.random.PRNGKey(0), 1, nodes, 4096 + 64, [4096], jnp.bfloat16)
     f = jax.jit(lambda *a: tree_attention(*a, scale=args[0].shape[-1] ** -0.5, impl=impl))
     return lambda: f(*args)

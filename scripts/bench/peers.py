@@ -8,18 +8,23 @@
   of N tokens (a lower bound, not tree-correct: `fla_chain_fns`).
 
 Each peer is built from the same inputs as our kernel and called with no arguments, so the caller
-times it like its own kernel (common.time_torch). FLA comes from the environment or from a carried
-wheel under .whl/ (the GPU machine has no network).
+times it like its own kernel (common.time_torch). torch is imported when a peer is built (the
+kernels' timings need no torch); FLA comes from the environment or from a carried wheel under .whl/
+(the GPU machine has no network).
 """
 
 from __future__ import annotations
 
 import glob
+import importlib
+import importlib.util
 import os
 import sys
 import tempfile
+import types
 import zipfile
 
+import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax.tree import bits_to_dense, root_path
@@ -40,8 +45,6 @@ class TorchAttention:
     def _tensors(self, a):
         """Torch views of one jax arg set: q [B, nh, N, hd], K/V [B, kv, Lmax + N, hd] with the tree
         K/V after the longest cache row (as if written into the cache), mask [B, 1, N, Lmax + N]."""
-        import jax.numpy as jnp
-
         torch = self.torch
         q, kc, vc, lens, kt, vt, bits = a
         b, n = q.shape[:2]
@@ -126,9 +129,6 @@ def import_fla():
     """FLA's gated delta rule ops: from the environment, else from a carried wheel under .whl/
     (unpacked to a temp dir). When fla/__init__ needs packages that are missing (its layers and
     models import transformers / einops), the ops are loaded under a stub `fla` package."""
-    import importlib
-    import importlib.util
-    import types
 
     def ops():
         return importlib.import_module("fla.ops.gated_delta_rule")
