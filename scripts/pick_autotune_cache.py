@@ -3,8 +3,8 @@ fresh autotune cache, and install the cache of the fastest as DIR.
 
 Why: XLA autotunes each GEMM fusion when a program compiles, choosing among near-equal cuBLAS /
 Triton candidates by timing them, so two processes of the same code ran the 27B DDTree verify's
-GEMMs up to ~0.3 ms apart (docs/benchmarks.md sessions 12-14: as much as what is left of issue #6's
-ratio). A shared cache (`--autotune-cache DIR`, ddtree_jax/autotune_cache.py) makes later processes
+GEMMs up to ~0.3 ms apart (docs/benchmarks.md: as much as what was left of issue #6's ratio). A
+shared cache (`--autotune-cache DIR`, ddtree_jax/autotune_cache.py) makes later processes
 read the choices back instead of re-timing them; this tool decides which choices to keep. Each
 try runs `python -m scripts.bench.profile --phases loop,step` (kernel time of the whole DDTree step and of
 the plain decoding step, from a profiler trace) in its own process with an empty cache directory;

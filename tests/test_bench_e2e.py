@@ -10,7 +10,7 @@ import pytest
 
 
 @pytest.mark.script
-def test_bench_e2e_smoke_writes_every_figure(tmp_path, monkeypatch):
+def test_e2e_smoke_writes_every_figure(tmp_path, monkeypatch):
     from ddtree_jax.models import gdn
     from scripts.bench.e2e import main
 

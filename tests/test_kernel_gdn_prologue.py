@@ -197,7 +197,7 @@ def test_model_route_gives_the_xla_forms_outputs(impl, monkeypatch):
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.slow  # 13 s; the route is opt-in (gdn.IN_PROJ_PARTS, measured slower in session 14)
+@pytest.mark.slow  # 13 s; the route is opt-in (gdn.IN_PROJ_PARTS, measured slower)
 def test_model_in_proj_partials_give_the_same_verify_and_commit(impl, monkeypatch):
     """models.gdn.IN_PROJ_PARTS on (opt-in): the qkv | z | b | a product of a tree verify returns
     split-K partials (one batched dot_general a GDN layer) that the prologue kernel adds; logits

@@ -54,7 +54,7 @@ def test_no_figure_leaves_the_directory_as_it_was(tmp_path, capsys):
 
 
 @pytest.mark.script  # 15 s: one real scripts.bench.profile --smoke process (no GPU here: no kernel times)
-def test_smoke_runs_profile_step_for_real(tmp_path):
+def test_smoke_runs_the_profile_for_real(tmp_path):
     from scripts.pick_autotune_cache import main
 
     out = tmp_path / "pick.json"
