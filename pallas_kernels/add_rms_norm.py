@@ -141,7 +141,8 @@ def _parts_kernel(x_ref, d_ref, w_ref, s_ref, n_ref, *, h, chunk, parts, eps, mo
         store(n_ref, (pl.ds(c0, width),), out, mask=keep)
 
 
-def _pallas(x, delta, weight, eps: float, mode: str, *, interpret: bool, num_warps: int | None):
+def _pallas(x, delta, weight, eps: float, mode: str, *, interpret: bool, num_warps: int | None,
+            parts_chunk: int | None):
     *lead, h = x.shape
     rows_x = x.reshape(-1, h)
     r = rows_x.shape[0]
@@ -150,7 +151,7 @@ def _pallas(x, delta, weight, eps: float, mode: str, *, interpret: bool, num_war
         parts = delta.shape[0]
         rows_d = delta.reshape(parts, r, h)
         delta_spec = pl.BlockSpec((parts, None, h), lambda i: (0, i, 0))
-        chunk = min(PARTS_CHUNK, next_pow2(h))
+        chunk = min(parts_chunk or PARTS_CHUNK, next_pow2(h))
         kernel = functools.partial(_parts_kernel, h=h, chunk=chunk, parts=parts, eps=eps, mode=mode)
         warps = num_warps or PARTS_WARPS
     else:
@@ -171,10 +172,12 @@ def _pallas(x, delta, weight, eps: float, mode: str, *, interpret: bool, num_war
     return stream.reshape(x.shape), normed.reshape(x.shape)
 
 
-def add_rms_norm(x, delta, weight, *, eps: float, mode: str, impl: str = "xla", num_warps: int | None = None):
+def add_rms_norm(x, delta, weight, *, eps: float, mode: str, impl: str = "xla", num_warps: int | None = None,
+                 parts_chunk: int | None = None):
     """(x + delta, RMSNorm(x + delta)) over the last axis, both in x's dtype; delta [..., H] like
     x, or float32 split-K partial sums [S, ..., H] (added in float32, rounded to x's dtype, then
-    added to x). num_warps: DEFAULT_WARPS (plain delta) / PARTS_WARPS (partials) when None."""
+    added to x). num_warps: DEFAULT_WARPS (plain delta) / PARTS_WARPS (partials) when None;
+    parts_chunk: the partials path's widest column block (a power of two; PARTS_CHUNK when None)."""
     check_impl(impl)
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -186,4 +189,7 @@ def add_rms_norm(x, delta, weight, *, eps: float, mode: str, impl: str = "xla", 
         raise ValueError(f"add_rms_norm: split-K partial sums delta {delta.shape} must be float32, got {delta.dtype}")
     if impl == "xla":
         return reference(x, delta, weight, eps=eps, mode=mode)
-    return _pallas(x, delta, weight, eps, mode, interpret=impl == "pallas_interpret", num_warps=num_warps)
+    if parts_chunk is not None and (parts_chunk < 16 or parts_chunk & (parts_chunk - 1)):
+        raise ValueError(f"add_rms_norm: parts_chunk must be a power of two >= 16, got {parts_chunk}")
+    return _pallas(x, delta, weight, eps, mode, interpret=impl == "pallas_interpret", num_warps=num_warps,
+                   parts_chunk=parts_chunk)

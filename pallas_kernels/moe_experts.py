@@ -344,7 +344,8 @@ class PairGroups(NamedTuple):
     valid: jax.Array  # [T, k] bool: ids in [0, E)
 
 
-def group_pairs(expert_ids, num_experts: int, block_m: int) -> PairGroups:
+def group_pairs(expert_ids, num_experts: int, block_m: int, rank_by_count_max: int = RANK_BY_COUNT_MAX_PAIRS
+                ) -> PairGroups:
     """Sort the pairs by expert (stable) and cut each expert's rows into tiles of block_m.
     Pairs with an id outside [0, E) sort last and belong to no tile."""
     t, k = expert_ids.shape
@@ -353,7 +354,7 @@ def group_pairs(expert_ids, num_experts: int, block_m: int) -> PairGroups:
     valid = _valid(expert_ids, num_experts)
     ids = jnp.where(valid, expert_ids, num_experts).reshape(p).astype(i32)
     pair = jnp.arange(p, dtype=i32)
-    if p <= RANK_BY_COUNT_MAX_PAIRS and (num_experts + 1) * p < 2**31:
+    if p <= rank_by_count_max and (num_experts + 1) * p < 2**31:
         key = ids * p + pair  # distinct; ordered by (expert, pair)
         sorted_row = jnp.sum((key[None, :] < key[:, None]).astype(i32), axis=1)
     else:

@@ -1,8 +1,7 @@
-#!/usr/bin/env python3
 """Build the demo pair end to end: corpus -> tokenizer -> target -> drafter -> export -> eval.
 
-    PYTHONPATH=. python3 scripts/build_demo_pair.py --out "$OUT/demo"       # GPU, ~8.5 min
-    PYTHONPATH=. python3 scripts/build_demo_pair.py --toy --out /tmp/toy    # CPU, tiny
+    python -m scripts.build_demo_pair --out "$OUT/demo"       # GPU, ~8.5 min
+    python -m scripts.build_demo_pair --toy --out /tmp/toy    # CPU, tiny
 
 Outputs (7 files, at most 2 levels below --out):
     target/config.json, target/model.safetensors, target/tokenizer.json   (HF qwen3_5_text)
@@ -17,17 +16,32 @@ step time); pass --target-steps / --drafter-steps for a fully deterministic run.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import contextlib
 import dataclasses
 import os
 import platform
 import sys
 import time
 
-from ddtree_jax import atomic
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+from converters.dflash import load_drafter
+from converters.load import load_target
+from ddtree_jax import atomic
+from ddtree_jax.config import TargetConfig
+from ddtree_jax.drafter_config import DrafterConfig, validate_against_target
+from ddtree_jax.speculative.dflash import DFlashProposer
+from ddtree_jax.speculative.generate import generate
+from ddtree_jax.training import corpus as corpus_mod
+from ddtree_jax.training import tokenizer as tok_mod
+from ddtree_jax.training.drafter_trainer import (DEMO_DRAFTER_SHAPE, TOY_DRAFTER_SHAPE, DrafterSettings,
+                                                 drafter_hf_config, train_drafter)
+from ddtree_jax.training.export import export_drafter, export_target
+from ddtree_jax.training.target_trainer import (DEMO_TARGET_SHAPE, TOY_TARGET_SHAPE, TrainSettings, cast_tree,
+                                                count_params, target_hf_config, train_target)
 
 T_START = time.time()
 EXPORT_DTYPE = "bfloat16"
@@ -61,9 +75,6 @@ def parse_args(argv=None):
 
 
 def settings_for(args):
-    from ddtree_jax.training.drafter_trainer import DEMO_DRAFTER_SHAPE, TOY_DRAFTER_SHAPE, DrafterSettings
-    from ddtree_jax.training.target_trainer import DEMO_TARGET_SHAPE, TOY_TARGET_SHAPE, TrainSettings
-
     if args.toy:
         d = dict(corpus_mb=0.25, include_packages=False, heldout_fraction=0.1, tokenizer_mb=0.25, vocab=512,
                  compute_dtype="float32", target_shape=TOY_TARGET_SHAPE, drafter_shape=TOY_DRAFTER_SHAPE,
@@ -97,8 +108,6 @@ def settings_for(args):
 
 def select_prompts(heldout_tokens, eos_id: int, n: int, length: int):
     """n prompts of `length` tokens from held-out documents (the middle of each), deterministic."""
-    import numpy as np
-
     cuts = np.flatnonzero(heldout_tokens == eos_id)
     starts = np.concatenate([[0], cuts[:-1] + 1]) if len(cuts) else np.array([0])
     docs = [heldout_tokens[s:e] for s, e in zip(starts, cuts)] if len(cuts) else [heldout_tokens]
@@ -121,10 +130,6 @@ def select_prompts(heldout_tokens, eos_id: int, n: int, length: int):
 
 def precision_ctx():
     """Full float32 matmuls for the eval (no TF32 on GPU), so greedy outputs are comparable."""
-    import contextlib
-
-    import jax
-
     ctx = getattr(jax, "default_matmul_precision", None)
     return ctx("highest") if ctx is not None else contextlib.nullcontext()
 
@@ -135,18 +140,6 @@ def evaluate(out_dir: str, prompts, budgets, max_new: int, dtype: str, deadline:
     The first call of every mode (compile + run) runs in a thread pool, so the XLA compiles
     overlap; then each mode is timed once more, one after the other.
     """
-    import concurrent.futures
-
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from converters.dflash import load_drafter
-    from converters.load import load_target
-    from ddtree_jax.drafter_config import validate_against_target
-    from ddtree_jax.speculative.dflash import DFlashProposer
-    from ddtree_jax.speculative.generate import generate
-
     cfg, graphdef, params = load_target(os.path.join(out_dir, "target"), dtype=dtype)
     dcfg, dgraph, dparams = load_drafter(os.path.join(out_dir, "drafter"), dtype=dtype)
     validate_against_target(dcfg, cfg)
@@ -245,18 +238,8 @@ def write_json(path: str, obj) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     deadline = T_START + args.total_minutes * 60
-    import jax
-
     if args.toy:
         jax.config.update("jax_default_matmul_precision", "highest")
-    from ddtree_jax.config import TargetConfig
-    from ddtree_jax.drafter_config import DrafterConfig, validate_against_target
-    from ddtree_jax.training import corpus as corpus_mod
-    from ddtree_jax.training import tokenizer as tok_mod
-    from ddtree_jax.training.drafter_trainer import drafter_hf_config, train_drafter
-    from ddtree_jax.training.export import export_drafter, export_target
-    from ddtree_jax.training.target_trainer import cast_tree, count_params, target_hf_config, train_target
-
     d, tset, dset = settings_for(args)
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
@@ -268,7 +251,7 @@ def main(argv=None) -> int:
         except Exception:  # noqa: BLE001 - reporting only
             versions[mod] = None
     report = {
-        "command": " ".join(["scripts/build_demo_pair.py", *(sys.argv[1:] if argv is None else argv)]),
+        "command": " ".join(["python -m scripts.build_demo_pair", *(sys.argv[1:] if argv is None else argv)]),
         "toy": args.toy, "seed": args.seed, "versions": versions,
         "devices": [str(x) for x in jax.devices()], "settings": {k: v for k, v in d.items()},
         "timings_s": {},

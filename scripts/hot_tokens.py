@@ -1,6 +1,6 @@
 """Pick a draft vocabulary: the N most frequent token ids of some text under the target's tokenizer.
 
-    PYTHONPATH=. python3 scripts/hot_tokens.py --target ckpt/qwen36 --size 32768 corpus/*.txt --out hot.json
+    python -m scripts.hot_tokens --target ckpt/qwen36 --size 32768 corpus/*.txt --out hot.json
     ddtree-generate --target ckpt/qwen36 --drafter ckpt/dflash --draft-vocab hot.json ...
 
 Writes {"ids": [...], "size": N, "coverage": ...} atomically: the ids ascending, plus the share of

@@ -6,17 +6,16 @@ Triton module it builds is captured from `lower_jaxpr_to_triton_module`, written
 compiled by pip's triton (ptxas included) for GPUTarget("cuda", 90, 32); `cuobjdump
 --dump-resource-usage` on the cubin gives registers per thread and the spill stack.
 
-    pip install triton==3.6.0          # the H200 image's version
-    PYTHONPATH=. python3 scripts/offline_triton_compile.py ssd --nodes 64 --out ssd_regs.json
-    PYTHONPATH=. python3 scripts/offline_triton_compile.py gdn --nodes 65
-    PYTHONPATH=. python3 scripts/offline_triton_compile.py select --nodes 16    # budget 16
-    PYTHONPATH=. python3 scripts/offline_triton_compile.py topk --nodes 8192    # rows of 8192
-    PYTHONPATH=. python3 scripts/offline_triton_compile.py gdn_decode --nodes 1 # batch 1
-    PYTHONPATH=. python3 scripts/offline_triton_compile.py gdn_prologue --nodes 65
-    PYTHONPATH=. python3 scripts/offline_triton_compile.py attention --nodes 65 # 4k cache
-    PYTHONPATH=. python3 scripts/offline_triton_compile.py gdn_commit --nodes 65
-    PYTHONPATH=. python3 scripts/offline_triton_compile.py add_rms_norm --nodes 65
-    PYTHONPATH=. python3 scripts/offline_triton_compile.py int8_matmul --nodes 16 --num-stages 4
+    pip install triton==3.6.0          # the H200 image's version (TRITON_VERSION)
+    python -m scripts.offline_triton_compile ssd --nodes 64 --out ssd_regs.json
+    python -m scripts.offline_triton_compile gdn --nodes 65
+    python -m scripts.offline_triton_compile select --nodes 16    # budget 16
+    python -m scripts.offline_triton_compile topk --nodes 8192    # rows of 8192
+    python -m scripts.offline_triton_compile gdn_decode --nodes 1 # batch 1
+    python -m scripts.offline_triton_compile gdn_prologue --nodes 65
+    python -m scripts.offline_triton_compile attention --nodes 65 # 4k cache
+    python -m scripts.offline_triton_compile gdn_commit --nodes 65
+    python -m scripts.offline_triton_compile add_rms_norm --nodes 65
 
 Kernels: "ssd" (pallas_kernels/ssd_tree.py verify, NemotronH-8B-like layer: 128 heads x 64,
 8 groups, state 128), "gdn" (pallas_kernels/gdn_tree.py, Qwen3.6-27B layer: 16 k / 48 v heads
@@ -28,18 +27,16 @@ of 128) "select" (pallas_kernels/tree_select.py, 15 draft depths, --nodes = the 
 (pallas_kernels/gdn_commit.py at the 27B GDN layer, --nodes tree nodes, with and without the conv
 window slide), "add_rms_norm" (pallas_kernels/add_rms_norm.py on --nodes rows of the 27B stream,
 5120 wide, bf16, zero_centered: delta plain at its default warps, then float32 split-K partial
-sums S = 4 / 8 at a few PARTS_CHUNK / warp settings and the defaults), "int8_matmul"
-(pallas_kernels/skinny_matmul.py with an int8 weight, the drafter's 5120 x 34816 gate | up at --nodes
-rows: its default tiling, then "cvt" widening, "rows" layout, 64 columns, 256-deep K, 8 warps; the
-I2F / F2FP / PRMT / HGMMA counts say how the tile was widened and multiplied; then three of them
-on the weight stored [N, K]). Each sweeps a few block /
-warp settings and prints one row per setting.
+sums S = 4 / 8 at a few PARTS_CHUNK / warp settings and the defaults). Each sweeps a few block /
+warp settings and prints one row per setting. Registers and spills depend on the Triton version:
+figures recorded with one (the offline-compile tests' limits) hold for that version only.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import importlib.metadata
 import json
 import os
 import re
@@ -47,17 +44,35 @@ import subprocess
 import sys
 import tempfile
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import jax
+import jax.numpy as jnp
+from jax._src.pallas.triton import lowering
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from ddtree_jax import atomic  # noqa: E402
+from ddtree_jax import atomic
+from pallas_kernels import add_rms_norm as arn
+from pallas_kernels._common import is_pow2, pow2_at_least
+from pallas_kernels.gdn_commit import gdn_path_commit
+from pallas_kernels.gdn_decode import gdn_decode, gdn_decode_packed
+from pallas_kernels.gdn_tree import default_blocks, gdn_tree_verify
+from pallas_kernels.gdn_tree_prologue import gdn_tree_prologue
+from pallas_kernels.row_top_k import row_top_k
+from pallas_kernels.ssd_tree import ssd_tree_verify
+from pallas_kernels.tree_attention import tree_attention
+from pallas_kernels.tree_select import select_nodes
+
+TRITON_VERSION = "3.6"  # the H200 image's triton: what the recorded register / spill figures were compiled with
+
+
+def installed_triton() -> str | None:
+    """pip's triton version, or None when it is not installed."""
+    try:
+        return importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def capture_ttir(fn, *args) -> list[tuple[str, str]]:
     """(kernel name, TTIR text) of every pallas_call in fn(*args) lowered for CUDA."""
-    from jax._src.pallas.triton import lowering
-
     seen = []
     original = lowering.lower_jaxpr_to_triton_module
 
@@ -99,14 +114,12 @@ def compile_ttir(ttir: str, num_warps: int, num_stages: int) -> dict:
             "shared_bytes": compiled.metadata.shared,
             "sass_instructions": len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/", sass, re.M)),
             "shfl": sass.count("SHFL"), "bar_sync": sass.count("BAR.SYNC"),
-            # conversions and the MMA form: what an int8-weight product spends widening its tiles
+            # conversions and the MMA form: what a product spends widening its tiles
             "i2f": sass.count(" I2F"), "f2fp": sass.count(" F2FP"), "prmt": sass.count(" PRMT"),
             "hgmma": sass.count(" HGMMA"), "hmma": sass.count(" HMMA"), "ldgsts": sass.count(" LDGSTS")}
 
 
 def ssd_cases(nodes: int):
-    from pallas_kernels.ssd_tree import ssd_tree_verify
-
     b, h, hd, g, ns = 1, 128, 64, 8, 128
     shapes = (
         jax.ShapeDtypeStruct((b, nodes, h, hd), jnp.bfloat16), jax.ShapeDtypeStruct((b, nodes, h), jnp.float32),
@@ -124,9 +137,6 @@ def ssd_cases(nodes: int):
 
 
 def gdn_cases(nodes: int):
-    from pallas_kernels._common import is_pow2, pow2_at_least
-    from pallas_kernels.gdn_tree import default_blocks, gdn_tree_verify
-
     b, hk, h, dk, dv = 1, 16, 48, 128, 128
     blocked = nodes - 1 if nodes > 1 and is_pow2(nodes - 1) else nodes  # the root peel's blocked rows
     default_warps = default_blocks(pow2_at_least(blocked), dk, dv, b * h)[3]
@@ -143,12 +153,11 @@ def gdn_cases(nodes: int):
                          dict(block_dv=None, precision="bf16x3")]
         for opts in variants:
             label = dict(opts, inputs=jnp.dtype(dtype).name)
-            yield label, opts.get("num_warps") or default_warps, functools.partial(gdn_tree_verify, impl="pallas", **opts), shapes
+            fn = functools.partial(gdn_tree_verify, impl="pallas", **opts)
+            yield label, opts.get("num_warps") or default_warps, fn, shapes
 
 
 def select_cases(budget: int):
-    from pallas_kernels.tree_select import select_nodes
-
     shapes = (jax.ShapeDtypeStruct((1, 15, budget), jnp.float32),)  # 15 draft depths, k = budget
     for warps in (1, 2, 4, 8):
         opts = dict(num_warps=warps)
@@ -156,8 +165,6 @@ def select_cases(budget: int):
 
 
 def top_k_cases(n: int):
-    from pallas_kernels.row_top_k import row_top_k
-
     shapes = (jax.ShapeDtypeStruct((1, 15, n), jnp.float32),)  # 15 draft depths' rows of n entries
     for k in (16, 32):
         for warps in (4, 8, 16):
@@ -166,8 +173,6 @@ def top_k_cases(n: int):
 
 
 def gdn_decode_cases(batch: int):
-    from pallas_kernels.gdn_decode import gdn_decode
-
     hk, hv, dk, dv, taps, hidden = 16, 48, 128, 128, 4, 5120  # Qwen3.6-27B GDN layer
     c = 2 * hk * dk + hv * dv
     bf, f32 = jnp.bfloat16, jnp.float32
@@ -181,8 +186,6 @@ def gdn_decode_cases(batch: int):
         opts = dict(num_warps=warps)
         yield opts, warps, functools.partial(gdn_decode, num_k_heads=hk, eps=1e-6, impl="pallas", **opts), shapes
     # gdn.MERGED_QKVZ_BA: one product qkv | z | b | a read in place (gdn_decode_packed)
-    from pallas_kernels.gdn_decode import gdn_decode_packed
-
     packed_shapes = (jax.ShapeDtypeStruct((batch, c + hv * dv + 2 * hv), bf),) + shapes[5:]
     for warps in (4,):
         opts = dict(num_warps=warps)
@@ -191,8 +194,6 @@ def gdn_decode_cases(batch: int):
 
 
 def gdn_commit_cases(nodes: int):
-    from pallas_kernels.gdn_commit import gdn_path_commit
-
     hk, hv, dk, dv, taps, p = 16, 48, 128, 128, 4, 16  # Qwen3.6-27B GDN layer, a 16-node path
     c = 2 * hk * dk + hv * dv
     bf, f32 = jnp.bfloat16, jnp.float32
@@ -210,8 +211,6 @@ def gdn_commit_cases(nodes: int):
 
 
 def gdn_prologue_cases(nodes: int):
-    from pallas_kernels.gdn_tree_prologue import gdn_tree_prologue
-
     hk, hv, dk, dv, taps = 16, 48, 128, 128, 4  # Qwen3.6-27B GDN layer
     c = 2 * hk * dk + hv * dv
     bf = jnp.bfloat16
@@ -221,22 +220,16 @@ def gdn_prologue_cases(nodes: int):
         opts = dict(num_warps=warps)
         yield opts, warps, functools.partial(gdn_tree_prologue, num_k_heads=hk, head_k_dim=dk, head_v_dim=dv,
                                              impl="pallas", **opts), shapes
-    # the model's form: the whole qkv | z | b | a product with the gates, as the product or as 2
-    # float32 split-K partials (gdn.IN_PROJ_PARTS)
-    width = c + hv * dv + 2 * hv
+    # the model's form: the whole qkv | z | b | a product with the gates computed in the kernel
     gates = (jax.ShapeDtypeStruct((hv,), bf), jax.ShapeDtypeStruct((hv,), bf))
-    for parts in (0, 2):
-        mixed = (jax.ShapeDtypeStruct((parts, 1, nodes, width), jnp.float32) if parts
-                 else jax.ShapeDtypeStruct((1, nodes, width), bf))
-        fn = functools.partial(gdn_tree_prologue, num_k_heads=hk, head_k_dim=dk, head_v_dim=dv, impl="pallas",
-                               out_dtype=bf, ba_col=c + hv * dv)
-        yield dict(num_warps=8, gated=True, partials=parts), 8, (lambda f: lambda m, w, cw, s, a, d: f(
-            m, w, cw, s, gates=(a, d)))(fn), (mixed, *shapes[1:], *gates)
+    mixed = jax.ShapeDtypeStruct((1, nodes, c + hv * dv + 2 * hv), bf)
+    fn = functools.partial(gdn_tree_prologue, num_k_heads=hk, head_k_dim=dk, head_v_dim=dv, impl="pallas",
+                           out_dtype=bf, ba_col=c + hv * dv)
+    yield dict(num_warps=8, gated=True), 8, (lambda f: lambda m, w, cw, s, a, d: f(m, w, cw, s, gates=(a, d)))(
+        fn), (mixed, *shapes[1:], *gates)
 
 
 def attention_cases(nodes: int):
-    from pallas_kernels.tree_attention import tree_attention
-
     b, nh, kv, hd, cap = 1, 24, 4, 256, 4096 + 64  # Qwen3.6-27B attention layer, 4k context
     bf = jnp.bfloat16
     shapes = (jax.ShapeDtypeStruct((b, nodes, nh, hd), bf), jax.ShapeDtypeStruct((b, kv, cap, hd), bf),
@@ -250,51 +243,24 @@ def attention_cases(nodes: int):
 
 
 def add_rms_norm_cases(rows: int):
-    from pallas_kernels import add_rms_norm as module
-
     h, bf = 5120, jnp.bfloat16  # the 27B residual stream
     x, w = jax.ShapeDtypeStruct((rows, h), bf), jax.ShapeDtypeStruct((h,), bf)
 
-    def traced(chunk, warps):  # PARTS_CHUNK is read when the call is traced
-        def fn(*a):
-            saved, module.PARTS_CHUNK = module.PARTS_CHUNK, chunk
-            try:
-                return module.add_rms_norm(*a, eps=1e-6, mode="zero_centered", impl="pallas", num_warps=warps)
-            finally:
-                module.PARTS_CHUNK = saved
-        return fn
+    def traced(chunk, warps):
+        return lambda *a: arn.add_rms_norm(*a, eps=1e-6, mode="zero_centered", impl="pallas", num_warps=warps,
+                                           parts_chunk=chunk)
 
-    yield (dict(parts=0, num_warps=module.DEFAULT_WARPS), module.DEFAULT_WARPS,
-           traced(module.PARTS_CHUNK, module.DEFAULT_WARPS), (x, x, w))
+    yield (dict(parts=0, num_warps=arn.DEFAULT_WARPS), arn.DEFAULT_WARPS,
+           traced(arn.PARTS_CHUNK, arn.DEFAULT_WARPS), (x, x, w))
     for parts in (4, 8):  # the output projections' S, then the MLP down's
         partials = jax.ShapeDtypeStruct((parts, rows, h), jnp.float32)
         sweep = ((1024, 4), (1024, 8), (1024, 16), (2048, 8), (2048, 16), (4096, 16), (4096, 32), (8192, 32))
-        default = (module.PARTS_CHUNK, module.PARTS_WARPS)
+        default = (arn.PARTS_CHUNK, arn.PARTS_WARPS)
         for chunk, warps in sweep + ((default,) if default not in sweep else ()):
             yield dict(parts=parts, chunk=chunk, num_warps=warps), warps, traced(chunk, warps), (x, partials, w)
 
 
-def int8_matmul_cases(rows: int):
-    from pallas_kernels.skinny_matmul import SkinnyConfig, default_config, skinny_matmul
-
-    k, n = 5120, 34816  # the 27B-width drafter's merged gate | up
-    shapes = (jax.ShapeDtypeStruct((rows, k), jnp.bfloat16), jax.ShapeDtypeStruct((k, n), jnp.int8),
-              jax.ShapeDtypeStruct((n,), jnp.float32))
-    base = default_config(rows, k, n, int8=True)
-    variants = [base, SkinnyConfig(**{**vars(base), "dequant": "cvt"}),
-                SkinnyConfig(**{**vars(base), "layout": "rows"}),
-                SkinnyConfig(**{**vars(base), "block_n": 64}), SkinnyConfig(**{**vars(base), "block_k": 256}),
-                SkinnyConfig(**{**vars(base), "num_warps": 8})]
-    for cfg in variants:
-        yield (dict(vars(cfg), w_layout="in_out"), cfg.num_warps,
-               functools.partial(skinny_matmul, impl="pallas", config=cfg), shapes)
-    transposed = (shapes[0], jax.ShapeDtypeStruct((n, k), jnp.int8), shapes[2])  # stored [N, K]: K-major tiles
-    for cfg in variants[:2] + variants[3:4]:
-        yield (dict(vars(cfg), w_layout="out_in"), cfg.num_warps,
-               functools.partial(skinny_matmul, impl="pallas", config=cfg, w_layout="out_in"), transposed)
-
-
-CASES = {"int8_matmul": int8_matmul_cases, "ssd": ssd_cases, "gdn": gdn_cases, "select": select_cases, "topk": top_k_cases,
+CASES = {"ssd": ssd_cases, "gdn": gdn_cases, "select": select_cases, "topk": top_k_cases,
          "gdn_decode": gdn_decode_cases, "gdn_prologue": gdn_prologue_cases, "attention": attention_cases,
          "gdn_commit": gdn_commit_cases, "add_rms_norm": add_rms_norm_cases}
 
@@ -302,14 +268,21 @@ CASES = {"int8_matmul": int8_matmul_cases, "ssd": ssd_cases, "gdn": gdn_cases, "
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("kernel", choices=tuple(CASES))
-    ap.add_argument("--nodes", type=int, default=64, help="tree nodes (ssd, gdn), the budget (select), the row length (topk) or the batch (gdn_decode)")
+    ap.add_argument("--nodes", type=int, default=64,
+                    help="tree nodes (ssd, gdn), the budget (select), the row length (topk) or the batch (gdn_decode)")
     ap.add_argument("--num-stages", type=int, default=1)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    jax.config.update("jax_platforms", "cpu")  # lowering for CUDA needs no GPU: never take one
+    version = installed_triton()
+    if version is None or not version.startswith(TRITON_VERSION + "."):
+        print(f"note: triton {version or '(not installed)'} here; the recorded figures are for {TRITON_VERSION}.x",
+              file=sys.stderr)
     cases = CASES[args.kernel](args.nodes)
     rows = []
     for opts, warps, fn, shapes in cases:
-        row = {"kernel": args.kernel, "nodes": args.nodes, **{k: str(v) if v is None else v for k, v in opts.items()}}
+        row = {"kernel": args.kernel, "nodes": args.nodes, "triton": version,
+               **{k: str(v) if v is None else v for k, v in opts.items()}}
         try:
             kernels = capture_ttir(fn, *shapes)
             if not kernels:

@@ -3,19 +3,19 @@ fresh autotune cache, and install the cache of the fastest as DIR.
 
 Why: XLA autotunes each GEMM fusion when a program compiles, choosing among near-equal cuBLAS /
 Triton candidates by timing them, so two processes of the same code ran the 27B DDTree verify's
-GEMMs up to ~0.3 ms apart (docs/benchmarks.md sessions 12-14: as much as what is left of issue #6's
-ratio). A shared cache (`--autotune-cache DIR`, ddtree_jax/autotune_cache.py) makes later processes
-read the choices back instead of re-timing them; this script decides which choices to keep. Each
-try runs `scripts/profile_step.py --phases loop,step` (kernel time of the whole DDTree step and of
+GEMMs up to ~0.3 ms apart (docs/benchmarks.md: as much as what was left of issue #6's ratio). A
+shared cache (`--autotune-cache DIR`, ddtree_jax/autotune_cache.py) makes later processes
+read the choices back instead of re-timing them; this tool decides which choices to keep. Each
+try runs `python -m scripts.bench.profile --phases loop,step` (kernel time of the whole DDTree step and of
 the plain decoding step, from a profiler trace) in its own process with an empty cache directory;
 the try with the least DDTree-step kernel time wins and its cache directory replaces DIR whole
-(atomically: a failed run leaves DIR as it was). Pass the same DIR to bench_e2e.py, profile_step.py
-or ddtree-generate / ddtree-bench (`--autotune-cache DIR`) afterwards.
+(atomically: a failed run leaves DIR as it was). Pass the same DIR to scripts.bench.e2e,
+scripts.bench.profile or ddtree-generate / ddtree-bench (`--autotune-cache DIR`) afterwards.
 
-    PYTHONPATH=. python3 scripts/pick_autotune_cache.py --tries 4 --cache /tmp/atc_best --out $OUT/pick.json -- --int8-drafter
-    PYTHONPATH=. python3 scripts/pick_autotune_cache.py --smoke --cache /tmp/atc --out /tmp/pick.json   # any device
+    python -m scripts.pick_autotune_cache --tries 4 --cache /tmp/atc_best --out $OUT/pick.json -- --int8-drafter
+    python -m scripts.pick_autotune_cache --smoke --cache /tmp/atc --out /tmp/pick.json   # any device
 
-Arguments after `--` go to profile_step.py (model options such as --int8-drafter, --batch,
+Arguments after `--` go to scripts.bench.profile (model options such as --int8-drafter, --batch,
 --override). Prints a table and writes JSON (rewritten after every try).
 """
 
@@ -30,31 +30,28 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from ddtree_jax import atomic
 
-from ddtree_jax import atomic  # noqa: E402
-
-PROFILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profile_step.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: scripts.bench.profile's root
 
 
 def profile_try(cache_dir: str, out_json: str, extra: list[str], smoke: bool, timeout_s: float) -> dict:
-    """One profile_step.py process on cache_dir; returns {"loop_ms", "step_ms", "seconds"} (kernel
-    time per DDTree / decode step) or {"error": ...}."""
-    cmd = [sys.executable, PROFILE, "--phases", "loop,step", "--gemm-m", "", "--verify-budgets", "",
-           "--autotune-cache", cache_dir, "--out", out_json] + (["--smoke"] if smoke else []) + extra
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [os.path.dirname(os.path.dirname(PROFILE))] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    """One scripts.bench.profile process on cache_dir; returns {"loop_ms", "step_ms", "seconds"}
+    (kernel time per DDTree / decode step) or {"error": ...}."""
+    cmd = [sys.executable, "-m", "scripts.bench.profile", "--phases", "loop,step", "--gemm-m", "", "--verify-budgets",
+           "", "--autotune-cache", cache_dir, "--out", out_json] + (["--smoke"] if smoke else []) + extra
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     t0 = time.time()
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout_s:.0f} s"}
     if done.returncode != 0:
-        return {"error": f"profile_step.py exited {done.returncode}: {done.stderr.strip()[-600:]}"}
+        return {"error": f"scripts.bench.profile exited {done.returncode}: {done.stderr.strip()[-600:]}"}
     with open(out_json) as f:
         phases = json.load(f).get("phases", {})
     if not {"loop", "step"} <= set(phases):
-        return {"error": f"profile_step.py wrote no loop / step phases to {out_json}"}
+        return {"error": f"scripts.bench.profile wrote no loop / step phases to {out_json}"}
     return {"loop_ms": phases["loop"]["gpu_busy_ms"], "step_ms": phases["step"]["gpu_busy_ms"],
             "seconds": time.time() - t0}
 
@@ -73,14 +70,14 @@ def main(argv=None, runner=profile_try) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tries", type=int, default=4, help="profile processes, each autotuning from scratch")
     ap.add_argument("--cache", required=True, metavar="DIR", help="where the chosen autotune cache goes (replaced)")
-    ap.add_argument("--smoke", action="store_true", help="profile_step.py --smoke (checks the script on any device)")
+    ap.add_argument("--smoke", action="store_true", help="scripts.bench.profile --smoke (checks the tool on any device)")
     ap.add_argument("--timeout-s", type=float, default=300, help="per try")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "pick_autotune_cache.json"))
     args = ap.parse_args(own)
     if args.tries < 1:
         ap.error(f"--tries must be >= 1, got {args.tries}")
     report = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "command": " ".join(["scripts/pick_autotune_cache.py"] + argv), "profile_args": extra,
+              "command": " ".join(["python -m scripts.pick_autotune_cache"] + argv), "profile_args": extra,
               "cache": os.path.abspath(args.cache), "tries": [], "chosen": None}
     work = tempfile.mkdtemp(prefix="autotune_tries_")
     try:

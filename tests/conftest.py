@@ -1,8 +1,12 @@
 """Test-wide settings: CPU (unless the run selects GPU tests), float32 matmuls at full precision,
-a deterministic hypothesis profile, and the `impl` fixture of the kernel tests.
+a deterministic hypothesis profile, and the kernel tests' `impl` / `gpu_impl` fixtures.
 
 Kernel tests take `impl`: "pallas_interpret" in the default run (any machine), "pallas" under
-`-m gpu`, where the same tests run natively on the GPU (`python -m pytest -m gpu` on the device).
+`-m gpu`, where the same tests run natively on the GPU (`python -m pytest -m gpu` on the device),
+as jax's own Pallas GPU tests do. Tests at the models' real layer shapes take `gpu_impl` instead:
+"pallas" only, so they run under `-m gpu` alone (the interpreter would take minutes there).
+Both are module-scoped (hypothesis refuses function-scoped fixtures), so a module runs its
+interpreted cases first, then its native ones.
 """
 
 import gc
@@ -51,9 +55,19 @@ def _release_compiled_code():
     gc.collect()
 
 
-@pytest.fixture(params=["pallas_interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
-def impl(request):
-    """The kernels' route under test: interpret mode on any machine, natively under -m gpu."""
+def _native_pallas(request) -> str:
     if request.param == "pallas" and jax.default_backend() != "gpu":
         pytest.skip("native Pallas needs a GPU (run with -m gpu on the GPU machine)")
     return request.param
+
+
+@pytest.fixture(scope="module", params=["pallas_interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
+def impl(request):
+    """The kernels' route under test: interpret mode on any machine, natively under -m gpu."""
+    return _native_pallas(request)
+
+
+@pytest.fixture(scope="module", params=[pytest.param("pallas", marks=pytest.mark.gpu)])
+def gpu_impl(request):
+    """Native Pallas only: the checks at real layer shapes (selected by -m gpu, skipped without a GPU)."""
+    return _native_pallas(request)

@@ -1,24 +1,25 @@
-"""scripts/bench_e2e.py (issue #6's measurement) at its --smoke shapes: the decode / DDTree loop
-figures, the roofline and the phase split land in its JSON."""
+"""scripts.bench.e2e at its --smoke shapes (the decode / DDTree loop figures, the roofline and the
+phase split land in its JSON), the route overrides it takes, and the marginal-step estimators of
+ddtree_jax.bench it reports."""
 
 import json
+import math
 
 import numpy as np
+import pytest
 
 
-def test_bench_e2e_smoke_writes_every_figure(tmp_path, monkeypatch):
-    from ddtree_jax.models import gdn
-    from scripts.bench_e2e import main
+@pytest.mark.script
+def test_e2e_smoke_writes_every_figure(tmp_path):
+    from scripts.bench.e2e import main
 
-    monkeypatch.setattr(gdn, "DECODE_KERNEL", True)  # the --override below is undone after the test
     out = tmp_path / "e2e.json"
-    assert main(["--smoke", "--batches", "1", "--repeats", "1", "--override", "ddtree_jax.models.gdn.DECODE_KERNEL=False",
+    assert main(["--smoke", "--batches", "1", "--repeats", "1", "--route", "gdn_decode_kernel=false",
                  "--out", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert report["overrides"] == {"ddtree_jax.models.gdn.DECODE_KERNEL": False}
+    assert report["routes"]["gdn_decode_kernel"] is False and report["routes"]["impl"] == "xla"
     [row] = report["runs"]
-    import math
-
+    assert report["shape"] == "smoke" and report["context"] == 64
     for key in ("roofline_ms", "ar_loop_incl_dispatch_ms", "decode_fraction_of_roofline_incl_dispatch"):
         assert row[key] > 0, key
     # the marginal steps (T(32) - T(16)) / 16 of the smoke's microsecond-sized steps can come out
@@ -33,34 +34,9 @@ def test_bench_e2e_smoke_writes_every_figure(tmp_path, monkeypatch):
     assert row["phase_inner"] == 2 and row["phases_sum_ms"] == sum(row["phases_ms"].values())
 
 
-def test_overrides_set_route_constants_and_report_every_bad_spec(monkeypatch):
-    import pytest
-
-    from ddtree_jax.models import gdn
-    from pallas_kernels import row_top_k
-    from ddtree_jax.overrides import apply_overrides
-
-    monkeypatch.setattr(gdn, "DECODE_KERNEL", True)  # restored after the test
-    monkeypatch.setattr(row_top_k, "ROW_TOP_K_MAX_LEN", row_top_k.ROW_TOP_K_MAX_LEN)
-    got = apply_overrides(["ddtree_jax.models.gdn.DECODE_KERNEL=False", "pallas_kernels.row_top_k.ROW_TOP_K_MAX_LEN=0"])
-    assert got == {"ddtree_jax.models.gdn.DECODE_KERNEL": False, "pallas_kernels.row_top_k.ROW_TOP_K_MAX_LEN": 0}
-    assert gdn.DECODE_KERNEL is False and row_top_k.ROW_TOP_K_MAX_LEN == 0
-
-    bad = ["DECODE_KERNEL", "no_such_module.X=1", "ddtree_jax.models.gdn.NOPE=1",
-           "ddtree_jax.models.gdn.DECODE_KERNEL=maybe", "ddtree_jax.models.gdn.DECODE_KERNEL=1"]
-    with pytest.raises(ValueError) as e:
-        apply_overrides(bad + ["pallas_kernels.row_top_k.ROW_TOP_K_MAX_LEN=5"])
-    msg = str(e.value)
-    for needle in ("expected package.module.NAME=value", "cannot import no_such_module", "has no NOPE",
-                   "'maybe' is not a Python literal", "is a bool, got a int"):
-        assert needle in msg, needle
-    assert row_top_k.ROW_TOP_K_MAX_LEN == 0  # nothing applied when any spec is bad
-
-
 def test_marginal_ms_separates_the_per_call_cost():
-    """bench.marginal_ms (profile_step's marginal figures; bench_e2e's step and the phase split
-    take the paired form below since session 13):
-    from a call costing 7 ms plus 2.5 ms an iteration it recovers both, where T(16) / 16 would
+    """bench.marginal_ms (scripts.bench.profile's marginal figures; scripts.bench.e2e's step and the
+    phase split take the paired form below): from a call costing 7 ms plus 2.5 ms an iteration it recovers both, where T(16) / 16 would
     read 2.94 ms an iteration."""
     from ddtree_jax.bench import marginal_ms
 
@@ -71,11 +47,11 @@ def test_marginal_ms_separates_the_per_call_cost():
 
 
 def test_paired_marginal_ms_times_n_and_2n_back_to_back(monkeypatch):
-    """bench.paired_marginal_ms (bench_e2e's step): each repeat times an n- and a 2n-iteration call
+    """bench.paired_marginal_ms (scripts.bench.e2e's step): each repeat times an n- and a 2n-iteration call
     back to back and the step is the median of the pairs' differences. A slow stretch of the GPU
     (here calls 6..9 in time order run 1 ms an iteration slower) covers two of five pairs and
     leaves the median alone (2.5 ms), where the difference of a median of five n-calls and a median
-    of five 2n-calls timed after them (the estimator before session 13) reads 4.5."""
+    of five 2n-calls timed after them (marginal_ms over two medians) reads 4.5."""
     import ddtree_jax.bench as B
 
     clock = {"t": 0.0, "i": 0}

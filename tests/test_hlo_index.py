@@ -1,11 +1,11 @@
-"""scripts/hlo_index.py: each instruction of an optimized HLO module -> shape, op and the lines
-of our code that emitted it (what profile_step.py --sources prints beside every GPU kernel)."""
+"""scripts/bench/hlo_index.py: each instruction of an optimized HLO module -> shape, op and the lines
+of our code that emitted it (what scripts.bench.profile --sources prints beside every GPU kernel)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from scripts import hlo_index
+from scripts.bench import hlo_index
 from tests.tiny_models import HYBRID, make_target
 
 TEXT = """HloModule m

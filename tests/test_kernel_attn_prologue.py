@@ -1,6 +1,7 @@
 """pallas_kernels/attn_prologue.py: the q / k norms and RoPE of an attention layer from its merged
-q | k | v product in one kernel, against its jnp reference (interpreter), its sm_90 lowering
-(offline, no GPU), and the model route (`models.attention.PROLOGUE_KERNEL`) against the XLA form."""
+q | k | v product in one kernel, against its jnp reference (`impl`: the interpreter, natively under
+-m gpu), its sm_90 lowering (offline, no GPU), and the model route
+(`models.attention.PROLOGUE_KERNEL`) against the XLA form."""
 
 import functools
 import warnings
@@ -14,6 +15,8 @@ from hypothesis import strategies as st
 
 from pallas_kernels.ref.rope import rope_cos_sin
 from pallas_kernels.attn_prologue import attn_prologue, kernel_problems, row_block
+from scripts.offline_triton_compile import capture_ttir, compile_ttir
+from tests.triton_limits import require_recorded_triton
 
 B, NH, KV, HD, ROT = 2, 4, 2, 32, 8
 
@@ -29,20 +32,20 @@ def _inputs(t, seed, dtype, gated):
 
 PROLOGUE = {(impl, gated, zc): jax.jit(functools.partial(attn_prologue, impl=impl, num_heads=NH, num_kv_heads=KV,
                                                          head_dim=HD, gated=gated, eps=1e-6, zero_centered=zc))
-            for impl in ("xla", "pallas_interpret") for gated in (False, True) for zc in (False, True)}
+            for impl in ("xla", "pallas_interpret", "pallas") for gated in (False, True) for zc in (False, True)}
 
 
 @settings(max_examples=12, deadline=None)
 @given(t=st.sampled_from([1, 3, 16, 17]), seed=st.integers(0, 2**31 - 1), bf16=st.booleans(), gated=st.booleans(),
        zc=st.booleans())
-def test_kernel_equals_reference(t, seed, bf16, gated, zc):
+def test_kernel_equals_reference(impl, t, seed, bf16, gated, zc):
     """One token (decode), 3, 16 and 17 rows (a DFlash block, a DDTree-16 verify: a masked last row block),
     gated (Qwen3.5: a gate half after each q head) or not, zero-centered norm weights or plain:
     q, k, v agree (float32 to rounding; bf16 within one ulp of the value: the reference's RoPE
     rounds each product)."""
     dtype = jnp.bfloat16 if bf16 else jnp.float32
     args = _inputs(t, seed, dtype, gated)
-    want, got = PROLOGUE[("xla", gated, zc)](*args), PROLOGUE[("pallas_interpret", gated, zc)](*args)
+    want, got = PROLOGUE[("xla", gated, zc)](*args), PROLOGUE[(impl, gated, zc)](*args)
     for name, w, g in zip("qkv", want, got):
         assert g.shape == w.shape and g.dtype == w.dtype, name
         w32, g32 = np.asarray(w, np.float32), np.asarray(g, np.float32)
@@ -71,8 +74,6 @@ def test_lowers_for_sm90_at_the_27b_layer(t):
     """The 27B attention layer (24 q heads gated, 4 kv heads of 256, rotary 64) at a DDTree-64
     verify's 65 rows and a decode step's 1 lowers to one Triton kernel; with pip's triton,
     compiled for sm_90 without spills."""
-    from scripts.offline_triton_compile import capture_ttir, compile_ttir
-
     nh, kv, hd, rot = 24, 4, 256, 64
     shapes = (jax.ShapeDtypeStruct((1, t, 2 * nh * hd + 2 * kv * hd), jnp.bfloat16),
               jax.ShapeDtypeStruct((hd,), jnp.bfloat16), jax.ShapeDtypeStruct((hd,), jnp.bfloat16),
@@ -81,24 +82,24 @@ def test_lowers_for_sm90_at_the_27b_layer(t):
                            zero_centered=True, impl="pallas")
     [(name, ttir)] = capture_ttir(fn, *shapes)
     assert "attn_prologue" in name
-    pytest.importorskip("triton")
+    require_recorded_triton()
     res = compile_ttir(ttir, num_warps=4, num_stages=1)
     assert res["regs"] <= 255 and res["stack_bytes"] == 0, res
 
 
-def test_model_route_gives_the_xla_forms_outputs():
+def test_model_route_gives_the_xla_forms_outputs(impl):
     """routes.attention_prologue_kernel on: a tiny hybrid target's decode step and tree verify +
     commit through the kernels give the XLA prologue's logits and caches, one kernel per attention
     layer and call."""
     from flax import nnx
 
-    from tests.tree_harness import INTERPRET, kernel_route_case, verify_and_commit
+    from tests.tree_harness import kernel_route_case, routes_for, verify_and_commit
 
     cfg, gd, params, cache, tokens, parents, path, counts = kernel_route_case(43, 4)
     tok = jnp.asarray([3, 7], jnp.int32)
 
     def run(on):
-        routes = INTERPRET.replace(attention_prologue_kernel=on)
+        routes = routes_for(impl).replace(attention_prologue_kernel=on)
         tree_pass = verify_and_commit(gd, tokens, parents, path, counts, routes)
 
         def fn(p, c):

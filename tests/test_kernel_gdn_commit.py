@@ -1,7 +1,8 @@
-"""gdn_path_commit: the Pallas kernel (interpreted on CPU) against the gather + scan reference,
-the reference against a float64 sequential oracle and against GatedDeltaNet.commit, and the
-committed state against the tree outputs (a node's tree output is one recurrent step from the
-state committed along the path to its parent).
+"""gdn_path_commit: the Pallas kernel (`impl`: interpreted on CPU, native under -m gpu) against
+the gather + scan reference, the reference against a float64 sequential oracle and against
+GatedDeltaNet.commit, the committed state against the tree outputs (a node's tree output is one
+recurrent step from the state committed along the path to its parent), and (-m gpu) the kernel
+at the 27B GDN layer.
 """
 
 import functools
@@ -15,9 +16,10 @@ from hypothesis import given, settings, strategies as st
 from ddtree_jax.cache import RecurrentCache
 from pallas_kernels.ref import delta_rule
 from ddtree_jax.models.gdn import GatedDeltaNet, RecurrentPending
-from tests.tree_harness import INTERPRET
+from tests.tree_harness import routes_for
 from pallas_kernels.gdn_commit import gdn_path_commit
 from pallas_kernels.gdn_tree import gdn_tree_verify
+from scripts.bench import kernels as bench
 
 B, HK, H, N, DK, DV, P = 3, 2, 4, 37, 16, 32, 8  # odd batch and node counts on purpose
 REP = H // HK
@@ -57,8 +59,8 @@ f32 = lambda *xs: [jnp.asarray(x, jnp.float32) for x in xs]
 
 
 @functools.cache
-def kernel(**kw):
-    return jax.jit(functools.partial(gdn_path_commit, impl="pallas_interpret", **kw))
+def kernel(impl, **kw):
+    return jax.jit(functools.partial(gdn_path_commit, impl=impl, **kw))
 
 
 ref_fn = jax.jit(functools.partial(gdn_path_commit, impl="xla"))
@@ -69,36 +71,36 @@ counts = st.lists(st.integers(0, P), min_size=B, max_size=B)
 
 @settings(max_examples=15)
 @given(seed=st.integers(0, 2**31 - 1), path=paths, count=counts, block_dv=st.sampled_from([8, 32]))
-def test_kernel_matches_reference_and_oracle(seed, path, count, block_dv):
+def test_kernel_matches_reference_and_oracle(impl, seed, path, count, block_dv):
     k, v, g, beta, state = draw_inputs(seed)
     path, count = np.array(path, np.int32), np.array(count, np.int32)
     args = (*f32(k, v, g, beta, state), jnp.asarray(path), jnp.asarray(count))
     ref = ref_fn(*args)
     assert_close(ref, oracle(k, v, g, beta, state, path, count), 1e-5)
-    assert_close(kernel(block_dv=block_dv)(*args), ref, 1e-5)
+    assert_close(kernel(impl, block_dv=block_dv)(*args), ref, 1e-5)
 
 
 @settings(max_examples=5)
 @given(seed=st.integers(0, 2**31 - 1), path=paths, count=st.lists(st.integers(1, P), min_size=B, max_size=B))
-def test_kernel_bf16_inputs(seed, path, count):
+def test_kernel_bf16_inputs(impl, seed, path, count):
     k, v, g, beta, state = draw_inputs(seed)
     bf = lambda a: jnp.asarray(a, jnp.bfloat16)
     args = (bf(k), bf(v), *f32(g, beta, state), jnp.asarray(path, jnp.int32), jnp.asarray(count, jnp.int32))
-    out = kernel()(*args)
+    out = kernel(impl)(*args)
     assert out.dtype == jnp.float32
     assert_close(out, ref_fn(*args), 1e-5)
     # ... and within bf16 rounding of the float32-input result.
     assert_close(out, ref_fn(*f32(k, v, g, beta, state), *args[5:]), 3e-2)
 
 
-def test_every_count_along_one_path():
+def test_every_count_along_one_path(impl):
     """count = 0 (state untouched) .. P on a fixed path, per sequence."""
     k, v, g, beta, state = draw_inputs(5)
     path = np.stack([np.random.default_rng(b).permutation(N)[:P] for b in range(B)]).astype(np.int32)
     for c in range(P + 1):
         count = np.full(B, c, np.int32)
         args = (*f32(k, v, g, beta, state), jnp.asarray(path), jnp.asarray(count))
-        out = kernel(block_dv=8)(*args)
+        out = kernel(impl, block_dv=8)(*args)
         assert_close(out, oracle(k, v, g, beta, state, path, count), 1e-5)
         if c == 0:
             np.testing.assert_array_equal(np.asarray(out), np.asarray(state, np.float32))
@@ -110,7 +112,7 @@ KEEP, C = 3, 96  # conv window rows (K - 1) and channels: 96 = 3 blocks of 32
 @settings(max_examples=10)
 @given(seed=st.integers(0, 2**31 - 1), path=paths, count=counts, block_dv=st.sampled_from([8, 32]),
        wide=st.booleans())
-def test_kernel_slides_the_conv_window(seed, path, count, block_dv, wide):
+def test_kernel_slides_the_conv_window(impl, seed, path, count, block_dv, wide):
     """With window / conv_in the kernel also returns the conv window after the path (in place),
     equal to models.conv.next_window over the path's conv inputs; conv_in may be wider than the
     window (the merged product's columns after conv_dim are not read); the state is unchanged."""
@@ -121,7 +123,7 @@ def test_kernel_slides_the_conv_window(seed, path, count, block_dv, wide):
     path, count = jnp.asarray(path, jnp.int32), jnp.asarray(count, jnp.int32)
     args = (*f32(k, v, g, beta, state), path, count)
     state_ref, window_ref = ref_fn(*args, window=window, conv_in=conv_in)
-    state_got, window_got = kernel(block_dv=block_dv)(*args, window=window, conv_in=conv_in)
+    state_got, window_got = kernel(impl, block_dv=block_dv)(*args, window=window, conv_in=conv_in)
     assert window_got.dtype == window.dtype
     np.testing.assert_array_equal(np.asarray(window_got, np.float32), np.asarray(window_ref, np.float32))
     assert_close(state_got, state_ref, 1e-5)
@@ -142,7 +144,7 @@ def test_window_arguments_are_checked():
         gdn_path_commit(k, v, g, beta, state, path, count, window=window, conv_in=jnp.zeros((B, N, C - 1)))
 
 
-def test_reference_matches_gdn_commit():
+def test_reference_matches_gdn_commit(impl):
     """The xla impl is exactly what GatedDeltaNet.commit does to the recurrent state."""
     k, v, g, beta, state = f32(*draw_inputs(9))
     path = jnp.asarray(np.random.default_rng(9).integers(0, N, size=(B, P)), jnp.int32)
@@ -154,12 +156,12 @@ def test_reference_matches_gdn_commit():
     # GatedDeltaNet.commit with kernels: state and conv window from the one launch, as the XLA form
     pending = pending._replace(conv_in=jnp.asarray(np.random.default_rng(3).normal(size=(B, N, 6)), jnp.float32))
     want = GatedDeltaNet.commit(pending, path, count, cache)
-    got = GatedDeltaNet.commit(pending, path, count, cache, routes=INTERPRET)
+    got = GatedDeltaNet.commit(pending, path, count, cache, routes=routes_for(impl))
     np.testing.assert_allclose(got.state, want.state, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(got.conv), np.asarray(want.conv))
 
 
-def test_commit_then_step_equals_tree_output():
+def test_commit_then_step_equals_tree_output(impl):
     """Tree output of node i == one recurrent step at i from the state committed along the path
     to i's parent (the tree verify and the commit agree on the semantics)."""
     n = 16
@@ -179,7 +181,7 @@ def test_commit_then_step_equals_tree_output():
         parent_path = np.zeros((B, P), np.int32)
         parent_path[:, : len(path) - 1] = path[:-1]
         count = np.full(B, len(path) - 1, np.int32)
-        s = kernel()(*args[1:], jnp.asarray(parent_path), jnp.asarray(count))
+        s = kernel(impl)(*args[1:], jnp.asarray(parent_path), jnp.asarray(count))
         rep = lambda a: jnp.repeat(a, REP, axis=1)[:, :, i]
         step_o, _ = delta_rule.recurrent_step(rep(args[0]), rep(args[1]), args[2][:, :, i], args[3][:, :, i], args[4][:, :, i], s)
         np.testing.assert_allclose(o[:, :, i], step_o, rtol=1e-5, atol=1e-5)
@@ -196,3 +198,24 @@ def test_the_kernel_writes_state_and_window_in_place():
             k, v, g, beta, state, path, count)
         calls = [e for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
         assert len(calls) == 1 and tuple(calls[0].params["input_output_aliases"]) == want
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("b", [1, 8])
+def test_native_at_the_27b_layer(gpu_impl, dtype, b):
+    """The 27B GDN layer (16 k / 48 v heads of 128): the deepest path of a DDTree-like 64-node tree
+    committed (P = 16), with and without the conv window, within 1e-5 of the reference."""
+    pb = bench.gdn_problem(9, b, 64)
+    lp = [bench.leaf_path(t, 16) for t in pb["trees"]]
+    path, count = jnp.asarray([x for x, _ in lp], jnp.int32), jnp.asarray([c for _, c in lp], jnp.int32)
+    _, k, v, g, beta, state, _ = bench.gdn_args(pb, dtype)
+    args = (k, v, g, beta, state, path, count)
+    assert_close(kernel(gpu_impl)(*args), ref_fn(*args), 1e-5)
+    rng = np.random.default_rng(b)
+    conv_dim = 2 * k.shape[1] * k.shape[3] + v.shape[1] * v.shape[3]
+    window = jnp.asarray(rng.normal(size=(b, 3, conv_dim)), jnp.bfloat16)
+    conv_in = jnp.asarray(rng.normal(size=(b, 64, conv_dim + v.shape[1] * v.shape[3])), jnp.bfloat16)
+    state_got, window_got = kernel(gpu_impl)(*args, window=window, conv_in=conv_in)
+    state_ref, window_ref = ref_fn(*args, window=window, conv_in=conv_in)
+    assert_close(state_got, state_ref, 1e-5)
+    np.testing.assert_array_equal(np.asarray(window_got, np.float32), np.asarray(window_ref, np.float32))

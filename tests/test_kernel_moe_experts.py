@@ -132,17 +132,16 @@ def test_an_id_outside_the_experts_adds_nothing_under_jit(impl):
 
 @pytest.mark.parametrize("block_m", [16, 32])
 @pytest.mark.parametrize("by_count", [True, False])
-def test_group_pairs_tiles_partition_each_experts_rows(block_m, by_count, monkeypatch):
+def test_group_pairs_tiles_partition_each_experts_rows(block_m, by_count):
     """Sorted rows: a stable sort by expert; the used tiles cover every sorted row exactly once,
     each inside one expert's rows, within the static tile count; the rank by comparison count
     and the argsort give the same rows."""
-    if not by_count:
-        monkeypatch.setattr(moe, "RANK_BY_COUNT_MAX_PAIRS", 0)
     rng = np.random.default_rng(block_m)
     t, k, e = 40, 3, 6
     ids = _routing(rng, t, k, e, "hot")
     ids[5, 2] = e  # an id outside the experts: sorted last, in no tile
-    g = jax.tree.map(np.asarray, jax.jit(moe.group_pairs, static_argnums=(1, 2))(jnp.asarray(ids), e, block_m))
+    g = jax.tree.map(np.asarray, jax.jit(moe.group_pairs, static_argnums=(1, 2, 3))(
+        jnp.asarray(ids), e, block_m, moe.RANK_BY_COUNT_MAX_PAIRS if by_count else 0))
     flat = ids.reshape(-1)
     order = np.argsort(flat, kind="stable")
     assert (g.sorted_row[order] == np.arange(t * k)).all()

@@ -1,10 +1,11 @@
-"""The one-launch node selection kernel (interpret mode) equals the XLA form array for
-array: random per-depth candidates with ties, -inf and signed zeros, budgets 1-64, fewer
-candidates than the budget, fewer real prefixes than the budget, batch 2; a whole DDTree build
-through it equals the CPU's tree. Shapes are padded per case so one compilation serves all
-hypothesis examples."""
+"""The one-launch node selection kernel (`impl`: interpret mode, natively under -m gpu) equals the
+XLA form array for array: random per-depth candidates with ties, -inf and signed zeros, budgets
+1-64, fewer candidates than the budget, fewer real prefixes than the budget, batch 2; a whole
+DDTree build through it equals the CPU's tree; (-m gpu) 15 draft depths at budgets 8-64, batch 1
+and 8. Shapes are padded per case so one compilation serves all hypothesis examples."""
 
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +14,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from pallas_kernels.tree_select import SELECT_KERNEL_MAX_BUDGET, path_words, rank_place, select_nodes
+from scripts.bench import kernels as bench
+from scripts.bench.shapes import DRAFT_DEPTHS
 from tests.build_harness import assert_gpu_build_equals_cpu
 
 
@@ -41,21 +44,21 @@ def assert_same(want, got):
                                               (20, 2, 3), (33, 33, 4), (64, 64, 3)])
 @settings(max_examples=5, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), levels=st.sampled_from([0, 1, 4]))
-def test_select_kernel_equals_xla(budget, k, depth, seed, levels):
+def test_select_kernel_equals_xla(impl, budget, k, depth, seed, levels):
     top_val = jnp.asarray(draw_top_val(seed, depth, k, levels))
     want = _select(top_val, budget, "xla")
-    assert_same(want, _select(top_val, budget, "pallas_interpret"))
+    assert_same(want, _select(top_val, budget, impl))
 
 
-def test_invalid_nodes_last_and_canonical():
+def test_invalid_nodes_last_and_canonical(impl):
     """Fewer finite prefixes than the budget: the valid nodes first in tree order, the rest
     (0, 0, 0, False), in the kernel and the XLA form."""
     top_val = np.full((2, 3, 4), -np.inf, np.float32)
     top_val[:, 0, :2] = [-0.5, -1.0]
     top_val[:, 1, :1] = -0.25  # 2 depth-1 + 2 depth-2 finite prefixes
     top_val = jnp.asarray(top_val)
-    for impl in ("xla", "pallas_interpret"):
-        d, r, p, v = (np.asarray(a) for a in _select(top_val, 6, impl))
+    for form in ("xla", impl):
+        d, r, p, v = (np.asarray(a) for a in _select(top_val, 6, form))
         np.testing.assert_array_equal(v[0], [True] * 4 + [False] * 2)
         np.testing.assert_array_equal(d[0], [0, 0, 1, 1, 0, 0])
         np.testing.assert_array_equal(p[0], [0, 0, 1, 2, 0, 0])
@@ -100,13 +103,19 @@ def test_ddtree_build_through_the_kernel_equals_cpu_tree(budget):
     assert bool(routed) == (budget > SELECT_KERNEL_MAX_BUDGET)  # announced, never silent
 
 
-def test_gpu_script_smoke(tmp_path):
-    """scripts/gpu_tree_select.py in interpret mode: equality check and the timing path."""
-    import json
-
-    from scripts.gpu_tree_select import main
-
+@pytest.mark.script
+def test_bench_cpu_smoke(tmp_path):
+    """scripts.bench.kernels tree_select in interpret mode: equality check and the timing path."""
     out = tmp_path / "select.json"
-    assert main(["--cpu-smoke", "--budgets", "4", "--batches", "2", "--out", str(out)]) == 0
+    assert bench.main(["tree_select", "--cpu-smoke", "--budgets", "4", "--batches", "2", "--out", str(out)]) == 0
     [row] = json.loads(out.read_text())["rows"]
     assert row["kernel_equal"] and row["kernel_us"] > 0 and row["xla_us"] > 0
+
+
+@pytest.mark.parametrize("budget", [8, 16, 32, 64])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_native_at_the_draft_depths(gpu_impl, batch, budget):
+    """15 draft depths of `budget` candidates each, with ties and -inf: the kernel's arrays equal
+    the XLA form's."""
+    [top_val] = bench.tree_select_problem(batch * 100 + budget, batch, DRAFT_DEPTHS, budget, 1)
+    assert_same(_select(top_val, budget, "xla"), _select(top_val, budget, gpu_impl))

@@ -1,6 +1,6 @@
 """scripts/offline_triton_compile.py: the Pallas kernels lower for CUDA on a CPU-only machine and
-their Triton module is captured (the register / spill check needs pip's triton at the GPU
-machine's release, 3.6, and runs only where that is installed)."""
+their Triton module is captured; the register / spill checks need pip's triton of the version the
+limits were measured with (tests/triton_limits.py) and skip elsewhere."""
 
 import functools
 
@@ -8,19 +8,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from scripts.offline_triton_compile import capture_ttir, compile_ttir
-
-GPU_TRITON = "3.6."  # the H200 image's triton (pip install triton==3.6.0): the figures below are its
-
-
-def require_gpu_triton():
-    """Skip unless pip's triton is the GPU machine's release: the register / spill bounds asserted
-    here were measured with it, and another release compiles the same TTIR differently (the CUDA
-    torch wheels bring triton 3.7-3.9, with which the GDN tree kernel spilled 7024 B)."""
-    triton = pytest.importorskip("triton")
-    if not triton.__version__.startswith(GPU_TRITON):
-        pytest.skip(f"triton {triton.__version__} is installed; these bounds hold for triton {GPU_TRITON}x")
-
+from scripts.offline_triton_compile import capture_ttir, compile_ttir, gdn_cases, gdn_commit_cases, gdn_decode_cases
+from tests.triton_limits import require_recorded_triton
 
 def _ssd_shapes(nodes=16, h=4, hd=16, g=2, ns=16):
     return (jax.ShapeDtypeStruct((1, nodes, h, hd), jnp.bfloat16), jax.ShapeDtypeStruct((1, nodes, h), jnp.float32),
@@ -39,7 +28,7 @@ def test_capture_ttir_finds_the_kernel():
 
 
 def test_compile_reports_registers():
-    require_gpu_triton()
+    require_recorded_triton()
     from pallas_kernels.ssd_tree import ssd_tree_verify
 
     [(_, ttir)] = capture_ttir(functools.partial(ssd_tree_verify, impl="pallas"), *_ssd_shapes())
@@ -59,7 +48,7 @@ def test_tree_select_lowers_for_cuda_without_spills():
         [(name, ttirs[budget])] = capture_ttir(functools.partial(select_nodes, budget=budget, impl="pallas"),
                                                jax.ShapeDtypeStruct((1, 15, budget), jnp.float32))
         assert "tree_select" in name and "scf.for" in ttirs[budget]  # the pops run as a loop, not unrolled
-    require_gpu_triton()
+    require_recorded_triton()
     for budget, ttir in ttirs.items():
         res = compile_ttir(ttir, num_warps=DEFAULT_WARPS, num_stages=1)
         assert res["regs"] <= 255 and res["stack_bytes"] == 0, (budget, res)
@@ -68,13 +57,13 @@ def test_tree_select_lowers_for_cuda_without_spills():
 def test_row_top_k_lowers_for_cuda_without_spills():
     """The row top-k kernel lowers to Triton for CUDA here; where pip's triton is installed, the
     demo's rows (8192 entries, k = 16) compile for sm_90 at the default warps without spilling
-    (4 warps since the H200 timings of session 6: 156 registers, 88 at 8 warps)."""
+    (4 warps, the fastest on the H200: 156 registers, 88 at 8 warps)."""
     from pallas_kernels.row_top_k import DEFAULT_WARPS, row_top_k
 
     [(name, ttir)] = capture_ttir(functools.partial(row_top_k, k=16, impl="pallas"),
                                   jax.ShapeDtypeStruct((1, 15, 8192), jnp.float32))
     assert "row_top_k" in name and "scf.for" in ttir  # the k picks run as a loop
-    require_gpu_triton()
+    require_recorded_triton()
     res = compile_ttir(ttir, num_warps=DEFAULT_WARPS, num_stages=1)
     assert res["regs"] <= 255 and res["stack_bytes"] == 0, res
 
@@ -82,10 +71,8 @@ def test_row_top_k_lowers_for_cuda_without_spills():
 def test_gdn_decode_lowers_for_cuda_without_spills():
     """The GDN decode kernel at the 27B layer (hidden 5120, 16 k / 48 v heads of 128) lowers to
     Triton for CUDA here; where pip's triton is installed it compiles for sm_90 at the default warps
-    without spilling (4 warps since the H200 timings of session 6: 251 registers; 177 at 8 warps)."""
+    without spilling (4 warps, the fastest on the H200: 251 registers; 177 at 8 warps)."""
     from pallas_kernels.gdn_decode import DEFAULT_WARPS
-    from scripts.offline_triton_compile import gdn_decode_cases
-
     cases = [c for c in gdn_decode_cases(1) if c[1] == DEFAULT_WARPS]
     assert [c[0].get("packed", False) for c in cases] == [False, True]  # also the packed product form
     ttirs = []
@@ -93,7 +80,7 @@ def test_gdn_decode_lowers_for_cuda_without_spills():
         [(name, ttir)] = capture_ttir(fn, *shapes)
         assert "gdn_decode" in name
         ttirs.append(ttir)
-    require_gpu_triton()
+    require_recorded_triton()
     for ttir in ttirs:
         res = compile_ttir(ttir, num_warps=DEFAULT_WARPS, num_stages=1)
         assert res["regs"] <= 255 and res["stack_bytes"] == 0, res
@@ -102,10 +89,8 @@ def test_gdn_decode_lowers_for_cuda_without_spills():
 def test_gdn_tree_kernel_spills_no_more_than_before():
     """The GDN tree kernel at the 27B layer (16 k / 48 v heads of 128), default tiles and warps:
     bf16 at 65 nodes (the root peel on 16-row tiles, SPLIT_STATE) compiles for sm_90 without
-    spilling (64 B before session 11); float32 keeps the peel's reductions (its tile form had
+    spilling (64 B before SPLIT_STATE); float32 keeps the peel's reductions (its tile form had
     spilled 8.8 KB at 17 nodes, 3.9 KB at 65) and spills no more than before them (1776 / 2240 B)."""
-    from scripts.offline_triton_compile import gdn_cases
-
     picked = {}
     for nodes in (65, 17):
         for label, warps, fn, shapes in gdn_cases(nodes):
@@ -114,7 +99,7 @@ def test_gdn_tree_kernel_spills_no_more_than_before():
                 assert "gdn_tree_verify" in name
                 picked[(nodes, label["inputs"])] = (ttir, warps)
     assert set(picked) == {(65, "bfloat16"), (65, "float32"), (17, "bfloat16"), (17, "float32")}
-    require_gpu_triton()
+    require_recorded_triton()
     limits = {(65, "bfloat16"): 0, (17, "bfloat16"): 0, (65, "float32"): 2240, (17, "float32"): 1776}
     for key, limit in limits.items():
         ttir, warps = picked[key]
@@ -125,17 +110,14 @@ def test_gdn_tree_kernel_spills_no_more_than_before():
 def test_gdn_commit_lowers_for_cuda_with_and_without_the_window():
     """Both forms of the path commit (the conv window slide on programs of its own) lower for CUDA
     at the 27B layer; where triton is installed they compile without spills."""
-    from scripts.offline_triton_compile import gdn_commit_cases
-
     cases = list(gdn_commit_cases(65))
     assert {c[0]["window"] for c in cases} == {False, True}
-    import importlib.util
-
-    has_triton = importlib.util.find_spec("triton") is not None
+    ttirs = []
     for opts, warps, fn, shapes in cases[:2]:
         [(name, ttir)] = capture_ttir(fn, *shapes)
         assert "gdn_path_commit" in name and "tt.func" in ttir
-        if not has_triton:
-            continue
+        ttirs.append((opts, warps, ttir))
+    require_recorded_triton()
+    for opts, warps, ttir in ttirs:
         res = compile_ttir(ttir, num_warps=warps, num_stages=1)
         assert res["stack_bytes"] == 0 and res["regs"] <= 255, (opts, res)

@@ -18,7 +18,7 @@ def fake_runner(loops):
         assert extra == ["--int8-drafter"] and os.path.isdir(cache_dir) and not os.listdir(cache_dir)
         with open(os.path.join(cache_dir, f"fusion_from_try{i}.textproto"), "w") as f:
             f.write(str(i))
-        return {"error": "profile_step.py exited 1: boom"} if loop is None else {"loop_ms": loop, "step_ms": 13.4}
+        return {"error": "scripts.bench.profile exited 1: boom"} if loop is None else {"loop_ms": loop, "step_ms": 13.4}
 
     return run
 
@@ -53,8 +53,8 @@ def test_no_figure_leaves_the_directory_as_it_was(tmp_path, capsys):
         main(["--tries", "0", "--cache", str(cache)])
 
 
-@pytest.mark.slow  # 15 s: one real profile_step.py --smoke process (no GPU here: no kernel times)
-def test_smoke_runs_profile_step_for_real(tmp_path):
+@pytest.mark.script  # 15 s: one real scripts.bench.profile --smoke process (no GPU here: no kernel times)
+def test_smoke_runs_the_profile_for_real(tmp_path):
     from scripts.pick_autotune_cache import main
 
     out = tmp_path / "pick.json"

@@ -5,7 +5,6 @@ lossless generation with the exported pair."""
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import os
 
@@ -33,23 +32,14 @@ from ddtree_jax.training.drafter_trainer import (
 )
 from ddtree_jax.training.export import export_drafter, export_target, hf_name_for
 from ddtree_jax.training.target_trainer import TOY_TARGET_SHAPE, init_target, lm_loss, target_hf_config
+from scripts import build_demo_pair
 from tests.tiny_models import random_params
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("build_demo_pair", os.path.join(ROOT, "scripts", "build_demo_pair.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
 
 def test_toy_pipeline_end_to_end(tmp_path):
     """scripts/build_demo_pair.py --toy: outputs, decreasing losses, lossless generation with the
     exported pair. One test (not a shared fixture), so pytest-xdist never runs the pipeline twice."""
     out = tmp_path / "toy_pair"
-    assert _load_script().main(["--toy", "--out", str(out)]) == 0
+    assert build_demo_pair.main(["--toy", "--out", str(out)]) == 0
     report = json.loads((out / "report.json").read_text())
     _check_outputs(out, report)
     _check_losses(report)

@@ -1,31 +1,20 @@
-"""scripts/profile_pair.py and scripts/profile_step.py run end to end on the CPU (no GPU kernels
-to count there, but every phase loop compiles and runs: the demo pair, the smoke-size model)."""
+"""scripts.bench.profile runs end to end on the CPU (no GPU kernels to count there, but every phase
+loop compiles and runs at the smoke shape); the deep random trees it can verify on; the Nsight
+Compute target (scripts.bench.ncu) runs each call."""
 
 import json
 
 import pytest
 
 
-@pytest.mark.slow
-def test_profile_pair_smoke(tmp_path):
-    from scripts.profile_pair import main
-
-    out = tmp_path / "p.json"
-    assert main(["--budgets", "16", "--smoke", "--out", str(out)]) == 0
-    report = json.loads(out.read_text())
-    assert set(report["runs"]) == {"ar", "dflash", "ddtree16"}
-    assert set(report["runs"]["ddtree16"]) == {"step", "draft", "build", "verify", "commit"}
-    assert all(r["wall_ms"] > 0 for run in report["runs"].values() for r in run.values())
-
-
-def test_profile_step_smoke_writes_hlo(tmp_path):
-    """scripts/profile_step.py end to end at smoke size, with the optimized HLO of each phase
+@pytest.mark.script
+def test_profile_smoke_writes_hlo(tmp_path):
+    """scripts.bench.profile end to end at smoke size, with the optimized HLO of each phase
     written gzipped (what the kernel table's fusion names refer to) and `--sources` (the same HLO
-    indexed: scripts/hlo_index.py)."""
+    indexed: scripts/bench/hlo_index.py)."""
     import gzip
-    import json
 
-    from scripts.profile_step import main
+    from scripts.bench.profile import main
 
     out, hlo = tmp_path / "p.json", tmp_path / "hlo"
     assert main(["--smoke", "--gemm-m", "", "--phases", "step,verify", "--verify-budgets", "", "--iters", "1",
@@ -37,10 +26,11 @@ def test_profile_step_smoke_writes_hlo(tmp_path):
         assert gzip.decompress((hlo / f"{phase}.hlo.txt.gz").read_bytes()).startswith(b"HloModule")
 
 
-def test_profile_step_deep_tree(tmp_path):
+@pytest.mark.script
+def test_profile_deep_tree(tmp_path):
     """--tree-shape deep: the verify / commit phases run on a DDTree-like tree of depth <= 15
     (bench.deep_tree) instead of the random drafter's depth-1 tree."""
-    from scripts.profile_step import main
+    from scripts.bench.profile import main
 
     out = tmp_path / "p.json"
     assert main(["--smoke", "--gemm-m", "", "--phases", "verify,commit", "--verify-budgets", "", "--iters", "1",
@@ -50,9 +40,10 @@ def test_profile_step_deep_tree(tmp_path):
     assert set(report["phases"]) == {"verify", "commit"}
 
 
-def test_profile_step_int8_drafter_with_a_draft_vocabulary(tmp_path):
+@pytest.mark.script
+def test_profile_int8_drafter_with_a_draft_vocabulary(tmp_path):
     """--int8-drafter and --draft-vocab reach the drafter the draft phase profiles."""
-    from scripts.profile_step import main
+    from scripts.bench.profile import main
 
     out = tmp_path / "p.json"
     assert main(["--smoke", "--gemm-m", "", "--phases", "draft", "--verify-budgets", "", "--iters", "1",
@@ -85,16 +76,13 @@ def test_deep_parents_is_a_topological_tree_of_bounded_depth():
     assert (np.asarray(deep.positions[0]) == 10 + np.asarray(deep.depths[0])).all()
 
 
-def test_ncu_targets_runs_every_kernel_on_the_cpu(capsys):
-    """scripts/ncu_targets.py (the Nsight Compute target): each kernel's call at the 27B shape runs
-    end to end (references here; the profiler brackets are no-ops without a CUDA driver)."""
-    from scripts.ncu_targets import main
+@pytest.mark.script
+def test_ncu_target_runs_every_kernel_on_the_cpu(capsys):
+    """scripts.bench.ncu (the Nsight Compute target): each kernel's call at the 27B shape runs end to
+    end (the references here; the profiler brackets are no-ops without a CUDA driver)."""
+    from scripts.bench.ncu import main
 
-    for argv in (["gdn", "--tree", "deep"], ["attention"], ["gemm", "--weight", "out"], ["int8", "--weight", "down"]):
+    for argv in (["gdn", "--tree", "deep"], ["attention"], ["gemm", "--weight", "out"]):
         assert main([*argv, "--launches", "1", "--impl", "xla"]) == 0
     out = capsys.readouterr().out
-    assert out.count("finite=True") == 4 and "int8 tree=star weight=down nodes=16" in out
-    import pytest
-
-    with pytest.raises(SystemExit):
-        main(["int8", "--weight", "out"])
+    assert out.count("finite=True") == 3 and "gemm tree=star weight=out nodes=65" in out

@@ -1,17 +1,19 @@
 """Where the time of one decode / DDTree step goes, kernel by kernel (run on the H200).
 
-Same 27B-shaped target, drafter and filled 4k caches as scripts/bench_e2e.py. Each phase (plain
-decode step; DDTree draft, tree build, verify, commit; "loop", the whole DDTree step as
+Same target, drafter and filled caches as scripts.bench.e2e (default: the 27B shape at a 4k
+context; `--shape demo` the demo pair's shape, whose step is bound by its kernel count). Each phase
+(plain decode step; DDTree draft, tree build, verify, commit; "loop", the whole DDTree step as
 generation runs it) runs `--inner` times inside one on-device loop under `jax.profiler.trace`;
-the trace's GPU plane is read back with `jax.profiler.ProfileData`
-and every kernel's time is summed by name and by kind (GEMM, Pallas/Triton, fusion, copy, ...);
-`--sources` also names what each kernel computes (shape, op, source lines in our code: read from
-the phase's optimized HLO, scripts/hlo_index.py) and sums the time by source line.
+the trace's GPU plane is read back with `jax.profiler.ProfileData` and every kernel's time is
+summed by name and by kind (GEMM, Pallas/Triton, fusion, copy, ...); `--sources` also names what
+each kernel computes (shape, op, source lines in our code: read from the phase's optimized HLO,
+scripts/bench/hlo_index.py) and sums the time by source line.
 A GEMM sweep over the row count M (1 ... 128) at the model's projection shapes shows what a
 verify pass of M tree nodes costs per weight byte.
 
-    PYTHONPATH=. python3 scripts/profile_step.py --out $OUT/profile.json         # on the H200
-    PYTHONPATH=. python3 scripts/profile_step.py --smoke                         # any device
+    python -m scripts.bench.profile --out $OUT/profile.json             # on the H200
+    python -m scripts.bench.profile --shape demo --budget 16 --gemm-m "" --out $OUT/profile_demo.json
+    python -m scripts.bench.profile --smoke                             # any device
 """
 
 from __future__ import annotations
@@ -19,8 +21,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import datetime
-import glob
+import gzip
 import os
 import statistics
 import sys
@@ -29,21 +30,18 @@ import time
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from ddtree_jax import atomic
-from ddtree_jax import autotune_cache, overrides
 from ddtree_jax import bench as B
 from ddtree_jax.config import TargetConfig
-from ddtree_jax.models import int8
-from ddtree_jax.models.drafter import DrafterModel
-from ddtree_jax.models.target import TargetModel
 from ddtree_jax.speculative import generate as gen
-from ddtree_jax.speculative.dflash import DFlashProposer
 from ddtree_jax.speculative.sampling import Sampling
-from scripts import hlo_index
-from scripts.bench_e2e import (QWEN36_27B, SMOKE, _normal, drafter_config, filled_caches, random_params,
-                               add_drafter_options, drafter_setup)
+from scripts.bench import hlo_index
+from scripts.bench.common import (add_model_options, add_route_options, apply_route_options, model_configs,
+                                  model_setup,
+                                  start_report, trace_kernels, write_report)
+from scripts.bench.e2e import loop_state
+from scripts.bench.shapes import filled_caches, normal
 
 KINDS = (  # first match wins; matched against the lower-cased kernel name
     ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "matmul", "gemv", "dot")),
@@ -63,28 +61,9 @@ def kind_of(name: str) -> str:
     return "other"
 
 
-def gpu_kernels(trace_dir: str) -> list[tuple[str, str, float]]:
-    """(kernel name, hlo_op, duration us) of every event on the GPU planes of the trace."""
-    from jax.profiler import ProfileData
-
-    files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
-    out = []
-    for path in files:
-        for plane in ProfileData.from_file(path).planes:
-            if not plane.name.startswith("/device:GPU"):
-                continue
-            for line in plane.lines:
-                if "stream" not in line.name.lower():
-                    continue
-                for ev in line.events:
-                    stats = dict(ev.stats)
-                    out.append((ev.name, str(stats.get("hlo_op", "")), ev.duration_ns / 1e3))
-    return out
-
-
 def profile(fn, iters: int, label: str, top: int, index=None) -> dict:
     """Wall time per call (median of 5) and the kernel breakdown of `iters` traced calls; with
-    `index` (scripts/hlo_index.py, from the same executable's HLO) also where in our code each
+    `index` (hlo_index, from the same executable's HLO) also where in our code each
     kernel comes from, and the kernel time grouped by that place (`by_source`)."""
     jax.block_until_ready(fn())
     times = []
@@ -96,7 +75,7 @@ def profile(fn, iters: int, label: str, top: int, index=None) -> dict:
     with jax.profiler.trace(d):
         for _ in range(iters):
             jax.block_until_ready(fn())
-    events = gpu_kernels(d)
+    events = trace_kernels(d)
     by_name = collections.defaultdict(lambda: [0, 0.0])
     by_kind = collections.defaultdict(float)
     by_source = collections.defaultdict(lambda: [0, 0.0])
@@ -153,10 +132,10 @@ def gemm_sweep(cfg: TargetConfig, ms_list, repeats: int = 20) -> list[dict]:
     for name, (k, n) in shapes.items():
         label = f"{name} ({k}x{n})"
         copies = max(1, min(16, int(2e9 // (k * n * 2))))  # up to ~2 GB of weights per call
-        ws = [_normal(jax.random.PRNGKey(10 + i), (k, n), jnp.bfloat16, k**-0.5) for i in range(copies)]
+        ws = [normal(jax.random.PRNGKey(10 + i), (k, n), jnp.bfloat16, k**-0.5) for i in range(copies)]
         f = jax.jit(lambda x, ws: [x @ w for w in ws])
         for m in ms_list:
-            x = _normal(jax.random.PRNGKey(m), (m, k), jnp.bfloat16, 1.0)
+            x = normal(jax.random.PRNGKey(m), (m, k), jnp.bfloat16, 1.0)
             jax.block_until_ready(f(x, ws))
             ts = []
             for _ in range(repeats):
@@ -173,8 +152,6 @@ def gemm_sweep(cfg: TargetConfig, ms_list, repeats: int = 20) -> list[dict]:
 
 def write_hlo(path: str, text: str) -> None:
     """Gzipped HLO text, written atomically."""
-    import gzip
-
     atomic.write_bytes(path, gzip.compress(text.encode()))
 
 
@@ -186,21 +163,18 @@ def _timed(fn) -> float:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--smoke", action="store_true")
+    add_model_options(ap)
     ap.add_argument("--budget", type=int, default=64)
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--inner", type=int, default=4, help="phase runs per traced call")
     ap.add_argument("--iters", type=int, default=3, help="traced calls per phase")
     ap.add_argument("--top", type=int, default=25)
-    ap.add_argument("--kernels", default=None)
-    add_drafter_options(ap)
     ap.add_argument("--gemm-m", default="1,8,16,32,48,64,65,72,80,96,128", help="'' skips the GEMM sweep")
     ap.add_argument("--phases", default="step,draft,build,verify,commit",
                     help="comma list of step (plain decoding), draft, build, verify, commit, and loop: the "
                          "whole DDTree step inside gen._advance with its state carried, as generation runs it "
                          "(it shows the loop's own copies; its per-step figures include 1 / inner of the call's "
-                         "entry copies of the caches, which bench_e2e.py's marginal step cancels)")
+                         "entry copies of the caches, which scripts.bench.e2e's marginal step cancels)")
     ap.add_argument("--verify-budgets", default="63,79,127",
                     help="extra budgets whose verify phase is timed (no trace): node count = budget + 1")
     ap.add_argument("--tree-shape", choices=("built", "deep"), default="built",
@@ -216,56 +190,39 @@ def main(argv=None) -> int:
                     help="also write each phase's optimized HLO (gzipped text) here: the fusion names in the "
                          "kernel table are instruction names in it, so what each kernel computes can be read "
                          "off the device")
-    overrides.add_argument(ap)
-    autotune_cache.add_argument(ap)
+    add_route_options(ap)
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "profile.json"))
     args = ap.parse_args(argv)
-    # before the backend starts (the first device use): XLA reads its flags then
-    cache_dir = autotune_cache.use_autotune_cache(args.autotune_cache) if args.autotune_cache else None
-    applied = overrides.apply_from_args(ap, args)
-
-    cfg = TargetConfig.from_hf_dict(SMOKE if args.smoke else QWEN36_27B)
-    dcfg = drafter_config(cfg, 5, 4 if args.smoke else 32, 2 if args.smoke else 8, 32 if args.smoke else 128, 16)
-    context = 64 if args.smoke else args.context
-    report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "command": " ".join(["scripts/profile_step.py"] + (argv if argv is not None else sys.argv[1:])),
-              "device": jax.devices()[0].device_kind, "jax": jax.__version__, "budget": args.budget,
-              "batch": args.batch, "overrides": applied, "autotune_cache": cache_dir, "phases": {}}
+    route_fields = apply_route_options(ap, args)  # the autotune cache before the backend starts
+    shape, cfg, dcfg, context = model_configs(args)
+    report = start_report("scripts.bench.profile", argv, **route_fields, shape=shape, context=context, budget=args.budget,
+                          batch=args.batch, phases={})
 
     def save():
-        atomic.write_json(args.out, report)
+        write_report(args.out, report)
 
     if args.gemm_m:
         report["gemm_sweep"] = gemm_sweep(cfg, [int(m) for m in args.gemm_m.split(",")], 3 if args.smoke else 20)
         save()
 
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: TargetModel(cfg, rngs=nnx.Rngs(0))))
-    params = random_params(abstract, 0)
-    dgraph, dabstract = nnx.split(nnx.eval_shape(lambda: DrafterModel(dcfg, rngs=nnx.Rngs(0))))
-    dparams = random_params(dabstract, 1)
-    proposer, dparams = drafter_setup(DFlashProposer(dgraph, dcfg), dparams, graphdef, params, args)
-    report["draft_vocab"] = args.draft_vocab or None
-    report["int8_drafter"] = args.int8_drafter
-    report["int8_scheme"] = int8.scheme() if args.int8_drafter else None
-    kernels = args.kernels or gen.default_kernels()
-    report["kernels"] = kernels
+    graphdef, params, proposer, dparams, fields = model_setup(args, cfg, dcfg)
+    report.update(fields)
+    routes = args.routes
     capacity = context + 64
     cache, dcache = filled_caches(cfg, dcfg, args.batch, context, capacity, seed=args.batch)
     b = args.batch
     key = jax.random.PRNGKey(0)
-    s = gen.LoopState(cache, dcache, jnp.zeros((b,), jnp.int32) + 7, jnp.zeros((b, 8), jnp.int32),
-                      jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool), jnp.zeros((b,), jnp.int32),
-                      jnp.zeros((17,), jnp.int32), jnp.int32(0), gen.uniform_rows(Sampling(), b, 10**6, key))
+    s = loop_state(cache, dcache, b, key)
     eos = jnp.zeros((0,), jnp.int32)
-    tree_spec = gen.GenSpec("ddtree", args.budget, None, 10**6, Sampling(), capacity, proposer, kernels)
-    ar_spec = gen.GenSpec("ar", args.budget, None, 10**6, Sampling(), capacity, None, kernels)
+    tree_spec = gen.GenSpec("ddtree", args.budget, None, 10**6, Sampling(), capacity, proposer, routes)
+    ar_spec = gen.GenSpec("ar", args.budget, None, 10**6, Sampling(), capacity, None, routes)
     logq = B._propose(graphdef, params, dparams, s, tree_spec)
     tree = B._build(logq, s, tree_spec, gen.vocab_ids(tree_spec, dparams))
     if args.tree_shape == "deep":
         tree = B.deep_tree(tree, s.cache.lengths, seed=0)
     report["tree_shape"] = args.tree_shape
     report["tree_max_depth"] = int(jnp.max(tree.depths))
-    res = B._verify(graphdef, params, s, tree, tree_spec, key)
+    res = B._verify(graphdef, params, s, tree, tree_spec)
     for phase in args.phases.split(","):
         spec = ar_spec if phase == "step" else tree_spec
         st = s._replace(dstate=None, hist=jnp.zeros((2,), jnp.int32)) if phase == "step" else s
@@ -300,7 +257,8 @@ def main(argv=None) -> int:
               f"{p['kernels_per_call']:.0f} kernels ({p['seconds']:.0f} s)", flush=True)
         print("   by kind: " + ", ".join(f"{k} {v:.2f}" for k, v in p["by_kind_ms"].items()))
         for r in p["top"]:
-            print(f"   {r['ms']:8.3f} ms {r['calls']:6.1f}x  {r['kernel']}" + (f"  [{r['source']}]" if "source" in r else ""))
+            print(f"   {r['ms']:8.3f} ms {r['calls']:6.1f}x  {r['kernel']}"
+                  + (f"  [{r['source']}]" if "source" in r else ""))
         if "by_source" in p:
             print("   by source line:")
             for r in p["by_source"]:
@@ -310,7 +268,7 @@ def main(argv=None) -> int:
         spec = dataclasses.replace(tree_spec, budget=budget)
         lq = B._propose(graphdef, params, dparams, s, spec)
         tr = B._build(lq, s, spec, gen.vocab_ids(spec, dparams))
-        rs = B._verify(graphdef, params, s, tr, spec, key)
+        rs = B._verify(graphdef, params, s, tr, spec)
         fn = lambda n: (lambda: B._phase_loop(graphdef, params, dparams, s, lq, tr, rs, eos, key, spec, "verify", n))
         jax.block_until_ready(fn(args.inner)())
         # n and 2n iterations: the difference cancels the call's host dispatch

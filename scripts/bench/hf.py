@@ -1,11 +1,12 @@
 """Plain greedy decoding: ddtree-jax vs HF transformers' generate on the same random weights.
 
-A Qwen3.5-shaped config small enough for both (bf16). The HF model is built in PyTorch with its
-own random init; its state dict is converted to our params with the project's key maps, so both
-run the same weights. Reports tokens/s of each (after a warm-up run) and how many greedy tokens
-agree (bf16 runs can part ways after a near tie).
+A Qwen3.5-shaped config small enough for both (bf16; scripts/bench/shapes.py HF_COMPARE). The HF
+model is built in PyTorch with its own random init; its state dict is converted to our params with
+the project's key maps, so both run the same weights. Reports tokens/s of each (after a warm-up
+run) and how many greedy tokens agree (bf16 runs can part ways after a near tie).
 
-    PYTHONPATH=. python3 scripts/bench_hf_compare.py --out $OUT/hf_compare.json     # on the H200
+    python -m scripts.bench.hf --out $OUT/hf_compare.json     # on the H200
+    python -m scripts.bench.hf --smoke                        # tiny shapes, any device
 """
 
 from __future__ import annotations
@@ -16,28 +17,21 @@ import os
 import sys
 import time
 
-from ddtree_jax import atomic
 import jax
 import jax.numpy as jnp
 import numpy as np
+import torch
+import transformers
+from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-CONFIG = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
-              num_attention_heads=16, num_key_value_heads=4, head_dim=128, linear_num_key_heads=16,
-              linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
-              linear_conv_kernel_dim=4, full_attention_interval=4, max_position_embeddings=8192)
-SMOKE = dict(CONFIG, vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-             linear_key_head_dim=16, linear_value_head_dim=16)
+from converters.params import target_params_from_tensors
+from ddtree_jax import atomic
+from ddtree_jax.config import TargetConfig
+from ddtree_jax.speculative.generate import generate
+from scripts.bench.shapes import HF_COMPARE, HF_COMPARE_SMOKE
 
 
 def main(argv=None) -> int:
-    import torch
-    import transformers
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
-
-    from converters.params import target_params_from_tensors
-    from ddtree_jax.config import TargetConfig
-    from ddtree_jax.speculative.generate import generate
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true")
@@ -47,7 +41,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
-    raw = SMOKE if args.smoke else CONFIG
+    raw = HF_COMPARE_SMOKE if args.smoke else HF_COMPARE
     new = 16 if args.smoke else args.new
     torch.manual_seed(0)
     hf_cfg = Qwen3_5TextConfig(**raw)
@@ -84,7 +78,8 @@ def main(argv=None) -> int:
             torch.cuda.synchronize()
         hf_s = time.perf_counter() - t0
     hf_tokens = out[0, args.prompt_len:].tolist()
-    agree = next((i for i, (a, b) in enumerate(zip(ours_tokens, hf_tokens)) if a != b), min(len(ours_tokens), len(hf_tokens)))
+    agree = next((i for i, (a, b) in enumerate(zip(ours_tokens, hf_tokens)) if a != b),
+                 min(len(ours_tokens), len(hf_tokens)))
     try:
         import fla  # noqa: F401
 
@@ -93,7 +88,7 @@ def main(argv=None) -> int:
         kernels = "no flash-linear-attention (HF uses its torch fallbacks)"
     report = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(["scripts/bench_hf_compare.py"] + (argv if argv is not None else sys.argv[1:])),
+        "command": " ".join(["python -m scripts.bench.hf"] + (argv if argv is not None else sys.argv[1:])),
         "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
         "transformers": transformers.__version__, "torch": torch.__version__, "jax": jax.__version__,
         "hf_kernels": kernels, "config": raw, "dtype": str(dtype), "prompt_len": args.prompt_len, "new_tokens": new,

@@ -1,30 +1,134 @@
-"""Peers of the GDN tree kernel for scripts/gpu_gdn.py: one float32 state per node in PyTorch (what
-per-node-state implementations do), flash-linear-attention's fused recurrent kernel run on every
-root-to-leaf path (tree-correct), and FLA on a plain chain (a lower bound, not tree-correct).
-FLA comes from the environment or from a carried wheel under .whl/."""
+"""Public implementations the kernels are compared with (scripts.bench.kernels), in PyTorch:
+
+- tree attention: SDPA with a boolean mask (GQA native or with expanded K/V heads, whichever is
+  faster) and flex_attention with a block mask built from the same ancestor bits (`TorchAttention`);
+- GDN tree verify: one float32 state per node, each built from its parent's (what per-node-state
+  implementations such as SGLang's / vLLM's keep, `TorchPerNode`), flash-linear-attention's fused
+  recurrent kernel run on every root-to-leaf path (tree-correct, `FlaPaths`), and FLA on a plain chain
+  of N tokens (a lower bound, not tree-correct: `fla_chain_fns`).
+
+Each peer is built from the same inputs as our kernel and called with no arguments, so the caller
+times it like its own kernel (common.time_torch). torch is imported when a peer is built (the
+kernels' timings need no torch); FLA comes from the environment or from a carried wheel under .whl/
+(the GPU machine has no network).
+"""
 
 from __future__ import annotations
 
 import glob
+import importlib
+import importlib.util
 import os
 import sys
 import tempfile
+import types
 import zipfile
 
+import jax.numpy as jnp
 import numpy as np
 
-from gpu_bench_common import err_str
+from ddtree_jax.tree import bits_to_dense, root_path
+from scripts.bench.common import err_str, time_torch
 
 
+class TorchAttention:
+    """SDPA and flex_attention over one jax argument set of tree attention."""
+
+    def __init__(self):
+        import torch
+
+        self.torch = torch
+        self.flex = None
+        self.flex_error = None
+        self.gqa_mode = None  # "enable_gqa" or "expanded", decided on first use
+
+    def _tensors(self, a):
+        """Torch views of one jax arg set: q [B, nh, N, hd], K/V [B, kv, Lmax + N, hd] with the tree
+        K/V after the longest cache row (as if written into the cache), mask [B, 1, N, Lmax + N]."""
+        torch = self.torch
+        q, kc, vc, lens, kt, vt, bits = a
+        b, n = q.shape[:2]
+        lmax = int(np.max(np.asarray(lens)))
+        td = lambda x: torch.from_dlpack(x)
+        tq = td(q).transpose(1, 2).contiguous()
+        k = torch.cat([td(kc)[:, :, :lmax], td(kt).transpose(1, 2)], dim=2).contiguous()
+        v = torch.cat([td(vc)[:, :, :lmax], td(vt).transpose(1, 2)], dim=2).contiguous()
+        vis = td(jnp.asarray(bits_to_dense(bits, n)))
+        lens_t = td(lens).to(torch.int64)
+        pos = torch.arange(lmax, device=k.device)
+        cache_mask = (pos[None, None, :] < lens_t[:, None, None]).expand(b, n, lmax)
+        mask = torch.cat([cache_mask, vis], dim=2)[:, None]  # [B, 1, N, Lmax + N]
+        return tq, k, v, mask, lens_t, vis, lmax
+
+    def sdpa_fns(self, arg_sets, decode=False):
+        torch = self.torch
+        F = torch.nn.functional
+        fns = []
+        for a in arg_sets:
+            tq, k, v, mask, lens_t, vis, lmax = self._tensors(a)
+            scale = tq.shape[-1] ** -0.5
+            if decode and tq.shape[0] == 1:
+                k, v, mask = k[:, :, :lmax].contiguous(), v[:, :, :lmax].contiguous(), None  # plain decode
+            elif decode:
+                k, v, mask = k[:, :, :lmax].contiguous(), v[:, :, :lmax].contiguous(), mask[..., :lmax].contiguous()
+            group = tq.shape[1] // k.shape[1]
+            if self.gqa_mode is None:
+                self.gqa_mode = self._pick_gqa(tq, k, v, mask, scale, group)
+            if self.gqa_mode == "expanded":
+                k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+                fn = lambda tq=tq, k=k, v=v, m=mask: F.scaled_dot_product_attention(tq, k, v, attn_mask=m, scale=scale)
+            else:
+                fn = lambda tq=tq, k=k, v=v, m=mask: F.scaled_dot_product_attention(
+                    tq, k, v, attn_mask=m, scale=scale, enable_gqa=True)
+            fns.append(fn)
+        return fns
+
+    def _pick_gqa(self, tq, k, v, mask, scale, group):
+        """enable_gqa=True if it runs and is not slower than pre-expanded K/V heads."""
+        torch = self.torch
+        F = torch.nn.functional
+        try:
+            t_gqa, _ = time_torch([lambda: F.scaled_dot_product_attention(tq, k, v, attn_mask=mask, scale=scale,
+                                                                          enable_gqa=True)], rounds=3)
+        except Exception:
+            return "expanded"
+        ke, ve = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        t_exp, _ = time_torch([lambda: F.scaled_dot_product_attention(tq, ke, ve, attn_mask=mask, scale=scale)],
+                              rounds=3)
+        return "enable_gqa" if t_gqa <= t_exp else "expanded"
+
+    def flex_fns(self, arg_sets):
+        torch = self.torch
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        if self.flex is None:
+            self.flex = torch.compile(flex_attention)
+        fns = []
+        for a in arg_sets:
+            tq, k, v, mask, lens_t, vis, lmax = self._tensors(a)
+            b, _, n, _ = tq.shape
+
+            def mask_mod(bb, h, qi, kv, lens_t=lens_t, vis=vis, lmax=lmax):
+                t = kv - lmax
+                in_tree = (t >= 0) & vis[bb, qi, t.clamp(min=0)]
+                return (kv < lens_t[bb]) | in_tree
+
+            bm = create_block_mask(mask_mod, b, None, n, lmax + n, device=tq.device)
+            scale = tq.shape[-1] ** -0.5
+            fns.append(lambda tq=tq, k=k, v=v, bm=bm: self.flex(tq, k, v, block_mask=bm, scale=scale, enable_gqa=True))
+        return fns
+
+    def check(self, fn, ref):
+        """Relative error of a peer's output [B, nh, N, hd] against ours [B, N, nh, hd]."""
+        out = fn().transpose(1, 2).float().cpu().numpy()
+        ref = np.asarray(ref, np.float32)
+        return float(np.abs(out - ref).max() / np.abs(ref).max())
 
 
 def import_fla():
     """FLA's gated delta rule ops: from the environment, else from a carried wheel under .whl/
     (unpacked to a temp dir). When fla/__init__ needs packages that are missing (its layers and
     models import transformers / einops), the ops are loaded under a stub `fla` package."""
-    import importlib
-    import importlib.util
-    import types
 
     def ops():
         return importlib.import_module("fla.ops.gated_delta_rule")
@@ -82,8 +186,6 @@ class TorchPerNode:
     def __init__(self, pb, dtype, device):
         import torch
 
-        from ddtree_jax.tree import root_path
-
         self.torch = torch
         b, hk, n, dk = pb["q"].shape
         hv, dv = pb["v"].shape[1], pb["v"].shape[3]
@@ -108,7 +210,8 @@ class TorchPerNode:
                 parent = b * n + bi if p < 0 else bi * n + p
                 levels.setdefault(d, []).append((bi * n + i, parent))
         self.levels = [
-            (torch.tensor([x for x, _ in levels[d]], device=device), torch.tensor([p for _, p in levels[d]], device=device))
+            (torch.tensor([x for x, _ in levels[d]], device=device),
+             torch.tensor([p for _, p in levels[d]], device=device))
             for d in sorted(levels)
         ]
         self.state_bytes = b * n * hv * dk * dv * 4
@@ -137,8 +240,6 @@ class FlaPaths:
 
     def __init__(self, fla_ops, pb, device):
         import torch
-
-        from ddtree_jax.tree import root_path
 
         self.torch, self.ops = torch, fla_ops
         b, hk, n, dk = pb["q"].shape
@@ -194,7 +295,8 @@ class FlaPaths:
 
 
 def fla_chain_fns(fla_ops, pb, device):
-    """FLA on a chain of N tokens per sequence (NOT tree-correct: a lower bound)."""
+    """FLA's fused recurrent and chunked kernels on a chain of N tokens per sequence (NOT
+    tree-correct: a lower bound on what a chain kernel costs for N tokens)."""
     import torch
 
     b, hk, n, dk = pb["q"].shape
@@ -208,6 +310,6 @@ def fla_chain_fns(fla_ops, pb, device):
     h0 = bt(pb["state"]).float()
     kw = dict(q=q, k=k, v=v, g=g, beta=beta, scale=1.0, initial_state=h0, output_final_state=True)
     return {
-        "fla fused_recurrent, chain of N (not tree-correct)": lambda: fla_ops.fused_recurrent_gated_delta_rule(**kw),
-        "fla chunk, chain of N (not tree-correct)": lambda: fla_ops.chunk_gated_delta_rule(**kw),
+        "fla_chain_recurrent": lambda: fla_ops.fused_recurrent_gated_delta_rule(**kw),
+        "fla_chain_chunk": lambda: fla_ops.chunk_gated_delta_rule(**kw),
     }

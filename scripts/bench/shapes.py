@@ -1,0 +1,161 @@
+"""The model shapes the benchmarks run and their random weights, made here and nowhere else.
+
+Model shapes (`SHAPES`, chosen with `--shape`):
+  27b   the Qwen3.6-27B-shaped hybrid target (hidden 5120, 64 layers, full attention every 4th,
+        24 q / 4 kv heads of 256, GDN 16 k / 48 v heads of 128, conv 4, FFN 17408, vocab 248320,
+        bf16) and a 5-layer DFlash drafter of its width (32 q / 8 kv heads of 128, block 16);
+  demo  the embedded demo pair's configs (ddtree_jax/assets/demo: 8 layers of 256, vocab 8192) with
+        random weights: a small model, whose step is bound by its kernel count;
+  smoke tiny widths of the 27B's layer pattern, to check a tool on any machine in seconds.
+
+Random weights: normal with std fan_in^-1/2, norm weights 1 + N(0, 0.1), the GDN gate parameters
+(A_log, dt_bias) uniform in [-1, 1]; never zeros (a kernel fed zeros can look right and fast while
+reading the wrong rows). Made on the device leaf by leaf, so a 27B target needs no host copy.
+
+Caches: `filled_caches` holds `context` committed tokens of random K / V and recurrent state per row,
+what a prefill of that length leaves (no long prefill to compile).
+
+Kernel layer shapes (`GDN_27B`, `ATTENTION_27B`, `SSD_NEMOTRON_H_8B`): one layer of the models above,
+what scripts.bench.kernels and the native GPU tests run the kernels at.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ddtree_jax.cache import KVCache, RecurrentCache, TargetCache
+from ddtree_jax.config import TargetConfig
+from ddtree_jax.demo import DEMO_DIR
+from ddtree_jax.drafter_config import DrafterConfig
+from ddtree_jax.models.drafter import DrafterCache, DrafterModel
+from ddtree_jax.models.target import TargetModel
+
+QWEN36_27B = dict(
+    model_type="qwen3_5_text", vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+    num_attention_heads=24, num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48,
+    linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+    rms_norm_eps=1e-6, tie_word_embeddings=False, dtype="bfloat16", max_position_embeddings=262144,
+)
+SMOKE = dict(QWEN36_27B, vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
+             linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32)
+
+# Plain decoding against HF transformers (scripts.bench.hf): a Qwen3.5-shaped config small enough for
+# both frameworks' generate at bf16, and its smoke size.
+HF_COMPARE = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
+                  num_attention_heads=16, num_key_value_heads=4, head_dim=128, linear_num_key_heads=16,
+                  linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+                  linear_conv_kernel_dim=4, full_attention_interval=4, max_position_embeddings=8192)
+HF_COMPARE_SMOKE = dict(HF_COMPARE, vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+                        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
+
+# One layer of the 27B target (GDN and attention) and of Nemotron-H 8B's Mamba2 mixer.
+GDN_27B = dict(hk=QWEN36_27B["linear_num_key_heads"], hv=QWEN36_27B["linear_num_value_heads"],
+               dk=QWEN36_27B["linear_key_head_dim"], dv=QWEN36_27B["linear_value_head_dim"],
+               taps=QWEN36_27B["linear_conv_kernel_dim"], hidden=QWEN36_27B["hidden_size"])
+ATTENTION_27B = dict(heads=QWEN36_27B["num_attention_heads"], kv_heads=QWEN36_27B["num_key_value_heads"],
+                     head_dim=QWEN36_27B["head_dim"])
+SSD_NEMOTRON_H_8B = dict(heads=128, head_dim=64, groups=8, state=128)
+DRAFT_DEPTHS = 15  # a DFlash block of 16: 15 drafted depths below the root
+
+
+def dflash_drafter(cfg: TargetConfig, layers: int, heads: int, kv: int, head_dim: int, block: int) -> DrafterConfig:
+    """A DFlash drafter config of the target's width and vocabulary (mask token: the last id)."""
+    return DrafterConfig.from_hf_dict({
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": kv, "head_dim": head_dim, "rope_theta": 1e7, "rms_norm_eps": 1e-6,
+        "vocab_size": cfg.vocab_size, "num_target_layers": cfg.num_layers, "block_size": block, "dtype": "bfloat16",
+        "dflash_config": {"mask_token_id": cfg.vocab_size - 1},
+    })
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """A target + drafter pair to benchmark: configs, and the context its caches hold by default."""
+
+    name: str
+    target: Callable[[], TargetConfig]
+    drafter: Callable[[TargetConfig], DrafterConfig]
+    context: int
+
+
+SHAPES = {
+    "27b": ModelShape("27b", lambda: TargetConfig.from_hf_dict(QWEN36_27B),
+                      lambda cfg: dflash_drafter(cfg, 5, 32, 8, 128, 16), 4096),
+    "demo": ModelShape("demo", lambda: TargetConfig.from_file(os.path.join(DEMO_DIR, "target")),
+                       lambda cfg: DrafterConfig.from_file(os.path.join(DEMO_DIR, "drafter")), 512),
+    "smoke": ModelShape("smoke", lambda: TargetConfig.from_hf_dict(SMOKE),
+                        lambda cfg: dflash_drafter(cfg, 5, 4, 2, 32, 16), 64),
+}
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "dtype"))
+def normal(key, shape, dtype, std):
+    """Normal random values of `std`, drawn in float32 on the device and cast to dtype."""
+    return (jax.random.normal(key, shape, jnp.float32) * std).astype(dtype)
+
+
+def random_params(abstract, seed: int):
+    """Random weights for an abstract params pytree (nnx.eval_shape), made on device leaf by leaf."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+    leaves = []
+    for i, (path, leaf) in enumerate(flat):
+        name = jax.tree_util.keystr(path)
+        key = jax.random.PRNGKey(seed * 100003 + i)
+        shape, dtype = leaf.shape, leaf.dtype
+        if "A_log" in name or "dt_bias" in name:
+            leaves.append(jax.random.uniform(key, shape, jnp.float32, -1, 1).astype(dtype))
+        elif "norm" in name:
+            leaves.append((1.0 + 0.1 * jax.random.normal(key, shape, jnp.float32)).astype(dtype))
+        else:
+            std = (shape[0] if len(shape) == 2 and "embedding" not in name else 1) ** -0.5
+            leaves.append(normal(key, shape, dtype, std))
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def random_models(cfg: TargetConfig, dcfg: DrafterConfig):
+    """(graphdef, params, drafter graphdef, drafter params) with random weights on the device."""
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: TargetModel(cfg, rngs=nnx.Rngs(0))))
+    dgraph, dabstract = nnx.split(nnx.eval_shape(lambda: DrafterModel(dcfg, rngs=nnx.Rngs(0))))
+    params, dparams = random_params(abstract, 0), random_params(dabstract, 1)
+    return graphdef, params, dgraph, dparams
+
+
+def filled_caches(cfg: TargetConfig, dcfg: DrafterConfig, batch: int, context: int, capacity: int, seed: int):
+    """Target and drafter caches holding `context` committed tokens of random state per row
+    (batch > 1: lengths spread over [context / 2, context])."""
+    key = jax.random.PRNGKey(seed)
+    lengths = (jnp.asarray(np.linspace(context, context // 2, batch).astype(np.int32)) if batch > 1
+               else jnp.asarray([context], jnp.int32))
+    layers = []
+    for i, kind in enumerate(cfg.layer_types):
+        k1, k2 = jax.random.split(jax.random.fold_in(key, i))
+        if kind == "attention":
+            shape = (batch, cfg.num_kv_heads, capacity, cfg.head_dim)
+            layers.append(KVCache(normal(k1, shape, jnp.bfloat16, 1.0), normal(k2, shape, jnp.bfloat16, 1.0)))
+        else:
+            layers.append(RecurrentCache(
+                normal(k1, (batch, cfg.conv_kernel - 1, cfg.gdn_conv_dim), jnp.bfloat16, 1.0),
+                normal(k2, (batch, cfg.gdn_num_v_heads, cfg.gdn_k_head_dim, cfg.gdn_v_head_dim), jnp.float32, 0.05)))
+    dlayers = []
+    for i in range(dcfg.num_layers):
+        k1, k2 = jax.random.split(jax.random.fold_in(key, 1000 + i))
+        shape = (batch, dcfg.num_kv_heads, capacity, dcfg.head_dim)
+        dlayers.append(KVCache(normal(k1, shape, jnp.bfloat16, 1.0), normal(k2, shape, jnp.bfloat16, 1.0)))
+    return TargetCache(tuple(layers), lengths), DrafterCache(tuple(dlayers), lengths)
+
+
+def nbytes(tree) -> int:
+    """Bytes of every array in a pytree."""
+    return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree))

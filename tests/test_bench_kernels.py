@@ -1,0 +1,38 @@
+"""scripts.bench.kernels: every registered kernel has its subcommand and a line in the docstring;
+without a GPU (and without --cpu-smoke) it says so; and (-m script) every kernel's run at its
+--cpu-smoke size: the interpreter at tiny shapes, checks passed, every form timed. The kernels'
+own test files hold the smoke runs of gdn_decode, gdn_prologue, row_top_k, tree_select and
+add_rms_norm."""
+
+import json
+
+import pytest
+
+from scripts.bench import kernels as bench
+
+
+def test_every_kernel_has_a_subcommand_and_a_docstring_line():
+    assert set(bench.KERNELS) == {"gdn_tree", "gdn_commit", "gdn_decode", "gdn_prologue", "tree_attention",
+                                  "ancestor_bits", "ssd_tree", "ssd_commit", "row_top_k", "tree_select",
+                                  "add_rms_norm"}
+    doc_names = {line.split()[0] for line in bench.__doc__.splitlines() if line.startswith("  ") and line.split()}
+    assert set(bench.KERNELS) <= doc_names
+    for name in bench.KERNELS:
+        args = bench.parser().parse_args([name, "--quick"])
+        assert args.name == name and args.quick and not args.cpu_smoke
+
+
+def test_no_gpu_without_cpu_smoke_is_refused(capsys):
+    assert bench.main(["row_top_k"]) == 2
+    assert "no GPU visible" in capsys.readouterr().err
+
+
+@pytest.mark.script
+@pytest.mark.parametrize("name", ["gdn_tree", "gdn_commit", "tree_attention", "ancestor_bits", "ssd_tree",
+                                  "ssd_commit"])
+def test_cpu_smoke(tmp_path, name):
+    out = tmp_path / f"{name}.json"
+    assert bench.main([name, "--cpu-smoke", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["kernel"] == name and report["impl"] == "pallas_interpret" and report["rows"]
+    assert all(bench.row_ok(r) and r["kernel_us"] > 0 and r["xla_us"] > 0 for r in report["rows"])
