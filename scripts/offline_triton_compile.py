@@ -185,7 +185,7 @@ def gdn_decode_cases(batch: int):
     for warps in (4, 8, 16):
         opts = dict(num_warps=warps)
         yield opts, warps, functools.partial(gdn_decode, num_k_heads=hk, eps=1e-6, impl="pallas", **opts), shapes
-    # gdn.MERGED_QKVZ_BA: one product qkv | z | b | a read in place (gdn_decode_packed)
+    # the models' one product qkv | z | b | a, read in place (gdn_decode_packed)
     packed_shapes = (jax.ShapeDtypeStruct((batch, c + hv * dv + 2 * hv), bf),) + shapes[5:]
     for warps in (4,):
         opts = dict(num_warps=warps)

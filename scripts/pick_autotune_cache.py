@@ -16,7 +16,7 @@ scripts.bench.profile or ddtree-generate / ddtree-bench (`--autotune-cache DIR`)
     python -m scripts.pick_autotune_cache --smoke --cache /tmp/atc --out /tmp/pick.json   # any device
 
 Arguments after `--` go to scripts.bench.profile (model options such as --int8-drafter, --batch,
---override). Prints a table and writes JSON (rewritten after every try).
+--route). Prints a table and writes JSON (rewritten after every try).
 """
 
 from __future__ import annotations

@@ -200,13 +200,13 @@ def test_bad_inputs_raise_clear_errors():
         call(x2, ids2, w2, w_in2, w_out2, act="relu2", impl="pallas_interpret")
 
 
-@pytest.mark.slow  # ~35 s in interpret mode
-def test_gpu_script_smoke(tmp_path):
-    """scripts/gpu_moe_experts.py --smoke: every form runs on tiny shapes, agrees with the dense form,
+@pytest.mark.script  # ~35 s in interpret mode
+def test_bench_script_smoke(tmp_path):
+    """scripts.bench.moe_experts --smoke: every form runs on tiny shapes, agrees with the dense form,
     and each row names the kernel's best tiling and both weight layouts' times."""
     import json
 
-    from scripts.gpu_moe_experts import main
+    from scripts.bench.moe_experts import main
 
     out = tmp_path / "moe.json"
     assert main(["--smoke", "--out", str(out)]) == 0

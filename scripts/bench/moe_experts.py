@@ -19,8 +19,8 @@ run (`x roofline`: kernel time / (touched bytes / copy rate), where the copy rat
 read and written). Every form is checked against the dense form (or, where that is gated, the
 first form that ran). Prints a table last and writes JSON (rewritten after every row).
 
-    PYTHONPATH=. python3 scripts/gpu_moe_experts.py --out $OUT/moe_experts.json      # on the H200
-    PYTHONPATH=. python3 scripts/gpu_moe_experts.py --smoke                          # CPU, seconds
+    python -m scripts.bench.moe_experts --out $OUT/moe_experts.json      # on the H200
+    python -m scripts.bench.moe_experts --smoke                          # CPU, seconds
 """
 
 from __future__ import annotations
@@ -33,10 +33,31 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ddtree_jax import atomic
+from scripts.bench.common import err_str, jax_rates, print_timing_table, record_row, start_report
 
-from gpu_bench_common import err_str, finish_checked, jax_rates, kernel_run_setup, record_row  # noqa: E402
-from ddtree_jax import atomic  # noqa: E402
+
+def kernel_run_setup(argv, smoke: bool):
+    """(on the GPU, the kernels' impl, the report) - jax on the CPU for --smoke; None (after saying
+    why) when no GPU is visible without --smoke."""
+    if smoke:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+
+    on_gpu = any(d.platform == "gpu" for d in jax.devices())
+    if not on_gpu and not smoke:
+        print("no GPU visible to jax: run on the H200, or use --smoke", file=sys.stderr)
+        return None
+    report = start_report("scripts.bench.moe_experts", argv, rows=[])
+    return on_gpu, ("pallas" if on_gpu else "pallas_interpret"), report
+
+
+def finish_checked(report, lead, ok, out: str) -> int:
+    """The table, where the report went, and the exit code (1 if a row failed a check or errored)."""
+    print_timing_table(report["rows"], lead, ok)
+    print(f"wrote {out}")
+    failed = [r for r in report["rows"] if not ok(r) or any(k.endswith("error") for k in r)]
+    return 1 if failed else 0
 
 SHAPE = {"hidden": 2048, "experts": 256, "top_k": 8, "inter": 512}
 SMOKE_SHAPE = {"hidden": 64, "experts": 8, "top_k": 2, "inter": 32}
@@ -199,7 +220,7 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=520, help="stop starting rows after this many seconds")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "moe_experts.json"))
     args = ap.parse_args(argv)
-    setup = kernel_run_setup("gpu_moe_experts.py", argv, args.smoke)
+    setup = kernel_run_setup(argv, args.smoke)
     if setup is None:
         return 2
     on_gpu, impl, report = setup
