@@ -14,8 +14,8 @@ through Engine.generate in fixed batches of B (each batch runs to its longest re
 process; its throughput beside the continuous batching one is the comparison the server exists
 for (docs/serving.md).
 
-    python scripts/load_test.py --modes ar,dflash,ddtree --clients 1,8,32 --static-batch 32 \
-        --out docs/results/load.json
+    python -m scripts.load_test --modes ar,dflash,ddtree --clients 1,8,32 --static-batch 32 \
+        --out $OUT/load.json
 """
 
 from __future__ import annotations

@@ -108,9 +108,13 @@ def test_rejects_bad_impl():
 def test_kernel_size_limit_and_tree_route(impl):
     """The kernel refuses trees it cannot hold (N_pad^2 shared memory: budget 256 crashed the H200
     with 'Shared memory size limit exceeded'); make_tree takes the XLA doubling above
-    BITS_KERNEL_MAX_NODES (the faster form there) with the same bits."""
-    from ddtree_jax.tree import BITS_KERNEL_MAX_NODES, make_tree
+    routes.bits_kernel_max_nodes (the faster form there) with the same bits."""
+    from ddtree_jax.routes import Routes
+    from ddtree_jax.tree import make_tree
     from pallas_kernels.tree_mask import MAX_KERNEL_NODES
+    from tests.tree_harness import routes_for
+
+    BITS_KERNEL_MAX_NODES = Routes().bits_kernel_max_nodes
 
     par = make_parents(11, 2, MAX_KERNEL_NODES + 1, "random")
     with pytest.raises(ValueError, match="at most 256 nodes"):
@@ -119,11 +123,12 @@ def test_kernel_size_limit_and_tree_route(impl):
     for n in (BITS_KERNEL_MAX_NODES, BITS_KERNEL_MAX_NODES + 1, MAX_KERNEL_NODES + 1):
         par = make_parents(n, 2, n, "random")
         got = make_tree(jnp.zeros((2, n), jnp.int32), jnp.asarray(par), jnp.ones((2, n), bool),
-                        jnp.zeros((2,), jnp.int32), n - 1, impl=impl)
+                        jnp.zeros((2,), jnp.int32), n - 1, routes=routes_for(impl))
         np.testing.assert_array_equal(np.asarray(bits_to_dense(got.ancestor_bits, n)), walk(par), err_msg=str(n))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            hlo = jax.jit(lambda p: make_tree(p, p, p >= 0, p[:, 0], n - 1, impl="pallas").ancestor_bits
+            gpu = Routes.resolve(impl="pallas", platform="gpu")
+            hlo = jax.jit(lambda p: make_tree(p, p, p >= 0, p[:, 0], n - 1, routes=gpu).ancestor_bits
                           ).trace(jnp.asarray(par)).lower(lowering_platforms=("cuda",)).as_text()
         assert ("tree_ancestor_bits" in hlo) == (n <= BITS_KERNEL_MAX_NODES), n
         routed = [w for w in caught if "use the XLA doubling" in str(w.message)]
@@ -132,11 +137,12 @@ def test_kernel_size_limit_and_tree_route(impl):
 
 def test_depths_from_bits_match_walk(impl):
     from ddtree_jax.tree import make_tree
+    from tests.tree_harness import routes_for
 
     for kind in KINDS:
         par = make_parents(5, 3, 40, kind)
         tree = make_tree(jnp.zeros((3, 40), jnp.int32), jnp.asarray(par), jnp.ones((3, 40), bool),
-                         jnp.asarray([0, 3, 9], jnp.int32), 39, impl=impl)
+                         jnp.asarray([0, 3, 9], jnp.int32), 39, routes=routes_for(impl))
         want = walk(par).sum(-1) - 1
         np.testing.assert_array_equal(np.asarray(tree.depths), want, err_msg=kind)
         np.testing.assert_array_equal(np.asarray(tree.positions), want + np.asarray([0, 3, 9])[:, None])
