@@ -43,8 +43,11 @@ from pallas_kernels._common import check_impl, expand_heads  # noqa: E402
 
 
 
-def reference(k, v, g, beta, state, path, count):
-    """Gather the path's inputs, mask steps >= count, and scan (delta_rule.path_state)."""
+def reference(k, v, g, beta, state, path, count, *, window=None, conv_in=None):
+    """gdn_path_commit's XLA form: gather the path's inputs, mask steps >= count, and scan
+    (delta_rule.path_state); with window / conv_in also the slid conv window."""
+    if window is not None:
+        return reference(k, v, g, beta, state, path, count), _window_reference(window, conv_in, path, count)
     b, h, n, _ = v.shape
     p = path.shape[1]
     path = jnp.clip(path.astype(jnp.int32), 0, n - 1)
@@ -56,7 +59,7 @@ def reference(k, v, g, beta, state, path, count):
     return delta_rule.path_state(take(k), take(v), take1(g), take1(beta), f32(state))
 
 
-def window_reference(window, conv_in, path, count):
+def _window_reference(window, conv_in, path, count):
     """Conv window [B, K - 1, C] after the accepted path's conv inputs conv_in [B, N, >= C]."""
 
     n = conv_in.shape[1]
@@ -187,7 +190,7 @@ def gdn_path_commit(
 ):
     """New state [B, H, dk, dv] float32: `state` advanced along path[b, :count[b]]; with the conv
     window [B, K - 1, C] and the nodes' conv inputs conv_in [B, N, >= C] (first C columns read),
-    (new state, new window) (`window_reference`), in the same launch.
+    (new state, new window), in the same launch (`reference`: the XLA form).
 
     k [B, Hk, N, dk] (l2-normed; Hk divides H, value head j reads key head j // (H // Hk));
     v [B, H, N, dv]; g, beta [B, H, N] per node; state [B, H, dk, dv] float32; path [B, P]
@@ -204,8 +207,7 @@ def gdn_path_commit(
         raise ValueError(f"gdn_path_commit: window {window.shape} and conv_in {conv_in.shape} do not fit "
                          f"{v.shape[0]} sequences of {v.shape[2]} nodes")
     if impl == "xla":
-        state = reference(k, v, g, beta, state, path, count)
-        return state if window is None else (state, window_reference(window, conv_in, path, count))
+        return reference(k, v, g, beta, state, path, count, window=window, conv_in=conv_in)
     check_impl(impl)
     out = _pallas(
         k, v, g, beta, state, path, count, window, conv_in, interpret=impl == "pallas_interpret",

@@ -91,7 +91,7 @@ def visibility(ancestor_bits, n: int):
     return bits_to_dense(ancestor_bits, n) | jnp.eye(n, dtype=bool)
 
 
-def verify_reference(x, dt, A, B, C, D, state, ancestor_bits):
+def ssd_tree_verify_reference(x, dt, A, B, C, D, state, ancestor_bits):
     f32 = lambda a: jnp.asarray(a, jnp.float32)
     visible = visibility(ancestor_bits, x.shape[1])
     acs = ssd.path_sums(f32(dt), f32(A), visible)
@@ -107,7 +107,7 @@ def _gather_path(x, dt, B, path, count):
     return take(x).astype(jnp.float32), jnp.where(on[..., None], take(dt).astype(jnp.float32), 0.0), take(B).astype(jnp.float32)
 
 
-def commit_reference(x, dt, A, B, state, path, count):
+def ssd_path_commit_reference(x, dt, A, B, state, path, count):
     xp, dtp, bp = _gather_path(x, dt, B, path, count)
     return ssd.path_state(xp, dtp, jnp.asarray(A, jnp.float32), bp, jnp.asarray(state, jnp.float32))
 
@@ -279,7 +279,7 @@ def ssd_tree_verify(x, dt, A, B, C, D, state, ancestor_bits, *, impl: str = "xla
     """
     _check(impl, precision)
     if impl == "xla":
-        return verify_reference(x, dt, A, B, C, D, state, ancestor_bits).astype(out_dtype)
+        return ssd_tree_verify_reference(x, dt, A, B, C, D, state, ancestor_bits).astype(out_dtype)
     return _verify_pallas(
         x, dt, A, B, C, D, state, ancestor_bits, interpret=impl == "pallas_interpret", block_n=block_n,
         block_p=block_p, num_warps=num_warps, num_stages=num_stages, precision=precision, out_dtype=out_dtype,
@@ -352,7 +352,7 @@ def ssd_path_commit(x, dt, A, B, state, path, count, *, impl: str = "xla", block
     """
     _check(impl)
     if impl == "xla":
-        return commit_reference(x, dt, A, B, state, path, count)
+        return ssd_path_commit_reference(x, dt, A, B, state, path, count)
     return _commit_pallas(
         x, dt, A, B, state, path, count, interpret=impl == "pallas_interpret", block_p=block_p,
         num_warps=num_warps, num_stages=num_stages,

@@ -63,7 +63,7 @@ BALANCE_TREE_KEYS = True  # count the tree keys in the split length (module docs
 # ---------------------------------------------------------------------------------------------
 # reference
 # ---------------------------------------------------------------------------------------------
-def tree_attention_xla(q, k_cache, v_cache, lengths, k_tree, v_tree, ancestor_bits, *, scale):
+def reference(q, k_cache, v_cache, lengths, k_tree, v_tree, ancestor_bits, *, scale):
     """Pure-jnp reference: one joint float32 softmax over [visible cache keys, visible tree keys]."""
     b, n, nh, hd = q.shape
     kv, cap = k_cache.shape[1], k_cache.shape[2]
@@ -387,7 +387,7 @@ def tree_attention(q, k_cache, v_cache, lengths, k_tree, v_tree, ancestor_bits, 
     """
     check_impl(impl)
     if impl == "xla":
-        return tree_attention_xla(q, k_cache, v_cache, lengths, k_tree, v_tree, ancestor_bits, scale=scale)
+        return reference(q, k_cache, v_cache, lengths, k_tree, v_tree, ancestor_bits, scale=scale)
     dtypes = {x.dtype for x in (q, k_cache, v_cache, k_tree, v_tree)}
     if len(dtypes) != 1:
         # the kernel reads everything in q's dtype; converting would copy the cache

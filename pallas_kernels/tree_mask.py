@@ -52,7 +52,7 @@ def _steps(n: int, max_depth: int | None) -> int:
     return log2_ceil(depth + 1)
 
 
-def ancestor_bits_xla(parents: jax.Array, *, max_depth: int | None = None) -> jax.Array:
+def reference(parents: jax.Array, *, max_depth: int | None = None) -> jax.Array:
     b, n = parents.shape
     words = cdiv(n, WORD)
     idx = jnp.arange(n, dtype=jnp.int32)
@@ -120,5 +120,5 @@ def ancestor_bits(parents: jax.Array, *, impl: str = "xla", max_depth: int | Non
     if parents.ndim != 2:
         raise ValueError(f"parents must be [B, N], got {parents.shape}")
     if impl == "xla":
-        return ancestor_bits_xla(parents, max_depth=max_depth)
+        return reference(parents, max_depth=max_depth)
     return ancestor_bits_pallas(parents, max_depth=max_depth, interpret=impl == "pallas_interpret")

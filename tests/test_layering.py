@@ -61,3 +61,22 @@ def test_imports_point_one_way_and_sit_at_the_top(name, path):
         if id(node) not in top and target.split(".")[0] not in LAZY_OK and not name.startswith(LAZY_MODULES):
             problems.append(f"line {node.lineno}: import of {target} inside a function")
     assert not problems, "\n".join(problems)
+
+
+KERNEL_MODULES = sorted(p.stem for p in (ROOT / "pallas_kernels").glob("*.py") if not p.stem.startswith("_"))
+
+
+@pytest.mark.parametrize("name", KERNEL_MODULES)
+def test_every_kernel_sits_next_to_its_reference(name):
+    """Each kernel file's public entry points take `impl=` and the file holds their pure-jnp
+    reference, named one way: `reference` (one kernel in the file) or `<kernel>_reference`."""
+    import importlib
+    import inspect
+
+    module = importlib.import_module(f"pallas_kernels.{name}")
+    entries = [f for n, f in vars(module).items() if inspect.isfunction(f) and f.__module__ == module.__name__
+               and not n.startswith("_") and "impl" in inspect.signature(f).parameters]
+    assert entries, f"pallas_kernels.{name} has no entry point taking impl="
+    refs = {n for n, f in vars(module).items() if inspect.isfunction(f) and (n == "reference" or n.endswith("_reference"))}
+    for f in entries:
+        assert "reference" in refs or f"{f.__name__}_reference" in refs, (name, f.__name__, refs)
