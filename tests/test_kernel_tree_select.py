@@ -1,8 +1,8 @@
 """The one-launch node selection kernel (interpret mode) equals the XLA form array for
-array: random per-depth candidates with ties, -inf and signed zeros, budgets 1-64, fewer
-candidates than the budget, fewer real prefixes than the budget, batch 2; a whole DDTree build
-through it equals the CPU's tree. Shapes are padded per case so one compilation serves all
-hypothesis examples."""
+array, node scores included: random per-depth candidates with ties, -inf and signed zeros,
+budgets 1-64, fewer candidates than the budget, fewer real prefixes than the budget, batch 2; a
+whole DDTree build through it equals the CPU's tree. Shapes are padded per case so one
+compilation serves all hypothesis examples."""
 
 import functools
 
@@ -27,13 +27,14 @@ def draw_top_val(seed, depth, k, levels):
     return np.asarray(jax.lax.top_k(jnp.asarray(x), k)[0])
 
 
-@functools.partial(jax.jit, static_argnames=("budget", "impl"))
-def _select(top_val, budget, impl):
-    return select_nodes(top_val, budget, impl=impl)
+@functools.partial(jax.jit, static_argnames=("budget", "impl", "with_scores"))
+def _select(top_val, budget, impl, with_scores=False):
+    return select_nodes(top_val, budget, impl=impl, with_scores=with_scores)
 
 
 def assert_same(want, got):
-    for name, w, g in zip(("depth", "rank", "parent", "valid"), want, got):
+    assert len(want) == len(got)
+    for name, w, g in zip(("depth", "rank", "parent", "valid", "score"), want, got):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=name)
 
 
@@ -42,9 +43,11 @@ def assert_same(want, got):
 @settings(max_examples=5, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), levels=st.sampled_from([0, 1, 4]))
 def test_select_kernel_equals_xla(budget, k, depth, seed, levels):
+    """With the node scores (the kernel's other outputs are the same code with or without them;
+    test_ddtree_build_through_the_kernel_equals_cpu_tree runs the form without)."""
     top_val = jnp.asarray(draw_top_val(seed, depth, k, levels))
-    want = _select(top_val, budget, "xla")
-    assert_same(want, _select(top_val, budget, "pallas_interpret"))
+    want = _select(top_val, budget, "xla", with_scores=True)
+    assert_same(want, _select(top_val, budget, "pallas_interpret", with_scores=True))
 
 
 def test_invalid_nodes_last_and_canonical():
@@ -55,7 +58,8 @@ def test_invalid_nodes_last_and_canonical():
     top_val[:, 1, :1] = -0.25  # 2 depth-1 + 2 depth-2 finite prefixes
     top_val = jnp.asarray(top_val)
     for impl in ("xla", "pallas_interpret"):
-        d, r, p, v = (np.asarray(a) for a in _select(top_val, 6, impl))
+        d, r, p, v, sc = (np.asarray(a) for a in _select(top_val, 6, impl, with_scores=True))
+        np.testing.assert_array_equal(sc[0], [-0.5, -1.0, -0.75, -1.25] + [-np.inf] * 2)
         np.testing.assert_array_equal(v[0], [True] * 4 + [False] * 2)
         np.testing.assert_array_equal(d[0], [0, 0, 1, 1, 0, 0])
         np.testing.assert_array_equal(p[0], [0, 0, 1, 2, 0, 0])

@@ -11,27 +11,35 @@ import platform
 import sys
 
 from ddtree_jax import atomic
-from ddtree_jax.cli.common import (add_autotune_cache_argument, add_draft_vocab_argument, add_int8_drafter_argument,
-                                   add_routes_arguments, routes_from,
+from ddtree_jax.cli.common import (add_auto_budget_arguments, add_autotune_cache_argument, add_draft_vocab_argument,
+                                   add_int8_drafter_argument, add_routes_arguments, routes_from,
                                    die, non_negative_int, positive_int, use_autotune_cache)
 
 EPILOG = """\
 examples:
   ddtree-bench --prompts prompts.txt --out results/                 # the embedded demo pair
   ddtree-bench --target T --drafter D --prompts p.jsonl --budgets 16,64,256 --max-new-tokens 256
+  ddtree-bench --prompts p.jsonl --budgets auto,4,8,16,32,64 --batch 8 --cost-table costs.json
 
 Prompts: a text file with one prompt per line ("\\n" inside a line is a newline), or JSONL with
-{"prompt": "..."} or {"prompt_ids": [...]} per line. Writes bench.json and bench.png in --out.
+{"prompt": "..."} or {"prompt_ids": [...]} per line. Writes bench.json and bench.png in --out
+(and auto_choices.png: the choice of every step of --budget auto's first generation).
+
+--budgets auto runs the adaptive budget with a step-time table measured here (each choice forced
+in the compiled auto program, on the first batch of prompts) and, with --cost-table FILE, writes
+that table into FILE for this batch (ddtree-generate --cost-table FILE and
+Engine.generate(cost_table=FILE) read it); --cost-table-in FILE uses a table from FILE instead.
 """
 
 
-def budgets(text: str) -> tuple[int, ...]:
+def budgets(text: str) -> tuple[int | str, ...]:
     try:
-        values = tuple(int(x) for x in text.split(","))
+        values = tuple(x.strip() if x.strip() == "auto" else int(x) for x in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated budgets like 16,64,256, got {text!r}") from None
-    if not values or any(v < 1 or v > 1024 for v in values):
-        raise argparse.ArgumentTypeError(f"budgets must be in [1, 1024], got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected comma-separated budgets like auto,16,64,256, got {text!r}"
+                                         ) from None
+    if not values or any(v != "auto" and not 1 <= v <= 1024 for v in values):
+        raise argparse.ArgumentTypeError(f"budgets must be 'auto' or in [1, 1024], got {text!r}")
     return values
 
 
@@ -43,7 +51,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", required=True, help="prompt file (text lines or JSONL)")
     p.add_argument("--limit", type=positive_int, default=None, help="use only the first N prompts")
     p.add_argument("--modes", default="ar,dflash,ddtree", help="comma-separated modes (default ar,dflash,ddtree)")
-    p.add_argument("--budgets", type=budgets, default=(16, 32, 64, 128, 256), help="DDTree budgets to sweep")
+    p.add_argument("--budgets", type=budgets, default=("auto", 16, 32, 64, 128, 256),
+                   help="DDTree budgets to sweep; 'auto' = the adaptive budget (default auto,16,32,64,128,256)")
+    add_auto_budget_arguments(p, "write the step-time table measured for --budgets auto into FILE (this batch's entry; "
+                              "other batches already in FILE are kept)")
+    p.add_argument("--cost-table-in", default=None, metavar="FILE",
+                   help="--budgets auto: use the step-time table in FILE for this batch instead of measuring one")
+    p.add_argument("--cost-repeats", type=positive_int, default=5,
+                   help="--budgets auto: interleaved repeats of the step-time measurement (default 5)")
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--batch", type=positive_int, default=1, help="prompts per batch (default 1)")
     p.add_argument("--repeats", type=positive_int, default=1,
@@ -109,6 +124,13 @@ def main(argv=None) -> int:
         die("dflash / ddtree modes need a drafter (--drafter DIR)")
     prompts = read_prompts(args.prompts, engine)[: args.limit]
     runs = [(m, None) for m in modes if m != "ddtree"] + [("ddtree", b) for b in args.budgets if "ddtree" in modes]
+    table = None
+    if ("ddtree", "auto") in runs:
+        try:
+            table = bench.auto_cost_table(engine, prompts, args)
+        except ValueError as e:
+            die(str(e))
+        print(f"step-time table for --budgets auto (batch {table.batch}): {table.source}", file=sys.stderr)
     if "ar" not in modes:
         runs.insert(0, ("ar", None))  # the reference for speedups and output identity
     results, outputs = [], {}
@@ -126,6 +148,7 @@ def main(argv=None) -> int:
         "int8_scheme": engine.proposer.int8.as_dict() if getattr(engine.proposer, "int8", None) else None,
         "routes": engine.routes.as_dict(),
         "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "batch": args.batch,
+        "cost_table": None if table is None else table.as_dict(),
         "status": "partial", "results": [],
     }
     passes, unstable = {run: [] for run in runs}, []
@@ -134,7 +157,8 @@ def main(argv=None) -> int:
         for rep, (mode, budget) in tqdm([(i, run) for i in range(args.repeats) for run in runs],
                                         desc="ddtree-bench", unit="run"):
             r, outs = bench.run_mode(engine, prompts, mode, budget, max_new_tokens=args.max_new_tokens,
-                                     batch=args.batch, phase_repeats=args.phase_repeats if rep == 0 else 0)
+                                     batch=args.batch, phase_repeats=args.phase_repeats if rep == 0 else 0,
+                                     auto_budgets=args.auto_budgets, cost_table=table)
             if rep == 0:
                 outputs[(mode, r.budget)] = outs
             elif outs != outputs[(mode, r.budget)] and f"{mode}/{r.budget}" not in unstable:
@@ -152,6 +176,9 @@ def main(argv=None) -> int:
     atomic.write_json(json_path, report)
     png = os.path.join(args.out, "bench.png")
     bench.plot(results, png)
+    auto = next((r for r in results if r.budget == "auto"), None)
+    if auto is not None:
+        bench.plot_choices(auto, os.path.join(args.out, "auto_choices.png"))
     print(bench.table(results))
     print(f"wrote {os.path.join(args.out, 'bench.json')} and {png}", file=sys.stderr)
     ties = [f"{r.mode}/{r.budget}" for r in results if r.outputs_match_ar is False and r.divergences_are_ties]

@@ -34,6 +34,35 @@ def positive_int(text: str) -> int:
     return value
 
 
+def budget_arg(text: str) -> int | str:
+    """--budget: 'auto' or a positive integer."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a positive integer, got {text!r}") from None
+
+
+def budget_list(text: str) -> tuple[int, ...]:
+    """--auto-budgets: comma-separated budgets, distinct, ascending."""
+    try:
+        values = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated budgets like 4,8,16,32,64, got {text!r}") from None
+    if not values or any(v < 1 or v > 1024 for v in values) or list(values) != sorted(set(values)):
+        raise argparse.ArgumentTypeError(f"budgets must be distinct, ascending and in [1, 1024], got {text!r}")
+    return values
+
+
+def add_auto_budget_arguments(group, cost_table_help: str) -> None:
+    """--auto-budgets and --cost-table, the settings of --budget auto."""
+    group.add_argument("--auto-budgets", type=budget_list, default=None, metavar="B1,B2,...",
+                       help="--budget auto: the DDTree budgets it may choose each step, besides plain decoding and "
+                       "DFlash (default 4,8,16,32,64; each one is compiled, so fewer compile faster)")
+    group.add_argument("--cost-table", default=None, metavar="FILE", help=cost_table_help)
+
+
 def parse_ids(text: str) -> tuple[int, ...]:
     try:
         ids = tuple(int(x) for x in text.replace(" ", "").split(",") if x != "")

@@ -6,8 +6,8 @@ import argparse
 import os
 import sys
 
-from ddtree_jax.cli.common import (add_autotune_cache_argument, add_draft_vocab_argument, add_int8_drafter_argument,
-                                   add_routes_arguments, routes_from,
+from ddtree_jax.cli.common import (add_auto_budget_arguments, add_autotune_cache_argument, add_draft_vocab_argument,
+                                   add_int8_drafter_argument, add_routes_arguments, budget_arg, routes_from,
                                    die, parse_ids, positive_int, use_autotune_cache)
 from ddtree_jax.speculative.sampling import Sampling
 
@@ -20,7 +20,10 @@ examples:
 
 Output is the same as plain decoding of the target (greedy by default); --mode only changes
 how fast it is produced. At the end: tokens/s, mean acceptance length (tokens per target pass)
-and time per step.
+and time per step. --budget auto (the default): every step picks plain decoding, DFlash or a tree
+of one of --auto-budgets for the most tokens per second, from the drafter's confidence and a
+step-time table (measured at start-up, a few seconds, or --cost-table FILE from ddtree-bench);
+the summary line says which steps it chose.
 """
 
 
@@ -48,7 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     dec.add_argument("--mode", choices=["ar", "dflash", "ddtree"], default=None,
                      help="ar = plain decoding; dflash = linear drafts; ddtree = draft trees (default: ddtree with a "
                      "drafter, ar without)")
-    dec.add_argument("--budget", type=positive_int, default=64, help="DDTree nodes per step (1..1024, default 64)")
+    dec.add_argument("--budget", type=budget_arg, default="auto",
+                     help="DDTree nodes per step (1..1024), or auto (default): chosen each step")
+    add_auto_budget_arguments(dec, "--budget auto: step times from this file (ddtree-bench --cost-table writes it "
+                              "for a model, GPU and batch) instead of measuring them at start-up")
     dec.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens to generate (default 128)")
     add_draft_vocab_argument(dec)
     add_int8_drafter_argument(dec)
@@ -119,11 +125,14 @@ def main(argv=None) -> int:
         sys.stdout.flush()
 
     try:
+        if args.cost_table and mode == "ddtree" and args.budget == "auto":
+            engine.load_cost_table(args.cost_table, 1)  # a bad table is named before anything is printed
         if stream_text and isinstance(prompt, str):
             sys.stdout.write(prompt)
         [c] = engine.generate([prompt], mode=mode, budget=args.budget, max_new_tokens=args.max_new_tokens,
                               sampling=sampling, seed=args.seed, stop_token_ids=args.stop_token_ids,
-                              stream=on_tokens if stream_text else None)
+                              stream=on_tokens if stream_text else None, auto_budgets=args.auto_budgets,
+                              cost_table=args.cost_table)
         same = None
         if args.compare_ar and mode != "ar":
             [ref] = engine.generate([prompt], mode="ar", max_new_tokens=args.max_new_tokens, sampling=sampling,
@@ -150,6 +159,8 @@ def main(argv=None) -> int:
     print(f"[{mode}] {s.num_tokens} tokens in {s.seconds:.2f} s = {s.tokens_per_second:.1f} tok/s | "
           f"acceptance length {s.acceptance_length:.2f} tokens/step | {s.step_ms:.1f} ms/step | "
           f"finish: {c.finish_reason}", file=sys.stderr)
+    if s.adaptive is not None:
+        print(f"[auto] {describe_adaptive(s.adaptive)}", file=sys.stderr)
     if same is not None:
         r = ref.stats
         print(f"[ar] {r.num_tokens} tokens in {r.seconds:.2f} s = {r.tokens_per_second:.1f} tok/s | "
@@ -163,6 +174,17 @@ def main(argv=None) -> int:
             print("[check] sampling: both runs draw from the target's distribution with different random "
                   "streams, so token-for-token equality is not expected", file=sys.stderr)
     return 0
+
+
+def describe_adaptive(a: dict) -> str:
+    """One line: the steps of each choice, realised vs calibrated acceptance, the table's source."""
+    parts = []
+    for name, n in a["choices"].items():
+        acc = a["acceptance"][name]
+        label = "plain" if name == "ar" else "DFlash" if name == "dflash" else f"budget {name}"
+        parts.append(f"{label} {n}" + ("" if name == "ar" else
+                                       f" (accepted {acc['realised']:.2f}, predicted {acc['calibrated']:.2f})"))
+    return f"steps: {', '.join(parts)} | step times {a['cost_table']['source']}"
 
 
 def explain_divergence(engine, prompt, got: list[int], ref: list[int]) -> str:
