@@ -13,7 +13,10 @@ a 4k context (no 4k prefill to compile), then we time, by the median of repeats:
     13; before, the difference of the two medians), net of the per-call host dispatch (a ~1000-leaf params
     pytree: several ms a call on the H200, paid once per generation chunk, not per step), which is
     reported beside it, as is T(N) / N, the per-step figure of sessions 1-7 that carried 1/N of it;
-  - batch 1 and 8; peak device memory.
+  - batch 1 and 8; peak device memory;
+  - with --budgets B1,B2,... (and dflash in --modes) the loop step of DFlash and of every budget too:
+    each run's `step_ms_by_choice` ({"ar", "dflash", "B"...: ms}) is a step-time table for the
+    adaptive budget's simulation (scripts/adaptive_bench.py simulate; one file per --context).
 Writes JSON (--out) and prints a table last.
 
     PYTHONPATH=. python3 scripts/bench_e2e.py --out $OUT/e2e.json           # on the H200
@@ -169,7 +172,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--budget", type=int, default=64)
-    ap.add_argument("--modes", default="ar,ddtree", help="'ar' alone times plain decoding only (no DDTree, no phases)")
+    ap.add_argument("--modes", default="ar,ddtree", help="'ar' alone times plain decoding only (no DDTree, no phases); "
+                    "add dflash to time the DFlash chain's step")
+    ap.add_argument("--budgets", default="", help="more DDTree budgets whose loop step is timed (step_ms_by_choice)")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--loop-steps", type=int, default=16)
     ap.add_argument("--no-phases", action="store_true",
@@ -244,27 +249,32 @@ def main(argv=None) -> int:
                               jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), bool), jnp.zeros((batch,), jnp.int32),
                               jnp.zeros((17,), jnp.int32), jnp.int32(0), key)
         modes = [m for m in ("ar", "ddtree") if m in args.modes.split(",")]
-        for mode in modes:
-            spec = gen.GenSpec(mode, args.budget, None, max_new, Sampling(), capacity, None if mode == "ar" else proposer,
+        # (key, mode, budget): ar and ddtree at --budget keep their keys; DFlash and --budgets add runs
+        extra = [("dflash", "dflash", args.budget)] if "dflash" in args.modes.split(",") else []
+        extra += [(f"ddtree{b}", "ddtree", int(b)) for b in args.budgets.split(",") if b and int(b) != args.budget]
+        row["step_ms_by_choice"] = {}
+        for key_, mode, budget in [(m, m, args.budget) for m in modes] + extra:
+            spec = gen.GenSpec(mode, budget, None, max_new, Sampling(), capacity, None if mode == "ar" else proposer,
                                kernels)
-            s = state if mode == "ddtree" else state._replace(dstate=None, hist=jnp.zeros((2,), jnp.int32))
+            s = state if mode != "ar" else state._replace(dstate=None, hist=jnp.zeros((2,), jnp.int32))
             # One compiled on-device loop per mode; the step count is traced, so a single step and
             # a run of n steps share the compilation.
             t_c = time.time()
             ms = median_ms(lambda: n_steps(params, dparams, s, jnp.int32(1), spec), args.repeats)
-            row[f"{mode}_step_ms"] = ms
-            row[f"{mode}_compile_and_warm_s"] = time.time() - t_c
+            row[f"{key_}_step_ms"] = ms
+            row[f"{key_}_compile_and_warm_s"] = time.time() - t_c
             n = args.loop_steps
             reps = max(5, args.repeats)
             per, fixed, pairs = paired_marginal_ms(lambda k: lambda: n_steps(params, dparams, s, jnp.int32(k), spec),
                                                    n, reps)
-            row[f"{mode}_loop_step_ms"] = per  # marginal: what one more step costs (median of paired runs)
-            row[f"{mode}_loop_step_pairs_ms"] = pairs
-            row[f"{mode}_dispatch_ms"] = fixed
-            row[f"{mode}_loop_incl_dispatch_ms"] = per + fixed / n  # T(n) / n: sessions 1-7's "in-loop" figure
-            print(f"[bench] batch {batch} {mode}: {ms:.2f} ms/step (single call), {row[f'{mode}_loop_step_ms']:.2f} "
-                  f"ms/step in the on-device loop ({n} -> {2 * n} steps), {row[f'{mode}_loop_incl_dispatch_ms']:.2f} ms/step over {n} steps with "
-                  f"the call's dispatch ({row[f'{mode}_dispatch_ms']:.2f} ms a call)", flush=True)
+            row[f"{key_}_loop_step_ms"] = per  # marginal: what one more step costs (median of paired runs)
+            row[f"{key_}_loop_step_pairs_ms"] = pairs
+            row[f"{key_}_dispatch_ms"] = fixed
+            row[f"{key_}_loop_incl_dispatch_ms"] = per + fixed / n  # T(n) / n: sessions 1-7's "in-loop" figure
+            print(f"[bench] batch {batch} {key_}: {ms:.2f} ms/step (single call), {row[f'{key_}_loop_step_ms']:.2f} "
+                  f"ms/step in the on-device loop ({n} -> {2 * n} steps), {row[f'{key_}_loop_incl_dispatch_ms']:.2f} ms/step over {n} steps with "
+                  f"the call's dispatch ({row[f'{key_}_dispatch_ms']:.2f} ms a call)", flush=True)
+            row["step_ms_by_choice"]["ar" if mode == "ar" else "dflash" if mode == "dflash" else str(budget)] = per
             save()
         bytes_ = decode_bytes(cfg, params, cache)
         row["decode_bytes"] = bytes_

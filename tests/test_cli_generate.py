@@ -50,7 +50,7 @@ def test_all_modes_give_identical_greedy_text(ckpts, capsys, tmp_path):
 def test_streaming_prints_text_and_stats(ckpts, capsys):
     target, drafter, _ = ckpts
     code, out, err = run(capsys, "--target", target, "--drafter", drafter, "--prompt", "x = ", "--max-new-tokens",
-                         "24", "--compare-ar")
+                         "24", "--compare-ar", "--budget", "8")  # budget auto: tests/test_adaptive_generate.py
     assert code == 0
     assert out.startswith("x = ")
     assert "tok/s" in err and "acceptance length" in err and "ms/step" in err
@@ -61,7 +61,7 @@ def test_streaming_prints_text_and_stats(ckpts, capsys):
 def test_compare_ar_with_sampling_does_not_claim_a_mismatch(ckpts, capsys):
     target, drafter, _ = ckpts
     code, _, err = run(capsys, "--target", target, "--drafter", drafter, "--prompt", "x = ", "--max-new-tokens",
-                       "12", "--temperature", "0.8", "--compare-ar")
+                       "12", "--temperature", "0.8", "--compare-ar", "--budget", "8")
     assert code == 0
     assert "not expected" in err and "identical to plain decoding" not in err
 

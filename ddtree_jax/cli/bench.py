@@ -109,6 +109,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     use_autotune_cache(args)  # before the backend starts
     routes = routes_from(args)
+    if args.cost_table and args.cost_table_in:
+        die("give --cost-table FILE (write the table measured here) or --cost-table-in FILE (use one), not both")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in ("ar", "dflash", "ddtree")]
     if bad:
@@ -124,8 +126,8 @@ def main(argv=None) -> int:
         die("dflash / ddtree modes need a drafter (--drafter DIR)")
     prompts = read_prompts(args.prompts, engine)[: args.limit]
     runs = [(m, None) for m in modes if m != "ddtree"] + [("ddtree", b) for b in args.budgets if "ddtree" in modes]
-    table = None
-    if ("ddtree", "auto") in runs:
+    table = None  # --budgets auto's step-time table: measured when its first run comes, or read now
+    if args.cost_table_in and ("ddtree", "auto") in runs:
         try:
             table = bench.auto_cost_table(engine, prompts, args)
         except ValueError as e:
@@ -156,6 +158,10 @@ def main(argv=None) -> int:
         # Pass by pass over all runs, so a drift of the machine (clocks, other load) hits every mode alike.
         for rep, (mode, budget) in tqdm([(i, run) for i in range(args.repeats) for run in runs],
                                         desc="ddtree-bench", unit="run"):
+            if budget == "auto" and table is None:
+                table = bench.auto_cost_table(engine, prompts, args)
+                report["cost_table"] = table.as_dict()
+                print(f"step-time table for --budgets auto (batch {table.batch}): {table.source}", file=sys.stderr)
             r, outs = bench.run_mode(engine, prompts, mode, budget, max_new_tokens=args.max_new_tokens,
                                      batch=args.batch, phase_repeats=args.phase_repeats if rep == 0 else 0,
                                      auto_budgets=args.auto_budgets, cost_table=table)
