@@ -1,5 +1,8 @@
-"""The adaptive budget's (budget="auto", issue #27) measurements that ddtree-bench does not make.
+"""The adaptive budget's (budget="auto", issue #27) measurements.
 
+    demo      ddtree-bench on the demo pair for each batch size: auto against plain decoding, DFlash
+              and every fixed budget, interleaved repeats, one step-time table file for all batches
+              (its entries measured by ddtree-bench), and a summary: auto / the best other run.
     trace     Per prompt and position of its greedy continuation: every choice's raw expected
               acceptance E (what the policy sees) and the draft tokens it would accept (the target's
               greedy continuation is known, so acceptance is counterfactual for every choice at once).
@@ -14,9 +17,10 @@
     latency   Compile time of auto and its effect on the first token: a fresh engine's first call of
               a shape (compilation, warm-up, auto's start-up table) and a second call, per mode.
 
+    PYTHONPATH=. python3 scripts/adaptive_bench.py demo --batches 1,4,8,16 --out $OUT/auto_demo
     PYTHONPATH=. python3 scripts/adaptive_bench.py trace --prompts docs/demo_heldout_prompts.jsonl --out $OUT/trace.json
     PYTHONPATH=. python3 scripts/adaptive_bench.py simulate --trace $OUT/trace.json --e2e $OUT/e2e_4k.json \\
-        $OUT/e2e_32k.json --batches 1,8 --context 4096 --out $OUT/sim_27b.json
+        $OUT/e2e_32k.json --ratios-from $OUT/demo_costs.json --batches 1,8 --context 4096 --out $OUT/sim_27b.json
     PYTHONPATH=. python3 scripts/adaptive_bench.py simulate --trace $OUT/trace.json --cost-table $OUT/demo_costs.json \\
         --batches 1,4,8,16 --out $OUT/sim_demo.json
     PYTHONPATH=. python3 scripts/adaptive_bench.py latency --out $OUT/latency.json
@@ -39,6 +43,7 @@ import numpy as np
 from flax import nnx
 
 from ddtree_jax import atomic
+from ddtree_jax.cli import bench as bench_cli
 from ddtree_jax.cli.common import load_engine
 from ddtree_jax.engine import bucket
 from ddtree_jax.speculative import choice
@@ -115,9 +120,9 @@ def trace(engine, prompts: list[list[int]], max_new: int, auto: AutoBudget) -> d
 
 # ---- simulate -----------------------------------------------------------------------------------
 @functools.partial(jax.jit, static_argnums=0)
-def _decide(auto, a, active, ctx):
+def _decide(auto, a, left, ctx):
     costs = choice.step_costs(auto, a, ctx)
-    return choice.draft_next(auto, a, active, costs), costs
+    return choice.draft_next(auto, a, left, costs), costs
 
 
 _choose = jax.jit(choice.choose, static_argnums=0)
@@ -125,24 +130,27 @@ _after_spec = jax.jit(choice.after_spec, static_argnums=0)
 _after_ar = jax.jit(choice.after_ar)
 
 
-def simulate(tr: dict, batch: int, ms: dict, contexts: list[float], policy: str, auto: AutoBudget,
-             context: float | None = None):
-    """One generation of `batch` rows (the trace's rows, cycled) under `policy`: a choice name run
-    at every step, or "auto" (the loop's policy over auto's choices, every one of which must be in
-    the trace and in ms). Returns (tokens, ms, steps per choice). A step costs the table's time of
-    its choice at the batch's mean committed length over active rows (context + position when
-    `context` is given, else each row's prompt length + position)."""
+def simulate(tr: dict, rows: list[dict], ms: dict, contexts: list[float], policy: str, auto: AutoBudget,
+             context: float | None = None, measured: dict | None = None):
+    """One generation of a batch of the trace's rows under `policy`: a choice name run at every
+    step, or "auto" (the loop's policy over auto's choices, every one of which must be in the trace
+    and in ms). Returns (tokens, ms, steps per choice). A step costs the table's time of its choice
+    at the batch's mean committed length over active rows (context + position when `context` is
+    given, else each row's prompt length + position)."""
     names = list(auto.names)
     cols = [tr["choices"].index(n) for n in names]
-    rows = [tr["rows"][i % len(tr["rows"])] for i in range(batch)]
+    batch = len(rows)
     e = [np.asarray(r["e"], np.float32)[:, cols] for r in rows]
     acc = [np.asarray(r["accepted"], np.int32)[:, cols] for r in rows]
     end = np.asarray([r["positions"] for r in rows])
     base = np.asarray([context if context is not None else r["prompt_len"] for r in rows], np.float32)
     table = np.asarray([ms[n] if on else [np.inf] * len(contexts) for n, on in zip(names, auto.enabled)], np.float32)
     pad = POINTS - len(contexts)
-    a = choice.init_state(auto, batch, int(end.max()) + 2, np.pad(table, ((0, 0), (0, pad)), mode="edge"),
-                          np.pad(np.asarray(contexts, np.float32), (0, pad), mode="edge"))
+    measured = measured or {}
+    a = choice.init_state(auto, batch, int(end.max()) + 2, choice.TableArrays(
+        np.pad(table, ((0, 0), (0, pad)), mode="edge"), np.pad(np.asarray(contexts, np.float32), (0, pad), mode="edge"),
+        np.asarray([measured.get("ratios", {}).get(n, -1.0) for n in names], np.float32),
+        np.asarray([measured.get("accepted", {}).get(n, -1.0) for n in names], np.float32)))
     pos = np.zeros(batch, np.int64)
     total_ms, steps, i = 0.0, {}, 0
 
@@ -155,24 +163,24 @@ def simulate(tr: dict, batch: int, ms: dict, contexts: list[float], policy: str,
 
     while np.any(pos < end):
         active = pos < end
+        left = jnp.asarray(np.maximum(end - pos, 0))  # tokens each row still generates
         if policy == "auto":
-            draft, costs = _decide(auto, a, jnp.asarray(active), jnp.float32(np.mean((base + pos)[active])))
+            draft, costs = _decide(auto, a, left, jnp.float32(np.mean((base + pos)[active])))
             if not bool(draft):  # a burst of plain steps, as the loop runs it
                 for _ in range(auto.ar_burst):
                     active = pos < end
                     if not active.any():
                         break
-                    a = _after_ar(a, jnp.asarray(active), i)
+                    a = _after_ar(a, jnp.asarray(np.maximum(end - pos, 0)), i)
                     total_ms += cost(AR, active)
                     steps["ar"] = steps.get("ar", 0) + 1
                     pos = pos + active
                     i += 1
                 continue
             e_raw, acc_all = at(pos)
-            c, e_cal = _choose(auto, a, jnp.asarray(e_raw), jnp.asarray(active), costs)
+            c, e_cal = _choose(auto, a, jnp.asarray(e_raw), left, costs)
             c = int(c)
-            a = _after_spec(auto, a, c, jnp.asarray(e_raw), e_cal, jnp.asarray(acc_all[:, c]), jnp.asarray(active), i,
-                            costs)
+            a = _after_spec(auto, a, c, jnp.asarray(e_raw), e_cal, jnp.asarray(acc_all[:, c]), left, i, costs)
         else:
             c = names.index(policy)
             acc_all = at(pos)[1]
@@ -184,16 +192,25 @@ def simulate(tr: dict, batch: int, ms: dict, contexts: list[float], policy: str,
     return tokens, total_ms, steps
 
 
-def tables_from_files(cost_table_path: str | None, e2e_paths: list[str]) -> dict:
-    """{batch: (contexts, {choice: [ms per context]})} from a ddtree-bench table file, or from
-    bench_e2e.py reports (their runs' step_ms_by_choice, each report one context)."""
+def tables_from_files(cost_table_path: str | None, e2e_paths: list[str], ratios_from: str | None = None) -> dict:
+    """{batch: (contexts, {choice: [ms per context]}, {"ratios": ..., "accepted": ...})} from a
+    ddtree-bench table file, or from bench_e2e.py reports (their runs' step_ms_by_choice, each
+    report one context) with the measured acceptance of a ddtree-bench table file (ratios_from:
+    random weights accept nothing, so it goes with the trace's pair)."""
     out: dict = {}
     if cost_table_path:
         with open(cost_table_path) as f:
             doc = json.load(f)
         for b, t in doc["tables"].items():
-            out[int(b)] = (list(t["contexts"]), {k: list(v) for k, v in t["ms"].items()})
+            out[int(b)] = (list(t["contexts"]), {k: list(v) for k, v in t["ms"].items()},
+                           {"ratios": t.get("ratios") or {}, "accepted": t.get("accepted") or {}})
         return out
+    ratios = {}
+    if ratios_from:
+        with open(ratios_from) as f:
+            tables = json.load(f)["tables"]
+        ratios = {int(b): {"ratios": t.get("ratios") or {}, "accepted": t.get("accepted") or {}}
+                  for b, t in tables.items()}
     points: dict = {}
     for path in e2e_paths:
         with open(path) as f:
@@ -204,23 +221,37 @@ def tables_from_files(cost_table_path: str | None, e2e_paths: list[str]) -> dict
     for b, by_ctx in points.items():
         ctxs = sorted(by_ctx)
         names = set.intersection(*(set(by_ctx[c]) for c in ctxs))
-        out[b] = (ctxs, {n: [by_ctx[c][n] for c in ctxs] for n in names})
+        out[b] = (ctxs, {n: [by_ctx[c][n] for c in ctxs] for n in names}, ratios.get(b, ratios.get(1, {})))
     return out
 
 
-def run_simulation(tr: dict, tables: dict, batches: list[int], context: float | None) -> dict:
+def batches_of(rows: list[dict], b: int) -> list[list[dict]]:
+    """The trace's rows as the benchmark runs its prompts: in batches of b, the rows cycled to fill
+    the last batch (and a batch larger than the prompt set)."""
+    n = -(-max(len(rows), b) // b) * b
+    cycled = [rows[i % len(rows)] for i in range(n)]
+    return [cycled[i: i + b] for i in range(0, n, b)]
+
+
+def run_simulation(tr: dict, tables: dict, batches: list[int], context: float | None,
+                   objective: str = AutoBudget.objective) -> dict:
     results = {}
     for b in batches:
         if b not in tables:
             raise SystemExit(f"no step-time table for batch {b} (have {sorted(tables)})")
-        contexts, ms = tables[b]
+        contexts, ms, measured = tables[b]
         missing = [n for n in tr["choices"] if n not in ms]
         auto = AutoBudget(tuple(int(n) for n in tr["choices"][2:] if n in ms), ar="ar" in ms, dflash="dflash" in ms,
-                          ar_burst=tr["ar_burst"])
+                          ar_burst=tr["ar_burst"], objective=objective)
         policies = [n for n, on in zip(auto.names, auto.enabled) if on] + ["auto"]
-        row = {"contexts": contexts, "ms": ms, "missing_choices": missing, "policies": {}}
+        row = {"contexts": contexts, "ms": ms, "measured": measured, "missing_choices": missing, "policies": {}}
         for p in policies:
-            tokens, total, steps = simulate(tr, b, ms, contexts, p, auto, context)
+            tokens, total, steps = 0, 0.0, {}
+            for group in batches_of(tr["rows"], b):
+                n, t, st = simulate(tr, group, ms, contexts, p, auto, context, measured)
+                tokens, total = tokens + n, total + t
+                for k, v in st.items():
+                    steps[k] = steps.get(k, 0) + v
             row["policies"][p] = {"tokens_per_s": 1000 * tokens / total, "steps": steps}
         fixed = {p: v["tokens_per_s"] for p, v in row["policies"].items() if p != "auto"}
         best = max(fixed, key=fixed.get)
@@ -264,6 +295,37 @@ def latency(engine, prompt: list[int], max_new: int, auto_budgets, fixed_budget:
     return out
 
 
+# ---- demo ---------------------------------------------------------------------------------------
+PROMPTS_16 = os.path.join(os.path.dirname(DEFAULT_PROMPTS), "demo_heldout_prompts_16.jsonl")
+
+
+def demo(out: str, batches: list[int], budgets: str, repeats: int, max_new: int, prompts: str, extra=()) -> dict:
+    """ddtree-bench per batch size into out/b{B}/, the step-time tables into out/costs.json; the
+    summary: per batch each run's median tokens/s, the best run other than auto, auto / best."""
+    table = os.path.join(out, "costs.json")
+    summary = {}
+    for b in batches:
+        run_dir = os.path.join(out, f"b{b}")
+        argv = ["--prompts", prompts, "--modes", "ar,dflash,ddtree", "--budgets", f"auto,{budgets}",
+                "--auto-budgets", budgets, "--batch", str(b), "--repeats", str(repeats), "--phase-repeats", "0",
+                "--max-new-tokens", str(max_new), "--cost-table", table, "--out", run_dir, *extra]
+        print(f"[demo] batch {b}: ddtree-bench {' '.join(argv)}", flush=True)
+        code = bench_cli.main(argv)
+        with open(os.path.join(run_dir, "bench.json")) as f:
+            report = json.load(f)
+        tps = {("plain" if r["mode"] == "ar" else r["mode"] if r["budget"] is None else str(r["budget"])):
+               r["tokens_per_second"] for r in report["results"]}
+        others = {k: v for k, v in tps.items() if k != "auto"}
+        best = max(others, key=others.get)
+        summary[str(b)] = {"tokens_per_second": tps, "best_other": best, "auto_over_best": tps["auto"] / others[best],
+                           "outputs_match_plain": all(r["outputs_match_ar"] is not False for r in report["results"]),
+                           "auto": next(r["adaptive"] for r in report["results"] if r["budget"] == "auto"),
+                           "exit_code": code}
+        print(f"[demo] batch {b}: auto {tps['auto']:.0f} tok/s = {summary[str(b)]['auto_over_best']:.3f}x the best "
+              f"other run ({best}: {others[best]:.0f})", flush=True)
+    return summary
+
+
 # ---- CLI ----------------------------------------------------------------------------------------
 def read_prompts(path: str, limit: int | None) -> list[list[int]]:
     with open(path) as f:
@@ -274,6 +336,14 @@ def read_prompts(path: str, limit: int | None) -> list[list[int]]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("demo", help="ddtree-bench on the demo pair per batch size: auto against every other run")
+    d.add_argument("--batches", default="1,4,8,16")
+    d.add_argument("--budgets", default="4,8,16,32,64", help="the fixed budgets run, and auto's set")
+    d.add_argument("--repeats", type=int, default=3)
+    d.add_argument("--max-new-tokens", type=int, default=128)
+    d.add_argument("--prompts", default=PROMPTS_16, help="default: the 8 held-out prompts and their first 96 tokens")
+    d.add_argument("--smoke", action="store_true", help="tiny: batches 1,2, budgets 4,8, 2 prompts, 16 tokens")
+    d.add_argument("--out", required=True)
     t = sub.add_parser("trace", help="per-position E and acceptance of every choice (the demo pair by default)")
     t.add_argument("--target", default=None)
     t.add_argument("--drafter", default=None)
@@ -286,9 +356,13 @@ def main(argv=None) -> int:
     s.add_argument("--trace", required=True)
     s.add_argument("--cost-table", default=None, help="a table file from ddtree-bench --cost-table")
     s.add_argument("--e2e", nargs="*", default=[], help="bench_e2e.py reports with step_ms_by_choice (one per context)")
+    s.add_argument("--ratios-from", default=None,
+                   help="with --e2e: the first calibration from this ddtree-bench table file (of the trace's pair)")
     s.add_argument("--batches", default="1,8")
     s.add_argument("--context", type=float, default=None,
                    help="committed length at the first position (default: each prompt's own length)")
+    s.add_argument("--objective", choices=["tokens", "makespan"], default=AutoBudget.objective,
+                   help="auto's objective (choice.AutoBudget.objective)")
     s.add_argument("--out", required=True)
     la = sub.add_parser("latency", help="compile time of auto and the first token's latency")
     la.add_argument("--target", default=None)
@@ -308,10 +382,26 @@ def main(argv=None) -> int:
     if args.cmd == "simulate":
         with open(args.trace) as f:
             tr = json.load(f)
-        tables = tables_from_files(args.cost_table, args.e2e)
+        tables = tables_from_files(args.cost_table, args.e2e, args.ratios_from)
         report |= {"trace": args.trace, "cost_table": args.cost_table, "e2e": args.e2e, "context": args.context,
-                   "simulation": run_simulation(tr, tables, [int(b) for b in args.batches.split(",")], args.context)}
+                   "objective": args.objective,
+                   "simulation": run_simulation(tr, tables, [int(b) for b in args.batches.split(",")], args.context,
+                                                args.objective)}
         atomic.write_json(args.out, report)
+        return 0
+
+    if args.cmd == "demo":
+        if args.smoke:
+            short = os.path.join(args.out, "prompts.jsonl")
+            os.makedirs(args.out, exist_ok=True)
+            with open(short, "w") as f:
+                for p in read_prompts(DEFAULT_PROMPTS, 2):
+                    f.write(json.dumps({"prompt_ids": p[:24]}) + "\n")
+            report["demo"] = demo(args.out, [1, 2], "4,8", 1, 16, short, ("--cost-repeats", "1"))
+        else:
+            report["demo"] = demo(args.out, [int(b) for b in args.batches.split(",")], args.budgets, args.repeats,
+                                  args.max_new_tokens, args.prompts)
+        atomic.write_json(os.path.join(args.out, "summary.json"), report)
         return 0
 
     if args.cmd == "smoke":
@@ -321,7 +411,8 @@ def main(argv=None) -> int:
         tr = trace(engine, read_prompts(DEFAULT_PROMPTS, 2), 24, auto)
         atomic.write_json(os.path.join(args.out, "trace.json"), tr)
         ms = {"ar": [1.0], "dflash": [1.6], "4": [1.7], "8": [2.0]}
-        report["simulation"] = run_simulation(tr, {1: ([0.0], ms), 2: ([0.0], ms)}, [1, 2], None)
+        measured = {"ratios": {"dflash": 2.0}, "accepted": {n: 1.0 for n in ms if n != "ar"}}
+        report["simulation"] = run_simulation(tr, {1: ([0.0], ms, {}), 2: ([0.0], ms, measured)}, [1, 2], None)
         report["latency"] = latency(engine, read_prompts(DEFAULT_PROMPTS, 1)[0][:16], 8, (4,), 4)
         atomic.write_json(os.path.join(args.out, "report.json"), report)
         return 0

@@ -2,6 +2,7 @@
 budgets cut from one selection against build_tree, the choice against synthetic cost tables, the
 calibration's convergence, and the step-time table's file format and errors."""
 
+import dataclasses
 import functools
 import itertools
 import json
@@ -118,7 +119,7 @@ def test_fewer_real_prefixes_than_the_budget():
 
 
 # ---- the choice and the calibration (choice.py) ---------------------------------------------
-AUTO = AutoBudget(budgets=(4, 16))
+AUTO = AutoBudget(budgets=(4, 16), probe_wait=(16, 128))
 draft_next = jax.jit(choice.draft_next, static_argnums=0)
 choose = jax.jit(choice.choose, static_argnums=0)
 after_spec = jax.jit(choice.after_spec, static_argnums=0)
@@ -126,43 +127,44 @@ after_ar = jax.jit(choice.after_ar)
 
 
 def state(ms, batch=2):
-    return choice.init_state(AUTO, batch, 64, np.asarray(ms, np.float32)[:, None], np.zeros((1,), np.float32))
+    return choice.init_state(AUTO, batch, 64, choice.TableArrays(np.asarray(ms, np.float32)[:, None], np.zeros(1),
+                                                                 -np.ones(4), -np.ones(4)))
 
 
 def test_choice_follows_the_cost_table():
     """With the same drafts, a cheap plain step wins before any draft (once a speculative step has
     taught E), cheap big trees win the speculative choice, a cheap chain wins it too."""
-    active = jnp.ones((2,), bool)
+    left = jnp.full((2,), 100, jnp.int32)
     e_raw = jnp.asarray([[0, 2.0, 2.5, 3.5], [0, 1.0, 1.5, 2.0]], jnp.float32)
     for ms, want in (([1, 9, 9, 9], None), ([9, 9, 9, 1], FIRST_TREE + 1), ([9, 1, 9, 9], DFLASH),
                      ([9, 3, 3.1, 3.2], FIRST_TREE + 1)):
         a = state(ms)
         costs = choice.step_costs(AUTO, a, jnp.float32(0))
-        assert bool(draft_next(AUTO, a, active, costs))  # nothing learned yet: draft
-        c, e_cal = choose(AUTO, a, e_raw, active, costs)
-        a = after_spec(AUTO, a, c, e_raw, e_cal, jnp.asarray([2, 1]), active, 0, costs)
+        assert bool(draft_next(AUTO, a, left, costs))  # nothing learned yet: draft
+        c, e_cal = choose(AUTO, a, e_raw, left, costs)
+        a = after_spec(AUTO, a, c, e_raw, e_cal, jnp.asarray([2, 1]), left, 0, costs)
         if want is None:  # plain steps cost 1 ms for 1 token a row: no draft (3.5 / 9 per row) beats that
-            assert not bool(draft_next(AUTO, a, active, costs))
+            assert not bool(draft_next(AUTO, a, left, costs))
         else:
-            assert int(c) == want and bool(draft_next(AUTO, a, active, costs))
+            assert int(c) == want and bool(draft_next(AUTO, a, left, costs))
 
 
 def test_probes_after_plain_steps_and_backs_off():
     """Plain steps run until the wait ends, then one speculative step probes; while probes keep
     finding plain steps better, the wait doubles up to its cap."""
     a = state([1, 9, 9, 9], batch=1)
-    active = jnp.ones((1,), bool)
+    left = jnp.full((1,), 100, jnp.int32)
     costs = choice.step_costs(AUTO, a, jnp.float32(0))
     e_raw = jnp.asarray([[0, 1.0, 1.2, 1.5]], jnp.float32)
     waits, plain = [], 0
     for i in range(800):
-        if bool(draft_next(AUTO, a, active, costs)):
-            c, e_cal = choose(AUTO, a, e_raw, active, costs)
-            a = after_spec(AUTO, a, c, e_raw, e_cal, jnp.asarray([1]), active, i, costs)
+        if bool(draft_next(AUTO, a, left, costs)):
+            c, e_cal = choose(AUTO, a, e_raw, left, costs)
+            a = after_spec(AUTO, a, c, e_raw, e_cal, jnp.asarray([1]), left, i, costs)
             waits.append(plain)
             plain = 0
         else:
-            a = after_ar(a, active, i)
+            a = after_ar(a, left, i)
             plain += 1
     lo, hi = AUTO.probe_wait
     assert waits[:5] == [0, lo, 2 * lo, 4 * lo, 8 * lo] and max(waits) == hi
@@ -176,14 +178,14 @@ def test_calibration_converges_to_the_realised_acceptance(true_ratio):
     rng = np.random.default_rng(0)
     rows = 16
     a = state([9, 1, 9, 9], batch=rows)  # the chain is cheapest: it runs every step
-    active = jnp.ones((rows,), bool)
+    left = jnp.full((rows,), 100, jnp.int32)
     costs = choice.step_costs(AUTO, a, jnp.float32(0))
     for i in range(60):
         e_raw = jnp.asarray(np.stack([np.zeros(rows), rng.uniform(1, 3, rows), np.full(rows, 3.0),
                                       np.full(rows, 4.0)], 1), jnp.float32)
-        c, e_cal = choose(AUTO, a, e_raw, active, costs)
+        c, e_cal = choose(AUTO, a, e_raw, left, costs)
         real = rng.poisson(true_ratio * np.asarray(e_raw[:, DFLASH]))
-        a = after_spec(AUTO, a, c, e_raw, e_cal, jnp.asarray(real), active, i, costs)
+        a = after_spec(AUTO, a, c, e_raw, e_cal, jnp.asarray(real), left, i, costs)
     assert int(c) == DFLASH
     test = jnp.asarray([[0, 2.0, 3.0, 4.0]], jnp.float32)
     e = np.asarray(choice.calibrated(AUTO, a, test))[0]
@@ -194,18 +196,32 @@ def test_calibration_converges_to_the_realised_acceptance(true_ratio):
     assert abs(s["acceptance"]["dflash"]["calibrated"] / s["acceptance"]["dflash"]["realised"] - 1) < 0.15
 
 
+def test_objectives_differ_on_a_batch_with_a_slow_row():
+    """One confident row and one weak one: the batch's tokens per ms favour drafting, but the weak
+    row would finish last, so the makespan objective keeps plain steps (batch 1: the same)."""
+    e = jnp.asarray([[0.0, 3.0, 3.0, 3.0], [0.0, 0.2, 0.2, 0.2]], jnp.float32)
+    left = jnp.full((2,), 100, jnp.int32)
+    for objective, drafts in (("tokens", True), ("makespan", False)):
+        auto = AutoBudget(budgets=(4, 16), objective=objective, ar_margin=0.0)
+        a = state([1.0, 2.5, 2.5, 2.5])._replace(row_e=e, have_e=jnp.bool_(True), wait=jnp.int32(10))
+        assert bool(draft_next(auto, a, left, choice.step_costs(auto, a, jnp.float32(0)))) == drafts, objective
+    one = AutoBudget(budgets=(4, 16), objective="makespan", ar_margin=0.0)
+    a = state([1.0, 2.5, 2.5, 2.5], batch=1)._replace(row_e=e[:1], have_e=jnp.bool_(True), wait=jnp.int32(10))
+    assert bool(draft_next(one, a, left[:1], choice.step_costs(one, a, jnp.float32(0))))
+
+
 def test_forced_choice_overrides():
     a = state([1, 9, 9, 9])._replace(force=jnp.int32(FIRST_TREE))
-    active = jnp.ones((2,), bool)
+    left = jnp.full((2,), 100, jnp.int32)
     costs = choice.step_costs(AUTO, a, jnp.float32(0))
-    assert bool(draft_next(AUTO, a, active, costs))
-    assert int(choose(AUTO, a, jnp.zeros((2, 4)), active, costs)[0]) == FIRST_TREE
-    assert not bool(draft_next(AUTO, a._replace(force=jnp.int32(AR)), active, costs))
+    assert bool(draft_next(AUTO, a, left, costs))
+    assert int(choose(AUTO, a, jnp.zeros((2, 4)), left, costs)[0]) == FIRST_TREE
+    assert not bool(draft_next(AUTO, a._replace(force=jnp.int32(AR)), left, costs))
 
 
 def test_cost_table_interpolates_in_context():
     ms = np.asarray([[1.0, 2.0], [2.0, 2.0], [3.0, 5.0], [4.0, 8.0]], np.float32)
-    a = choice.init_state(AUTO, 1, 8, ms, np.asarray([1000.0, 3000.0], np.float32))
+    a = choice.init_state(AUTO, 1, 8, choice.TableArrays(ms, np.asarray([1000.0, 3000.0]), -np.ones(4), -np.ones(4)))
     for ctx, want in ((0.0, ms[:, 0]), (2000.0, ms.mean(1)), (9000.0, ms[:, 1])):
         np.testing.assert_allclose(np.asarray(choice.step_costs(AUTO, a, jnp.float32(ctx))), want, rtol=1e-6)
     no_ar = AutoBudget(budgets=(4, 16), ar=False)
@@ -228,15 +244,25 @@ def table(batch=1, **ms):
 
 def test_cost_table_file_round_trip_and_merge(tmp_path):
     path = tmp_path / "costs.json"
-    one = table(1, ar=0.3, dflash=0.5, **{"4": 0.6, "16": 0.7})
+    one = dataclasses.replace(table(1, ar=0.3, dflash=0.5, **{"4": 0.6, "16": 0.7}), ratios={"dflash": 1.5},
+                              accepted={"dflash": 2.0, "16": 3.0})
     cost_table.save(path, one, device="dev", model=MODEL)
     cost_table.save(path, table(8, ar=0.4, dflash=1.0, **{"4": 1.1, "16": 1.5}), device="dev", model=MODEL)
     got = cost_table.load(path, 1, device="dev", model=MODEL)
     assert got.ms == one.ms and got.contexts == (128.0,) and str(path) in got.source
     assert set(json.loads(path.read_text())["tables"]) == {"1", "8"}
-    ms, ctx = got.arrays(AUTO)
+    assert got.ratios == one.ratios and got.accepted == one.accepted
+    ms, ctx, ratios, accepted = got.arrays(AUTO)
     assert ms.shape == (4, cost_table.POINTS) and ctx.shape == (cost_table.POINTS,)
     np.testing.assert_allclose(ms[:, -1], [0.3, 0.5, 0.6, 0.7])
+    np.testing.assert_allclose(ratios, [-1, 1.5, -1, -1])
+    np.testing.assert_allclose(accepted, [-1, 2.0, -1, 3.0])
+    # the measured ratio as `prior` tokens of evidence for the chain and the global ratio (shrunk to 1
+    # by global_prior): global (6 + 1) / (4 + 1) = 1.4, chain (6 + 4 x 1.4) / (4 + 4) = 1.45
+    a = choice.init_state(AUTO, 2, 8, got.arrays(AUTO))
+    np.testing.assert_allclose(np.asarray(choice.calibrated(AUTO, a, jnp.ones((1, 4))))[0, 1:], [1.45, 1.4, 1.4],
+                               rtol=1e-6)
+    assert not bool(a.have_e)  # budget 4's acceptance is unknown: the first step drafts
     cost_table.save(path, one, device="other", model=MODEL)  # another device: the file starts over
     assert set(json.loads(path.read_text())["tables"]) == {"1"}
 

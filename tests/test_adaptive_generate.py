@@ -15,7 +15,7 @@ import pytest
 from ddtree_jax import decode
 from ddtree_jax.cache import init_target_cache
 from ddtree_jax.speculative import generate as gen
-from ddtree_jax.speculative.choice import AR, DFLASH, FIRST_TREE, AutoBudget, summary
+from ddtree_jax.speculative.choice import AR, DFLASH, FIRST_TREE, AutoBudget, TableArrays, summary
 from ddtree_jax.speculative.sampling import Sampling
 from tests.hf_mamba_models import make_jax_target
 from tests.scripted_proposers import RecordingProposer, ScriptedProposer
@@ -35,7 +35,10 @@ _CACHE = {}
 
 
 def costs(ms):
-    return np.asarray(ms, np.float32)[:, None], np.zeros((1,), np.float32)
+    """A step-time table's loop-state arrays: ms per choice at one context, no measured acceptance."""
+    n = len(ms)
+    return TableArrays(np.asarray(ms, np.float32)[:, None], np.zeros((1,), np.float32), np.full(n, -1.0, np.float32),
+                       np.full(n, -1.0, np.float32))
 
 
 def setup(name):

@@ -50,12 +50,12 @@ class Phases(NamedTuple):
 
 
 def init(auto: AutoBudget, batch: int, spec, costs) -> choice.AdaptiveState:
-    """The loop state's adaptive part; costs = (ms [C, K], contexts [K]) in auto.names order
+    """The loop state's adaptive part; costs: a choice.TableArrays in auto.names order
     (cost_table.CostTable.arrays)."""
     if costs is None:
         raise ValueError("budget='auto' needs a step-time table: cost_table.CostTable.arrays(...), measured at "
                          "start-up (Engine does) or loaded from a file `ddtree-bench --cost-table` wrote")
-    return choice.init_state(auto, batch, spec.max_new_tokens, *costs)
+    return choice.init_state(auto, batch, spec.max_new_tokens, choice.TableArrays(*costs))
 
 
 def _fixed(spec, **changes):
@@ -63,17 +63,22 @@ def _fixed(spec, **changes):
     return dataclasses.replace(spec, **changes)
 
 
+def _left(s, spec):
+    """[B] tokens each row still has to generate (0: done)."""
+    return jnp.where(s.done, 0, spec.max_new_tokens - s.n_out)
+
+
 def _spec_step(model, dparams, s, eos_ids, spec, phases: Phases, costs):
     auto: AutoBudget = spec.adaptive
     key = jax.random.fold_in(s.key, s.i)
-    active = ~s.done
+    left = _left(s, spec)
     logq = phases.propose(model, dparams, s, spec)
     ids = phases.vocab_ids(spec, dparams)
     cands = tree_candidates(logq, auto.budgets[-1], spec.candidates, spec.routes)
     b = logq.shape[0]
     e_raw = jnp.concatenate([jnp.zeros((b, 1), jnp.float32), chain_expectation(logq)[:, None],
                              tree_expectations(cands, auto.budgets)], axis=1)  # [B, C]
-    c, e_cal = choice.choose(auto, s.adapt, e_raw, active, costs)
+    c, e_cal = choice.choose(auto, s.adapt, e_raw, left, costs)
 
     def run(fixed, tree_fn):
         def branch(st):
@@ -93,7 +98,7 @@ def _spec_step(model, dparams, s, eos_ids, spec, phases: Phases, costs):
         branches.append(run(_fixed(spec, budget=budget), lambda st, budget=budget: tree_from_candidates(
             cands, budget, st.bonus, st.cache.lengths, spec.routes, ids)))
     new, n_new, accepted = jax.lax.switch(jnp.asarray(index, jnp.int32)[c], branches, s)
-    adapt = choice.after_spec(auto, s.adapt, c, e_raw, e_cal, accepted, active, s.i, costs)
+    adapt = choice.after_spec(auto, s.adapt, c, e_raw, e_cal, accepted, left, s.i, costs)
     return phases.count_step(s, new._replace(adapt=adapt), n_new, spec)
 
 
@@ -116,7 +121,7 @@ def _ar_burst(model, dparams, s, eos_ids, spec, phases: Phases, stop_at):
         new, n_new, f = phases.ar_step(model, st, eos_ids, spec, jax.random.fold_in(st.key, st.i), hidden)
         if buf is not None:
             buf = jax.lax.dynamic_update_slice_in_dim(buf, f.astype(buf.dtype), j, axis=1)
-        new = new._replace(adapt=choice.after_ar(st.adapt, active, st.i))
+        new = new._replace(adapt=choice.after_ar(st.adapt, _left(st, spec), st.i))
         return phases.count_step(st, new, n_new, spec), buf, j + 1, committed + active.astype(jnp.int32)
 
     def more(carry):
@@ -131,10 +136,10 @@ def _ar_burst(model, dparams, s, eos_ids, spec, phases: Phases, stop_at):
 def step(model, dparams, s, eos_ids, spec, phases: Phases, stop_at):
     """One step of the adaptive loop (a speculative step, or a burst of plain steps)."""
     auto: AutoBudget = spec.adaptive
-    active = ~s.done
-    costs = choice.step_costs(auto, s.adapt, choice.mean_context(s.cache.lengths, active))
+    left = _left(s, spec)
+    costs = choice.step_costs(auto, s.adapt, choice.mean_context(s.cache.lengths, left))
     spec_step = lambda st: _spec_step(model, dparams, st, eos_ids, spec, phases, costs)
     if not auto.ar:
         return spec_step(s)
-    return jax.lax.cond(choice.draft_next(auto, s.adapt, active, costs), spec_step,
+    return jax.lax.cond(choice.draft_next(auto, s.adapt, left, costs), spec_step,
                         lambda st: _ar_burst(model, dparams, st, eos_ids, spec, phases, stop_at), s)

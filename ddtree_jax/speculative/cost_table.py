@@ -18,6 +18,9 @@ its drafter, dtype and kernel routes; loading it elsewhere is an error. Format:
                       "how": "...", "date": "..."}}}
 
 ms[choice][k] is the step time at committed length contexts[k] (linear in between, flat beyond).
+"ratios", "accepted" (optional): realised / predicted accepted tokens and accepted tokens per row
+and step of each choice in the measurement's runs: a generation's first calibration and
+expectation (choice.init_state).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax import atomic
-from ddtree_jax.speculative.choice import AutoBudget
+from ddtree_jax.speculative.choice import AR, AutoBudget, TableArrays
 
 FORMAT = "ddtree-cost-table/1"
 POINTS = 8  # contexts a table may hold: the loop state's arrays always have this many (one compiled shape)
@@ -50,15 +53,20 @@ class CostTable:
     contexts: tuple[float, ...]
     ms: dict  # choice name -> tuple of ms, one per context
     source: str  # how the table was obtained (measured at start-up, or the file it came from)
+    # what the measurement's runs accepted, per choice name: realised / predicted accepted tokens,
+    # and accepted draft tokens per row and step (a generation's first calibration and expectation)
+    ratios: dict = dataclasses.field(default_factory=dict)
+    accepted: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         if not 1 <= len(self.contexts) <= POINTS:
             raise ValueError(f"a step-time table holds 1 to {POINTS} contexts, got {len(self.contexts)}")
 
-    def arrays(self, auto: AutoBudget):
-        """(ms [C, POINTS], contexts [POINTS]) float32 in auto.names order (inf for choices not
-        compiled), the last context repeated to POINTS: the loop state's cost table. A compiled
-        choice missing from the table is an error."""
+    def arrays(self, auto: AutoBudget) -> TableArrays:
+        """The loop state's arrays in auto.names order: ms [C, POINTS] (inf for choices not compiled,
+        the last context repeated to POINTS), contexts [POINTS], ratios [C] and accepted [C] (-1 where
+        none was measured). A compiled choice missing from the table is an
+        error."""
         missing = [n for n, on in zip(auto.names, auto.enabled) if on and n not in self.ms]
         if missing:
             raise ValueError(f"the step-time table ({self.source}) has no times for {missing}; it has "
@@ -66,11 +74,14 @@ class CostTable:
         rows = [self.ms[n] if on else [np.inf] * len(self.contexts) for n, on in zip(auto.names, auto.enabled)]
         pad = POINTS - len(self.contexts)
         ms, ctx = np.asarray(rows, np.float32), np.asarray(self.contexts, np.float32)
-        return np.pad(ms, ((0, 0), (0, pad)), mode="edge"), np.pad(ctx, (0, pad), mode="edge")
+        ratios = np.asarray([self.ratios.get(n, -1.0) for n in auto.names], np.float32)
+        accepted = np.asarray([self.accepted.get(n, -1.0) for n in auto.names], np.float32)
+        return TableArrays(np.pad(ms, ((0, 0), (0, pad)), mode="edge"), np.pad(ctx, (0, pad), mode="edge"), ratios,
+                           accepted)
 
     def as_dict(self) -> dict:
         return {"batch": self.batch, "contexts": list(self.contexts), "ms": {k: list(v) for k, v in self.ms.items()},
-                "source": self.source}
+                "ratios": dict(self.ratios), "accepted": dict(self.accepted), "source": self.source}
 
 
 def _order(name: str):
@@ -79,7 +90,9 @@ def _order(name: str):
 
 def placeholder(auto: AutoBudget):
     """Arrays of a table for a state whose choices are forced (the measurement itself)."""
-    return np.ones((auto.size, POINTS), np.float32), np.zeros((POINTS,), np.float32)
+    c = auto.size
+    return TableArrays(np.ones((c, POINTS), np.float32), np.zeros((POINTS,), np.float32), np.full((c,), -1.0, np.float32),
+                       np.full((c,), -1.0, np.float32))
 
 
 def fingerprint(cfg, proposer, routes) -> dict:
@@ -97,9 +110,13 @@ def measure(advance: Callable, start_state, auto: AutoBudget, *, steps: int = 8,
     """Time every compiled choice of `auto` from start_state (a prefilled LoopState of the auto
     program; never modified): advance(state, n) -> state runs up to n steps (it may donate its
     input: each call gets a copy). Rows should not stop early (pass an EOS set nothing matches);
-    steps actually run are counted, so a generation that ends early still yields a time."""
+    steps actually run are counted, so a generation that ends early still yields a time. The
+    forced runs' acceptance per choice comes with the table (`ratios`: realised / predicted,
+    `accepted`: per row and step; the generations' first calibration and expectation)."""
     context = float(np.mean(np.asarray(start_state.cache.lengths)))
     i0 = int(start_state.i)
+
+    real, pred, rows = np.zeros(auto.size), np.zeros(auto.size), np.zeros(auto.size)
 
     def run(c: int, n: int) -> tuple[float, int]:
         st = jax.tree.map(jnp.copy, start_state._replace(adapt=start_state.adapt._replace(force=jnp.int32(c))))
@@ -107,7 +124,11 @@ def measure(advance: Callable, start_state, auto: AutoBudget, *, steps: int = 8,
         t0 = time.perf_counter()
         out = advance(st, n)
         ran = int(out.i)  # blocks until the call is done
-        return time.perf_counter() - t0, ran - i0
+        seconds = time.perf_counter() - t0
+        real[c] += float(out.adapt.sum_real[c])
+        pred[c] += float(out.adapt.sum_pred[c])
+        rows[c] += float(out.adapt.n_rows[c])
+        return seconds, ran - i0
 
     choices = [c for c, on in enumerate(auto.enabled) if on]
     for c in choices:  # warm-up: XLA's first run of each branch
@@ -121,7 +142,9 @@ def measure(advance: Callable, start_state, auto: AutoBudget, *, steps: int = 8,
     ms = {auto.names[c]: (max(statistics.median(v), 1e-6),) for c, v in per.items()}
     how = (f"measured at start-up: each choice forced for {steps} and {2 * steps} steps from the prefilled state, "
            f"median of {repeats} interleaved pairs")
-    return CostTable(batch or int(start_state.bonus.shape[0]), (context,), ms, how)
+    ratios = {auto.names[c]: real[c] / pred[c] for c in choices if pred[c] > 0}
+    accepted = {auto.names[c]: real[c] / rows[c] for c in choices if c != AR and rows[c] > 0}
+    return CostTable(batch or int(start_state.bonus.shape[0]), (context,), ms, how, ratios, accepted)
 
 
 def load(path: str | os.PathLike, batch: int, *, device: str, model: dict) -> CostTable:
@@ -156,7 +179,9 @@ def load(path: str | os.PathLike, batch: int, *, device: str, model: dict) -> Co
     if not contexts or list(contexts) != sorted(contexts) or bad:
         raise ValueError(f"step-time table {path}, batch {batch}: contexts must ascend and every choice needs one "
                          f"positive time per context (bad: {bad})")
-    return CostTable(batch, contexts, ms, f"loaded from {path}")
+    ratios = {k: float(v) for k, v in (t.get("ratios") or {}).items()}
+    accepted = {k: float(v) for k, v in (t.get("accepted") or {}).items()}
+    return CostTable(batch, contexts, ms, f"loaded from {path}", ratios, accepted)
 
 
 def save(path: str | os.PathLike, table: CostTable, *, device: str, model: dict, extra: dict | None = None) -> None:
@@ -173,7 +198,8 @@ def save(path: str | os.PathLike, table: CostTable, *, device: str, model: dict,
     if not (isinstance(doc, dict) and doc.get("format") == FORMAT and doc.get("device") == device
             and (doc.get("model") or {}).get("fingerprint") == model["fingerprint"]):
         doc = {"format": FORMAT, "device": device, "model": model, "tables": {}}
-    entry = {"contexts": list(table.contexts), "ms": {k: list(v) for k, v in table.ms.items()}, "how": table.source,
+    entry = {"contexts": list(table.contexts), "ms": {k: list(v) for k, v in table.ms.items()},
+             "ratios": dict(table.ratios), "accepted": dict(table.accepted), "how": table.source,
              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     doc["tables"][str(table.batch)] = entry | (extra or {})
     atomic.write_json(path, doc)
