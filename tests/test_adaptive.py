@@ -151,23 +151,26 @@ def test_choice_follows_the_cost_table():
 
 def test_probes_after_plain_steps_and_backs_off():
     """Plain steps run until the wait ends, then one speculative step probes; while probes keep
-    finding plain steps better, the wait doubles up to its cap."""
-    a = state([1, 9, 9, 9], batch=1)
+    finding plain steps better, the wait doubles up to its cap. The wait keeps the probes' extra
+    cost near probe_budget: here the cheapest draft costs 1.5x a plain step, 0.5 / 0.03 -> 17."""
+    a = state([1, 1.5, 1.6, 1.7], batch=1)
     left = jnp.full((1,), 100, jnp.int32)
     costs = choice.step_costs(AUTO, a, jnp.float32(0))
-    e_raw = jnp.asarray([[0, 1.0, 1.2, 1.5]], jnp.float32)
+    e_raw = jnp.asarray([[0, 0.1, 0.1, 0.1]], jnp.float32)
     waits, plain = [], 0
-    for i in range(800):
+    for i in range(600):
         if bool(draft_next(AUTO, a, left, costs)):
             c, e_cal = choose(AUTO, a, e_raw, left, costs)
-            a = after_spec(AUTO, a, c, e_raw, e_cal, jnp.asarray([1]), left, i, costs)
+            a = after_spec(AUTO, a, c, e_raw, e_cal, jnp.asarray([0]), left, i, costs)
             waits.append(plain)
             plain = 0
         else:
             a = after_ar(a, left, i)
             plain += 1
-    lo, hi = AUTO.probe_wait
-    assert waits[:5] == [0, lo, 2 * lo, 4 * lo, 8 * lo] and max(waits) == hi
+    assert waits[:6] == [0, 17, 34, 68, 128, 128]
+    cpu_like = state([1, 9, 9, 9], batch=1)  # drafting costs 9 plain steps: a probe waits 267 (cap 128)
+    assert not bool(draft_next(AUTO, cpu_like._replace(have_e=jnp.bool_(True), since=jnp.int32(127)), left,
+                               choice.step_costs(AUTO, cpu_like, jnp.float32(0))))
 
 
 @pytest.mark.parametrize("true_ratio", [0.5, 1.4])
@@ -203,10 +206,10 @@ def test_objectives_differ_on_a_batch_with_a_slow_row():
     left = jnp.full((2,), 100, jnp.int32)
     for objective, drafts in (("tokens", True), ("makespan", False)):
         auto = AutoBudget(budgets=(4, 16), objective=objective, ar_margin=0.0)
-        a = state([1.0, 2.5, 2.5, 2.5])._replace(row_e=e, have_e=jnp.bool_(True), wait=jnp.int32(10))
+        a = state([1.0, 2.5, 2.5, 2.5])._replace(row_e=e, have_e=jnp.bool_(True))
         assert bool(draft_next(auto, a, left, choice.step_costs(auto, a, jnp.float32(0)))) == drafts, objective
     one = AutoBudget(budgets=(4, 16), objective="makespan", ar_margin=0.0)
-    a = state([1.0, 2.5, 2.5, 2.5], batch=1)._replace(row_e=e[:1], have_e=jnp.bool_(True), wait=jnp.int32(10))
+    a = state([1.0, 2.5, 2.5, 2.5], batch=1)._replace(row_e=e[:1], have_e=jnp.bool_(True))
     assert bool(draft_next(one, a, left[:1], choice.step_costs(one, a, jnp.float32(0))))
 
 

@@ -111,6 +111,10 @@ def main(argv=None) -> int:
     routes = routes_from(args)
     if args.cost_table and args.cost_table_in:
         die("give --cost-table FILE (write the table measured here) or --cost-table-in FILE (use one), not both")
+    given = [flag for flag, v in (("--auto-budgets", args.auto_budgets), ("--cost-table", args.cost_table),
+                                  ("--cost-table-in", args.cost_table_in)) if v]
+    if given and "auto" not in args.budgets:
+        die(f"{' and '.join(given)} appl{'y' if len(given) > 1 else 'ies'} to --budgets auto only")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in ("ar", "dflash", "ddtree")]
     if bad:

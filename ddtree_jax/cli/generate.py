@@ -105,6 +105,10 @@ def main(argv=None) -> int:
     prompt = read_prompt(args)
     if isinstance(prompt, str) and not prompt:
         die("the prompt is empty")
+    if args.budget != "auto" or args.mode in ("ar", "dflash"):
+        given = [flag for flag, v in (("--auto-budgets", args.auto_budgets), ("--cost-table", args.cost_table)) if v]
+        if given:
+            die(f"{' and '.join(given)} appl{'y' if len(given) > 1 else 'ies'} to --mode ddtree --budget auto only")
 
     from ddtree_jax.cli.common import load_engine
 

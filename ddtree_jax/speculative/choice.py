@@ -20,7 +20,10 @@ with E the drafter's expected acceptance of the choice's draft (speculative/expe
 - Before the draft exists (whether to draft at all): the rate of every speculative choice from a
   per-row moving average of its calibrated E over the earlier speculative steps, against the plain
   step's n_active / T_ar. Plain steps teach nothing about the drafts, so after a run of them a
-  speculative step is forced (a probe); the wait doubles while probes keep choosing plain steps.
+  speculative step is forced (a probe) once the plain steps since the last speculative one reach
+  a wait that keeps the probes' extra cost near `probe_budget` of the time: (T_spec / T_ar - 1) /
+  probe_budget plain steps for the cheapest speculative choice, within `probe_wait`; it doubles
+  while probes keep choosing plain steps.
 
 Everything is arrays in the loop state (`AdaptiveState`), updated without a host round trip.
 Pure functions of arrays: the generation loop (speculative/adaptive.py) and the offline simulation
@@ -52,7 +55,8 @@ class AutoBudget:
     prior: float = 4.0  # shrinkage of a choice's calibration ratio to the global one, in predicted tokens
     global_prior: float = 1.0  # shrinkage of the global ratio to 1 (the drafter's own probabilities)
     smooth: float = 0.5  # per-row moving average of calibrated E, for the decision before a draft
-    probe_wait: tuple[int, int] = (32, 512)  # plain steps before a forced speculative step: first, most
+    probe_budget: float = 0.03  # share of the time that probes may cost while plain steps run
+    probe_wait: tuple[int, int] = (8, 1024)  # the fewest and most plain steps between probes
     ar_margin: float = 0.1  # how much better plain steps must be predicted to be than drafting
     # what a step maximises: "tokens" = the batch's expected tokens per ms (rows replaced as they
     # finish: continuous batching); "makespan" = progress of the row that would finish last (a
@@ -88,6 +92,8 @@ class AutoBudget:
         if self.objective not in OBJECTIVES:
             out.append(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
         lo, hi = self.probe_wait
+        if not 0 < self.probe_budget <= 1:
+            out.append(f"probe_budget must be in (0, 1], got {self.probe_budget}")
         if not 1 <= lo <= hi:
             out.append(f"probe_wait must be (first, most) with 1 <= first <= most, got {self.probe_wait}")
         return out
@@ -105,8 +111,8 @@ class AdaptiveState(NamedTuple):
     all_pred: jax.Array  # float32
     row_e: jax.Array  # [B, C] float32 moving average of each row's calibrated E (decision before a draft)
     have_e: jax.Array  # bool: row_e holds a speculative step's values
-    wait: jax.Array  # int32 plain steps left before a forced speculative step
-    gap: jax.Array  # int32 the wait set after the next speculative step that chooses plain steps again
+    since: jax.Array  # int32 plain steps since the last speculative step
+    gap: jax.Array  # int32 the probe wait's multiplier: doubles at each probe that chooses plain steps again
     # statistics (whole generation): per choice steps, row-steps, and sums of raw / calibrated
     # predicted and of realised accepted tokens; the choice of every step
     n_steps: jax.Array  # [C] int32
@@ -151,7 +157,7 @@ def init_state(policy: AutoBudget, batch: int, steps: int, table: TableArrays) -
     known = jnp.all(jnp.where(spec & jnp.asarray(policy.enabled), accepted >= 0, True))
     row_e = jnp.broadcast_to(jnp.where(spec & (accepted >= 0), accepted, 0.0), (batch, c))
     return AdaptiveState(ms, ctx, jnp.int32(-1), real, pred, all_real, all_pred,
-                         row_e, known, jnp.int32(policy.probe_wait[0]), jnp.int32(policy.probe_wait[0]), zc, zc, zf,
+                         row_e, known, jnp.int32(0), jnp.int32(1), zc, zc, zf,
                          zf, zf, jnp.full((steps,), -1, jnp.int8))
 
 
@@ -193,12 +199,20 @@ def _predicted_spec_wins(policy: AutoBudget, a: AdaptiveState, left: jax.Array, 
     return best >= v[AR] * (1 + policy.ar_margin)  # values are minus times
 
 
+def _probe_due(policy: AutoBudget, a: AdaptiveState, costs: jax.Array) -> jax.Array:
+    """Whether the plain steps since the last speculative one reached the probe wait."""
+    lo, hi = policy.probe_wait
+    ratio = jnp.min(costs[DFLASH:]) / costs[AR]
+    wait = jnp.clip(jnp.ceil((ratio - 1) / policy.probe_budget), lo, hi).astype(jnp.int32)
+    return a.since >= jnp.minimum(a.gap * wait, hi)
+
+
 def draft_next(policy: AutoBudget, a: AdaptiveState, left: jax.Array, costs: jax.Array) -> jax.Array:
     """Whether the next step drafts (bool): forced, or no speculative step has run yet, or a probe is
     due, or some speculative choice's predicted worth beats the plain step's."""
     if not policy.ar:
         return jnp.bool_(True)
-    chosen = ~a.have_e | (a.wait <= 0) | _predicted_spec_wins(policy, a, left, costs)
+    chosen = ~a.have_e | _probe_due(policy, a, costs) | _predicted_spec_wins(policy, a, left, costs)
     return jnp.where(a.force >= 0, a.force != AR, chosen)
 
 
@@ -239,17 +253,16 @@ def after_spec(policy: AutoBudget, a: AdaptiveState, c, e_raw, e_cal, accepted, 
     e_new = calibrated(policy, b, e_raw)
     row_e = jnp.where(a.have_e, policy.smooth * a.row_e + (1 - policy.smooth) * e_new, e_new)
     b = b._replace(row_e=jnp.where(active[:, None], row_e, a.row_e))
-    # plain steps next: wait `lo` plain steps before probing again, twice the last wait when this
-    # step was itself a probe (it ran for the wait, not for its predicted rate)
-    lo, hi = policy.probe_wait
-    was_probe = (a.wait <= 0) & a.have_e & ~_predicted_spec_wins(policy, a, left, costs)
-    gap = jnp.where(was_probe & ~_predicted_spec_wins(policy, b, left, costs), jnp.minimum(2 * a.gap, hi), lo)
-    return b._replace(wait=gap, gap=gap)
+    # if plain steps come next, the next probe waits twice as long when this step was itself a probe
+    # (it ran for the wait, not for its predicted worth) and as long as the costs say otherwise
+    was_probe = _probe_due(policy, a, costs) & a.have_e & ~_predicted_spec_wins(policy, a, left, costs)
+    again = was_probe & ~_predicted_spec_wins(policy, b, left, costs)
+    return b._replace(since=jnp.int32(0), gap=jnp.where(again, jnp.minimum(2 * a.gap, policy.probe_wait[1]), 1))
 
 
 def after_ar(a: AdaptiveState, left: jax.Array, step) -> AdaptiveState:
     """Count one plain step (left [B] as before it)."""
-    return a._replace(wait=a.wait - 1, n_steps=a.n_steps.at[AR].add(1),
+    return a._replace(since=a.since + 1, n_steps=a.n_steps.at[AR].add(1),
                       n_rows=a.n_rows.at[AR].add(jnp.sum(left > 0).astype(jnp.int32)),
                       trace=a.trace.at[step].set(jnp.int8(AR), mode="drop"))
 
