@@ -57,7 +57,7 @@ class AutoBudget:
     smooth: float = 0.5  # per-row moving average of calibrated E, for the decision before a draft
     probe_budget: float = 0.03  # share of the time that probes may cost while plain steps run
     probe_wait: tuple[int, int] = (8, 1024)  # the fewest and most plain steps between probes
-    ar_margin: float = 0.1  # how much better plain steps must be predicted to be than drafting
+    ar_margin: float = 0.3  # how much better plain steps must be predicted to be than drafting
     # what a step maximises: "tokens" = the batch's expected tokens per ms (rows replaced as they
     # finish: continuous batching); "makespan" = progress of the row that would finish last (a
     # fixed batch that runs until every row is done). Equal at batch 1.
