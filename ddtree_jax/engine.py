@@ -197,7 +197,7 @@ class Engine:
         """Generate for a batch of prompts (text or token ids); one Completion per prompt.
 
         budget: DDTree nodes per step, or "auto" (the default): each step chooses among plain
-        decoding, DFlash and the trees of auto_budgets (default 4, 8, 16, 32, 64) for the most
+        decoding, DFlash and the trees of auto_budgets (default 4, 8, 16, 32) for the most
         tokens per second, by a step-time table: cost_table (a CostTable or the path of a file
         `ddtree-bench --cost-table` wrote), else measured at start-up for each new batch and prompt
         bucket (seconds; reported in stats.adaptive with the choices made).

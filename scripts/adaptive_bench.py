@@ -71,7 +71,7 @@ def _trace(graphdef, params, dparams, s, table, spec, auto: AutoBudget, n: int):
         ids = gen.vocab_ids(spec, dparams)
         cands = tree_candidates(logq, auto.budgets[-1], spec.candidates, spec.routes)
         b = logq.shape[0]
-        e = jnp.concatenate([jnp.zeros((b, 1)), chain_expectation(logq)[:, None],
+        e = jnp.concatenate([jnp.zeros((b, 1)), chain_expectation(cands.best)[:, None],
                              tree_expectations(cands, auto.budgets)], axis=1)
         trees = [build_chain(logq, st.bonus, st.cache.lengths, ids)]
         trees += [tree_from_candidates(cands, bb, st.bonus, st.cache.lengths, spec.routes, ids) for bb in auto.budgets]
@@ -299,7 +299,8 @@ def latency(engine, prompt: list[int], max_new: int, auto_budgets, fixed_budget:
 PROMPTS_16 = os.path.join(os.path.dirname(DEFAULT_PROMPTS), "demo_heldout_prompts_16.jsonl")
 
 
-def demo(out: str, batches: list[int], budgets: str, repeats: int, max_new: int, prompts: str, extra=()) -> dict:
+def demo(out: str, batches: list[int], budgets: str, auto_budgets: str, repeats: int, max_new: int, prompts: str,
+         extra=()) -> dict:
     """ddtree-bench per batch size into out/b{B}/, the step-time tables into out/costs.json; the
     summary: per batch each run's median tokens/s, the best run other than auto, auto / best."""
     table = os.path.join(out, "costs.json")
@@ -307,7 +308,7 @@ def demo(out: str, batches: list[int], budgets: str, repeats: int, max_new: int,
     for b in batches:
         run_dir = os.path.join(out, f"b{b}")
         argv = ["--prompts", prompts, "--modes", "ar,dflash,ddtree", "--budgets", f"auto,{budgets}",
-                "--auto-budgets", budgets, "--batch", str(b), "--repeats", str(repeats), "--phase-repeats", "0",
+                "--auto-budgets", auto_budgets, "--batch", str(b), "--repeats", str(repeats), "--phase-repeats", "0",
                 "--max-new-tokens", str(max_new), "--cost-table", table, "--out", run_dir, *extra]
         print(f"[demo] batch {b}: ddtree-bench {' '.join(argv)}", flush=True)
         code = bench_cli.main(argv)
@@ -338,7 +339,8 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="ddtree-bench on the demo pair per batch size: auto against every other run")
     d.add_argument("--batches", default="1,4,8,16")
-    d.add_argument("--budgets", default="4,8,16,32,64", help="the fixed budgets run, and auto's set")
+    d.add_argument("--budgets", default="4,8,16,32,64", help="the fixed budgets run")
+    d.add_argument("--auto-budgets", default="4,8,16,32", help="auto's set")
     d.add_argument("--repeats", type=int, default=3)
     d.add_argument("--max-new-tokens", type=int, default=128)
     d.add_argument("--prompts", default=PROMPTS_16, help="default: the 8 held-out prompts and their first 96 tokens")
@@ -350,7 +352,7 @@ def main(argv=None) -> int:
     t.add_argument("--prompts", default=DEFAULT_PROMPTS, help="JSONL with prompt_ids per line")
     t.add_argument("--limit", type=int, default=None)
     t.add_argument("--max-new-tokens", type=int, default=128)
-    t.add_argument("--auto-budgets", default="4,8,16,32,64")
+    t.add_argument("--auto-budgets", default="4,8,16,32,64", help="the budgets traced (a simulation takes any subset)")
     t.add_argument("--out", required=True)
     s = sub.add_parser("simulate", help="tokens/s of every policy on a trace with a step-time table")
     s.add_argument("--trace", required=True)
@@ -370,7 +372,7 @@ def main(argv=None) -> int:
     la.add_argument("--prompts", default=DEFAULT_PROMPTS)
     la.add_argument("--max-new-tokens", type=int, default=64)
     la.add_argument("--budget", type=int, default=16, help="the fixed budget to compare with")
-    la.add_argument("--auto-budgets", default="4,8,16,32,64")
+    la.add_argument("--auto-budgets", default="4,8,16,32")
     la.add_argument("--out", required=True)
     sm = sub.add_parser("smoke", help="trace, simulate and latency at tiny sizes (CPU)")
     sm.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "adaptive_smoke"))
@@ -397,10 +399,10 @@ def main(argv=None) -> int:
             with open(short, "w") as f:
                 for p in read_prompts(DEFAULT_PROMPTS, 2):
                     f.write(json.dumps({"prompt_ids": p[:24]}) + "\n")
-            report["demo"] = demo(args.out, [1, 2], "4,8", 1, 16, short, ("--cost-repeats", "1"))
+            report["demo"] = demo(args.out, [1, 2], "4,8", "4,8", 1, 16, short, ("--cost-repeats", "1"))
         else:
-            report["demo"] = demo(args.out, [int(b) for b in args.batches.split(",")], args.budgets, args.repeats,
-                                  args.max_new_tokens, args.prompts)
+            report["demo"] = demo(args.out, [int(b) for b in args.batches.split(",")], args.budgets,
+                                  args.auto_budgets, args.repeats, args.max_new_tokens, args.prompts)
         atomic.write_json(os.path.join(args.out, "summary.json"), report)
         return 0
 

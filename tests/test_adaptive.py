@@ -61,7 +61,7 @@ def _expectations(logq, budgets):
     c = tree_candidates(logq, budgets[-1])
     roots, start = jnp.array([0, 1], jnp.int32), jnp.array([4, 6], jnp.int32)
     trees = [tree_from_candidates(c, b, roots, start) for b in budgets]
-    return tree_expectations(c, budgets), trees, chain_expectation(logq), build_chain(logq, roots, start)
+    return tree_expectations(c, budgets), trees, chain_expectation(c.best), build_chain(logq, roots, start)
 
 
 @pytest.mark.parametrize("depth, vocab", [(3, 3), (2, 5)])

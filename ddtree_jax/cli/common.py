@@ -59,7 +59,8 @@ def add_auto_budget_arguments(group, cost_table_help: str) -> None:
     """--auto-budgets and --cost-table, the settings of --budget auto."""
     group.add_argument("--auto-budgets", type=budget_list, default=None, metavar="B1,B2,...",
                        help="--budget auto: the DDTree budgets it may choose each step, besides plain decoding and "
-                       "DFlash (default 4,8,16,32,64; each one is compiled, so fewer compile faster)")
+                       "DFlash (default 4,8,16,32; each one is compiled, so fewer compile faster; every draft pays "
+                       "the selection of the largest: add 64 for large models, whose steps dwarf it)")
     group.add_argument("--cost-table", default=None, metavar="FILE", help=cost_table_help)
 
 

@@ -76,7 +76,7 @@ def _spec_step(model, dparams, s, eos_ids, spec, phases: Phases, costs):
     ids = phases.vocab_ids(spec, dparams)
     cands = tree_candidates(logq, auto.budgets[-1], spec.candidates, spec.routes)
     b = logq.shape[0]
-    e_raw = jnp.concatenate([jnp.zeros((b, 1), jnp.float32), chain_expectation(logq)[:, None],
+    e_raw = jnp.concatenate([jnp.zeros((b, 1), jnp.float32), chain_expectation(cands.best)[:, None],
                              tree_expectations(cands, auto.budgets)], axis=1)  # [B, C]
     c, e_cal = choice.choose(auto, s.adapt, e_raw, left, costs)
 

@@ -137,6 +137,7 @@ class TreeCandidates(NamedTuple):
     (`tree_from_candidates`) and its expected acceptance (speculative/expected.py)."""
 
     top_tok: jax.Array  # [B, D, k] per-depth candidates (draft-vocabulary indices when the proposer has one)
+    best: jax.Array  # [B, D] each depth's largest log-prob (the DFlash chain's argmax)
     depth: jax.Array  # [B, budget] node depth index (tree depth - 1)
     rank: jax.Array  # [B, budget] candidate rank at that depth
     parent: jax.Array  # [B, budget] parent's node index (0 = the root, nodes numbered from 1)
@@ -163,7 +164,7 @@ def tree_candidates(logq: jax.Array, budget: int, max_candidates=None, routes: R
     k = validate_budget(budget, depth, vocab, max_candidates)
     top_val, top_tok = _vocab_top_k(logq.astype(jnp.float32), k, routes)
     node_depth, rank, parent, valid, score = _select_nodes(top_val, budget, routes, with_scores=True)
-    return TreeCandidates(top_tok, node_depth, rank, parent, valid, score, heap_places(score, valid))
+    return TreeCandidates(top_tok, top_val[:, :, 0], node_depth, rank, parent, valid, score, heap_places(score, valid))
 
 
 def tree_from_candidates(c: TreeCandidates, budget: int, root_tokens: jax.Array, start: jax.Array,
@@ -178,9 +179,8 @@ def tree_from_candidates(c: TreeCandidates, budget: int, root_tokens: jax.Array,
     dest = jnp.cumsum(keep, axis=1, dtype=jnp.int32) - 1  # new slot (0-based) of every kept node
     new_parent = jnp.where(c.parent > 0, jnp.take_along_axis(dest, jnp.maximum(c.parent - 1, 0), axis=1) + 1, 0)
     slot = jnp.where(keep, dest, budget)  # dropped nodes write past the end
-
-    def compact(x):
-        return jax.vmap(lambda o, s_, v: o.at[s_].set(v, mode="drop"))(jnp.zeros((b, budget), x.dtype), slot, x)
-
-    return _assemble(c.top_tok, compact(c.depth), compact(c.rank), compact(new_parent), compact(keep), root_tokens,
-                     start, routes, vocab_ids)
+    fields = jnp.stack([c.depth, c.rank, new_parent, keep.astype(jnp.int32)], axis=-1)  # [B, n, 4]: one scatter
+    rows = jnp.arange(b, dtype=jnp.int32)[:, None]
+    out = jnp.zeros((b, budget, 4), jnp.int32).at[rows, slot].set(fields, mode="drop")
+    return _assemble(c.top_tok, out[..., 0], out[..., 1], out[..., 2], out[..., 3] == 1, root_tokens, start, routes,
+                     vocab_ids)

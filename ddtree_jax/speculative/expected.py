@@ -28,8 +28,8 @@ def tree_expectations(c: TreeCandidates, budgets: tuple[int, ...]) -> jax.Array:
     return jnp.sum(jnp.where(within, prob[:, :, None], 0.0), axis=1)
 
 
-def chain_expectation(logq: jax.Array) -> jax.Array:
-    """[B]: E of the DFlash chain (argmax of each depth) from logq [B, D, V]: the sum over depths of
-    the product of the chain's token probabilities up to there."""
-    best = jnp.max(logq.astype(jnp.float32), axis=-1)  # [B, D] log-prob of each depth's argmax
-    return jnp.sum(jnp.exp(jnp.cumsum(best, axis=-1)), axis=-1)
+def chain_expectation(best: jax.Array) -> jax.Array:
+    """[B]: E of the DFlash chain (the argmax of each depth) from best [B, D], each depth's largest
+    log-prob (TreeCandidates.best: the vocabulary top-k's first; logq.max(-1)): the sum over depths
+    of the product of the chain's token probabilities up to there."""
+    return jnp.sum(jnp.exp(jnp.cumsum(best.astype(jnp.float32), axis=-1)), axis=-1)
