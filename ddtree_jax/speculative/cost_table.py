@@ -91,8 +91,8 @@ def _order(name: str):
 def placeholder(auto: AutoBudget):
     """Arrays of a table for a state whose choices are forced (the measurement itself)."""
     c = auto.size
-    return TableArrays(np.ones((c, POINTS), np.float32), np.zeros((POINTS,), np.float32), np.full((c,), -1.0, np.float32),
-                       np.full((c,), -1.0, np.float32))
+    unknown = np.full((c,), -1.0, np.float32)
+    return TableArrays(np.ones((c, POINTS), np.float32), np.zeros((POINTS,), np.float32), unknown, unknown)
 
 
 def fingerprint(cfg, proposer, routes) -> dict:
