@@ -2,7 +2,8 @@
 
     demo      ddtree-bench on the demo pair for each batch size: auto against plain decoding, DFlash
               and every fixed budget, interleaved repeats, one step-time table file for all batches
-              (its entries measured by ddtree-bench), and a summary: auto / the best other run.
+              (its entries measured by ddtree-bench), and a summary: auto / the best other run
+              (calls into the same --out add their batches to it).
     trace     Per prompt and position of its greedy continuation: every choice's raw expected
               acceptance E (what the policy sees) and the draft tokens it would accept (the target's
               greedy continuation is known, so acceptance is counterfactual for every choice at once).
@@ -17,7 +18,8 @@
     latency   Compile time of auto and its effect on the first token: a fresh engine's first call of
               a shape (compilation, warm-up, auto's start-up table) and a second call, per mode.
 
-    PYTHONPATH=. python3 scripts/adaptive_bench.py demo --batches 1,4,8,16 --out $OUT/auto_demo
+    PYTHONPATH=. python3 scripts/adaptive_bench.py demo --batches 1,4 --out $OUT/auto_demo
+    PYTHONPATH=. python3 scripts/adaptive_bench.py demo --batches 8,16 --out $OUT/auto_demo
     PYTHONPATH=. python3 scripts/adaptive_bench.py trace --prompts docs/demo_heldout_prompts.jsonl --out $OUT/trace.json
     PYTHONPATH=. python3 scripts/adaptive_bench.py simulate --trace $OUT/trace.json --e2e $OUT/e2e_4k.json \\
         $OUT/e2e_32k.json --ratios-from $OUT/demo_costs.json --batches 1,8 --context 4096 --out $OUT/sim_27b.json
@@ -403,7 +405,11 @@ def main(argv=None) -> int:
         else:
             report["demo"] = demo(args.out, [int(b) for b in args.batches.split(",")], args.budgets,
                                   args.auto_budgets, args.repeats, args.max_new_tokens, args.prompts)
-        atomic.write_json(os.path.join(args.out, "summary.json"), report)
+        path = os.path.join(args.out, "summary.json")
+        if os.path.isfile(path):  # batches run by earlier calls into the same --out stay
+            with open(path) as f:
+                report["demo"] = json.load(f).get("demo", {}) | report["demo"]
+        atomic.write_json(path, report)
         return 0
 
     if args.cmd == "smoke":
