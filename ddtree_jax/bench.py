@@ -23,6 +23,7 @@ from flax import nnx
 from ddtree_jax import decode
 from ddtree_jax.cache import init_target_cache
 from ddtree_jax.engine import Engine, bucket
+from ddtree_jax.speculative import cost_table as costs
 from ddtree_jax.speculative import generate as gen
 from ddtree_jax.speculative.sampling import Sampling
 from ddtree_jax.tree import Tree, make_tree
@@ -31,7 +32,7 @@ from ddtree_jax.tree import Tree, make_tree
 @dataclasses.dataclass
 class RunResult:
     mode: str
-    budget: int | None
+    budget: int | str | None  # "auto": the adaptive budget
     prompts: int
     tokens: int
     seconds: float
@@ -48,6 +49,9 @@ class RunResult:
     divergences_are_ties: bool | None = None
     # tokens/s of every timed pass when the prompt set ran more than once (tokens_per_second = median)
     tokens_per_second_runs: list[float] | None = None
+    # budget "auto": steps per choice and accepted tokens per row-step of each choice (predicted raw /
+    # calibrated, realised) over all batches, the choice of every step of the first batch, the table
+    adaptive: dict | None = None
 
 
 def peak_memory() -> int | None:
@@ -227,13 +231,17 @@ def phase_times_at(graphdef, params, dparams, s: gen.LoopState, spec: gen.GenSpe
     return out
 
 
-def run_mode(engine: Engine, prompts: Sequence[Sequence[int]], mode: str, budget: int | None, *, max_new_tokens: int,
-             batch: int, sampling: Sampling = Sampling(), phase_repeats: int = 10) -> tuple[RunResult, list[list[int]]]:
+def run_mode(engine: Engine, prompts: Sequence[Sequence[int]], mode: str, budget: int | str | None, *,
+             max_new_tokens: int, batch: int, sampling: Sampling = Sampling(), phase_repeats: int = 10,
+             auto_budgets: Sequence[int] | None = None, cost_table: costs.CostTable | None = None
+             ) -> tuple[RunResult, list[list[int]]]:
     """Generate for every prompt (in batches; the engine runs each new shape once untimed, so the
     reported time is generation only). phase_repeats 0 skips the per-phase timing (its
-    compilations dominate short runs)."""
-    outputs, seconds, step_ms, accept, hist = [], 0.0, [], [], None
-    kwargs = dict(mode=mode, budget=budget or 1, max_new_tokens=max_new_tokens, sampling=sampling)
+    compilations dominate short runs; budget "auto" has none: its steps differ). budget "auto":
+    the adaptive budget over auto_budgets with cost_table (None: measured by the engine)."""
+    outputs, seconds, step_ms, accept, hist, adaptive = [], 0.0, [], [], None, []
+    kwargs = dict(mode=mode, budget=budget or 1, max_new_tokens=max_new_tokens, sampling=sampling,
+                  auto_budgets=auto_budgets, cost_table=cost_table)
     for i in range(0, len(prompts), batch):
         chunk = [list(p) for p in prompts[i : i + batch]]
         res = engine.generate(chunk, **kwargs)
@@ -244,18 +252,70 @@ def run_mode(engine: Engine, prompts: Sequence[Sequence[int]], mode: str, budget
             accept.append(c.stats.acceptance_length)
         h = np.asarray(res[0].stats.accepted_hist)
         hist = h if hist is None else hist + h
+        if res[0].stats.adaptive is not None:
+            adaptive.append(res[0].stats.adaptive)
     tokens = sum(len(o) for o in outputs)
-    spec = engine.spec(mode, budget=budget or 1, candidates=None, max_new_tokens=max_new_tokens, sampling=sampling,
-                       prompt_bucket=bucket(len(prompts[0])))
-    phases = phase_times(engine, list(prompts[0]), spec, repeats=phase_repeats) if phase_repeats > 0 else {}
+    phases = {}
+    if phase_repeats > 0 and budget != "auto":
+        spec = engine.spec(mode, budget=budget or 1, candidates=None, max_new_tokens=max_new_tokens,
+                           sampling=sampling, prompt_bucket=bucket(len(prompts[0])))
+        phases = phase_times(engine, list(prompts[0]), spec, repeats=phase_repeats)
     result = RunResult(
         mode=mode, budget=budget if mode == "ddtree" else None, prompts=len(prompts), tokens=tokens, seconds=seconds,
         tokens_per_second=tokens / seconds if seconds else float("nan"),
         acceptance_length=float(np.mean(accept)), accepted_hist=hist.tolist(),
         step_ms=float(np.mean(step_ms)),
-        phases_ms=phases, peak_memory_bytes=peak_memory(),
+        phases_ms=phases, peak_memory_bytes=peak_memory(), adaptive=merge_adaptive(adaptive) if adaptive else None,
     )
     return result, outputs
+
+
+def merge_adaptive(parts: list[dict]) -> dict:
+    """One budget "auto" summary from the batches of a run: steps per choice and row-step weighted
+    acceptance summed over batches; the first batch's step-by-step choices and the table."""
+    choices, acc = {}, {}
+    for part in parts:
+        for name, n in part["choices"].items():
+            choices[name] = choices.get(name, 0) + n
+        for name, a in part["acceptance"].items():
+            into = acc.setdefault(name, {"steps": 0, "row_steps": 0, "predicted": 0.0, "calibrated": 0.0,
+                                         "realised": 0.0})
+            into["steps"] += a["steps"]
+            into["row_steps"] += a["row_steps"]
+            for k in ("predicted", "calibrated", "realised"):
+                into[k] += a[k] * a["row_steps"]
+    for a in acc.values():
+        for k in ("predicted", "calibrated", "realised"):
+            a[k] /= max(a["row_steps"], 1)
+    first = parts[0]
+    return {"choices": choices, "acceptance": acc, "budgets": first["budgets"], "cost_table": first["cost_table"],
+            "trace_first_batch": first["trace"]}
+
+
+def auto_cost_table(engine: Engine, prompts: Sequence[Sequence[int]], args) -> costs.CostTable:
+    """ddtree-bench's step-time table for --budgets auto: read from --cost-table-in, or measured on
+    the first batch of prompts (and written into --cost-table when given)."""
+    first = [list(p) for p in prompts[: args.batch]]
+    b = bucket(len(first), 1)
+    if args.cost_table_in:
+        return engine.load_cost_table(args.cost_table_in, b)
+    t = bucket(max(len(p) for p in first))
+    spec = engine.spec("ddtree", budget="auto", candidates=None, max_new_tokens=args.max_new_tokens,
+                       sampling=Sampling(), prompt_bucket=t, auto_budgets=args.auto_budgets)
+    prompt = np.zeros((b, t), np.int32)
+    lens = np.ones((b,), np.int32)
+    for i, p in enumerate(first):
+        prompt[i, : len(p)] = p
+        lens[i] = len(p)
+    eos = jnp.asarray(sorted(set(engine.stop_ids)), jnp.int32)
+    table = engine.measure_cost_table(spec, jnp.asarray(prompt), jnp.asarray(lens), eos, jax.random.PRNGKey(0),
+                                      repeats=args.cost_repeats)
+    table = dataclasses.replace(table, source=table.source.replace("at start-up", "by ddtree-bench"))
+    if args.cost_table:
+        costs.save(args.cost_table, table, device=engine.device_kind, model=engine.fingerprint(),
+                   extra={"command": "ddtree-bench", "max_new_tokens": args.max_new_tokens})
+        table = dataclasses.replace(table, source=f"{table.source}; written to {args.cost_table}")
+    return table
 
 
 def merge_repeats(passes: list[RunResult]) -> RunResult:
@@ -351,8 +411,9 @@ def plot(results: list[RunResult], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    tree = sorted((r for r in results if r.mode == "ddtree"), key=lambda r: r.budget)
+    tree = sorted((r for r in results if r.mode == "ddtree" and r.budget != "auto"), key=lambda r: r.budget)
     lin = next((r for r in results if r.mode == "dflash"), None)
+    auto = next((r for r in results if r.budget == "auto"), None)
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
     if tree:
         budgets = [r.budget for r in tree]
@@ -363,12 +424,36 @@ def plot(results: list[RunResult], path: str) -> None:
     if lin is not None:
         a1.axhline(lin.speedup_vs_ar or float("nan"), color="C1", ls="--", label="DFlash linear")
         a2.axhline(lin.acceptance_length, color="C1", ls="--", label="DFlash linear")
+    if auto is not None:
+        a1.axhline(auto.speedup_vs_ar or float("nan"), color="C2", ls="-.", label="auto budget")
+        a2.axhline(auto.acceptance_length, color="C2", ls="-.", label="auto budget")
     a1.axhline(1.0, color="gray", ls=":", label="plain decoding")
     a2.axhline(1.0, color="gray", ls=":", label="plain decoding")
     a1.set(xlabel="budget (tree nodes)", ylabel="speedup vs plain decoding (tok/s)")
     a2.set(xlabel="budget (tree nodes)", ylabel="acceptance length (tokens / step)")
     a1.legend()
     a2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_choices(result: RunResult, path: str) -> None:
+    """The adaptive budget's choice at every step of its first generation (first batch)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    a = result.adaptive
+    names = ["ar", "dflash"] + [str(b) for b in a["budgets"]]
+    labels = ["plain", "DFlash"] + [f"tree {b}" for b in a["budgets"]]
+    trace = [names.index(n) for n in a["trace_first_batch"]]
+    fig, ax = plt.subplots(figsize=(10, 3.5))
+    ax.plot(range(len(trace)), trace, ".", ms=4)
+    ax.set_yticks(range(len(names)), labels)
+    ax.set(xlabel="step", ylabel="choice", title=f"budget auto, first batch: {len(trace)} steps "
+           f"({', '.join(f'{k} {v}' for k, v in a['choices'].items())} over all batches)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -3,6 +3,8 @@
     engine = Engine.load("ckpt/target", drafter="ckpt/drafter")
     [out] = engine.generate(["def fib(n):"], mode="ddtree", budget=64, max_new_tokens=128)
     print(out.text, out.stats.acceptance_length, out.stats.tokens_per_second)
+    [out] = engine.generate(["def fib(n):"])  # budget "auto": each step's draft chosen on device
+    print(out.stats.adaptive["choices"])
 
 Prompts of one call run as one batch, right-padded into a shape bucket (powers of two), so each
 bucket compiles once; the decode loop runs on device, and streaming syncs with the host once per
@@ -28,7 +30,9 @@ from converters.load import load_drafter, load_target
 from ddtree_jax.config import TargetConfig
 from ddtree_jax.models import int8
 from ddtree_jax.routes import Routes
+from ddtree_jax.speculative import cost_table as costs
 from ddtree_jax.speculative import generate as gen
+from ddtree_jax.speculative.choice import AutoBudget, summary
 from ddtree_jax.speculative.dflash import DFlashProposer
 from ddtree_jax.speculative.draft_vocab import check_ids, load_ids
 from ddtree_jax.speculative.sampling import RowSampling, Sampling, SamplingCode, seed_key
@@ -53,6 +57,9 @@ class Stats:
     tokens_per_second: float
     step_ms: float  # mean wall time per step (all rows of the batch share steps)
     accepted_hist: list[int]  # steps by number of tokens emitted (batch total)
+    # budget "auto" (the batch's, shared by its rows): steps per choice, predicted vs realised
+    # accepted tokens per choice, the choice of each step, the step-time table and where it came from
+    adaptive: dict | None = None
 
 
 @dataclasses.dataclass
@@ -113,6 +120,7 @@ class Engine:
             self.proposer, self.drafter_params = self.proposer.with_int8(
                 self.drafter_params, nnx.merge(graphdef, params), int8_scheme(int8_drafter))
         self._warm: set = set()  # (spec, prompt shape) whose prefill and step loop ran once
+        self._cost_tables: dict = {}  # budget "auto": (spec, prompt shape) or (file, batch) -> CostTable
 
     # ---- loading -------------------------------------------------------------------------
     @property
@@ -148,23 +156,60 @@ class Engine:
         return tuple(self.cfg.eos_token_ids)
 
     # ---- generation ----------------------------------------------------------------------
-    def spec(self, mode: str, *, budget: int, candidates: int | None, max_new_tokens: int, sampling: Sampling,
-             prompt_bucket: int) -> gen.GenSpec:
+    def spec(self, mode: str, *, budget: int | str | AutoBudget, candidates: int | None, max_new_tokens: int,
+             sampling: Sampling, prompt_bucket: int, auto_budgets: Sequence[int] | None = None) -> gen.GenSpec:
+        """The GenSpec of a generation; budget "auto" (mode ddtree): an AutoBudget over auto_budgets
+        (default AutoBudget's set); other modes ignore the budget."""
         if mode != "ar" and self.proposer is None:
             raise ValueError(f"mode {mode!r} needs a drafter: load one with --drafter / Engine.load(drafter=...)")
         block = 1 if mode == "ar" else self.proposer.block_size
         need = gen.required_capacity(prompt_bucket, max_new_tokens, block)
-        spec = gen.GenSpec(mode, budget, candidates, max_new_tokens, sampling, bucket(need, 64),
-                           None if mode == "ar" else self.proposer, self.routes)
+        spec = gen.GenSpec(mode, resolve_budget(mode, budget, auto_budgets), candidates, max_new_tokens, sampling,
+                           bucket(need, 64), None if mode == "ar" else self.proposer, self.routes)
         spec.validate(self.cfg.vocab_size)
         return spec
 
-    def generate(self, prompts: Sequence[str | Sequence[int]], *, mode: str = "ddtree", budget: int = 64,
-                 candidates: int | None = None, max_new_tokens: int | Sequence[int] = 128,
-                 sampling: Sampling | Sequence[Sampling] = Sampling(), seed: int = 0,
-                 stop_token_ids: Sequence[int] = (), stream: Callable[[int, list[int]], None] | None = None,
-                 stream_every: int = 4) -> list[Completion]:
+    @property
+    def device_kind(self) -> str:
+        return str(jax.devices()[0].device_kind)
+
+    def fingerprint(self) -> dict:
+        """What a step-time table depends on besides device and batch (cost_table.fingerprint)."""
+        return costs.fingerprint(self.cfg, self.proposer, self.routes)
+
+    def load_cost_table(self, path, batch: int) -> costs.CostTable:
+        """The step-time table for `batch` from a file `ddtree-bench --cost-table` wrote."""
+        key = (os.path.abspath(os.fspath(path)), batch)
+        if key not in self._cost_tables:
+            self._cost_tables[key] = costs.load(path, batch, device=self.device_kind, model=self.fingerprint())
+        return self._cost_tables[key]
+
+    def measure_cost_table(self, spec: gen.GenSpec, prompt, lens, eos, rows, *, steps: int = 8,
+                           repeats: int = 3) -> costs.CostTable:
+        """Time every choice of an auto spec on these prompts (cost_table.measure), in the compiled
+        auto program: rows run without EOS from their prefill, each choice forced."""
+        start, advance = gen.bind(self.graphdef)
+        dparams = self.drafter_params
+        never = jnp.full(eos.shape, -1, jnp.int32)  # the same shape as the real EOS set: no other program
+        s0 = start(self.params, dparams, prompt, lens, never, None, spec=spec, rows=rows,
+                   costs=costs.placeholder(spec.adaptive))
+        return costs.measure(lambda st, n: advance(self.params, dparams, st, never, jnp.int32(n), spec=spec), s0,
+                             spec.adaptive, steps=steps, repeats=repeats, batch=int(prompt.shape[0]))
+
+    def generate(self, prompts: Sequence[str | Sequence[int]], *, mode: str = "ddtree",
+                 budget: int | str | AutoBudget = "auto", candidates: int | None = None,
+                 max_new_tokens: int | Sequence[int] = 128, sampling: Sampling | Sequence[Sampling] = Sampling(),
+                 seed: int = 0, stop_token_ids: Sequence[int] = (),
+                 stream: Callable[[int, list[int]], None] | None = None, stream_every: int = 4,
+                 auto_budgets: Sequence[int] | None = None,
+                 cost_table: costs.CostTable | str | os.PathLike | None = None) -> list[Completion]:
         """Generate for a batch of prompts (text or token ids); one Completion per prompt.
+
+        budget: DDTree nodes per step, or "auto" (the default): each step chooses among plain
+        decoding, DFlash and the trees of auto_budgets (default 4, 8, 16, 32) for the most
+        tokens per second, by a step-time table: cost_table (a CostTable or the path of a file
+        `ddtree-bench --cost-table` wrote), else measured at start-up for each new batch and prompt
+        bucket (seconds; reported in stats.adaptive with the choices made).
 
         max_new_tokens and sampling: one for every prompt, or one each (per-row settings share one
         compiled program). Prompt r samples with the seed `seed + r`. stream(row, new_token_ids) is
@@ -202,7 +247,7 @@ class Engine:
         # The output buffer's width in buckets too (rows stop at their own max_new), and the spec
         # holds the sampling code, not the values: fewer compilations.
         spec = self.spec(mode, budget=budget, candidates=candidates, max_new_tokens=bucket(max(max_news)),
-                         sampling=settings[0], prompt_bucket=t)
+                         sampling=settings[0], prompt_bucket=t, auto_budgets=auto_budgets)
         pad = b - len(ids)  # padding rows: greedy, done after their first token
         spec = dataclasses.replace(spec, sampling=SamplingCode.covering(settings))
         rows = gen.RowControls(
@@ -210,10 +255,16 @@ class Engine:
             jnp.asarray(np.asarray(max_news + [1] * pad, np.int32)), jnp.zeros((b, 0), jnp.int32))
         eos = jnp.asarray(sorted(set(self.stop_ids) | set(int(x) for x in stop_token_ids)), jnp.int32)
         args = (jnp.asarray(prompt), jnp.asarray(lens), eos, rows)
-        state = self._run(spec, args, stream, stream_every, len(ids))
+        if spec.adaptive is not None and cost_table is not None:
+            if not isinstance(cost_table, costs.CostTable):
+                cost_table = self.load_cost_table(cost_table, b)  # bad files fail before any compilation
+            elif cost_table.batch != b:
+                raise ValueError(f"the step-time table is for batch {cost_table.batch}; these {len(ids)} prompts run "
+                                 f"as batch {b}")
+        state = self._run(spec, args, stream, stream_every, len(ids), cost_table)
         return self._completions(ids, state, spec, eos)
 
-    def _run(self, spec, args, stream, stream_every, n_rows):
+    def _run(self, spec, args, stream, stream_every, n_rows, cost_table=None):
         prompt, lens, eos, rows = args
         key = None
         dparams = self.drafter_params
@@ -223,13 +274,25 @@ class Engine:
         steps = jnp.int32(stream_every if stream else 2**30)
         start, advance = gen.bind(self.graphdef)  # no GraphDef hash per call
         warm_key = (spec, prompt.shape, eos.shape)
+        table = None
+        if spec.adaptive is not None:
+            table = cost_table or self._cost_tables.get(warm_key)
+        step_costs = None if spec.adaptive is None else costs.placeholder(spec.adaptive)
         if warm_key not in self._warm:
             with self.on_first_run() if self.on_first_run else contextlib.nullcontext():
-                state = start(self.params, dparams, prompt, lens, eos, key, spec=spec, rows=rows)
+                state = start(self.params, dparams, prompt, lens, eos, key, spec=spec, rows=rows, costs=step_costs)
                 jax.block_until_ready(advance(self.params, dparams, state, eos, jnp.int32(1), spec=spec))
             self._warm.add(warm_key)
+        self._calibration_s = 0.0
+        if spec.adaptive is not None:
+            if table is None:  # measured once per compiled program (batch, prompt bucket), at the prompts' length
+                t_cal = time.perf_counter()
+                table = self._cost_tables[warm_key] = self.measure_cost_table(spec, prompt, lens, eos, rows)
+                self._calibration_s = time.perf_counter() - t_cal
+            step_costs = table.arrays(spec.adaptive)
+        self._table = table
         t0 = time.perf_counter()
-        state = start(self.params, dparams, prompt, lens, eos, key, spec=spec, rows=rows)
+        state = start(self.params, dparams, prompt, lens, eos, key, spec=spec, rows=rows, costs=step_costs)
         if stream:
             sent = [0] * n_rows
             self._stream(state, stream, sent, n_rows)
@@ -261,6 +324,11 @@ class Engine:
         eos_set = set(np.asarray(eos).tolist())
         seconds = self._seconds
         total_steps = int(steps[: len(ids)].max()) if len(ids) else 0
+        adaptive = None
+        if spec.adaptive is not None:
+            adaptive = summary(spec.adaptive, state.adapt) | {
+                "budgets": list(spec.adaptive.budgets), "cost_table": self._table.as_dict(),
+                "calibration_seconds": self._calibration_s}
         res = []
         for r, p in enumerate(ids):
             toks = out[r, : n_out[r]].tolist()
@@ -274,6 +342,7 @@ class Engine:
                 tokens_per_second=n / seconds if seconds > 0 else float("nan"),
                 step_ms=1000 * seconds / max(total_steps, 1),
                 accepted_hist=hist,
+                adaptive=adaptive,
             )
             res.append(Completion(p, toks, self.decode(toks), finish, stats))
         return res
@@ -286,6 +355,20 @@ def per_prompt(value, n: int, name: str) -> list:
             raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
         return list(value)
     return [value] * n
+
+
+def resolve_budget(mode: str, budget, auto_budgets: Sequence[int] | None = None):
+    """GenSpec's budget: an int, or an AutoBudget for "auto" in mode ddtree (over auto_budgets when
+    given); other modes ignore the budget (1)."""
+    if isinstance(budget, str) and budget != "auto":
+        raise ValueError(f"budget must be a positive integer or 'auto', got {budget!r}")
+    if mode != "ddtree":
+        return budget if isinstance(budget, int) else 1
+    if isinstance(budget, AutoBudget):
+        return budget
+    if budget == "auto":
+        return AutoBudget(tuple(int(b) for b in auto_budgets)) if auto_budgets else AutoBudget()
+    return budget
 
 
 def int8_scheme(choice) -> int8.Int8Scheme:

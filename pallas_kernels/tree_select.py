@@ -1,6 +1,7 @@
 """DDTree's node selection in one kernel launch: a best-first heap, next to its reference.
 
     depth, rank, parent, valid = select_nodes(top_val, budget, impl="xla" | "pallas" | "pallas_interpret")
+    depth, rank, parent, valid, score = select_nodes(top_val, budget, impl=..., with_scores=True)
 
 top_val [B, D, k] float32: per draft depth the k best log-probs (<= 0) in lax.top_k order. The
 tree's nodes are the `budget` best prefixes (score = the left-to-right float32 sum of their
@@ -9,9 +10,12 @@ lexicographically smaller path of candidate ranks. Returns [B, budget] each, in 
 (valid nodes by depth, each depth in lexicographic order, then the invalid ones): the node's
 depth index (tree depth - 1), its candidate rank at that depth, its parent's node index (0 = the
 root, nodes numbered from 1) and whether it is a real node (score > -inf). Invalid nodes read
-(0, 0, 0, False). The reference (`reference`, the XLA form: a depth-by-depth beam of width
-`budget`, then one top-`budget` over all depths) gives the same arrays, ties and signed zeros
-included.
+(0, 0, 0, False). with_scores: also each node's score (tree order; -inf for invalid nodes), the
+bits an adaptive budget needs: the top-b set of any b <= budget is the first b of these nodes in
+the heap's order, so the expected acceptance of every smaller tree follows from them
+(ddtree_jax/speculative/expected.py). The reference (`reference`, the XLA form: a depth-by-depth
+beam of width `budget`, then one top-`budget` over all depths) gives the same arrays, ties and
+signed zeros included.
 
 Why a kernel: on a GPU the XLA form costs ~4 launches per depth plus ~10 for the final pick and
 the index mapping, and a small model's step is bound by launches; this kernel is one launch and
@@ -81,7 +85,7 @@ def _words_less(a_words, b_words):
     return less
 
 
-def _kernel(val_ref, depth_ref, rank_ref, parent_ref, valid_ref, *, depth, k, budget, kp, dp, fp, bp):
+def _kernel(val_ref, depth_ref, rank_ref, parent_ref, valid_ref, *score_ref, depth, k, budget, kp, dp, fp, bp):
     f32, i32 = jnp.float32, jnp.int32
     neg = f32(-jnp.inf)
     lowest, highest = i32(jnp.iinfo(jnp.int32).min), i32(jnp.iinfo(jnp.int32).max)
@@ -109,7 +113,8 @@ def _kernel(val_ref, depth_ref, rank_ref, parent_ref, valid_ref, *, depth, k, bu
              zero_f, (jnp.where(first, depth_one, 0),) + tuple(zero_f for _ in range(nw - 1)),
              jnp.where(first, -1, 0), first.astype(i32))
     zero_b = jnp.zeros((bp,), i32)
-    recs = (zero_b, zero_b, tuple(zero_b for _ in range(nw)), zero_b, zero_b)  # depth, rank, words, parent pop, valid
+    # depth, rank, words, parent pop, valid, score of every pop
+    recs = (zero_b, zero_b, tuple(zero_b for _ in range(nw)), zero_b, zero_b, jnp.full((bp,), neg, f32))
 
     def winner(sc, fw, live):
         """The live entry no other beats: the highest score key, then the smallest (depth, path)
@@ -124,7 +129,7 @@ def _kernel(val_ref, depth_ref, rank_ref, parent_ref, valid_ref, *, depth, k, bu
         return win, top > lowest
 
     def pop(t, carry):
-        (ps, sc, fd, fj, fw, fpp, live), (rd, rj, rw, rpp, rv) = carry
+        (ps, sc, fd, fj, fw, fpp, live), (rd, rj, rw, rpp, rv, rs) = carry
         win, found = winner(sc, fw, live)
         ps_w, sc_w = pick(win, ps), pick(win, sc)
         d_w, j_w, pp_w, s_w = pick(win, fd), pick(win, fj), pick(win, fpp), pick(win, slot)
@@ -134,6 +139,7 @@ def _kernel(val_ref, depth_ref, rank_ref, parent_ref, valid_ref, *, depth, k, bu
         rd, rj, rpp = jnp.where(here, d_w, rd), jnp.where(here, j_w, rj), jnp.where(here, pp_w, rpp)
         rw = tuple(jnp.where(here, w, r) for w, r in zip(w_w, rw))
         rv = jnp.where(here, node_ok.astype(i32), rv)
+        rs = jnp.where(here, sc_w, rs)
         # first child -> the winner's slot; next sibling -> slot t + 1 (empty until now)
         child_ok = found & (d_w < depth)
         child_sc = plus_zero(sc_w + lookup(d_w, 0))
@@ -152,9 +158,9 @@ def _kernel(val_ref, depth_ref, rank_ref, parent_ref, valid_ref, *, depth, k, bu
         front = (put(ps, sc_w, ps_w), put(sc, child_sc, sib_sc), put(fd, d_w + 1, d_w), put(fj, 0, j_w + 1),
                  tuple(put(w, cw, ww + iw) for w, cw, ww, iw in zip(fw, child_w, w_w, inc)), put(fpp, t, pp_w),
                  put(live, child_ok.astype(i32), sib_ok.astype(i32)))
-        return front, (rd, rj, rw, rpp, rv)
+        return front, (rd, rj, rw, rpp, rv, rs)
 
-    _, (rd, rj, rw, rpp, rv) = lax.fori_loop(0, budget, pop, (front, recs))
+    _, (rd, rj, rw, rpp, rv, rs) = lax.fori_loop(0, budget, pop, (front, recs))
     # tree order: valid nodes by (depth, path) words, then the invalid ones by pop index
     ua, ub = pops[:, None], pops[None, :]  # [t, u]
     va, vb = rv[:, None], rv[None, :]
@@ -168,9 +174,11 @@ def _kernel(val_ref, depth_ref, rank_ref, parent_ref, valid_ref, *, depth, k, bu
     store(rank_ref, (pl.ds(0, bp),), jnp.sum(jnp.where(hit, rj[None, :], 0), axis=1))
     store(parent_ref, (pl.ds(0, bp),), jnp.sum(jnp.where(hit, parent[None, :], 0), axis=1))
     store(valid_ref, (pl.ds(0, bp),), jnp.sum(hit.astype(i32), axis=1))
+    if score_ref:  # a max keeps each score's bits; slots of no valid node read -inf
+        store(score_ref[0], (pl.ds(0, bp),), jnp.max(jnp.where(hit, rs[None, :], neg), axis=1))
 
 
-def _pallas(top_val, budget: int, *, interpret: bool, num_warps: int | None):
+def _pallas(top_val, budget: int, *, interpret: bool, num_warps: int | None, with_scores: bool = False):
     b, depth, k = top_val.shape
     if depth >= 1 << DEPTH_BITS:
         raise ValueError(f"the selection kernel packs depths in {DEPTH_BITS} bits: at most "
@@ -184,28 +192,34 @@ def _pallas(top_val, budget: int, *, interpret: bool, num_warps: int | None):
     kernel = functools.partial(_kernel, depth=depth, k=k, budget=budget, kp=kp, dp=dp,
                                fp=frontier_slots(budget), bp=bp)
     out_spec = pl.BlockSpec((None, bp), lambda i: (i, 0))
-    shape = jax.ShapeDtypeStruct((b, bp), jnp.int32)
-    depth_i, rank, parent, valid = pl.pallas_call(
+    shapes = [jax.ShapeDtypeStruct((b, bp), jnp.int32)] * 4
+    if with_scores:
+        shapes.append(jax.ShapeDtypeStruct((b, bp), jnp.float32))
+    out = pl.pallas_call(
         kernel,
         grid=(b,),
         in_specs=[pl.BlockSpec((None, depth, k), lambda i: (i, 0, 0))],
-        out_specs=[out_spec] * 4,
-        out_shape=[shape] * 4,
+        out_specs=[out_spec] * len(shapes),
+        out_shape=shapes,
         compiler_params=None if interpret else compiler_params(num_warps or DEFAULT_WARPS, 1),
         interpret=interpret,
         name="tree_select",
     )(top_val.astype(jnp.float32))
-    return depth_i[:, :budget], rank[:, :budget], parent[:, :budget], valid[:, :budget] == 1
+    depth_i, rank, parent, valid = (x[:, :budget] for x in out[:4])
+    return (depth_i, rank, parent, valid == 1) + tuple(x[:, :budget] for x in out[4:])
 
 
-def select_nodes(top_val: jax.Array, budget: int, *, impl: str = "xla", num_warps: int | None = None):
-    """[B, D, k] per-depth top-k log-probs -> (depth index, rank, parent, valid) [B, budget]."""
+def select_nodes(top_val: jax.Array, budget: int, *, impl: str = "xla", num_warps: int | None = None,
+                 with_scores: bool = False):
+    """[B, D, k] per-depth top-k log-probs -> (depth index, rank, parent, valid) [B, budget], and
+    with_scores each node's score [B, budget] float32 (-inf where not valid)."""
     check_impl(impl)
     if top_val.ndim != 3:
         raise ValueError(f"top_val must be [B, D, k], got {top_val.shape}")
     if impl == "xla":
-        return reference(top_val, budget)
-    return _pallas(top_val, budget, interpret=impl == "pallas_interpret", num_warps=num_warps)
+        return reference(top_val, budget, with_scores=with_scores)
+    return _pallas(top_val, budget, interpret=impl == "pallas_interpret", num_warps=num_warps,
+                   with_scores=with_scores)
 
 
 # ---- the XLA form (the reference) -------------------------------------------------------------
@@ -280,14 +294,14 @@ def beam(top_val: jax.Array, budget: int, *, rank_select_max: int = 0, staged: b
 
 
 def reference(top_val: jax.Array, budget: int, *, rank_select_max: int = 0, staged: bool = False,
-              sort_max: int = 0):
+              sort_max: int = 0, with_scores: bool = False):
     """The tree's nodes from the per-depth top-k log-probs [B, D, k] in XLA ops: the kernel's arrays
     (same signature; the keywords pick equivalent XLA forms: pairwise-rank selection for rows up to
     rank_select_max, staged / sort top-k as row_top_k.top_k takes them).
 
     Returns (depth index, candidate rank, parent node index (0 = root), valid) [B, budget] each,
     in tree order: valid nodes by depth, each depth in lexicographic order, then the invalid ones
-    (score -inf), which read (0, 0, 0, False)."""
+    (score -inf), which read (0, 0, 0, False); with_scores: and each node's score (-inf if not valid)."""
     b, depth, k = top_val.shape
     scores, parents, ranks = beam(top_val, budget, rank_select_max=rank_select_max, staged=staged,
                                   sort_max=sort_max)  # [B, D, budget] each
@@ -308,4 +322,7 @@ def reference(top_val: jax.Array, budget: int, *, rank_select_max: int = 0, stag
     rank = jnp.take_along_axis(ranks.reshape(b, depth * budget), chosen, axis=-1)
     parent_flat = (node_depth - 1) * budget + parent_slot
     parent_index = jnp.where(node_depth == 0, 0, jnp.take_along_axis(final_index, jnp.maximum(parent_flat, 0), axis=-1))
-    return (jnp.where(valid, node_depth, 0), jnp.where(valid, rank, 0), jnp.where(valid, parent_index, 0), valid)
+    out = (jnp.where(valid, node_depth, 0), jnp.where(valid, rank, 0), jnp.where(valid, parent_index, 0), valid)
+    if with_scores:
+        out += (jnp.where(valid, jnp.take_along_axis(all_scores, chosen, axis=-1), NEG),)
+    return out

@@ -162,6 +162,8 @@ def select_cases(budget: int):
     for warps in (1, 2, 4, 8):
         opts = dict(num_warps=warps)
         yield opts, warps, functools.partial(select_nodes, budget=budget, impl="pallas", **opts), shapes
+    opts = dict(num_warps=1, with_scores=True)  # budget "auto": the node scores as a fifth output
+    yield opts, 1, functools.partial(select_nodes, budget=budget, impl="pallas", **opts), shapes
 
 
 def top_k_cases(n: int):

@@ -50,7 +50,7 @@ def test_all_modes_give_identical_greedy_text(ckpts, capsys, tmp_path):
 def test_streaming_prints_text_and_stats(ckpts, capsys):
     target, drafter, _ = ckpts
     code, out, err = run(capsys, "--target", target, "--drafter", drafter, "--prompt", "x = ", "--max-new-tokens",
-                         "24", "--compare-ar")
+                         "24", "--compare-ar", "--budget", "8")  # budget auto: tests/test_adaptive_generate.py
     assert code == 0
     assert out.startswith("x = ")
     assert "tok/s" in err and "acceptance length" in err and "ms/step" in err
@@ -63,7 +63,7 @@ def test_compare_ar_with_sampling_checks_the_seeded_sample(ckpts, capsys):
     writes plain sampling's tokens: --compare-ar checks sampled output too, and says it sampled."""
     target, drafter, _ = ckpts
     code, _, err = run(capsys, "--target", target, "--drafter", drafter, "--prompt", "x = ", "--max-new-tokens",
-                       "12", "--temperature", "0.8", "--seed", "3", "--compare-ar")
+                       "12", "--temperature", "0.8", "--seed", "3", "--compare-ar", "--budget", "8")
     assert code == 0
     assert "output identical to plain decoding (sampled, seed 3): yes" in err
 
@@ -110,7 +110,7 @@ def test_prompt_from_stdin_and_ids(ckpts, capsys, monkeypatch):
     [
         (["--target", "/nonexistent/dir", "--prompt", "x"], "does not exist"),
         (["--prompt", "x", "--max-new-tokens", "0"], "positive integer"),
-        (["--prompt", "x", "--budget", "-3"], "expected an integer in [1, 1024], got -3"),
+        (["--prompt", "x", "--budget", "-3"], "expected 'auto' or an integer in [1, 1024], got -3"),
         (["--prompt", "x", "--budget", "5000"], "budget"),
         (["--prompt", "x", "--temperature", "-1"], "temperature"),
         (["--prompt", "x", "--top-p", "0"], "--top-p"),

@@ -175,7 +175,7 @@ def test_engine_and_cli_take_an_int8_drafter(capsys):
         Engine(cfg, gd, params, int8_drafter=True)
     # the demo pair through the CLI: the flag reaches the engine and the output matches plain decoding
     assert cli.main(["--prompt", "def add(a, b):", "--max-new-tokens", "16", "--int8-drafter", "weight-only",
-                     "--compare-ar", "--no-stream"]) in (0, None)
+                     "--compare-ar", "--no-stream", "--budget", "16"]) in (0, None)
     assert "output identical to plain decoding (sampled, seed 0): yes" in capsys.readouterr().err  # the demo samples
     from ddtree_jax.demo import demo_paths
 

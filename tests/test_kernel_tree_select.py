@@ -1,8 +1,9 @@
 """The one-launch node selection kernel (`impl`: interpret mode, natively under -m gpu) equals the
-XLA form array for array: random per-depth candidates with ties, -inf and signed zeros, budgets
-1-64, fewer candidates than the budget, fewer real prefixes than the budget, batch 2; a whole
-DDTree build through it equals the CPU's tree; (-m gpu) 15 draft depths at budgets 8-64, batch 1
-and 8. Shapes are padded per case so one compilation serves all hypothesis examples."""
+XLA form array for array, node scores included: random per-depth candidates with ties, -inf and
+signed zeros, budgets 1-64, fewer candidates than the budget, fewer real prefixes than the budget,
+batch 2; a whole DDTree build through it equals the CPU's tree; (-m gpu) 15 draft depths at
+budgets 8-64, batch 1 and 8. Shapes are padded per case so one compilation serves all hypothesis
+examples."""
 
 import functools
 import json
@@ -30,13 +31,14 @@ def draw_top_val(seed, depth, k, levels):
     return np.asarray(jax.lax.top_k(jnp.asarray(x), k)[0])
 
 
-@functools.partial(jax.jit, static_argnames=("budget", "impl"))
-def _select(top_val, budget, impl):
-    return select_nodes(top_val, budget, impl=impl)
+@functools.partial(jax.jit, static_argnames=("budget", "impl", "with_scores"))
+def _select(top_val, budget, impl, with_scores=False):
+    return select_nodes(top_val, budget, impl=impl, with_scores=with_scores)
 
 
 def assert_same(want, got):
-    for name, w, g in zip(("depth", "rank", "parent", "valid"), want, got):
+    assert len(want) == len(got)
+    for name, w, g in zip(("depth", "rank", "parent", "valid", "score"), want, got):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=name)
 
 
@@ -45,9 +47,11 @@ def assert_same(want, got):
 @settings(max_examples=5, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), levels=st.sampled_from([0, 1, 4]))
 def test_select_kernel_equals_xla(impl, budget, k, depth, seed, levels):
+    """With the node scores (the kernel's other outputs are the same code with or without them;
+    test_ddtree_build_through_the_kernel_equals_cpu_tree runs the form without)."""
     top_val = jnp.asarray(draw_top_val(seed, depth, k, levels))
-    want = _select(top_val, budget, "xla")
-    assert_same(want, _select(top_val, budget, impl))
+    want = _select(top_val, budget, "xla", with_scores=True)
+    assert_same(want, _select(top_val, budget, impl, with_scores=True))
 
 
 def test_invalid_nodes_last_and_canonical(impl):
@@ -58,7 +62,8 @@ def test_invalid_nodes_last_and_canonical(impl):
     top_val[:, 1, :1] = -0.25  # 2 depth-1 + 2 depth-2 finite prefixes
     top_val = jnp.asarray(top_val)
     for form in ("xla", impl):
-        d, r, p, v = (np.asarray(a) for a in _select(top_val, 6, form))
+        d, r, p, v, sc = (np.asarray(a) for a in _select(top_val, 6, form, with_scores=True))
+        np.testing.assert_array_equal(sc[0], [-0.5, -1.0, -0.75, -1.25] + [-np.inf] * 2)
         np.testing.assert_array_equal(v[0], [True] * 4 + [False] * 2)
         np.testing.assert_array_equal(d[0], [0, 0, 1, 1, 0, 0])
         np.testing.assert_array_equal(p[0], [0, 0, 1, 2, 0, 0])

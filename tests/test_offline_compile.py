@@ -40,14 +40,15 @@ def test_compile_reports_registers():
 def test_tree_select_lowers_for_cuda_without_spills():
     """The one-launch node selection lowers to Triton for CUDA here (no GPU); where pip's triton
     is installed, budgets 16 / 32 compile for sm_90 at the default warps without spilling (58 / 126
-    registers at one warp when written)."""
+    registers at one warp when written), and budget 32 with the node scores (budget "auto")."""
     from pallas_kernels.tree_select import DEFAULT_WARPS, select_nodes
 
     ttirs = {}
-    for budget in (16, 32):
-        [(name, ttirs[budget])] = capture_ttir(functools.partial(select_nodes, budget=budget, impl="pallas"),
-                                               jax.ShapeDtypeStruct((1, 15, budget), jnp.float32))
-        assert "tree_select" in name and "scf.for" in ttirs[budget]  # the pops run as a loop, not unrolled
+    for budget, scores in ((16, False), (32, False), (32, True)):
+        [(name, ttirs[budget, scores])] = capture_ttir(
+            functools.partial(select_nodes, budget=budget, impl="pallas", with_scores=scores),
+            jax.ShapeDtypeStruct((1, 15, budget), jnp.float32))
+        assert "tree_select" in name and "scf.for" in ttirs[budget, scores]  # the pops: a loop, not unrolled
     require_recorded_triton()
     for budget, ttir in ttirs.items():
         res = compile_ttir(ttir, num_warps=DEFAULT_WARPS, num_stages=1)

@@ -12,33 +12,42 @@ import sys
 
 from ddtree_jax import atomic
 from ddtree_jax.cli import progress
-from ddtree_jax.cli.common import (EXIT_STATUS_HELP, add_autotune_cache_argument, add_draft_vocab_argument,
-                                   add_routes_arguments, routes_from,
-                                   add_int8_drafter_argument, add_tokenizer_argument, die, model_paths,
-                                   non_negative_int, note, positive_int, read_text_file, run, tokenizer_source,
-                                   use_autotune_cache, use_tokenizer)
+from ddtree_jax.cli.common import (EXIT_STATUS_HELP, MAX_BUDGET, add_auto_budget_arguments,
+                                   add_autotune_cache_argument, add_draft_vocab_argument, add_int8_drafter_argument,
+                                   add_routes_arguments,
+                                   add_tokenizer_argument, die, model_paths, non_negative_int, note, positive_int,
+                                   read_text_file, routes_from, run, tokenizer_source, use_autotune_cache,
+                                   use_tokenizer)
 
 PROG = "ddtree-bench"
 EPILOG = """\
 examples:
   ddtree-bench --prompts prompts.txt --out results/                 # the embedded demo pair
   ddtree-bench --target T --drafter D --prompts p.jsonl --budgets 16,64,256 --max-new-tokens 256
+  ddtree-bench --prompts p.jsonl --budgets auto,4,8,16,32,64 --batch 8 --cost-table costs.json
 
 Prompts: a UTF-8 text file with one prompt per line ("\\n" inside a line is a newline), or JSONL
 with {"prompt": "..."} or {"prompt_ids": [...]} per line. Writes bench.json and, with matplotlib
-installed (pip install 'ddtree-jax[bench]'), bench.png in --out.
+installed (pip install 'ddtree-jax[bench]'), bench.png in --out (and auto_choices.png: the choice
+of every step of --budget auto's first generation).
+
+--budgets auto runs the adaptive budget with a step-time table measured here (each choice forced
+in the compiled auto program, on the first batch of prompts) and, with --cost-table FILE, writes
+that table into FILE for this batch (ddtree-generate --cost-table FILE and
+Engine.generate(cost_table=FILE) read it); --cost-table-in FILE uses a table from FILE instead.
 
 """ + EXIT_STATUS_HELP.format(extra="; also: some outputs differ from plain decoding\n       away "
                               "from any near-tie of the target's top two logits")
 
 
-def budgets(text: str) -> tuple[int, ...]:
+def budgets(text: str) -> tuple[int | str, ...]:
     try:
-        values = tuple(int(x) for x in text.split(","))
+        values = tuple(x.strip() if x.strip() == "auto" else int(x) for x in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated budgets like 16,64,256, got {text!r}") from None
-    if not values or any(v < 1 or v > 1024 for v in values):
-        raise argparse.ArgumentTypeError(f"budgets must be in [1, 1024], got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected comma-separated budgets like auto,16,64,256, got {text!r}"
+                                         ) from None
+    if not values or any(v != "auto" and not 1 <= v <= MAX_BUDGET for v in values):
+        raise argparse.ArgumentTypeError(f"budgets must be 'auto' or in [1, {MAX_BUDGET}], got {text!r}")
     return values
 
 
@@ -51,7 +60,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", required=True, help="prompt file (text lines or JSONL)")
     p.add_argument("--limit", type=positive_int, default=None, help="use only the first N prompts")
     p.add_argument("--modes", default="ar,dflash,ddtree", help="comma-separated modes (default ar,dflash,ddtree)")
-    p.add_argument("--budgets", type=budgets, default=(16, 32, 64, 128, 256), help="DDTree budgets to sweep")
+    p.add_argument("--budgets", type=budgets, default=("auto", 16, 32, 64, 128, 256),
+                   help="DDTree budgets to sweep; 'auto' = the adaptive budget (default auto,16,32,64,128,256)")
+    add_auto_budget_arguments(p, "write the step-time table measured for --budgets auto into FILE (this batch's entry; "
+                              "other batches already in FILE are kept)")
+    p.add_argument("--cost-table-in", default=None, metavar="FILE",
+                   help="--budgets auto: use the step-time table in FILE for this batch instead of measuring one")
+    p.add_argument("--cost-repeats", type=positive_int, default=5,
+                   help="--budgets auto: interleaved repeats of the step-time measurement (default 5)")
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--batch", type=positive_int, default=1, help="prompts per batch (default 1)")
     p.add_argument("--repeats", type=positive_int, default=1,
@@ -128,6 +144,12 @@ def bench_main(argv=None) -> int:
     args = parser.parse_args(argv)
     use_autotune_cache(args)  # before the backend starts
     routes = routes_from(args)
+    if args.cost_table and args.cost_table_in:
+        die("give --cost-table FILE (write the table measured here) or --cost-table-in FILE (use one), not both")
+    given = [flag for flag, v in (("--auto-budgets", args.auto_budgets), ("--cost-table", args.cost_table),
+                                  ("--cost-table-in", args.cost_table_in)) if v]
+    if given and "auto" not in args.budgets:
+        die(f"{' and '.join(given)} appl{'y' if len(given) > 1 else 'ies'} to --budgets auto only")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in ("ar", "dflash", "ddtree")]
     if bad:
@@ -151,6 +173,13 @@ def bench_main(argv=None) -> int:
     prompts = encode_prompts(args.prompts, texts, engine, args.max_new_tokens)
     engine.on_first_run = progress.compiling
     runs = [(m, None) for m in modes if m != "ddtree"] + [("ddtree", b) for b in args.budgets if "ddtree" in modes]
+    table = None  # --budgets auto's step-time table: measured when its first run comes, or read now
+    if args.cost_table_in and ("ddtree", "auto") in runs:
+        try:
+            table = bench.auto_cost_table(engine, prompts, args)
+        except ValueError as e:
+            die(str(e))
+        print(f"step-time table for --budgets auto (batch {table.batch}): {table.source}", file=sys.stderr)
     if "ar" not in modes:
         runs.insert(0, ("ar", None))  # the reference for speedups and output identity
     results, outputs = [], {}
@@ -168,6 +197,7 @@ def bench_main(argv=None) -> int:
         "int8_scheme": engine.proposer.int8.as_dict() if getattr(engine.proposer, "int8", None) else None,
         "routes": engine.routes.as_dict(),
         "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "batch": args.batch,
+        "cost_table": None if table is None else table.as_dict(),
         "status": "partial", "results": [],
     }
     passes, unstable = {run: [] for run in runs}, []
@@ -175,8 +205,13 @@ def bench_main(argv=None) -> int:
         # Pass by pass over all runs, so a drift of the machine (clocks, other load) hits every mode alike.
         for rep, (mode, budget) in tqdm([(i, run) for i in range(args.repeats) for run in runs],
                                         desc="ddtree-bench", unit="run"):
+            if budget == "auto" and table is None:
+                table = bench.auto_cost_table(engine, prompts, args)
+                report["cost_table"] = table.as_dict()
+                print(f"step-time table for --budgets auto (batch {table.batch}): {table.source}", file=sys.stderr)
             r, outs = bench.run_mode(engine, prompts, mode, budget, max_new_tokens=args.max_new_tokens,
-                                     batch=args.batch, phase_repeats=args.phase_repeats if rep == 0 else 0)
+                                     batch=args.batch, phase_repeats=args.phase_repeats if rep == 0 else 0,
+                                     auto_budgets=args.auto_budgets, cost_table=table)
             if rep == 0:
                 outputs[(mode, r.budget)] = outs
             elif outs != outputs[(mode, r.budget)] and f"{mode}/{r.budget}" not in unstable:
@@ -195,6 +230,9 @@ def bench_main(argv=None) -> int:
     png = os.path.join(args.out, "bench.png")
     try:
         bench.plot(results, png)
+        auto = next((r for r in results if r.budget == "auto"), None)
+        if auto is not None:
+            bench.plot_choices(auto, os.path.join(args.out, "auto_choices.png"))
     except ImportError:  # matplotlib is the optional 'bench' extra
         note("matplotlib is not installed, so no bench.png (pip install 'ddtree-jax[bench]')")
         png = None

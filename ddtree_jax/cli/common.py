@@ -154,6 +154,37 @@ def positive_int(text: str) -> int:
     return value
 
 
+def budget_arg(text: str) -> int | str:
+    """--budget: 'auto' or an integer in [1, MAX_BUDGET]."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return budget(text)
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(str(e).replace("expected an integer", "expected 'auto' or an integer")
+                                         ) from None
+
+
+def budget_list(text: str) -> tuple[int, ...]:
+    """--auto-budgets: comma-separated budgets, distinct, ascending."""
+    try:
+        values = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated budgets like 4,8,16,32,64, got {text!r}") from None
+    if not values or any(not 1 <= v <= MAX_BUDGET for v in values) or list(values) != sorted(set(values)):
+        raise argparse.ArgumentTypeError(f"budgets must be distinct, ascending and in [1, {MAX_BUDGET}], got {text!r}")
+    return values
+
+
+def add_auto_budget_arguments(group, cost_table_help: str) -> None:
+    """--auto-budgets and --cost-table, the settings of --budget auto."""
+    group.add_argument("--auto-budgets", type=budget_list, default=None, metavar="B1,B2,...",
+                       help="--budget auto: the DDTree budgets it may choose each step, besides plain decoding and "
+                       "DFlash (default 4,8,16,32; each one is compiled, so fewer compile faster; every draft pays "
+                       "the selection of the largest: add 64 for large models, whose steps dwarf it)")
+    group.add_argument("--cost-table", default=None, metavar="FILE", help=cost_table_help)
+
+
 def parse_ids(text: str) -> tuple[int, ...]:
     try:
         ids = tuple(int(x) for x in text.replace(" ", "").split(",") if x != "")

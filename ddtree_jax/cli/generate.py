@@ -6,11 +6,11 @@ import argparse
 import sys
 
 from ddtree_jax.cli import progress
-from ddtree_jax.cli.common import (EXIT_STATUS_HELP, add_autotune_cache_argument, add_draft_vocab_argument,
-                                   add_routes_arguments, routes_from,
-                                   add_int8_drafter_argument, add_tokenizer_argument, budget, check_argv_text, die,
-                                   model_paths, non_negative_float, non_negative_int, parse_ids, positive_int,
-                                   probability_mass, read_stdin_text, read_text_file, run, tokenizer_source,
+from ddtree_jax.cli.common import (EXIT_STATUS_HELP, add_auto_budget_arguments, add_autotune_cache_argument,
+                                   add_draft_vocab_argument, add_int8_drafter_argument, add_routes_arguments,
+                                   add_tokenizer_argument, budget_arg, check_argv_text, die, model_paths,
+                                   non_negative_float, non_negative_int, parse_ids, positive_int, probability_mass,
+                                   read_stdin_text, read_text_file, routes_from, run, tokenizer_source,
                                    use_autotune_cache, use_tokenizer)
 
 PROG = "ddtree-generate"
@@ -30,6 +30,11 @@ how fast it is produced. The text goes to stdout; on stderr a "compiling (first 
 shape) ..." line with its time (the first run of a prompt / generation shape compiles), on a
 terminal the loading and, for long generations, a progress bar, and at the end tokens/s, mean
 acceptance length (tokens per target pass) and time per step.
+
+--budget auto (the default): every step picks plain decoding, DFlash or a tree of one of
+--auto-budgets for the most tokens per second, from the drafter's confidence and a step-time
+table (measured at start-up, a few seconds, or --cost-table FILE from ddtree-bench); the summary
+line says which steps it chose.
 
 """ + EXIT_STATUS_HELP.format(extra="")
 
@@ -59,7 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     dec.add_argument("--mode", choices=["ar", "dflash", "ddtree"], default=None,
                      help="ar = plain decoding; dflash = linear drafts; ddtree = draft trees (default: ddtree with a "
                      "drafter, ar without)")
-    dec.add_argument("--budget", type=budget, default=64, help="DDTree nodes per step (1..1024, default 64)")
+    dec.add_argument("--budget", type=budget_arg, default="auto",
+                     help="DDTree nodes per step (1..1024), or auto (default): chosen each step")
+    add_auto_budget_arguments(dec, "--budget auto: step times from this file (ddtree-bench --cost-table writes it "
+                              "for a model, GPU and batch) instead of measuring them at start-up")
     dec.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens to generate (default 128)")
     add_draft_vocab_argument(dec)
     add_int8_drafter_argument(dec)
@@ -145,6 +153,10 @@ def generate_main(argv=None) -> int:
         sampling = Sampling(temperature, args.top_k, args.top_p)
     except ValueError as e:
         die(str(e))
+    if args.budget != "auto" or args.mode in ("ar", "dflash"):
+        given = [flag for flag, v in (("--auto-budgets", args.auto_budgets), ("--cost-table", args.cost_table)) if v]
+        if given:
+            die(f"{' and '.join(given)} appl{'y' if len(given) > 1 else 'ies'} to --mode ddtree --budget auto only")
 
     from ddtree_jax.cli.common import load_engine
 
@@ -188,11 +200,14 @@ def generate_main(argv=None) -> int:
         return both
 
     try:
+        if args.cost_table and mode == "ddtree" and args.budget == "auto":
+            engine.load_cost_table(args.cost_table, 1)  # a bad table is named before anything is printed
         bar = progress.TokenBar(args.max_new_tokens, streaming=stream_text)
         [c] = engine.generate([ids], mode=mode, budget=args.budget, max_new_tokens=args.max_new_tokens,
                               sampling=sampling, seed=args.seed, stop_token_ids=args.stop_token_ids,
                               stream=with_bar(on_tokens if stream_text else None, bar),
-                              stream_every=4 if stream_text else 16)  # a bar alone: a host sync per 16 steps
+                              stream_every=4 if stream_text else 16,  # a bar alone: a host sync per 16 steps
+                              auto_budgets=args.auto_budgets, cost_table=args.cost_table)
         bar.close()
         same, line_ended = None, False
         if args.compare_ar and mode != "ar":
@@ -230,6 +245,8 @@ def generate_main(argv=None) -> int:
     print(f"[{mode}] {s.num_tokens} tokens in {s.seconds:.2f} s = {s.tokens_per_second:.1f} tok/s | "
           f"acceptance length {s.acceptance_length:.2f} tokens/step | {s.step_ms:.1f} ms/step | "
           f"finish: {c.finish_reason}", file=sys.stderr)
+    if s.adaptive is not None:
+        print(f"[auto] {describe_adaptive(s.adaptive)}", file=sys.stderr)
     if same is not None:
         r = ref.stats
         print(f"[ar] {r.num_tokens} tokens in {r.seconds:.2f} s = {r.tokens_per_second:.1f} tok/s | "
@@ -241,6 +258,17 @@ def generate_main(argv=None) -> int:
             print(f"[check] {explain_divergence(engine, ids, c.token_ids, ref.token_ids, sampling.greedy)}",
                   file=sys.stderr)
     return 0
+
+
+def describe_adaptive(a: dict) -> str:
+    """One line: the steps of each choice, realised vs calibrated acceptance, the table's source."""
+    parts = []
+    for name, n in a["choices"].items():
+        acc = a["acceptance"][name]
+        label = "plain" if name == "ar" else "DFlash" if name == "dflash" else f"budget {name}"
+        parts.append(f"{label} {n}" + ("" if name == "ar" else
+                                       f" (accepted {acc['realised']:.2f}, predicted {acc['calibrated']:.2f})"))
+    return f"steps: {', '.join(parts)} | step times {a['cost_table']['source']}"
 
 
 def explain_divergence(engine, prompt, got: list[int], ref: list[int], greedy: bool = True) -> str:

@@ -1,7 +1,8 @@
 """Generation on device: prefill, then a lax.while_loop of steps with no host round trip.
 
 Modes: "ar" (one target token per step), "dflash" (a chain of block_size - 1 drafts verified
-causally), "ddtree" (a tree of `budget` drafts). Each speculative step is
+causally), "ddtree" (a tree of `budget` drafts; budget a choice.AutoBudget: each step chooses among
+plain, DFlash and trees of several budgets, speculative/adaptive.py). Each speculative step is
     propose -> build (chain or tree) -> tree_verify -> emit -> commit (target + drafter)
 and emits 1 + accepted tokens per sequence. Output is lossless w.r.t. plain decoding of the
 target under the same `Sampling`.
@@ -30,7 +31,9 @@ from flax import nnx
 
 from ddtree_jax.cache import TargetCache, init_target_cache
 from ddtree_jax.routes import REFERENCE, Routes
+from ddtree_jax.speculative import adaptive
 from ddtree_jax.speculative.build import build_chain, build_tree, validate_budget
+from ddtree_jax.speculative.choice import AutoBudget
 from ddtree_jax.speculative.sampling import RowSampling, Sampling, SamplingCode, choose, to_code
 from ddtree_jax.speculative.verify import VerifyResult, tree_verify
 from ddtree_jax.tree import Tree
@@ -43,7 +46,7 @@ class GenSpec:
     """Static settings of one compiled generation (part of the jit cache key)."""
 
     mode: str = "ddtree"
-    budget: int = 64
+    budget: int | AutoBudget = 64  # an AutoBudget: budget "auto" (ddtree only)
     candidates: int | None = None  # per-depth candidate count for DDTree (default min(budget, V))
     max_new_tokens: int = 128  # the output buffer's width: every row's max_new is at most this
     sampling: Sampling | SamplingCode = Sampling()  # the compiled sampling code (a Sampling: the code serving it)
@@ -59,6 +62,10 @@ class GenSpec:
     def code(self) -> SamplingCode:
         return to_code(self.sampling)
 
+    @property
+    def adaptive(self) -> AutoBudget | None:
+        return self.budget if isinstance(self.budget, AutoBudget) else None
+
     def validate(self, vocab: int) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
@@ -73,7 +80,14 @@ class GenSpec:
                 raise ValueError(f"mode {self.mode!r} needs a drafter (proposer)")
             if self.proposer.block_size < 2:
                 raise ValueError(f"drafter block_size must be >= 2, got {self.proposer.block_size}")
-        if self.mode == "ddtree":
+        if self.adaptive is not None:
+            problems = self.adaptive.problems() + ([] if self.mode == "ddtree" else
+                                                   [f"budget 'auto' is for mode 'ddtree', not {self.mode!r}"])
+            if problems:
+                raise ValueError("invalid adaptive budget: " + "; ".join(problems))
+            for b in self.adaptive.budgets:
+                validate_budget(b, self.block - 1, vocab, self.candidates)
+        elif self.mode == "ddtree":
             validate_budget(self.budget, self.block - 1, vocab, self.candidates)
 
 
@@ -84,6 +98,7 @@ class GenerationResult(NamedTuple):
     accepted_hist: jax.Array  # [block_size + 1] histogram of tokens emitted per step (all rows)
     cache: TargetCache
     drafter_state: Any  # the proposer's final state (None for "ar")
+    adaptive: Any = None  # budget "auto": the final choice.AdaptiveState (choices, calibration, statistics)
 
 
 class RowControls(NamedTuple):
@@ -111,9 +126,10 @@ class LoopState(NamedTuple):
     hist: jax.Array  # [block + 1]
     i: jax.Array  # step counter of the batch (chunks of `advance` count with it)
     rows: RowControls
+    adapt: Any = None  # budget "auto": choice.AdaptiveState
 
     def result(self) -> GenerationResult:
-        return GenerationResult(self.out, self.n_out, self.steps, self.hist, self.cache, self.dstate)
+        return GenerationResult(self.out, self.n_out, self.steps, self.hist, self.cache, self.dstate, self.adapt)
 
 
 # The LoopState fields whose every leaf has the batch on axis 0 (a proposer's state included):
@@ -204,35 +220,51 @@ def commit_and_emit(model, drafter_params, s: LoopState, tree: Tree, res: Verify
     return s._replace(cache=cache, dstate=dstate, bonus=res.bonus, out=out, n_out=n_out, done=done), count
 
 
-def _ar_step(model, s: LoopState, eos_ids, spec: GenSpec):
+def _ar_step(model, s: LoopState, eos_ids, spec: GenSpec, hidden_ids=()):
+    """One plain decoding step; also returns the target features hidden_ids of the committed token
+    ([B, 1, F], or None without hidden_ids: the adaptive budget's plain steps keep them for the drafter)."""
     keys = position_keys(s.rows, s.cache.lengths + 1)  # the bonus sits at `lengths`; this draws the next
-    h, _, cache = model(s.bonus[:, None], s.cache, (~s.done).astype(jnp.int32), chunked=False, routes=spec.routes)
+    h, feats, cache = model(s.bonus[:, None], s.cache, (~s.done).astype(jnp.int32), chunked=False,
+                            hidden_ids=hidden_ids, routes=spec.routes)
     nxt = choose(model.logits(h[:, 0]), spec.code, s.rows.sampling, keys)
     b = nxt.shape[0]
     out, n_out, done = _emit(s.out, s.n_out, s.done, nxt[:, None], jnp.ones((b,), jnp.int32), eos_ids,
                              _max_new(s, spec), s.rows.stop)
-    return s._replace(cache=cache, bonus=nxt, out=out, n_out=n_out, done=done), n_out - s.n_out
+    return s._replace(cache=cache, bonus=nxt, out=out, n_out=n_out, done=done), n_out - s.n_out, feats
 
 
-def _step(model, drafter_params, s: LoopState, eos_ids, spec: GenSpec) -> LoopState:
+def _count_step(s: LoopState, new: LoopState, n_new, spec: GenSpec) -> LoopState:
+    """new after one step from s that emitted n_new tokens per row: steps, histogram, step counter."""
     active = ~s.done
+    hist = s.hist.at[jnp.where(active, n_new, spec.block + 1)].add(1, mode="drop")
+    return new._replace(steps=s.steps + active, hist=hist, i=s.i + 1)
+
+
+def _step(model, drafter_params, s: LoopState, eos_ids, spec: GenSpec, stop_at=None) -> LoopState:
+    """One loop step (budget "auto": a speculative step or a burst of plain steps, ending by
+    stop_at, speculative/adaptive.py)."""
+    if spec.adaptive is not None:
+        return adaptive.step(model, drafter_params, s, eos_ids, spec, _PHASES, stop_at)
     if spec.mode == "ar":
-        new, n_new = _ar_step(model, s, eos_ids, spec)
+        new, n_new, _ = _ar_step(model, s, eos_ids, spec)
     else:
         logq = propose(model, drafter_params, s, spec)
         tree = build(logq, s, spec, vocab_ids(spec, drafter_params))
         res = verify(model, s, tree, spec)
         new, n_new = commit_and_emit(model, drafter_params, s, tree, res, eos_ids, spec)
-    hist = s.hist.at[jnp.where(active, n_new, spec.block + 1)].add(1, mode="drop")
-    return new._replace(steps=s.steps + active, hist=hist, i=s.i + 1)
+    return _count_step(s, new, n_new, spec)
+
+
+_PHASES = adaptive.Phases(propose, vocab_ids, build, verify, commit_and_emit, _ar_step, _count_step)
 
 
 # ---- entry points ---------------------------------------------------------------------
 def _start(model, drafter_params, prompt, prompt_lens, eos_ids, key, spec: GenSpec, rows: RowControls | None = None,
-           capacity: int = 0) -> LoopState:
+           capacity: int = 0, costs=None) -> LoopState:
     """rows: each row's settings (None: spec.sampling, a Sampling, for every row, keys from key).
     capacity: the caches' size when it is not the spec's: a caller that prefills rows to copy into
-    a larger running batch (ddtree_jax/serve) checks the room itself."""
+    a larger running batch (ddtree_jax/serve) checks the room itself. costs: budget "auto"'s
+    step-time table, arrays (cost_table.CostTable.arrays)."""
     cfg = model.cfg
     spec.validate(cfg.vocab_size)
     b, t = prompt.shape
@@ -263,14 +295,15 @@ def _start(model, drafter_params, prompt, prompt_lens, eos_ids, key, spec: GenSp
     out, n_out, done = _emit(out, jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool), bonus[:, None],
                              jnp.ones((b,), jnp.int32), eos_ids, jnp.minimum(rows.max_new, spec.max_new_tokens),
                              rows.stop)
+    adapt = None if spec.adaptive is None else adaptive.init(spec.adaptive, b, spec, costs)
     return LoopState(cache, dstate, bonus, out, n_out, done, jnp.zeros((b,), jnp.int32),
-                     jnp.zeros((spec.block + 1,), jnp.int32), jnp.int32(0), rows)
+                     jnp.zeros((spec.block + 1,), jnp.int32), jnp.int32(0), rows, adapt)
 
 
 def _advance(model, drafter_params, s: LoopState, eos_ids, spec: GenSpec, max_steps) -> LoopState:
     stop_at = s.i + max_steps
     cond = lambda st: ~jnp.all(st.done) & (st.i < stop_at)
-    return jax.lax.while_loop(cond, lambda st: _step(model, drafter_params, st, eos_ids, spec), s)
+    return jax.lax.while_loop(cond, lambda st: _step(model, drafter_params, st, eos_ids, spec, stop_at), s)
 
 
 def _eos(eos_ids):
@@ -278,10 +311,10 @@ def _eos(eos_ids):
 
 
 def _start_from(graphdef, params, drafter_params, prompt, prompt_lens, eos_ids, key, spec: GenSpec,
-                rows: RowControls | None = None, capacity: int = 0) -> LoopState:
-    """Prefill and the first token (the prefill's own choice); rows and capacity as for _start."""
+                rows: RowControls | None = None, capacity: int = 0, costs=None) -> LoopState:
+    """Prefill and the first token (the prefill's own choice); rows, capacity and costs as for _start."""
     return _start(nnx.merge(graphdef, params), drafter_params, prompt, prompt_lens, _eos(eos_ids), key, spec, rows,
-                  capacity)
+                  capacity, costs)
 
 
 def _advance_from(graphdef, params, drafter_params, state: LoopState, eos_ids, max_steps, spec: GenSpec) -> LoopState:
@@ -320,14 +353,15 @@ def bind(graphdef: nnx.GraphDef):
                      "routes"),
 )
 def generate(graphdef, params, prompt, prompt_lens, *, proposer=None, drafter_params=None, mode: str = "ddtree",
-             budget: int = 64, candidates: int | None = None, max_new_tokens: int = 128,
+             budget: int | AutoBudget = 64, candidates: int | None = None, max_new_tokens: int = 128,
              sampling: Sampling = Sampling(), eos_ids=None, key=None, capacity: int | None = None,
-             routes: Routes = REFERENCE) -> GenerationResult:
+             routes: Routes = REFERENCE, costs=None) -> GenerationResult:
     """Generate for right-padded prompts [B, T] with prompt_lens [B] real tokens: one jitted call,
-    prefill plus one on-device while_loop until every sequence stopped."""
+    prefill plus one on-device while_loop until every sequence stopped. budget an AutoBudget:
+    costs = its step-time table as arrays (cost_table.CostTable.arrays)."""
     spec = GenSpec(mode, budget, candidates, max_new_tokens, sampling, capacity or 0, proposer, routes)
     model = nnx.merge(graphdef, params)
     key = jax.random.PRNGKey(0) if key is None else key
     eos_ids = _eos(eos_ids)
-    s = _start(model, drafter_params, prompt, prompt_lens, eos_ids, key, spec)
+    s = _start(model, drafter_params, prompt, prompt_lens, eos_ids, key, spec, costs=costs)
     return _advance(model, drafter_params, s, eos_ids, spec, jnp.int32(2**30)).result()

@@ -11,7 +11,11 @@ with random K / V and recurrent state at a 4k context. Times, by the median of r
     per-call host dispatch (a ~1000-leaf params pytree: several ms a call on the H200, paid once
     per generation chunk, not per step), which is reported beside it, as is T(N) / N (the step
     with 1/N of the dispatch);
-  - batch 1 and 8; peak device memory.
+  - batch 1 and 8; peak device memory;
+  - with --budgets B1,B2,... (and dflash in --modes) the loop step of DFlash and of every budget
+    too: each run's `step_ms_by_choice` ({"ar", "dflash", "B"...: ms}) is a step-time table for
+    the adaptive budget's simulation (python -m scripts.adaptive_bench simulate; one file per
+    --context).
 Writes JSON (--out) and prints a table last.
 
     python -m scripts.bench.e2e --out $OUT/e2e.json                 # on the H200 (27B shape)
@@ -74,7 +78,9 @@ def main(argv=None) -> int:
     add_model_options(ap)
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--budget", type=int, default=64)
-    ap.add_argument("--modes", default="ar,ddtree", help="'ar' alone times plain decoding only (no DDTree, no phases)")
+    ap.add_argument("--modes", default="ar,ddtree", help="'ar' alone times plain decoding only (no DDTree, no phases); "
+                    "add dflash to time the DFlash chain's step")
+    ap.add_argument("--budgets", default="", help="more DDTree budgets whose loop step is timed (step_ms_by_choice)")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--loop-steps", type=int, default=16)
     ap.add_argument("--no-phases", action="store_true",
@@ -85,6 +91,10 @@ def main(argv=None) -> int:
     add_route_options(ap)
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "e2e.json"))
     args = ap.parse_args(argv)
+    try:
+        extra_budgets = [int(b) for b in args.budgets.split(",") if b.strip()]
+    except ValueError:
+        ap.error(f"--budgets: expected comma-separated integers, got {args.budgets!r}")
     route_fields = apply_route_options(ap, args)  # the autotune cache before the backend starts
     report = start_report("scripts.bench.e2e", argv, **route_fields, runs=[])
 
@@ -123,26 +133,32 @@ def main(argv=None) -> int:
         max_new = 10**6
         state = loop_state(cache, dcache, batch, key)
         modes = [m for m in ("ar", "ddtree") if m in args.modes.split(",")]
-        for mode in modes:
-            spec = gen.GenSpec(mode, args.budget, None, max_new, Sampling(), capacity,
+        # (name, mode, budget): ar and ddtree at --budget keep their names; dflash and --budgets add runs
+        runs = [(m, m, args.budget) for m in modes]
+        runs += [("dflash", "dflash", args.budget)] if "dflash" in args.modes.split(",") else []
+        runs += [(f"ddtree{b}", "ddtree", b) for b in extra_budgets if b != args.budget]
+        row["step_ms_by_choice"] = {}
+        for mode_name, mode, budget in runs:
+            spec = gen.GenSpec(mode, budget, None, max_new, Sampling(), capacity,
                                None if mode == "ar" else proposer, routes)
-            s = state if mode == "ddtree" else state._replace(dstate=None, hist=jnp.zeros((2,), jnp.int32))
+            s = state if mode != "ar" else state._replace(dstate=None, hist=jnp.zeros((2,), jnp.int32))
             # One compiled on-device loop per mode; the step count is traced, so a single step and
             # a run of n steps share the compilation.
             t_c = time.time()
             ms = B.median_ms(lambda: n_steps(params, dparams, s, jnp.int32(1), spec), args.repeats)
-            row[f"{mode}_step_ms"] = ms
-            row[f"{mode}_compile_and_warm_s"] = time.time() - t_c
+            row[f"{mode_name}_step_ms"] = ms
+            row[f"{mode_name}_compile_and_warm_s"] = time.time() - t_c
             n = args.loop_steps
             per, fixed, pairs = B.paired_marginal_ms(lambda k: lambda: n_steps(params, dparams, s, jnp.int32(k), spec),
                                                      n, max(5, args.repeats))
-            row[f"{mode}_loop_step_ms"] = per  # marginal: what one more step costs (median of paired runs)
-            row[f"{mode}_loop_step_pairs_ms"] = pairs
-            row[f"{mode}_dispatch_ms"] = fixed
-            row[f"{mode}_loop_incl_dispatch_ms"] = per + fixed / n  # T(n) / n: the step with 1/n of the dispatch
-            print(f"[bench] batch {batch} {mode}: {ms:.2f} ms/step (single call), {per:.2f} ms/step in the on-device "
-                  f"loop ({n} -> {2 * n} steps), {row[f'{mode}_loop_incl_dispatch_ms']:.2f} ms/step over {n} steps "
+            row[f"{mode_name}_loop_step_ms"] = per  # marginal: what one more step costs (median of paired runs)
+            row[f"{mode_name}_loop_step_pairs_ms"] = pairs
+            row[f"{mode_name}_dispatch_ms"] = fixed
+            row[f"{mode_name}_loop_incl_dispatch_ms"] = per + fixed / n  # T(n) / n: the step with 1/n of the dispatch
+            print(f"[bench] batch {batch} {mode_name}: {ms:.2f} ms/step (single call), {per:.2f} ms/step in the on-device "
+                  f"loop ({n} -> {2 * n} steps), {row[f'{mode_name}_loop_incl_dispatch_ms']:.2f} ms/step over {n} steps "
                   f"with the call's dispatch ({fixed:.2f} ms a call)", flush=True)
+            row["step_ms_by_choice"][mode if mode != "ddtree" else str(budget)] = per
             save()
         row["decode_bytes"] = decode_bytes(cfg, params, cache)
         row["roofline_ms"] = row["decode_bytes"] / (report["bandwidth"]["best_GBps"] * 1e6)

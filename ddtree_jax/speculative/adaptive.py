@@ -1,0 +1,144 @@
+"""budget="auto": each step's draft chosen on device for the most tokens per second.
+
+One loop step (generate._step hands over here when GenSpec.budget is a choice.AutoBudget):
+
+    if choice.draft_next(...):             # before any draft: from earlier steps' calibrated E
+        logq = propose(...)                 # the drafter, once
+        select the `Bmax` best prefixes with their scores (build.tree_candidates)
+        E of the chain and of every compiled budget (expected.py); calibrate; choose (choice.py)
+        lax.switch over the compiled choices: DFlash chain | tree of budget b (build.tree_from_candidates)
+            each branch = the fixed-budget step's verify and commit at that shape
+        learn from the accepted count (choice.after_spec)
+    else:
+        a burst of up to `ar_burst` plain decoding steps, keeping the target features the drafter
+        reads; then one drafter extend with all of them (its context stays in step with the
+        committed tokens at every step boundary where a draft can happen)
+
+Output is lossless whatever is chosen: every branch is a valid draft tree (greedy output equals
+plain decoding, sampling keeps the target's distribution; the choice depends only on the past and
+the drafter's output, never on this step's target samples). No host round trip: the choice, the
+calibration and the statistics live in LoopState.adapt (choice.AdaptiveState).
+
+The phase functions come from generate.py as `Phases` (generate imports this module, not the
+other way around).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from ddtree_jax.speculative import choice
+from ddtree_jax.speculative.build import tree_candidates, tree_from_candidates
+from ddtree_jax.speculative.choice import DFLASH, FIRST_TREE, AutoBudget
+from ddtree_jax.speculative.expected import chain_expectation, tree_expectations
+
+
+class Phases(NamedTuple):
+    """The generation step's parts (speculative/generate.py), as the adaptive step calls them."""
+
+    propose: Callable
+    vocab_ids: Callable
+    build: Callable
+    verify: Callable
+    commit_and_emit: Callable
+    ar_step: Callable  # (model, s, eos_ids, spec, hidden_ids) -> (state, n_new, features)
+    count_step: Callable  # (s, new, n_new, spec) -> new with steps / hist / i advanced
+
+
+def init(auto: AutoBudget, batch: int, spec, costs) -> choice.AdaptiveState:
+    """The loop state's adaptive part; costs: a choice.TableArrays in auto.names order
+    (cost_table.CostTable.arrays)."""
+    if costs is None:
+        raise ValueError("budget='auto' needs a step-time table: cost_table.CostTable.arrays(...), measured at "
+                         "start-up (Engine does) or loaded from a file `ddtree-bench --cost-table` wrote")
+    return choice.init_state(auto, batch, spec.max_new_tokens, choice.TableArrays(*costs))
+
+
+def _fixed(spec, **changes):
+    """The fixed-budget GenSpec whose verify / commit a branch runs."""
+    return dataclasses.replace(spec, **changes)
+
+
+def _left(s, spec):
+    """[B] tokens each row still has to generate (0: done)."""
+    return jnp.where(s.done, 0, jnp.minimum(s.rows.max_new, spec.max_new_tokens) - s.n_out)
+
+
+def _spec_step(model, dparams, s, eos_ids, spec, phases: Phases, costs):
+    auto: AutoBudget = spec.adaptive
+    left = _left(s, spec)
+    logq = phases.propose(model, dparams, s, spec)
+    ids = phases.vocab_ids(spec, dparams)
+    cands = tree_candidates(logq, auto.budgets[-1], spec.candidates, spec.routes)
+    b = logq.shape[0]
+    e_raw = jnp.concatenate([jnp.zeros((b, 1), jnp.float32), chain_expectation(cands.best)[:, None],
+                             tree_expectations(cands, auto.budgets)], axis=1)  # [B, C]
+    c, e_cal = choice.choose(auto, s.adapt, e_raw, left, costs)
+
+    def run(fixed, tree_fn):
+        def branch(st):
+            tree = tree_fn(st)
+            res = phases.verify(model, st, tree, fixed)
+            new, n_new = phases.commit_and_emit(model, dparams, st, tree, res, eos_ids, fixed)
+            return new, n_new, res.count - 1
+        return branch
+
+    branches, index = [], [0] * auto.size  # index[c]: the branch of choice c
+    if auto.dflash:
+        chain = _fixed(spec, mode="dflash", budget=1)
+        index[DFLASH] = len(branches)
+        branches.append(run(chain, lambda st: phases.build(logq, st, chain, ids)))
+    for j, budget in enumerate(auto.budgets):
+        index[FIRST_TREE + j] = len(branches)
+        branches.append(run(_fixed(spec, budget=budget), lambda st, budget=budget: tree_from_candidates(
+            cands, budget, st.bonus, st.cache.lengths, spec.routes, ids)))
+    new, n_new, accepted = jax.lax.switch(jnp.asarray(index, jnp.int32)[c], branches, s)
+    adapt = choice.after_spec(auto, s.adapt, c, e_raw, e_cal, accepted, left, s.i, costs)
+    return phases.count_step(s, new._replace(adapt=adapt), n_new, spec)
+
+
+def _ar_burst(model, dparams, s, eos_ids, spec, phases: Phases, stop_at):
+    """Up to ar_burst plain steps (fewer when every row stops or the advance call's step budget
+    ends), then the drafter's catch-up on their target features."""
+    auto: AutoBudget = spec.adaptive
+    hidden = spec.proposer.hidden_ids
+    n = auto.ar_burst
+    b = s.bonus.shape[0]
+    feats = None
+    if hidden:  # the drafter reads target features: keep each step's in a [B, n, F] buffer
+        shape = jax.eval_shape(lambda: model(s.bonus[:, None], s.cache, jnp.ones((b,), jnp.int32), chunked=False,
+                                             hidden_ids=hidden, routes=spec.routes))[1]
+        feats = jnp.zeros((b, n, shape.shape[-1]), shape.dtype)
+
+    def body(carry):
+        st, buf, j, committed = carry
+        active = ~st.done
+        new, n_new, f = phases.ar_step(model, st, eos_ids, spec, hidden)
+        if buf is not None:
+            buf = jax.lax.dynamic_update_slice_in_dim(buf, f.astype(buf.dtype), j, axis=1)
+        new = new._replace(adapt=choice.after_ar(st.adapt, _left(st, spec), st.i))
+        return phases.count_step(st, new, n_new, spec), buf, j + 1, committed + active.astype(jnp.int32)
+
+    def more(carry):
+        st, _, j, _ = carry
+        return (j < n) & ~jnp.all(st.done) & (st.i < stop_at)
+
+    st, feats, _, committed = jax.lax.while_loop(more, body, (s, feats, jnp.int32(0), jnp.zeros((b,), jnp.int32)))
+    dstate = spec.proposer.extend(dparams, st.dstate, feats, committed, routes=spec.routes)
+    return st._replace(dstate=dstate)
+
+
+def step(model, dparams, s, eos_ids, spec, phases: Phases, stop_at):
+    """One step of the adaptive loop (a speculative step, or a burst of plain steps)."""
+    auto: AutoBudget = spec.adaptive
+    left = _left(s, spec)
+    costs = choice.step_costs(auto, s.adapt, choice.mean_context(s.cache.lengths, left))
+    spec_step = lambda st: _spec_step(model, dparams, st, eos_ids, spec, phases, costs)
+    if not auto.ar:
+        return spec_step(s)
+    return jax.lax.cond(choice.draft_next(auto, s.adapt, left, costs), spec_step,
+                        lambda st: _ar_burst(model, dparams, st, eos_ids, spec, phases, stop_at), s)

@@ -1,0 +1,288 @@
+"""The adaptive budget's policy on device: which step to run next, and what it learns from each.
+
+Choices, by index: 0 = a plain decoding step ("ar"), 1 = the DFlash chain ("dflash"), 2 + j = the
+DDTree of budgets[j]. A step of choice c costs T_c ms (the cost table, interpolated at the batch's
+mean committed length) and emits, per active row, 1 + the accepted draft tokens. The policy
+maximises the batch's expected tokens per ms,
+
+    sum over active rows of (1 + E_row(c)) / T_c,
+
+with E the drafter's expected acceptance of the choice's draft (speculative/expected.py; 0 for
+"ar") corrected by an online calibration:
+
+- Calibration: per choice, decayed sums of realised and predicted accepted tokens (over the steps
+  that ran that choice, all active rows); E is scaled by their ratio, shrunk towards the ratio over
+  all speculative steps with a weight of `prior` predicted tokens (a choice not run yet takes the
+  global ratio; the global ratio starts at 1, the drafter's own probabilities, with a weight of
+  `global_prior` tokens). DFlash's per-depth marginals make E an underestimate where the drafter
+  is right (the demo pair: E 0.3-1.5 where 1-3 tokens are accepted), other drafters overstate it;
+  the ratio corrects either.
+- Before the draft exists (whether to draft at all): the rate of every speculative choice from a
+  per-row moving average of its calibrated E over the earlier speculative steps, against the plain
+  step's n_active / T_ar. Plain steps teach nothing about the drafts, so after a run of them a
+  speculative step is forced (a probe) once the plain steps since the last speculative one reach
+  a wait that keeps the probes' extra cost near `probe_budget` of the time: (T_spec / T_ar - 1) /
+  probe_budget plain steps for the cheapest speculative choice, within `probe_wait`; it doubles
+  while probes keep choosing plain steps.
+
+Everything is arrays in the loop state (`AdaptiveState`), updated without a host round trip.
+Pure functions of arrays: the generation loop (speculative/adaptive.py) and the offline simulation
+(scripts/adaptive_sim.py) run the same code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+AR, DFLASH, FIRST_TREE = 0, 1, 2
+OBJECTIVES = ("tokens", "makespan")
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoBudget:
+    """budget="auto": the compiled choices and the policy's settings (GenSpec.budget; part of the
+    jit key, so another set or setting compiles another program)."""
+
+    # DDTree budgets compiled, ascending; the last is Bmax, whose selection every draft pays (the
+    # demo pair on the H200: 21 us at 32 against 58 us at 64 plus an XLA top-k of 64 candidates;
+    # at the 27B shape's 17 ms steps, add 64)
+    budgets: tuple[int, ...] = (4, 8, 16, 32)
+    ar: bool = True  # plain decoding steps among the choices
+    dflash: bool = True  # the DFlash chain among the choices
+    ar_burst: int = 8  # plain steps per plain choice; the drafter takes their features once a burst
+    decay: float = 0.9  # calibration memory: weight of the past at each observation of a choice
+    prior: float = 4.0  # shrinkage of a choice's calibration ratio to the global one, in predicted tokens
+    global_prior: float = 1.0  # shrinkage of the global ratio to 1 (the drafter's own probabilities)
+    smooth: float = 0.5  # per-row moving average of calibrated E, for the decision before a draft
+    probe_budget: float = 0.03  # share of the time that probes may cost while plain steps run
+    probe_wait: tuple[int, int] = (8, 1024)  # the fewest and most plain steps between probes
+    ar_margin: float = 0.3  # how much better plain steps must be predicted to be than drafting
+    # what a step maximises: "tokens" = the batch's expected tokens per ms (rows replaced as they
+    # finish: continuous batching); "makespan" = progress of the row that would finish last (a
+    # fixed batch that runs until every row is done). Equal at batch 1.
+    objective: str = "makespan"
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return ("ar", "dflash") + tuple(str(b) for b in self.budgets)
+
+    @property
+    def enabled(self) -> tuple[bool, ...]:
+        return (self.ar, self.dflash) + (True,) * len(self.budgets)
+
+    @property
+    def size(self) -> int:
+        return FIRST_TREE + len(self.budgets)
+
+    def problems(self) -> list[str]:
+        """What is wrong with these settings (each budget's own range is build.validate_budget's)."""
+        out = []
+        b = self.budgets
+        if not isinstance(b, tuple) or not b or any(not isinstance(x, int) or isinstance(x, bool) for x in b):
+            out.append(f"the adaptive budget set must be a non-empty tuple of integers, got {b!r}")
+        elif list(b) != sorted(set(b)):
+            out.append(f"the adaptive budgets must be distinct and ascending, got {b}")
+        if not isinstance(self.ar_burst, int) or self.ar_burst < 1:
+            out.append(f"ar_burst must be a positive integer, got {self.ar_burst!r}")
+        if not 0 <= self.decay < 1 or not 0 <= self.smooth < 1 or not self.prior > 0 or not self.global_prior > 0 \
+                or not self.ar_margin >= 0:
+            out.append(f"need 0 <= decay < 1, 0 <= smooth < 1, prior > 0, global_prior > 0, ar_margin >= 0; got "
+                       f"{self.decay}, {self.smooth}, {self.prior}, {self.global_prior}, {self.ar_margin}")
+        if self.objective not in OBJECTIVES:
+            out.append(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
+        lo, hi = self.probe_wait
+        if not 0 < self.probe_budget <= 1:
+            out.append(f"probe_budget must be in (0, 1], got {self.probe_budget}")
+        if not 1 <= lo <= hi:
+            out.append(f"probe_wait must be (first, most) with 1 <= first <= most, got {self.probe_wait}")
+        return out
+
+
+class AdaptiveState(NamedTuple):
+    """The adaptive budget's part of the loop state (C choices, B rows, K cost-table contexts)."""
+
+    cost_ms: jax.Array  # [C, K] float32 step time of each choice at each context (inf: not available)
+    cost_ctx: jax.Array  # [K] float32 committed lengths of the table's columns, ascending
+    force: jax.Array  # int32: -1 = choose; c >= 0 = run choice c every step (timing the cost table)
+    real: jax.Array  # [C] float32 decayed sums of realised accepted tokens (steps that ran the choice)
+    pred: jax.Array  # [C] float32 ... and of predicted (raw E) accepted tokens
+    all_real: jax.Array  # float32 decayed sums over all speculative steps
+    all_pred: jax.Array  # float32
+    row_e: jax.Array  # [B, C] float32 moving average of each row's calibrated E (decision before a draft)
+    have_e: jax.Array  # bool: row_e holds a speculative step's values
+    since: jax.Array  # int32 plain steps since the last speculative step
+    gap: jax.Array  # int32 the probe wait's multiplier: doubles at each probe that chooses plain steps again
+    # statistics (whole generation): per choice steps, row-steps, and sums of raw / calibrated
+    # predicted and of realised accepted tokens; the choice of every step
+    n_steps: jax.Array  # [C] int32
+    n_rows: jax.Array  # [C] int32
+    sum_pred: jax.Array  # [C] float32
+    sum_cal: jax.Array  # [C] float32
+    sum_real: jax.Array  # [C] float32
+    trace: jax.Array  # [T] int8 choice of step i (-1: no step)
+
+
+class TableArrays(NamedTuple):
+    """A step-time table as a generation starts from it (cost_table.CostTable.arrays)."""
+
+    ms: jax.Array  # [C, K] step time of each choice at each context (inf: not compiled)
+    contexts: jax.Array  # [K] committed lengths, ascending
+    ratios: jax.Array  # [C] realised / predicted accepted tokens measured with the table (-1: unknown)
+    accepted: jax.Array  # [C] accepted draft tokens per row and step measured with the table (-1: unknown)
+
+
+def init_state(policy: AutoBudget, batch: int, steps: int, table: TableArrays) -> AdaptiveState:
+    """Fresh state for `batch` rows and up to `steps` steps from a step-time table. The table's
+    ratios are the first calibration, held as `prior` predicted tokens of evidence for each choice
+    and for the global ratio (their mean), decayed like the generation's own observations, which
+    soon outweigh them; its accepted counts are every row's expected acceptance before any draft
+    (without them the first step drafts, to learn one)."""
+    c = policy.size
+    ms, ctx = jnp.asarray(table.ms, jnp.float32), jnp.asarray(table.contexts, jnp.float32)
+    if ms.shape != (c, ctx.shape[0]) or ctx.ndim != 1 or ctx.shape[0] < 1 or jnp.shape(table.ratios) != (c,) \
+            or jnp.shape(table.accepted) != (c,):
+        raise ValueError(f"step-time table arrays must be [{c}, K], [K] (K >= 1), [{c}], [{c}]; got {ms.shape}, "
+                         f"{ctx.shape}, {jnp.shape(table.ratios)}, {jnp.shape(table.accepted)}")
+    zc, zf = jnp.zeros((c,), jnp.int32), jnp.zeros((c,), jnp.float32)
+    ratios = jnp.asarray(table.ratios, jnp.float32)
+    spec = jnp.arange(c) != AR
+    seeded = spec & (ratios >= 0)  # the measured calibration as pseudo-observations
+    pred = jnp.where(seeded, policy.prior, 0.0).astype(jnp.float32)
+    real = jnp.where(seeded, ratios, 0.0) * pred
+    n_seeded = jnp.sum(seeded)
+    all_pred = jnp.where(n_seeded > 0, jnp.float32(policy.prior), 0.0)
+    all_real = jnp.sum(real) / jnp.maximum(n_seeded, 1)
+    accepted = jnp.asarray(table.accepted, jnp.float32)
+    known = jnp.all(jnp.where(spec & jnp.asarray(policy.enabled), accepted >= 0, True))
+    row_e = jnp.broadcast_to(jnp.where(spec & (accepted >= 0), accepted, 0.0), (batch, c))
+    return AdaptiveState(ms, ctx, jnp.int32(-1), real, pred, all_real, all_pred,
+                         row_e, known, jnp.int32(0), jnp.int32(1), zc, zc, zf,
+                         zf, zf, jnp.full((steps,), -1, jnp.int8))
+
+
+def step_costs(policy: AutoBudget, a: AdaptiveState, context: jax.Array) -> jax.Array:
+    """[C] ms of each choice at this committed length (linear between the table's contexts, flat
+    beyond them); choices not compiled cost inf."""
+    ms = jax.vmap(lambda row: jnp.interp(context, a.cost_ctx, row))(a.cost_ms)
+    return jnp.where(jnp.asarray(policy.enabled), ms, jnp.inf)
+
+
+def mean_context(lengths: jax.Array, left: jax.Array) -> jax.Array:
+    """The batch's mean committed length over active rows (the cost table's context axis)."""
+    active = left > 0
+    n = jnp.maximum(jnp.sum(active), 1)
+    return jnp.sum(jnp.where(active, lengths, 0)).astype(jnp.float32) / n.astype(jnp.float32)
+
+
+def _values(policy: AutoBudget, e: jax.Array, left: jax.Array, costs: jax.Array) -> jax.Array:
+    """[C] worth of each choice for the batch (higher is better; -inf: not available). e [B, C]
+    expected accepted tokens, left [B] tokens each row still generates (0: done).
+    tokens: sum over active rows of (1 + e) / T; makespan: -T x the steps the slowest active row
+    needs at this choice's rate, max over rows of left / (1 + e)."""
+    active = (left > 0)[:, None]
+    if policy.objective == "tokens":
+        value = jnp.sum(jnp.where(active, 1.0 + e, 0.0), axis=0) / costs
+    else:
+        value = -costs * jnp.max(jnp.where(active, left[:, None] / (1.0 + e), 0.0), axis=0)
+    return jnp.where(jnp.isfinite(costs), value, -jnp.inf)
+
+
+def _predicted_spec_wins(policy: AutoBudget, a: AdaptiveState, left: jax.Array, costs: jax.Array) -> jax.Array:
+    """Whether some speculative choice, at the rows' averaged calibrated E, is predicted to do at
+    least as well as plain steps, those given an edge of `ar_margin` (a plain step is chosen before
+    its draft exists, on a prediction, where a speculative choice is made on the draft's own E)."""
+    v = _values(policy, jnp.where(jnp.arange(policy.size) == AR, 0.0, a.row_e), left, costs)
+    best = jnp.max(v[DFLASH:])
+    if policy.objective == "tokens":  # values are rates
+        return best * (1 + policy.ar_margin) >= v[AR]
+    return best >= v[AR] * (1 + policy.ar_margin)  # values are minus times
+
+
+def _probe_due(policy: AutoBudget, a: AdaptiveState, costs: jax.Array) -> jax.Array:
+    """Whether the plain steps since the last speculative one reached the probe wait."""
+    lo, hi = policy.probe_wait
+    ratio = jnp.min(costs[DFLASH:]) / costs[AR]
+    wait = jnp.clip(jnp.ceil((ratio - 1) / policy.probe_budget), lo, hi).astype(jnp.int32)
+    return a.since >= jnp.minimum(a.gap * wait, hi)
+
+
+def draft_next(policy: AutoBudget, a: AdaptiveState, left: jax.Array, costs: jax.Array) -> jax.Array:
+    """Whether the next step drafts (bool): forced, or no speculative step has run yet, or a probe is
+    due, or some speculative choice's predicted worth beats the plain step's."""
+    if not policy.ar:
+        return jnp.bool_(True)
+    chosen = ~a.have_e | _probe_due(policy, a, costs) | _predicted_spec_wins(policy, a, left, costs)
+    return jnp.where(a.force >= 0, a.force != AR, chosen)
+
+
+def calibrated(policy: AutoBudget, a: AdaptiveState, e_raw: jax.Array) -> jax.Array:
+    """[B, C] calibrated E: each choice's raw E times its shrunk realised / predicted ratio."""
+    overall = (a.all_real + policy.global_prior) / (a.all_pred + policy.global_prior)
+    ratio = (a.real + policy.prior * overall) / (a.pred + policy.prior)
+    return e_raw * ratio[None, :]
+
+
+def choose(policy: AutoBudget, a: AdaptiveState, e_raw: jax.Array, left: jax.Array, costs: jax.Array):
+    """The speculative choice for this draft: (choice int32 >= 1, calibrated E [B, C]). Ties go to
+    the lower index (the cheaper draft). e_raw [B, C] (column AR unused)."""
+    e = calibrated(policy, a, e_raw)
+    v = _values(policy, e, left, costs).at[AR].set(-jnp.inf)
+    c = jnp.argmax(v).astype(jnp.int32)
+    return jnp.where(a.force >= 0, a.force, c), e
+
+
+def after_spec(policy: AutoBudget, a: AdaptiveState, c, e_raw, e_cal, accepted, left, step, costs) -> AdaptiveState:
+    """Learn from a speculative step of choice c (e_cal: the calibrated E it was chosen by):
+    accepted [B] draft tokens the verify accepted, left [B] as before the step. The rows' averaged
+    E for the next decision before a draft takes this step's E under the calibration updated by
+    this step."""
+    active = left > 0
+    act = active.astype(jnp.float32)
+    real = jnp.sum(accepted.astype(jnp.float32) * act)
+    pred = jnp.sum(e_raw[:, c] * act)
+    onehot = jnp.arange(policy.size) == c
+    d = policy.decay
+    n = jnp.sum(active).astype(jnp.int32)
+    b = a._replace(
+        real=jnp.where(onehot, d * a.real + real, a.real), pred=jnp.where(onehot, d * a.pred + pred, a.pred),
+        all_real=d * a.all_real + real, all_pred=d * a.all_pred + pred, have_e=jnp.bool_(True),
+        n_steps=a.n_steps + onehot, n_rows=a.n_rows + onehot * n,
+        sum_pred=a.sum_pred + onehot * pred, sum_cal=a.sum_cal + onehot * jnp.sum(e_cal[:, c] * act),
+        sum_real=a.sum_real + onehot * real, trace=a.trace.at[step].set(c.astype(jnp.int8), mode="drop"))
+    e_new = calibrated(policy, b, e_raw)
+    row_e = jnp.where(a.have_e, policy.smooth * a.row_e + (1 - policy.smooth) * e_new, e_new)
+    b = b._replace(row_e=jnp.where(active[:, None], row_e, a.row_e))
+    # if plain steps come next, the next probe waits twice as long when this step was itself a probe
+    # (it ran for the wait, not for its predicted worth) and as long as the costs say otherwise
+    was_probe = _probe_due(policy, a, costs) & a.have_e & ~_predicted_spec_wins(policy, a, left, costs)
+    again = was_probe & ~_predicted_spec_wins(policy, b, left, costs)
+    return b._replace(since=jnp.int32(0), gap=jnp.where(again, jnp.minimum(2 * a.gap, policy.probe_wait[1]), 1))
+
+
+def after_ar(a: AdaptiveState, left: jax.Array, step) -> AdaptiveState:
+    """Count one plain step (left [B] as before it)."""
+    return a._replace(since=a.since + 1, n_steps=a.n_steps.at[AR].add(1),
+                      n_rows=a.n_rows.at[AR].add(jnp.sum(left > 0).astype(jnp.int32)),
+                      trace=a.trace.at[step].set(jnp.int8(AR), mode="drop"))
+
+
+def summary(policy: AutoBudget, a: AdaptiveState) -> dict:
+    """Host-side statistics of a finished generation: steps per choice, predicted (raw and
+    calibrated) vs realised accepted tokens per row-step of each choice, the choice of each step."""
+    n_steps, n_rows = jax.device_get(a.n_steps).tolist(), jax.device_get(a.n_rows).tolist()
+    sums = {k: jax.device_get(getattr(a, k)).tolist() for k in ("sum_pred", "sum_cal", "sum_real")}
+    trace = jax.device_get(a.trace).tolist()
+    names = policy.names
+    per = {}
+    for i, name in enumerate(names):
+        if n_steps[i]:
+            r = max(n_rows[i], 1)
+            per[name] = {"steps": n_steps[i], "row_steps": n_rows[i],
+                         "predicted": sums["sum_pred"][i] / r, "calibrated": sums["sum_cal"][i] / r,
+                         "realised": sums["sum_real"][i] / r}
+    return {"choices": {n: s for n, s in zip(names, n_steps) if s}, "acceptance": per,
+            "trace": [names[c] for c in trace if c >= 0]}

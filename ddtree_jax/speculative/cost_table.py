@@ -1,0 +1,205 @@
+"""Step-time tables of the adaptive budget: T(choice, context) for one model, device and batch.
+
+A table is measured in the compiled auto program itself: each choice is forced for n and 2n steps
+from a generation's start (LoopState.adapt.force), interleaved choice by choice, repeated, and its
+step time is the median over repeats of (T(2n) - T(n)) / (steps the second call ran more); the
+difference cancels the call's fixed cost (host dispatch, prefill is not in it: the calls start
+from a prefilled state). So a table costs no compilation beyond the auto program, and it times
+the branches as the loop runs them (the switch and the shared draft / selection included).
+
+The Engine measures one at start-up for each new batch and prompt bucket, at the prompt's length;
+`ddtree-bench --cost-table FILE` writes its table into a JSON file (one entry per batch; other
+batches already in the file are kept) that `ddtree-generate --cost-table FILE` and
+Engine.generate(cost_table=...) load. A file records the device and a fingerprint of the model,
+its drafter, dtype and kernel routes; loading it elsewhere is an error. Format:
+
+    {"format": "ddtree-cost-table/1", "device": "NVIDIA H200", "model": {"fingerprint": "...", ...},
+     "tables": {"1": {"contexts": [140.0], "ms": {"ar": [0.27], "dflash": [0.46], "4": [...], ...},
+                      "how": "...", "date": "..."}}}
+
+ms[choice][k] is the step time at committed length contexts[k] (linear in between, flat beyond).
+"ratios", "accepted" (optional): realised / predicted accepted tokens and accepted tokens per row
+and step of each choice in the measurement's runs: a generation's first calibration and
+expectation (choice.init_state).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import json
+import os
+import statistics
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ddtree_jax import atomic
+from ddtree_jax.speculative.choice import AR, AutoBudget, TableArrays
+
+FORMAT = "ddtree-cost-table/1"
+POINTS = 8  # contexts a table may hold: the loop state's arrays always have this many (one compiled shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class CostTable:
+    """Step times (ms) of named choices ("ar", "dflash", budgets as text) at committed lengths."""
+
+    batch: int
+    contexts: tuple[float, ...]
+    ms: dict  # choice name -> tuple of ms, one per context
+    source: str  # how the table was obtained (measured at start-up, or the file it came from)
+    # what the measurement's runs accepted, per choice name: realised / predicted accepted tokens,
+    # and accepted draft tokens per row and step (a generation's first calibration and expectation)
+    ratios: dict = dataclasses.field(default_factory=dict)
+    accepted: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        if not 1 <= len(self.contexts) <= POINTS:
+            raise ValueError(f"a step-time table holds 1 to {POINTS} contexts, got {len(self.contexts)}")
+
+    def arrays(self, auto: AutoBudget) -> TableArrays:
+        """The loop state's arrays in auto.names order: ms [C, POINTS] (inf for choices not compiled,
+        the last context repeated to POINTS), contexts [POINTS], ratios [C] and accepted [C] (-1 where
+        none was measured). A compiled choice missing from the table is an
+        error."""
+        missing = [n for n, on in zip(auto.names, auto.enabled) if on and n not in self.ms]
+        if missing:
+            raise ValueError(f"the step-time table ({self.source}) has no times for {missing}; it has "
+                             f"{sorted(self.ms, key=_order)}: measure one for these budgets")
+        rows = [self.ms[n] if on else [np.inf] * len(self.contexts) for n, on in zip(auto.names, auto.enabled)]
+        pad = POINTS - len(self.contexts)
+        ms, ctx = np.asarray(rows, np.float32), np.asarray(self.contexts, np.float32)
+        ratios = np.asarray([self.ratios.get(n, -1.0) for n in auto.names], np.float32)
+        accepted = np.asarray([self.accepted.get(n, -1.0) for n in auto.names], np.float32)
+        return TableArrays(np.pad(ms, ((0, 0), (0, pad)), mode="edge"), np.pad(ctx, (0, pad), mode="edge"), ratios,
+                           accepted)
+
+    def as_dict(self) -> dict:
+        return {"batch": self.batch, "contexts": list(self.contexts), "ms": {k: list(v) for k, v in self.ms.items()},
+                "ratios": dict(self.ratios), "accepted": dict(self.accepted), "source": self.source}
+
+
+def _order(name: str):
+    return (0, name) if not name.isdigit() else (1, int(name))
+
+
+def placeholder(auto: AutoBudget):
+    """Arrays of a table for a state whose choices are forced (the measurement itself)."""
+    c = auto.size
+    unknown = np.full((c,), -1.0, np.float32)
+    return TableArrays(np.ones((c, POINTS), np.float32), np.zeros((POINTS,), np.float32), unknown, unknown)
+
+
+def fingerprint(cfg, proposer, routes) -> dict:
+    """What a step time depends on besides the device and batch: the target's and drafter's
+    configurations (dtype included), the draft vocabulary, int8 and the kernel routes."""
+    parts = (repr(cfg), repr(getattr(proposer, "cfg", None)), repr(getattr(proposer, "draft_vocab", 0)),
+             repr(getattr(proposer, "int8", None)), repr(routes))
+    digest = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+    return {"fingerprint": digest, "target": f"{cfg.model_type}, {len(cfg.layer_types)} layers, hidden "
+            f"{cfg.hidden_size}, vocab {cfg.vocab_size}, {cfg.dtype}", "routes_impl": routes.impl}
+
+
+def measure(advance: Callable, start_state, auto: AutoBudget, *, steps: int = 8, repeats: int = 3,
+            batch: int | None = None) -> CostTable:
+    """Time every compiled choice of `auto` from start_state (a prefilled LoopState of the auto
+    program; never modified): advance(state, n) -> state runs up to n steps (it may donate its
+    input: each call gets a copy). Rows should not stop early (pass an EOS set nothing matches);
+    steps actually run are counted, so a generation that ends early still yields a time. The
+    forced runs' acceptance per choice comes with the table (`ratios`: realised / predicted,
+    `accepted`: per row and step; the generations' first calibration and expectation)."""
+    context = float(np.mean(np.asarray(start_state.cache.lengths)))
+    i0 = int(start_state.i)
+
+    real, pred, rows = np.zeros(auto.size), np.zeros(auto.size), np.zeros(auto.size)
+
+    def run(c: int, n: int) -> tuple[float, int]:
+        st = jax.tree.map(jnp.copy, start_state._replace(adapt=start_state.adapt._replace(force=jnp.int32(c))))
+        jax.block_until_ready(st)
+        t0 = time.perf_counter()
+        out = advance(st, n)
+        ran = int(out.i)  # blocks until the call is done
+        seconds = time.perf_counter() - t0
+        real[c] += float(out.adapt.sum_real[c])
+        pred[c] += float(out.adapt.sum_pred[c])
+        rows[c] += float(out.adapt.n_rows[c])
+        return seconds, ran - i0
+
+    choices = [c for c, on in enumerate(auto.enabled) if on]
+    for c in choices:  # warm-up: XLA's first run of each branch
+        run(c, steps)
+    per = {c: [] for c in choices}
+    for _ in range(repeats):
+        for c in choices:  # interleaved, so drifts of the machine hit every choice alike
+            t1, n1 = run(c, steps)
+            t2, n2 = run(c, 2 * steps)
+            per[c].append(1000 * ((t2 - t1) / (n2 - n1) if n2 > n1 else t2 / max(n2, 1)))
+    ms = {auto.names[c]: (max(statistics.median(v), 1e-6),) for c, v in per.items()}
+    how = (f"measured at start-up: each choice forced for {steps} and {2 * steps} steps from the prefilled state, "
+           f"median of {repeats} interleaved pairs")
+    ratios = {auto.names[c]: real[c] / pred[c] for c in choices if pred[c] > 0}
+    accepted = {auto.names[c]: real[c] / rows[c] for c in choices if c != AR and rows[c] > 0}
+    return CostTable(batch or int(start_state.bonus.shape[0]), (context,), ms, how, ratios, accepted)
+
+
+def load(path: str | os.PathLike, batch: int, *, device: str, model: dict) -> CostTable:
+    """The table for `batch` in a file ddtree-bench wrote; every mismatch is a named error."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ValueError(f"step-time table {path} does not exist (ddtree-bench --cost-table {path} writes one)")
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"step-time table {path} is not readable JSON: {e}") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a step-time table (expected format {FORMAT!r})")
+    problems = []
+    if doc.get("device") != device:
+        problems.append(f"it was measured on {doc.get('device')!r}, this is {device!r}")
+    theirs = (doc.get("model") or {}).get("fingerprint")
+    if theirs != model["fingerprint"]:
+        problems.append(f"it was measured for another model / drafter / dtype / routes ({(doc.get('model') or {})}; "
+                        f"this is {model})")
+    tables = doc.get("tables") or {}
+    if str(batch) not in tables:
+        problems.append(f"it has no table for batch {batch} (batches: {sorted(int(b) for b in tables)}); "
+                        f"ddtree-bench --batch {batch} --cost-table {path} adds one")
+    if problems:
+        raise ValueError(f"step-time table {path} does not fit this run: " + "; ".join(problems))
+    t = tables[str(batch)]
+    contexts = tuple(float(x) for x in t["contexts"])
+    ms = {k: tuple(float(x) for x in v) for k, v in t["ms"].items()}
+    bad = [k for k, v in ms.items() if len(v) != len(contexts) or not all(x > 0 for x in v)]
+    if not contexts or list(contexts) != sorted(contexts) or bad:
+        raise ValueError(f"step-time table {path}, batch {batch}: contexts must ascend and every choice needs one "
+                         f"positive time per context (bad: {bad})")
+    ratios = {k: float(v) for k, v in (t.get("ratios") or {}).items()}
+    accepted = {k: float(v) for k, v in (t.get("accepted") or {}).items()}
+    return CostTable(batch, contexts, ms, f"loaded from {path}", ratios, accepted)
+
+
+def save(path: str | os.PathLike, table: CostTable, *, device: str, model: dict, extra: dict | None = None) -> None:
+    """Write `table` into the file at `path` (atomically), keeping the file's tables of other
+    batches when it was written for the same device and model (replacing it otherwise)."""
+    path = os.fspath(path)
+    doc = None
+    if os.path.isfile(path):
+        try:
+            with open(path) as f:
+                doc = json.load(f)
+        except (OSError, json.JSONDecodeError):
+            doc = None
+    if not (isinstance(doc, dict) and doc.get("format") == FORMAT and doc.get("device") == device
+            and (doc.get("model") or {}).get("fingerprint") == model["fingerprint"]):
+        doc = {"format": FORMAT, "device": device, "model": model, "tables": {}}
+    entry = {"contexts": list(table.contexts), "ms": {k: list(v) for k, v in table.ms.items()},
+             "ratios": dict(table.ratios), "accepted": dict(table.accepted), "how": table.source,
+             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    doc["tables"][str(table.batch)] = entry | (extra or {})
+    atomic.write_json(path, doc)

@@ -1,0 +1,440 @@
+"""The adaptive budget's (budget="auto", issue #27) measurements.
+
+    demo      ddtree-bench on the demo pair for each batch size: auto against plain decoding, DFlash
+              and every fixed budget, interleaved repeats, one step-time table file for all batches
+              (its entries measured by ddtree-bench), and a summary: auto / the best other run
+              (calls into the same --out add their batches to it).
+    trace     Per prompt and position of its greedy continuation: every choice's raw expected
+              acceptance E (what the policy sees) and the draft tokens it would accept (the target's
+              greedy continuation is known, so acceptance is counterfactual for every choice at once).
+              The drafter's context is the committed tokens', whatever was chosen before, so greedy
+              generation under any policy walks these positions.
+    simulate  Any policy (plain, DFlash, every fixed budget, auto with the loop's own choice.py code)
+              replayed on a trace with a step-time table: tokens/s per batch size. With the demo
+              pair's trace and a 27B-shaped table (python -m scripts.bench.e2e --budgets ... step_ms_by_choice,
+              one file per context) this is the 27B simulation: random weights accept nothing, so the
+              acceptance comes from the demo pair; with the demo's own table (ddtree-bench
+              --cost-table) it checks the simulation against measured auto runs.
+    latency   Compile time of auto and its effect on the first token: a fresh engine's first call of
+              a shape (compilation, warm-up, auto's start-up table) and a second call, per mode.
+
+    python -m scripts.adaptive_bench demo --batches 1,4 --out $OUT/auto_demo
+    python -m scripts.adaptive_bench demo --batches 8,16 --out $OUT/auto_demo
+    python -m scripts.adaptive_bench trace --prompts docs/demo_heldout_prompts.jsonl --out $OUT/trace.json
+    python -m scripts.adaptive_bench simulate --trace $OUT/trace.json --e2e $OUT/e2e_4k.json \\
+        $OUT/e2e_32k.json --ratios-from $OUT/demo_costs.json --batches 1,8 --context 4096 --out $OUT/sim_27b.json
+    python -m scripts.adaptive_bench simulate --trace $OUT/trace.json --cost-table $OUT/demo_costs.json \\
+        --batches 1,4,8,16 --out $OUT/sim_demo.json
+    python -m scripts.adaptive_bench latency --out $OUT/latency.json
+    python -m scripts.adaptive_bench smoke          # all three at tiny sizes on the CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ddtree_jax import atomic
+from ddtree_jax.cli import bench as bench_cli
+from ddtree_jax.cli.common import load_engine
+from ddtree_jax.engine import bucket
+from ddtree_jax.speculative import choice
+from ddtree_jax.speculative import generate as gen
+from ddtree_jax.speculative.accept import accept
+from ddtree_jax.speculative.build import build_chain, tree_candidates, tree_from_candidates
+from ddtree_jax.speculative.choice import AR, AutoBudget
+from ddtree_jax.speculative.cost_table import POINTS
+from ddtree_jax.speculative.expected import chain_expectation, tree_expectations
+from ddtree_jax.speculative.sampling import Sampling
+
+DEFAULT_PROMPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "demo_heldout_prompts.jsonl")
+
+
+# ---- trace --------------------------------------------------------------------------------------
+@functools.partial(jax.jit, static_argnames=("graphdef", "spec", "auto", "n"))
+def _trace(graphdef, params, dparams, s, table, spec, auto: AutoBudget, n: int):
+    """n positions from state s: (E [n, B, C], accepted [n, B, C]); one plain step between them."""
+    model = nnx.merge(graphdef, params)
+    depth = spec.block - 1
+    eos = jnp.zeros((0,), jnp.int32)
+
+    def body(st, _):
+        logq = gen.propose(model, dparams, st, spec)
+        ids = gen.vocab_ids(spec, dparams)
+        cands = tree_candidates(logq, auto.budgets[-1], spec.candidates, spec.routes)
+        b = logq.shape[0]
+        e = jnp.concatenate([jnp.zeros((b, 1)), chain_expectation(cands.best)[:, None],
+                             tree_expectations(cands, auto.budgets)], axis=1)
+        trees = [build_chain(logq, st.bonus, st.cache.lengths, ids)]
+        trees += [tree_from_candidates(cands, bb, st.bonus, st.cache.lengths, spec.routes, ids) for bb in auto.budgets]
+        # the target's greedy choice after a node = the continuation's token one position on
+        post = [jnp.take_along_axis(table, jnp.minimum(t.positions + 1, table.shape[1] - 1), axis=1) for t in trees]
+        acc = [accept(t, p, depth).count - 1 for t, p in zip(trees, post)]
+        acc = jnp.stack([jnp.zeros((b,), jnp.int32)] + acc, axis=1)
+        new, _, feats = gen._ar_step(model, st, eos, spec, jax.random.PRNGKey(0), spec.proposer.hidden_ids)
+        dstate = spec.proposer.extend(dparams, new.dstate, feats, (~st.done).astype(jnp.int32), routes=spec.routes)
+        return new._replace(dstate=dstate), (e, acc)
+
+    _, (e, acc) = jax.lax.scan(body, s, None, length=n)
+    return e, acc
+
+
+def trace(engine, prompts: list[list[int]], max_new: int, auto: AutoBudget) -> dict:
+    """Greedy continuations of the prompts (one batch) and, at each of their first max_new - 1
+    positions, every choice's E and accepted count."""
+    block = engine.proposer.block_size
+    ref = engine.generate(prompts, mode="ar", max_new_tokens=max_new + block + 1)
+    lens = [len(p) for p in prompts]
+    b, t = bucket(len(prompts), 1), bucket(max(lens))
+    table = np.full((b, t + max_new + 2 * block + 2), -1, np.int32)
+    prompt = np.zeros((b, t), np.int32)
+    lengths = np.ones((b,), np.int32)
+    for i, (p, c) in enumerate(zip(prompts, ref)):
+        prompt[i, : len(p)] = p
+        lengths[i] = len(p)
+        row = list(p) + c.token_ids
+        table[i, : len(row)] = row
+    spec = engine.spec("ddtree", budget=auto.budgets[-1], candidates=None, max_new_tokens=max_new + block + 1,
+                       sampling=Sampling(), prompt_bucket=t)
+    eos = jnp.zeros((0,), jnp.int32)
+    s = gen.start(engine.graphdef, engine.params, engine.drafter_params, jnp.asarray(prompt), jnp.asarray(lengths),
+                  eos, jax.random.PRNGKey(0), spec)
+    e, acc = _trace(engine.graphdef, engine.params, engine.drafter_params, s, jnp.asarray(table), spec, auto,
+                    max_new - 1)
+    e, acc = np.asarray(e), np.asarray(acc)
+    rows = []
+    for i, c in enumerate(ref):
+        n = min(len(c.token_ids), max_new) - 1  # positions a generation of max_new tokens (or to EOS) visits
+        rows.append({"prompt_len": lens[i], "positions": n, "e": e[:n, i].round(5).tolist(), "accepted": acc[:n, i].tolist()})
+    return {"choices": list(auto.names), "budgets": list(auto.budgets), "ar_burst": auto.ar_burst,
+            "max_new_tokens": max_new, "rows": rows}
+
+
+# ---- simulate -----------------------------------------------------------------------------------
+@functools.partial(jax.jit, static_argnums=0)
+def _decide(auto, a, left, ctx):
+    costs = choice.step_costs(auto, a, ctx)
+    return choice.draft_next(auto, a, left, costs), costs
+
+
+_choose = jax.jit(choice.choose, static_argnums=0)
+_after_spec = jax.jit(choice.after_spec, static_argnums=0)
+_after_ar = jax.jit(choice.after_ar)
+
+
+def simulate(tr: dict, rows: list[dict], ms: dict, contexts: list[float], policy: str, auto: AutoBudget,
+             context: float | None = None, measured: dict | None = None):
+    """One generation of a batch of the trace's rows under `policy`: a choice name run at every
+    step, or "auto" (the loop's policy over auto's choices, every one of which must be in the trace
+    and in ms). Returns (tokens, ms, steps per choice). A step costs the table's time of its choice
+    at the batch's mean committed length over active rows (context + position when `context` is
+    given, else each row's prompt length + position)."""
+    names = list(auto.names)
+    cols = [tr["choices"].index(n) for n in names]
+    batch = len(rows)
+    e = [np.asarray(r["e"], np.float32)[:, cols] for r in rows]
+    acc = [np.asarray(r["accepted"], np.int32)[:, cols] for r in rows]
+    end = np.asarray([r["positions"] for r in rows])
+    base = np.asarray([context if context is not None else r["prompt_len"] for r in rows], np.float32)
+    table = np.asarray([ms[n] if on else [np.inf] * len(contexts) for n, on in zip(names, auto.enabled)], np.float32)
+    pad = POINTS - len(contexts)
+    measured = measured or {}
+    a = choice.init_state(auto, batch, int(end.max()) + 2, choice.TableArrays(
+        np.pad(table, ((0, 0), (0, pad)), mode="edge"), np.pad(np.asarray(contexts, np.float32), (0, pad), mode="edge"),
+        np.asarray([measured.get("ratios", {}).get(n, -1.0) for n in names], np.float32),
+        np.asarray([measured.get("accepted", {}).get(n, -1.0) for n in names], np.float32)))
+    pos = np.zeros(batch, np.int64)
+    total_ms, steps, i = 0.0, {}, 0
+
+    def at(p):
+        take = lambda xs: np.stack([x[min(q, len(x) - 1)] for x, q in zip(xs, p)])
+        return take(e), take(acc)
+
+    def cost(c, active):
+        return float(np.interp(np.mean((base + pos)[active]), contexts, table[c]))
+
+    while np.any(pos < end):
+        active = pos < end
+        left = jnp.asarray(np.maximum(end - pos, 0))  # tokens each row still generates
+        if policy == "auto":
+            draft, costs = _decide(auto, a, left, jnp.float32(np.mean((base + pos)[active])))
+            if not bool(draft):  # a burst of plain steps, as the loop runs it
+                for _ in range(auto.ar_burst):
+                    active = pos < end
+                    if not active.any():
+                        break
+                    a = _after_ar(a, jnp.asarray(np.maximum(end - pos, 0)), i)
+                    total_ms += cost(AR, active)
+                    steps["ar"] = steps.get("ar", 0) + 1
+                    pos = pos + active
+                    i += 1
+                continue
+            e_raw, acc_all = at(pos)
+            c, e_cal = _choose(auto, a, jnp.asarray(e_raw), left, costs)
+            c = int(c)
+            a = _after_spec(auto, a, c, jnp.asarray(e_raw), e_cal, jnp.asarray(acc_all[:, c]), left, i, costs)
+        else:
+            c = names.index(policy)
+            acc_all = at(pos)[1]
+        total_ms += cost(c, active)
+        steps[names[c]] = steps.get(names[c], 0) + 1
+        pos = pos + np.where(active, 1 + acc_all[:, c], 0)
+        i += 1
+    tokens = int(np.sum(end + 1))  # each row: the prefill's token and one per position walked
+    return tokens, total_ms, steps
+
+
+def tables_from_files(cost_table_path: str | None, e2e_paths: list[str], ratios_from: str | None = None) -> dict:
+    """{batch: (contexts, {choice: [ms per context]}, {"ratios": ..., "accepted": ...})} from a
+    ddtree-bench table file, or from scripts.bench.e2e reports (their runs' step_ms_by_choice, each
+    report one context) with the measured acceptance of a ddtree-bench table file (ratios_from:
+    random weights accept nothing, so it goes with the trace's pair)."""
+    out: dict = {}
+    if cost_table_path:
+        with open(cost_table_path) as f:
+            doc = json.load(f)
+        for b, t in doc["tables"].items():
+            out[int(b)] = (list(t["contexts"]), {k: list(v) for k, v in t["ms"].items()},
+                           {"ratios": t.get("ratios") or {}, "accepted": t.get("accepted") or {}})
+        return out
+    ratios = {}
+    if ratios_from:
+        with open(ratios_from) as f:
+            tables = json.load(f)["tables"]
+        ratios = {int(b): {"ratios": t.get("ratios") or {}, "accepted": t.get("accepted") or {}}
+                  for b, t in tables.items()}
+    points: dict = {}
+    for path in e2e_paths:
+        with open(path) as f:
+            doc = json.load(f)
+        for run in doc["runs"]:
+            if run.get("step_ms_by_choice"):
+                points.setdefault(run["batch"], {})[float(run["context"])] = run["step_ms_by_choice"]
+    for b, by_ctx in points.items():
+        ctxs = sorted(by_ctx)
+        names = set.intersection(*(set(by_ctx[c]) for c in ctxs))
+        out[b] = (ctxs, {n: [by_ctx[c][n] for c in ctxs] for n in names}, ratios.get(b, ratios.get(1, {})))
+    return out
+
+
+def batches_of(rows: list[dict], b: int) -> list[list[dict]]:
+    """The trace's rows as the benchmark runs its prompts: in batches of b, the rows cycled to fill
+    the last batch (and a batch larger than the prompt set)."""
+    n = -(-max(len(rows), b) // b) * b
+    cycled = [rows[i % len(rows)] for i in range(n)]
+    return [cycled[i: i + b] for i in range(0, n, b)]
+
+
+def run_simulation(tr: dict, tables: dict, batches: list[int], context: float | None,
+                   objective: str = AutoBudget.objective) -> dict:
+    results = {}
+    for b in batches:
+        if b not in tables:
+            raise SystemExit(f"no step-time table for batch {b} (have {sorted(tables)})")
+        contexts, ms, measured = tables[b]
+        missing = [n for n in tr["choices"] if n not in ms]
+        auto = AutoBudget(tuple(int(n) for n in tr["choices"][2:] if n in ms), ar="ar" in ms, dflash="dflash" in ms,
+                          ar_burst=tr["ar_burst"], objective=objective)
+        policies = [n for n, on in zip(auto.names, auto.enabled) if on] + ["auto"]
+        row = {"contexts": contexts, "ms": ms, "measured": measured, "missing_choices": missing, "policies": {}}
+        for p in policies:
+            tokens, total, steps = 0, 0.0, {}
+            for group in batches_of(tr["rows"], b):
+                n, t, st = simulate(tr, group, ms, contexts, p, auto, context, measured)
+                tokens, total = tokens + n, total + t
+                for k, v in st.items():
+                    steps[k] = steps.get(k, 0) + v
+            row["policies"][p] = {"tokens_per_s": 1000 * tokens / total, "steps": steps}
+        fixed = {p: v["tokens_per_s"] for p, v in row["policies"].items() if p != "auto"}
+        best = max(fixed, key=fixed.get)
+        row["best_fixed"] = best
+        row["auto_over_best"] = row["policies"]["auto"]["tokens_per_s"] / fixed[best]
+        results[str(b)] = row
+        print(f"batch {b:3d}: auto {row['policies']['auto']['tokens_per_s']:10.1f} tok/s = "
+              f"{row['auto_over_best']:.3f}x the best fixed choice ({best}: {fixed[best]:.1f}); auto's steps "
+              f"{row['policies']['auto']['steps']}", flush=True)
+    return results
+
+
+# ---- latency ------------------------------------------------------------------------------------
+def latency(engine, prompt: list[int], max_new: int, auto_budgets, fixed_budget: int) -> dict:
+    """Per mode, a fresh shape's first call and a second one: wall time, time to the first streamed
+    token, auto's start-up table time. Modes run in this process one after the other, each with
+    a program of its own (nothing compiled for one serves another)."""
+    out = {}
+    for name, kw in (("ar", dict(mode="ar")), (f"ddtree-{fixed_budget}", dict(mode="ddtree", budget=fixed_budget)),
+                     ("auto", dict(mode="ddtree", budget="auto", auto_budgets=auto_budgets))):
+        row = {}
+        for call in ("first", "second"):
+            first_token = []
+            t0 = time.perf_counter()
+
+            def on_tokens(r, ids, t0=t0, first_token=first_token):
+                if not first_token:
+                    first_token.append(time.perf_counter() - t0)
+
+            [c] = engine.generate([prompt], max_new_tokens=max_new, stream=on_tokens, **kw)
+            row[f"{call}_call_s"] = time.perf_counter() - t0
+            row[f"{call}_first_token_s"] = first_token[0]
+            if c.stats.adaptive is not None:
+                row[f"{call}_table_s"] = c.stats.adaptive["calibration_seconds"]
+        row["compile_and_warm_s"] = row["first_call_s"] - row["second_call_s"] - row.get("first_table_s", 0.0)
+        out[name] = row
+        table = f", step-time table {row['first_table_s']:.2f} s" if "first_table_s" in row else ""
+        print(f"{name:10s} first call {row['first_call_s']:7.2f} s (first token after {row['first_first_token_s']:.2f} s"
+              f"{table}), second call {row['second_call_s']:.3f} s (first token after "
+              f"{row['second_first_token_s'] * 1000:.1f} ms)", flush=True)
+    return out
+
+
+# ---- demo ---------------------------------------------------------------------------------------
+PROMPTS_16 = os.path.join(os.path.dirname(DEFAULT_PROMPTS), "demo_heldout_prompts_16.jsonl")
+
+
+def demo(out: str, batches: list[int], budgets: str, auto_budgets: str, repeats: int, max_new: int, prompts: str,
+         extra=()) -> dict:
+    """ddtree-bench per batch size into out/b{B}/, the step-time tables into out/costs.json; the
+    summary: per batch each run's median tokens/s, the best run other than auto, auto / best."""
+    table = os.path.join(out, "costs.json")
+    summary = {}
+    for b in batches:
+        run_dir = os.path.join(out, f"b{b}")
+        argv = ["--prompts", prompts, "--modes", "ar,dflash,ddtree", "--budgets", f"auto,{budgets}",
+                "--auto-budgets", auto_budgets, "--batch", str(b), "--repeats", str(repeats), "--phase-repeats", "0",
+                "--max-new-tokens", str(max_new), "--cost-table", table, "--out", run_dir, *extra]
+        print(f"[demo] batch {b}: ddtree-bench {' '.join(argv)}", flush=True)
+        code = bench_cli.main(argv)
+        with open(os.path.join(run_dir, "bench.json")) as f:
+            report = json.load(f)
+        tps = {("plain" if r["mode"] == "ar" else r["mode"] if r["budget"] is None else str(r["budget"])):
+               r["tokens_per_second"] for r in report["results"]}
+        others = {k: v for k, v in tps.items() if k != "auto"}
+        best = max(others, key=others.get)
+        summary[str(b)] = {"tokens_per_second": tps, "best_other": best, "auto_over_best": tps["auto"] / others[best],
+                           "outputs_match_plain": all(r["outputs_match_ar"] is not False for r in report["results"]),
+                           "auto": next(r["adaptive"] for r in report["results"] if r["budget"] == "auto"),
+                           "exit_code": code}
+        print(f"[demo] batch {b}: auto {tps['auto']:.0f} tok/s = {summary[str(b)]['auto_over_best']:.3f}x the best "
+              f"other run ({best}: {others[best]:.0f})", flush=True)
+    return summary
+
+
+# ---- CLI ----------------------------------------------------------------------------------------
+def read_prompts(path: str, limit: int | None) -> list[list[int]]:
+    with open(path) as f:
+        rows = [json.loads(line)["prompt_ids"] for line in f if line.strip()]
+    return rows[:limit] if limit else rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("demo", help="ddtree-bench on the demo pair per batch size: auto against every other run")
+    d.add_argument("--batches", default="1,4,8,16")
+    d.add_argument("--budgets", default="4,8,16,32,64", help="the fixed budgets run")
+    d.add_argument("--auto-budgets", default="4,8,16,32", help="auto's set")
+    d.add_argument("--repeats", type=int, default=3)
+    d.add_argument("--max-new-tokens", type=int, default=128)
+    d.add_argument("--prompts", default=PROMPTS_16, help="default: the 8 held-out prompts and their first 96 tokens")
+    d.add_argument("--smoke", action="store_true", help="tiny: batches 1,2, budgets 4,8, 2 prompts, 16 tokens")
+    d.add_argument("--out", required=True)
+    t = sub.add_parser("trace", help="per-position E and acceptance of every choice (the demo pair by default)")
+    t.add_argument("--target", default=None)
+    t.add_argument("--drafter", default=None)
+    t.add_argument("--prompts", default=DEFAULT_PROMPTS, help="JSONL with prompt_ids per line")
+    t.add_argument("--limit", type=int, default=None)
+    t.add_argument("--max-new-tokens", type=int, default=128)
+    t.add_argument("--auto-budgets", default="4,8,16,32,64", help="the budgets traced (a simulation takes any subset)")
+    t.add_argument("--out", required=True)
+    s = sub.add_parser("simulate", help="tokens/s of every policy on a trace with a step-time table")
+    s.add_argument("--trace", required=True)
+    s.add_argument("--cost-table", default=None, help="a table file from ddtree-bench --cost-table")
+    s.add_argument("--e2e", nargs="*", default=[], help="scripts.bench.e2e reports with step_ms_by_choice (one per context)")
+    s.add_argument("--ratios-from", default=None,
+                   help="with --e2e: the first calibration from this ddtree-bench table file (of the trace's pair)")
+    s.add_argument("--batches", default="1,8")
+    s.add_argument("--context", type=float, default=None,
+                   help="committed length at the first position (default: each prompt's own length)")
+    s.add_argument("--objective", choices=["tokens", "makespan"], default=AutoBudget.objective,
+                   help="auto's objective (choice.AutoBudget.objective)")
+    s.add_argument("--out", required=True)
+    la = sub.add_parser("latency", help="compile time of auto and the first token's latency")
+    la.add_argument("--target", default=None)
+    la.add_argument("--drafter", default=None)
+    la.add_argument("--prompts", default=DEFAULT_PROMPTS)
+    la.add_argument("--max-new-tokens", type=int, default=64)
+    la.add_argument("--budget", type=int, default=16, help="the fixed budget to compare with")
+    la.add_argument("--auto-budgets", default="4,8,16,32")
+    la.add_argument("--out", required=True)
+    sm = sub.add_parser("smoke", help="trace, simulate and latency at tiny sizes (CPU)")
+    sm.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "adaptive_smoke"))
+    args = ap.parse_args(argv)
+    report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "command": " ".join(["python -m scripts.adaptive_bench"] + (argv if argv is not None else sys.argv[1:])),
+              "device": str(jax.devices()[0].device_kind), "jax": jax.__version__}
+
+    if args.cmd == "simulate":
+        with open(args.trace) as f:
+            tr = json.load(f)
+        tables = tables_from_files(args.cost_table, args.e2e, args.ratios_from)
+        report |= {"trace": args.trace, "cost_table": args.cost_table, "e2e": args.e2e, "context": args.context,
+                   "objective": args.objective,
+                   "simulation": run_simulation(tr, tables, [int(b) for b in args.batches.split(",")], args.context,
+                                                args.objective)}
+        atomic.write_json(args.out, report)
+        return 0
+
+    if args.cmd == "demo":
+        if args.smoke:
+            short = os.path.join(args.out, "prompts.jsonl")
+            os.makedirs(args.out, exist_ok=True)
+            with open(short, "w") as f:
+                for p in read_prompts(DEFAULT_PROMPTS, 2):
+                    f.write(json.dumps({"prompt_ids": p[:24]}) + "\n")
+            report["demo"] = demo(args.out, [1, 2], "4,8", "4,8", 1, 16, short, ("--cost-repeats", "1"))
+        else:
+            report["demo"] = demo(args.out, [int(b) for b in args.batches.split(",")], args.budgets,
+                                  args.auto_budgets, args.repeats, args.max_new_tokens, args.prompts)
+        path = os.path.join(args.out, "summary.json")
+        if os.path.isfile(path):  # batches run by earlier calls into the same --out stay
+            with open(path) as f:
+                report["demo"] = json.load(f).get("demo", {}) | report["demo"]
+        atomic.write_json(path, report)
+        return 0
+
+    if args.cmd == "smoke":
+        os.makedirs(args.out, exist_ok=True)
+        engine = load_engine(None, None)
+        auto = AutoBudget((4, 8), ar_burst=4)
+        tr = trace(engine, read_prompts(DEFAULT_PROMPTS, 2), 24, auto)
+        atomic.write_json(os.path.join(args.out, "trace.json"), tr)
+        ms = {"ar": [1.0], "dflash": [1.6], "4": [1.7], "8": [2.0]}
+        measured = {"ratios": {"dflash": 2.0}, "accepted": {n: 1.0 for n in ms if n != "ar"}}
+        report["simulation"] = run_simulation(tr, {1: ([0.0], ms, {}), 2: ([0.0], ms, measured)}, [1, 2], None)
+        report["latency"] = latency(engine, read_prompts(DEFAULT_PROMPTS, 1)[0][:16], 8, (4,), 4)
+        atomic.write_json(os.path.join(args.out, "report.json"), report)
+        return 0
+
+    engine = load_engine(args.target, args.drafter)
+    budgets = tuple(int(x) for x in args.auto_budgets.split(","))
+    if args.cmd == "trace":
+        report |= trace(engine, read_prompts(args.prompts, args.limit), args.max_new_tokens, AutoBudget(budgets))
+    else:
+        report["latency"] = latency(engine, read_prompts(args.prompts, 1)[0], args.max_new_tokens, budgets,
+                                    args.budget)
+    atomic.write_json(args.out, report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""scripts.adaptive_bench: the simulation's bookkeeping on a hand-made trace (exact figures), its
+tables from scripts.bench.e2e reports (contexts across files), and the whole script at CPU sizes."""
+
+import json
+
+import pytest
+
+from scripts import adaptive_bench as ab
+
+
+def trace(rows):
+    return {"choices": ["ar", "dflash", "4", "16"], "budgets": [4, 16], "ar_burst": 4, "max_new_tokens": 11,
+            "rows": rows}
+
+
+def row(n, acc16, e16):
+    return {"prompt_len": 100, "positions": n, "e": [[0.0, 0.5, 0.8, e16]] * n,
+            "accepted": [[0, 0, 1, acc16]] * n}
+
+
+def test_fixed_policies_count_steps_and_time_exactly():
+    """One row of 10 positions: plain takes 10 steps, budget 16 accepting 1 a step takes 5, DFlash
+    accepting none 10; tokens = 11 (the prefill's and one a position)."""
+    tr = trace([row(10, 1, 1.0)])
+    ms = {"ar": [1.0], "dflash": [2.0], "4": [2.0], "16": [3.0]}
+    res = ab.run_simulation(tr, {1: ([0.0], ms, {})}, [1], None)["1"]["policies"]
+    assert res["ar"]["steps"] == {"ar": 10} and abs(res["ar"]["tokens_per_s"] - 1000 * 11 / 10) < 1e-6
+    assert res["16"]["steps"] == {"16": 5} and abs(res["16"]["tokens_per_s"] - 1000 * 11 / 15) < 1e-6
+    assert res["dflash"]["steps"] == {"dflash": 10}
+    assert sum(res["auto"]["steps"].values()) >= 5
+
+
+def test_batches_take_every_row_and_the_slowest_sets_the_time():
+    """Batch 2 of a fast and a slow row: a fixed choice steps until the slow row is done."""
+    tr = trace([row(10, 4, 3.0), row(10, 0, 0.1)])
+    ms = {"ar": [1.0], "dflash": [2.0], "4": [2.0], "16": [3.0]}
+    res = ab.run_simulation(tr, {2: ([0.0], ms, {})}, [2], None)["2"]
+    assert res["policies"]["16"]["steps"] == {"16": 10}  # the slow row accepts nothing
+    assert res["best_fixed"] == "ar"
+    assert [len(g) for g in ab.batches_of(tr["rows"], 3)] == [3]  # rows cycled to fill a batch
+
+
+def test_tables_from_bench_e2e_reports_join_contexts(tmp_path):
+    paths = []
+    for ctx, scale in ((4096, 1.0), (32768, 1.5)):
+        p = tmp_path / f"e2e_{ctx}.json"
+        p.write_text(json.dumps({"runs": [{"batch": 1, "context": ctx, "step_ms_by_choice":
+                                           {"ar": 13.0 * scale, "dflash": 16.0 * scale, "64": 18.0 * scale}}]}))
+        paths.append(str(p))
+    costs = tmp_path / "demo_costs.json"
+    costs.write_text(json.dumps({"tables": {"1": {"ratios": {"dflash": 1.3}, "accepted": {"dflash": 1.9}}}}))
+    tables = ab.tables_from_files(None, paths, str(costs))
+    contexts, ms, measured = tables[1]
+    assert contexts == [4096.0, 32768.0] and ms["64"] == [18.0, 27.0] and measured["ratios"] == {"dflash": 1.3}
+
+
+@pytest.mark.slow
+def test_smoke_runs_trace_simulation_and_latency(tmp_path):
+    assert ab.main(["smoke", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert set(report["simulation"]) == {"1", "2"} and set(report["latency"]) == {"ar", "ddtree-4", "auto"}
+    tr = json.loads((tmp_path / "trace.json").read_text())
+    assert tr["choices"] == ["ar", "dflash", "4", "8"] and all(r["positions"] == 23 for r in tr["rows"])
