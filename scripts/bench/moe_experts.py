@@ -130,9 +130,11 @@ def decode_sweep(base, which: str):
     """{name: (DecodeConfig, w_layout)} of the decode path's variants timed (which as sweep_configs;
     "decode" = "small"): the default on both weight layouts, then one change each: the other
     combine, K blocks of 128, the "rows" MMA form, 6 stages, launch (1)'s K split doubled, column
-    blocks of 32 (launch (1)'s split halved: as many programs), and column blocks of 16 without a
-    split and with the combine in the kernel (most programs; on [E, out, in] weights each reads
-    whole contiguous rows)."""
+    blocks of 32 (launch (1)'s split halved: as many programs), and column blocks of 16 with K
+    blocks of 128, no split and the combine in the kernel (most programs; on [E, out, in] weights
+    each reads whole contiguous rows). Column blocks under 64 take the "rows" form: with the
+    weight columns on the MMA's M side (< 64: no wgmma) sm_90 Triton 3.6 did not pipeline the
+    weight loads (no cp.async in the offline compile)."""
     rep = dataclasses.replace
     both = lambda **kw: rep(base, up=rep(base.up, **kw), down=rep(base.down, **kw))
     out = {"decode": (base, "in_out"), "decode_out_in": (base, "out_in")}
@@ -146,9 +148,10 @@ def decode_sweep(base, which: str):
     out["decode_rows"] = (both(layout="rows"), "in_out")
     out["decode_stages6"] = (both(num_stages=6), "in_out")
     out["decode_up_split_x2"] = (rep(base, up=rep(base.up, split_k=2 * base.up.split_k)), "in_out")
-    out["decode_n32"] = (rep(base, up=rep(base.up, block_n=32, split_k=max(1, base.up.split_k // 2)),
-                             down=rep(base.down, block_n=32)), "in_out")
-    n16 = rep(base, combine="kernel", up=rep(base.up, block_n=16, split_k=1), down=rep(base.down, block_n=16, split_k=1))
+    out["decode_n32"] = (rep(base, up=rep(base.up, block_n=32, split_k=max(1, base.up.split_k // 2), layout="rows"),
+                             down=rep(base.down, block_n=32, layout="rows")), "in_out")
+    narrow = dict(block_n=16, block_k=128, split_k=1, layout="rows")
+    n16 = rep(base, combine="kernel", up=rep(base.up, **narrow), down=rep(base.down, **narrow))
     out["decode_n16_kernel"] = (n16, "in_out")
     out["decode_n16_kernel_out_in"] = (n16, "out_in")
     return out
