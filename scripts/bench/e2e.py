@@ -87,6 +87,9 @@ def add_moe_options(ap) -> None:
     ap.add_argument("--moe-correlated-steps", action="store_true",
                     help="MoE targets: also time each DDTree budget's whole step with the correlated stand-in "
                          "router (one more compilation a budget; without it the bracket is an estimate)")
+    ap.add_argument("--deadline-s", type=float, default=None,
+                    help="start no timing or MoE figure after this many seconds (what finished is in the JSON; a "
+                         "GPU call's time limit then ends no half-written step)")
     ap.add_argument("--acceptance", default=None,
                     help="print tokens/s per choice from the step times: 'demo' (the demo pair's measured "
                          "acceptance) or a JSON file {choice: tokens a step} (scripts/bench/budget_table.py)")
@@ -171,6 +174,9 @@ def main(argv=None) -> int:
         extra += [(f"ddtree{b}", "ddtree", int(b)) for b in args.budgets.split(",") if b and int(b) != args.budget]
         row["step_ms_by_choice"] = {}
         for key_, mode, budget in [(m, m, args.budget) for m in modes] + extra:
+            if args.deadline_s and time.time() - t_start > args.deadline_s:
+                row.setdefault("skipped_after_deadline", []).append(key_)
+                continue
             spec = gen.GenSpec(mode, budget, None, max_new, Sampling(), capacity,
                                None if mode == "ar" else proposer, routes)
             s = state if mode != "ar" else state._replace(dstate=None, hist=jnp.zeros((2,), jnp.int32))
@@ -193,7 +199,8 @@ def main(argv=None) -> int:
             row["step_ms_by_choice"][mode if mode != "ddtree" else str(budget)] = per
             save()
         row["decode_bytes"] = decode_bytes(cfg, params, cache)
-        if moe_step.is_moe(cfg) and "ddtree" in modes:
+        late = args.deadline_s and time.time() - t_start > args.deadline_s
+        if moe_step.is_moe(cfg) and "ddtree" in modes and not late:
             tree_budgets = sorted({args.budget} | {int(b) for b in args.budgets.split(",") if b})
             spec = gen.GenSpec("ddtree", args.budget, None, max_new, Sampling(), capacity, proposer, routes)
             moe_figures(args, cfg, graphdef, params, dparams, state, spec, tree_budgets, row, report)
@@ -201,14 +208,14 @@ def main(argv=None) -> int:
         row["roofline_ms"] = row["decode_bytes"] / (report["bandwidth"]["best_GBps"] * 1e6)
         # Per-step figures from inside the on-device loop (what generation runs); single-call
         # figures add the host dispatch of a ~1000-leaf params pytree and are reported beside them.
-        if "ar" in modes:
+        if "ar_loop_step_ms" in row:
             row["decode_fraction_of_roofline"] = row["roofline_ms"] / row["ar_loop_step_ms"]
             row["decode_fraction_of_roofline_incl_dispatch"] = row["roofline_ms"] / row["ar_loop_incl_dispatch_ms"]
         row["ddtree_over_decode"] = (row["ddtree_loop_step_ms"] / row["ar_loop_step_ms"]
-                                     if {"ar", "ddtree"} <= set(modes) else None)
+                                     if {"ar_loop_step_ms", "ddtree_loop_step_ms"} <= set(row) else None)
         row["phases_ms"] = None
         # Phase split of the DDTree step (batch 1 only, unless --no-phases: four more compilations).
-        if (batch == 1 or args.smoke) and "ddtree" in modes and not args.no_phases:
+        if (batch == 1 or args.smoke) and "ddtree" in modes and not args.no_phases and not late:
             spec = gen.GenSpec("ddtree", args.budget, None, max_new, Sampling(), capacity, proposer, routes)
             inner = 2 if args.smoke else args.phase_inner
             row["phases_ms"] = B.phase_times_at(graphdef, params, dparams, state, spec, key, repeats=args.repeats,
