@@ -47,9 +47,10 @@ Forms:
   launch (2)'s loads. The row is padded to MIN_BLOCK with zero rows (tl.dot's smallest side):
   the MMA does wasted work, the memory system none. Reads T k expert matrices (one per pair,
   repeats included): what a decode step reads when its tokens' choices rarely coincide.
-- the grouped kernel (impl "pallas" / "pallas_interpret" with a `MoeConfig`): the same grouping as grouped_xla; two launches over (tile,
-  output column block, K slice): (1) the tile's rows of x gathered by token times the tile's
-  expert's w_in columns, the activation applied, written to the sorted rows of h [pairs, I];
+- the grouped kernel (impl "pallas" / "pallas_interpret" with a `MoeConfig`): the grouping of
+  grouped_xla; two launches over (tile, output column block, K slice): (1) the tile's rows of x
+  gathered by token times the tile's expert's w_in columns, the activation applied, written to
+  the sorted rows of h [pairs, I];
   (2) h's rows (contiguous) times w_out. Each program streams its expert's weight block once
   (`block_k` rows a step, `num_stages` deep); an empty tile writes nothing. The weighted sum
   over the k choices is one XLA gather + reduce. Why two launches, not one fused: a fused

@@ -33,8 +33,9 @@ sums S = 4 / 8 at a few PARTS_CHUNK / warp settings and the defaults), "moe_deco
 kernel's decode path at the Qwen3.6-35B-A3B expert layer, --nodes = the tokens: its default and
 the variants scripts.bench.moe_experts times, both launches each), "moe_grouped" (the grouped
 expert kernel's default tiling at --nodes tokens, both launches). Each sweeps a few block /
-warp settings and prints one row per setting (per launch where a case has several). Registers and spills depend on the Triton version:
-figures recorded with one (the offline-compile tests' limits) hold for that version only.
+warp settings and prints one row per setting (per launch where a case has several). Registers
+and spills depend on the Triton version: figures recorded with one (the offline-compile tests'
+limits) hold for that version only.
 """
 
 from __future__ import annotations

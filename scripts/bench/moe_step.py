@@ -146,10 +146,11 @@ def shared_of(top_k: int) -> int:
     return (3 * top_k) // 4
 
 
+@functools.lru_cache(maxsize=1024)
 def correlated_ids(rows: int, nodes: int, top_k: int, experts: int, seed: int) -> np.ndarray:
-    """[rows * nodes, k] int32: each row's nodes a chain, every node sharing shared_of(k) experts with
-    the node before and drawing the rest among the experts that node did not choose; rows
-    independent; each node's k experts distinct (a top-k)."""
+    """[rows * nodes, k] int32 (cached: read only): each row's nodes a chain, every node sharing
+    shared_of(k) experts with the node before and drawing the rest among the experts that node did
+    not choose; rows independent; each node's k experts distinct (a top-k)."""
     rng = np.random.default_rng(seed)
     shared = max(shared_of(top_k), 2 * top_k - experts)  # the new ones must fit outside the previous node's
     every = np.arange(experts)
@@ -160,7 +161,9 @@ def correlated_ids(rows: int, nodes: int, top_k: int, experts: int, seed: int) -
             keep = rng.choice(out[r, i - 1], shared, replace=False)
             new = rng.choice(np.setdiff1d(every, out[r, i - 1]), top_k - shared, replace=False)
             out[r, i] = rng.permutation(np.concatenate([keep, new]))
-    return out.reshape(rows * nodes, top_k)
+    out = out.reshape(rows * nodes, top_k)
+    out.flags.writeable = False
+    return out
 
 
 @dataclasses.dataclass(frozen=True)

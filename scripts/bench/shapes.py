@@ -17,9 +17,10 @@ Model shapes (`SHAPES`, chosen with `--shape`):
         (`--smoke` picks a shape's own smoke size: `moe-smoke` for 35b-a3b, tiny widths of its
         pattern with 16 experts, top-4).
 
-Random weights: normal with std fan_in^-1/2 (stacked experts [E, in, out]: in^-1/2), norm weights 1 + N(0, 0.1), the GDN gate parameters
-(A_log, dt_bias) uniform in [-1, 1]; never zeros (a kernel fed zeros can look right and fast while
-reading the wrong rows). Made on the device leaf by leaf, so a 27B target needs no host copy.
+Random weights: normal with std fan_in^-1/2 (stacked experts [E, in, out]: in^-1/2), norm weights
+1 + N(0, 0.1), the GDN gate parameters (A_log, dt_bias) uniform in [-1, 1]; never zeros (a kernel
+fed zeros can look right and fast while reading the wrong rows). Made on the device leaf by leaf,
+so a 27B target needs no host copy.
 
 Caches: `filled_caches` holds `context` committed tokens of random K / V and recurrent state per row,
 what a prefill of that length leaves (no long prefill to compile).
