@@ -41,17 +41,17 @@ def test_e2e_moe_smoke_reports_experts_roofline_and_the_budget_table(tmp_path, c
     decode (the 2 roots: k..2k) and at every budget (no fewer than decode's, every node of the
     smaller tree found in the larger one), the decode bytes with only the chosen experts, the
     expert products' times and the correlated bracket (estimate and timed); then the MoE table and
-    the budget tables."""
+    the budget tables. Its programs compile three at once (scripts/bench/compile_pool.py)."""
     from scripts.bench.e2e import main
 
     out = tmp_path / "e2e.json"
     assert main(["--smoke", "--shape", "35b-a3b", "--batches", "2", "--budget", "8", "--budgets", "4,8", "--repeats",
                  "1", "--loop-steps", "2", "--no-phases", "--moe-correlated-steps", "--acceptance", "demo",
-                 "--out", str(out)]) == 0
+                 "--compile-workers", "3", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["shape"] == "moe-smoke" and report["elapsed_s"] > 0
     [row] = report["runs"]
-    assert set(row["step_ms_by_choice"]) == {"ar", "4", "8"}
+    assert set(row["step_ms_by_choice"]) == {"ar", "4", "8"} and row["compile_wait_s"] >= 0
     moe = row["moe"]
     k, e, layers = moe["top_k"], moe["experts"], moe["layers"]
     assert (k, e, layers, moe["correlated_shared"]) == (4, 16, 4, 3)

@@ -47,6 +47,7 @@ from ddtree_jax.config import TargetConfig
 from ddtree_jax.speculative import generate as gen
 from ddtree_jax.speculative.sampling import Sampling
 from scripts.bench import budget_table, moe_step
+from scripts.bench.compile_pool import CompilePool
 from scripts.bench.common import (add_model_options, add_route_options, apply_route_options, jax_rates, model_configs,
                                   model_setup,
                                   start_report, write_report)
@@ -87,19 +88,24 @@ def add_moe_options(ap) -> None:
     ap.add_argument("--moe-correlated-steps", action="store_true",
                     help="MoE targets: also time each DDTree budget's whole step with the correlated stand-in "
                          "router (one more compilation a budget; without it the bracket is an estimate)")
+    ap.add_argument("--compile-workers", type=int, default=1,
+                    help="compile a batch's programs this many at once, all finished before the first is timed "
+                         "(scripts/bench/compile_pool.py: the GPU call's time is mostly compilation; XLA's "
+                         "autotuning then measures side by side); 1: each compiled when first run")
     ap.add_argument("--deadline-s", type=float, default=None,
-                    help="start no timing or MoE figure after this many seconds (what finished is in the JSON; a "
-                         "GPU call's time limit then ends no half-written step)")
+                    help="start no batch, timing or MoE figure after this many seconds (what finished is in the "
+                         "JSON; compiles already running finish before the process ends)")
     ap.add_argument("--acceptance", default=None,
                     help="print tokens/s per choice from the step times: 'demo' (the demo pair's measured "
                          "acceptance) or a JSON file {choice: tokens a step} (scripts/bench/budget_table.py)")
 
 
-def moe_figures(args, cfg, graphdef, params, dparams, state, spec, budgets, row, report) -> None:
-    """The MoE figures of one batch into row["moe"]; the roofline's bytes become the chosen experts'."""
+def moe_figures(args, cfg, pool, params, dparams, state, budgets, row, report) -> None:
+    """The MoE figures of one batch into row["moe"] (programs from `pool`, moe_step.submit_programs);
+    the roofline's bytes become the chosen experts'."""
     fast = args.smoke
     row["moe"] = moe_step.batch_figures(
-        cfg, graphdef, params, dparams, state, spec, budgets, step_ms=row["step_ms_by_choice"],
+        cfg, pool, params, dparams, state, budgets, step_ms=row["step_ms_by_choice"],
         dense_decode_bytes=row["decode_bytes"], read_GBps=report["bandwidth"]["best_GBps"],
         times=args.moe_expert_times, loop_iters=1 if fast else 4, repeats=2 if fast else 5,
         correlated_steps=args.moe_correlated_steps, loop_steps=2 if fast else args.loop_steps,
@@ -162,7 +168,12 @@ def main(argv=None) -> int:
     def n_steps(params, dparams, s, n, spec):
         return gen._advance(nnx.merge(graphdef, params), dparams, s, eos, spec, n)
 
+    pool = CompilePool(args.compile_workers)
+
     for batch in [int(b) for b in args.batches.split(",")]:
+        if args.deadline_s and time.time() - t_start > args.deadline_s:
+            report.setdefault("batches_skipped_after_deadline", []).append(batch)
+            continue
         capacity = context + 64
         cache, dcache = filled_caches(cfg, dcfg, batch, context, capacity, seed=batch)
         row = {"batch": batch, "context": context, "lengths": np.asarray(cache.lengths).tolist()}
@@ -173,21 +184,33 @@ def main(argv=None) -> int:
         extra = [("dflash", "dflash", args.budget)] if "dflash" in args.modes.split(",") else []
         extra += [(f"ddtree{b}", "ddtree", int(b)) for b in args.budgets.split(",") if b and int(b) != args.budget]
         row["step_ms_by_choice"] = {}
+        # One compiled on-device loop per choice; the step count is traced, so a single step and a
+        # run of n steps share the compilation. Every program of the batch goes to the pool first.
+        choices = {}
         for key_, mode, budget in [(m, m, args.budget) for m in modes] + extra:
-            if args.deadline_s and time.time() - t_start > args.deadline_s:
-                row.setdefault("skipped_after_deadline", []).append(key_)
-                continue
             spec = gen.GenSpec(mode, budget, None, max_new, Sampling(), capacity,
                                None if mode == "ar" else proposer, routes)
             s = state if mode != "ar" else state._replace(dstate=None, hist=jnp.zeros((2,), jnp.int32))
-            # One compiled on-device loop per mode; the step count is traced, so a single step and
-            # a run of n steps share the compilation.
+            choices[key_] = (mode, budget, spec, s)
+            pool.submit(key_, functools.partial(n_steps.lower, params, dparams, s, jnp.int32(1), spec))
+        moe = moe_step.is_moe(cfg) and "ddtree" in modes
+        tree_budgets = sorted({args.budget} | {int(b) for b in args.budgets.split(",") if b})
+        if moe:
+            spec = gen.GenSpec("ddtree", args.budget, None, max_new, Sampling(), capacity, proposer, routes)
+            moe_step.submit_programs(pool, cfg, graphdef, params, dparams, state, spec, tree_budgets,
+                                     args.moe_expert_times, args.moe_correlated_steps)
+        row["compile_wait_s"] = pool.wait()  # no timed step shares the GPU with a compile
+        for key_, (mode, budget, spec, s) in choices.items():
+            if args.deadline_s and time.time() - t_start > args.deadline_s:
+                row.setdefault("skipped_after_deadline", []).append(key_)
+                continue
             t_c = time.time()
-            ms = B.median_ms(lambda: n_steps(params, dparams, s, jnp.int32(1), spec), args.repeats)
+            run, row[f"{key_}_compile"] = pool.get(key_)
+            ms = B.median_ms(lambda: run(params, dparams, s, jnp.int32(1)), args.repeats)
             row[f"{key_}_step_ms"] = ms
-            row[f"{key_}_compile_and_warm_s"] = time.time() - t_c
+            row[f"{key_}_compile_and_warm_s"] = time.time() - t_c  # the wait for its compile, then the warm-up
             n = args.loop_steps
-            per, fixed, pairs = B.paired_marginal_ms(lambda k: lambda: n_steps(params, dparams, s, jnp.int32(k), spec),
+            per, fixed, pairs = B.paired_marginal_ms(lambda k: lambda: run(params, dparams, s, jnp.int32(k)),
                                                      n, max(5, args.repeats))
             row[f"{key_}_loop_step_ms"] = per  # marginal: what one more step costs (median of paired runs)
             row[f"{key_}_loop_step_pairs_ms"] = pairs
@@ -200,11 +223,10 @@ def main(argv=None) -> int:
             save()
         row["decode_bytes"] = decode_bytes(cfg, params, cache)
         late = args.deadline_s and time.time() - t_start > args.deadline_s
-        if moe_step.is_moe(cfg) and "ddtree" in modes and not late:
-            tree_budgets = sorted({args.budget} | {int(b) for b in args.budgets.split(",") if b})
-            spec = gen.GenSpec("ddtree", args.budget, None, max_new, Sampling(), capacity, proposer, routes)
-            moe_figures(args, cfg, graphdef, params, dparams, state, spec, tree_budgets, row, report)
+        if moe and not late:
+            moe_figures(args, cfg, pool, params, dparams, state, tree_budgets, row, report)
             save()
+        pool.drop()  # programs a deadline left unasked
         row["roofline_ms"] = row["decode_bytes"] / (report["bandwidth"]["best_GBps"] * 1e6)
         # Per-step figures from inside the on-device loop (what generation runs); single-call
         # figures add the host dispatch of a ~1000-leaf params pytree and are reported beside them.
@@ -229,6 +251,7 @@ def main(argv=None) -> int:
         save()
         del cache, dcache, state
 
+    pool.close()
     report["elapsed_s"] = time.time() - t_start
     save()
     nan = float("nan")

@@ -125,11 +125,12 @@ def distinct_per_layer(ids_by_layer, rows) -> list[int]:
     return [len(np.unique(ids[rows])) for ids in ids_by_layer]
 
 
-def probe_routing(graphdef, params, dparams, state, spec, budgets) -> dict:
-    """Run the probe (module docstring): {"decode": rows, b: rows for every budget}, the per-layer
-    (x, ids, weights) of the largest verify (device), their ids on the host, and unmatched nodes."""
+def probe_routing(run_probe, params, dparams, state, budgets) -> dict:
+    """Run the probe (module docstring; run_probe: its compiled program, `submit_programs`):
+    {"decode": rows, b: rows for every budget}, the per-layer (x, ids, weights) of the largest
+    verify (device), their ids on the host, and unmatched nodes."""
     budgets = tuple(sorted(budgets))
-    trees, seen = _probe(graphdef, params, dparams, state, dataclasses.replace(spec, budget=budgets[-1]), budgets)
+    trees, seen = run_probe(params, dparams, state)
     big = trees[budgets[-1]]
     n_big = big.tokens.shape[1]
     rows = {"decode": np.arange(big.tokens.shape[0]) * n_big}  # the roots: node 0 of each row
@@ -197,10 +198,10 @@ def _steps_with_stand_in(graphdef, params, dparams, s, n, spec, stand_in: StandI
     return gen._advance(model, dparams, s, EOS, spec, n)
 
 
-def time_correlated_steps(graphdef, params, dparams, state, spec, loop_steps: int, repeats: int) -> float:
-    """The DDTree step's marginal ms (n / 2n pairs) with the correlated stand-in router."""
-    stand_in = StandIn(nodes=spec.budget + 1)
-    call = lambda k: lambda: _steps_with_stand_in(graphdef, params, dparams, state, jnp.int32(k), spec, stand_in)
+def time_correlated_steps(run_steps, params, dparams, state, loop_steps: int, repeats: int) -> float:
+    """The DDTree step's marginal ms (n / 2n pairs) with the correlated stand-in router (run_steps:
+    the compiled _steps_with_stand_in of that budget)."""
+    call = lambda k: lambda: run_steps(params, dparams, state, jnp.int32(k))
     return B.paired_marginal_ms(call, loop_steps, repeats)[0]
 
 
@@ -217,9 +218,10 @@ def _experts_loop(stacks, rows, n, routes):
     return lax.fori_loop(0, n, body, [jnp.zeros_like(x) for x, _, _ in rows])
 
 
-def expert_times(stacks, rows, routes, loop_iters: int, repeats: int) -> float:
-    """Marginal ms of one pass over every MoE layer's expert product (n / 2n pairs)."""
-    call = lambda k: lambda: _experts_loop(stacks, rows, jnp.int32(k), routes)
+def expert_times(run_loop, stacks, rows, loop_iters: int, repeats: int) -> float:
+    """Marginal ms of one pass over every MoE layer's expert product (n / 2n pairs; run_loop: the
+    compiled _experts_loop for these rows' shapes)."""
+    call = lambda k: lambda: run_loop(stacks, rows, jnp.int32(k))
     return B.paired_marginal_ms(call, loop_iters, repeats)[0]
 
 
@@ -231,14 +233,42 @@ def expert_stacks(params, cfg) -> list:
 
 
 # ---- one batch's figures -----------------------------------------------------------------------------
-def batch_figures(cfg, graphdef, params, dparams, state, spec, budgets, *, step_ms: dict, dense_decode_bytes: int,
+def submit_programs(pool, cfg, graphdef, params, dparams, state, spec, budgets, times: bool,
+                    correlated_steps: bool) -> None:
+    """Hand the batch's programs to a compile_pool.CompilePool: the probe ("moe_probe"), with
+    correlated_steps every budget's step loop under the stand-in router ("moe_corr_B"), with times
+    the expert-product loops, one per token count (decode: the batch; budget b: batch x (b + 1);
+    "moe_experts_T")."""
+    budgets = tuple(sorted(budgets))
+    probe_spec = dataclasses.replace(spec, budget=budgets[-1])
+    pool.submit("moe_probe", functools.partial(_probe.lower, graphdef, params, dparams, state, probe_spec, budgets))
+    for b in budgets if correlated_steps else ():
+        pool.submit(f"moe_corr_{b}", functools.partial(_steps_with_stand_in.lower, graphdef, params, dparams, state,
+                                                        jnp.int32(1), dataclasses.replace(spec, budget=b),
+                                                        StandIn(nodes=b + 1)))
+    if not times:
+        return
+    stacks = expert_stacks(params, cfg)
+    batch, h, k = state.bonus.shape[0], cfg.hidden_size, cfg.moe_top_k
+    sds = jax.ShapeDtypeStruct
+    for tokens in sorted({batch} | {batch * (b + 1) for b in budgets}):
+        rows = [(sds((tokens, h), jnp.dtype(cfg.dtype)), sds((tokens, k), jnp.int32), sds((tokens, k), jnp.float32))
+                for _ in stacks]
+        pool.submit(f"moe_experts_{tokens}",
+                    functools.partial(_experts_loop.lower, stacks, rows, jnp.int32(1), spec.routes))
+
+
+def batch_figures(cfg, pool, params, dparams, state, budgets, *, step_ms: dict, dense_decode_bytes: int,
                   read_GBps: float, times: bool, loop_iters: int, repeats: int, correlated_steps: bool,
                   loop_steps: int, log=print) -> dict:
-    """The MoE report of one batch (module docstring). step_ms: the e2e loop's marginal step times
-    by choice ("ar", "16", ...); dense_decode_bytes: e2e.decode_bytes (every weight but the
-    embedding table, K / V, state), from which the unchosen experts are taken out."""
+    """The MoE report of one batch (module docstring); pool: the CompilePool `submit_programs`
+    handed this batch's programs to (with the same times / correlated_steps). step_ms: the e2e
+    loop's marginal step times by choice ("ar", "16", ...); dense_decode_bytes: e2e.decode_bytes
+    (every weight but the embedding table, K / V, state), from which the unchosen experts are
+    taken out."""
     t0 = time.time()
-    probe = probe_routing(graphdef, params, dparams, state, spec, budgets)
+    run_probe, _ = pool.get("moe_probe")
+    probe = probe_routing(run_probe, params, dparams, state, budgets)
     ids, rows = probe["ids"], probe["rows"]
     ebytes = expert_bytes(cfg)
     layers = len(ids)
@@ -261,12 +291,13 @@ def batch_figures(cfg, graphdef, params, dparams, state, spec, budgets, *, step_
         these rows (the stand-in: the same rows and weights, its ids)."""
         sel = jnp.asarray(rows_idx)
         real = [(x[sel], jnp.asarray(i[rows_idx]), w[sel]) for x, i, w in zip(x_all, ids, w_all)]
-        real_ms = expert_times(stacks, real, spec.routes, loop_iters, repeats)
+        run_loop, _ = pool.get(f"moe_experts_{len(rows_idx)}")
+        real_ms = expert_times(run_loop, stacks, real, loop_iters, repeats)
         if corr_nodes is None:
             return real_ms, None
         corr = [(x, jnp.asarray(correlated_ids(batch, corr_nodes, k, e, 1000 * layer)), w)
                 for layer, (x, _, w) in enumerate(real)]
-        return real_ms, expert_times(stacks, corr, spec.routes, loop_iters, repeats)
+        return real_ms, expert_times(run_loop, stacks, corr, loop_iters, repeats)
 
     if times:
         real_ms, _ = timed(rows["decode"])
@@ -293,8 +324,8 @@ def batch_figures(cfg, graphdef, params, dparams, state, spec, budgets, *, step_
             if fig["step_ms"] is not None:
                 fig["correlated_step_ms_estimate"] = fig["step_ms"] - real_ms + corr_ms
         if correlated_steps:
-            fig["correlated_step_ms"] = time_correlated_steps(graphdef, params, dparams, state,
-                                                              dataclasses.replace(spec, budget=b), loop_steps, repeats)
+            fig["correlated_step_ms"] = time_correlated_steps(pool.get(f"moe_corr_{b}")[0], params, dparams, state,
+                                                              loop_steps, repeats)
         out["budgets"][b] = fig
         log(f"[moe] budget {b}: {fig['distinct_mean']:.1f} distinct experts a layer ({fig['ratio_to_decode']:.1f}x "
             f"decode's {out['decode']['distinct_mean']:.1f}); correlated stand-in {fig['correlated_distinct_mean']:.1f}"
