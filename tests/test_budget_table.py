@@ -52,9 +52,9 @@ def test_load_acceptance(tmp_path):
         load_acceptance(str(path))
 
 
-def _report(tmp_path, runs):
-    path = tmp_path / "e2e.json"
-    path.write_text(json.dumps({"shape": "35b-a3b", "runs": runs}))
+def _report(tmp_path, runs, name="e2e.json", shape="35b-a3b"):
+    path = tmp_path / name
+    path.write_text(json.dumps({"shape": shape, "runs": runs}))
     return str(path)
 
 
@@ -92,3 +92,22 @@ def test_cli_names_bad_input_before_printing(tmp_path, capsys):
         main([str(tmp_path / "missing.json"), "--acceptance", str(tmp_path / "none.json")])
     err = capsys.readouterr().err
     assert "missing.json" in err and "none.json" in err  # both problems at once
+
+
+@pytest.mark.script
+def test_cli_unites_reports_of_budgets_timed_in_separate_calls(tmp_path, capsys):
+    from scripts.bench.budget_table import main
+
+    a = _report(tmp_path, [{"batch": 1, "step_ms_by_choice": {"ar": 2.0, "64": 12.0}}], "a.json")
+    b = _report(tmp_path, [{"batch": 1, "step_ms_by_choice": {"ar": 2.2, "16": 5.0}},
+                           {"batch": 8, "step_ms_by_choice": {"ar": 3.0}}], "b.json")
+    assert main([a, b, "--acceptance", "demo"]) == 0
+    out = capsys.readouterr().out
+    batch1 = out.split("batch 8")[0]
+    ar = next(line for line in batch1.splitlines() if line.split()[:1] == ["ar"])
+    assert ar.split()[1] == "2.200" and "12.000" in batch1 and "5.000" in batch1  # b.json's ar replaces a.json's
+    assert "batch 8" in out
+    c = _report(tmp_path, [{"batch": 1, "step_ms_by_choice": {"ar": 2.0}}], "c.json", shape="27b")
+    with pytest.raises(SystemExit):
+        main([a, c])
+    assert "different shapes" in capsys.readouterr().err

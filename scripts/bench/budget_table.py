@@ -3,6 +3,7 @@ acceptance curve, best first (ddtree_jax/budget_table.py): where DDTree pays, an
 
     python -m scripts.bench.budget_table $OUT/e2e_35b.json --acceptance demo
     python -m scripts.bench.budget_table e2e.json --acceptance curve.json   # {"ar": 1, "16": 3.1, ...}
+    python -m scripts.bench.budget_table a.json b.json --acceptance demo    # budgets timed in two calls
 
 One table per batch of the report, from its loop step times (`step_ms_by_choice`: plain decoding,
 DFlash where timed, every DDTree budget). On an MoE shape (the report's `moe` figures) a second
@@ -45,6 +46,20 @@ def step_tables(report: dict) -> list[tuple[str, int, dict]]:
     return out
 
 
+def merge_reports(reports: list[dict]) -> dict:
+    """One report from several of the same shape (budgets timed in separate calls): each batch's
+    step times and MoE budget figures united, a later report's entries replacing an earlier one's."""
+    runs = {}
+    for report in reports:
+        for run in report.get("runs", []):
+            have = runs.setdefault(run["batch"], {"batch": run["batch"], "step_ms_by_choice": {}})
+            have["step_ms_by_choice"].update(run.get("step_ms_by_choice") or {})
+            if run.get("moe"):
+                budgets = {**(have.get("moe") or {}).get("budgets", {}), **run["moe"].get("budgets", {})}
+                have["moe"] = {**run["moe"], "budgets": budgets}
+    return {"shape": reports[0].get("shape"), "runs": [runs[b] for b in sorted(runs)]}
+
+
 def print_tables(report: dict, acceptance: dict, estimated=(), file=None) -> list:
     """Print every table of the report (to file, default stdout); returns [(title, best choice)]."""
     best = []
@@ -57,26 +72,33 @@ def print_tables(report: dict, acceptance: dict, estimated=(), file=None) -> lis
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("report", help="a scripts.bench.e2e JSON report")
+    ap.add_argument("reports", nargs="+", metavar="REPORT",
+                    help="scripts.bench.e2e JSON reports of one shape (several: united per batch)")
     ap.add_argument("--acceptance", default="demo",
                     help="'demo' (the demo pair's measured curve) or a JSON file {choice: tokens a step}")
     args = ap.parse_args(argv)
-    problems = []
-    try:
-        with open(args.report) as f:
-            report = json.load(f)
-        if not isinstance(report, dict) or not report.get("runs"):
-            problems.append(f"{args.report}: no runs (is it a scripts.bench.e2e report?)")
-    except (OSError, ValueError) as e:
-        problems.append(f"{args.report}: {e}")
+    problems, reports = [], []
+    for path in args.reports:
+        try:
+            with open(path) as f:
+                report = json.load(f)
+            if not isinstance(report, dict) or not report.get("runs"):
+                problems.append(f"{path}: no runs (is it a scripts.bench.e2e report?)")
+            reports.append(report)
+        except (OSError, ValueError) as e:
+            problems.append(f"{path}: {e}")
+    shapes = {r.get("shape") for r in reports if isinstance(r, dict)}
+    if len(shapes) > 1:
+        problems.append(f"the reports are of different shapes: {sorted(map(str, shapes))}")
     try:
         acceptance, estimated = load_acceptance(args.acceptance)
     except (OSError, ValueError) as e:
         problems.append(f"--acceptance {args.acceptance}: {e}")
     if problems:
         ap.error("; ".join(problems))
+    report = merge_reports(reports)
     try:
-        for title, steps in [(t, s) for t, _, s in step_tables(report)]:
+        for _, _, steps in step_tables(report):
             rank(steps, acceptance)  # every bad entry named before anything is printed
     except ValueError as e:
         ap.error(str(e))
