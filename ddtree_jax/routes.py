@@ -17,6 +17,8 @@ from typing import Any, Iterable
 
 import jax
 
+from pallas_kernels.moe_experts import DECODE_MAX_PAIRS
+
 IMPLS = ("xla", "pallas", "pallas_interpret")
 _NO_LIMIT = 1 << 20  # a threshold no tree reaches: the kernel is always taken where it can be
 
@@ -42,7 +44,8 @@ class Routes:
     split_k_rows: tuple[int, int] = (32, 128)  # row counts (inclusive) that return partials
     drafter_attention_kernel: bool = True  # the drafter's non-causal attention through the tree kernel
     ssd_kernel_max_nodes: int = 16  # Mamba2 tree verify: the SSD kernel up to this many nodes
-    moe_experts_kernel: bool = True  # MoE expert products through the grouped expert kernel
+    moe_experts_kernel: bool = True  # MoE expert products through the expert kernels
+    moe_decode_max_pairs: int = DECODE_MAX_PAIRS  # ... their decode path (no grouping) up to T * top_k pairs
     # ---- tree build kernels (impl != "xla") ----
     bits_kernel_max_nodes: int = 64  # ancestor bitsets: the kernel up to this many nodes
     tree_select_kernel: bool = True  # the DDTree node selection in one launch (budgets it takes)

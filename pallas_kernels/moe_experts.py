@@ -35,9 +35,22 @@ Forms:
 - `grouped_xla`: the pairs grouped by expert (`group_pairs`) into row tiles of one expert each
   (padded groups), the tiles' rows and their experts' weights gathered, two batched GEMMs. The
   XLA route from T k >= E.
-- the kernel (impl "pallas" / "pallas_interpret"): the same grouping; two launches over (tile,
-  output column block, K slice): (1) the tile's rows of x gathered by token times the tile's
-  expert's w_in columns, the activation applied, written to the sorted rows of h [pairs, I];
+- the decode path (impl "pallas" / "pallas_interpret" with a `DecodeConfig`; the default while
+  T k <= decode_max_pairs): no grouping at all. Each (token, choice) pair is its own row (its
+  expert read from expert_ids in the kernel: no sort, no scatter, no XLA prep). Launch (1) over
+  (column block, K slice, pair): the pair's token row of x times its expert's w_in columns, the
+  activation applied (or float32 partials with a K split); launch (2) over (column block, K
+  slice, pair) writing the pair's output row, or with combine "kernel" over (column block,
+  token): the program runs the token's k experts one after another in one pipelined loop and
+  writes y itself (weighted, summed in float32 in choice order, rounded once), so the layer is
+  two launches and nothing else. A K split of launch (1) is added, rounded and activated in
+  launch (2)'s loads. The row is padded to MIN_BLOCK with zero rows (tl.dot's smallest side):
+  the MMA does wasted work, the memory system none. Reads T k expert matrices (one per pair,
+  repeats included): what a decode step reads when its tokens' choices rarely coincide.
+- the grouped kernel (impl "pallas" / "pallas_interpret" with a `MoeConfig`): the grouping of
+  grouped_xla; two launches over (tile, output column block, K slice): (1) the tile's rows of x
+  gathered by token times the tile's expert's w_in columns, the activation applied, written to
+  the sorted rows of h [pairs, I];
   (2) h's rows (contiguous) times w_out. Each program streams its expert's weight block once
   (`block_k` rows a step, `num_stages` deep); an empty tile writes nothing. The weighted sum
   over the k choices is one XLA gather + reduce. Why two launches, not one fused: a fused
@@ -55,7 +68,7 @@ Why a kernel: on the H200 (jax 0.11.2, one Qwen3.6-35B-A3B expert layer, bf16, o
 experts: 8 x 6.3 MB of weights, roofline 23.8 us as issue #26 states it) XLA's gather form took
 163-184 us, `lax.ragged_dot` 533-558 us and the dense form 535-572 us; at 33 tokens the gather and
 ragged forms did not finish within ~200 s. Neither XLA primitive reads only the touched experts'
-weights. scripts/gpu_moe_experts.py times every form here against the kernel.
+weights. scripts/bench/moe_experts.py times every form here against the kernels.
 """
 
 from __future__ import annotations
@@ -79,6 +92,8 @@ DTYPES = ("bfloat16", "float16", "float32")
 MIN_BLOCK = 16  # Triton's tl.dot needs every block dimension >= 16
 RANK_BY_COUNT_MAX_PAIRS = 16384  # up to here a pair's sorted row is a comparison count (P^2 compares)
 TARGET_PROGRAMS = 256  # ~two programs per SM of the H200's 132, all resident at once: loads in flight
+DECODE_MAX_PAIRS = 64  # default: the decode path up to this many (token, choice) pairs (batch 8 at top-8)
+COMBINES = ("kernel", "xla")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +145,29 @@ class MoeConfig:
         return bad + self.up.problems("up") + self.down.problems("down")
 
 
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """The decode path's tiling (no grouping; module docstring). `up`: launch (1) over (column
+    block, K slice, pair); its split_k > 1 writes float32 partials that launch (2) adds, rounds and
+    activates as it loads them. `down`: launch (2). combine "kernel": one program per (column
+    block, token) runs the token's k choices and writes y (down.split_k must be 1); "xla": one
+    program per (column block, K slice, pair) writes the pair's rounded output (or float32
+    partials), which XLA adds up, weights and sums over k (one more fusion). Each GemmConfig's
+    layout names the MMA form of the padded row ("cols": weight columns on the MMA's M side)."""
+
+    up: GemmConfig = GemmConfig(block_n=64, block_k=64, split_k=4)
+    down: GemmConfig = GemmConfig(block_n=64, block_k=64)
+    combine: str = "kernel"
+
+    def problems(self) -> list[str]:
+        bad = self.up.problems("up") + self.down.problems("down")
+        if self.combine not in COMBINES:
+            bad.append(f"combine = {self.combine!r} (one of {COMBINES})")
+        elif self.combine == "kernel" and self.down.split_k != 1:
+            bad.append(f"down.split_k = {self.down.split_k} with combine 'kernel' (its program sums whole rows: 1)")
+        return bad
+
+
 def _fit_block(block: int, dim: int) -> int:
     """The largest power of two <= block dividing dim."""
     return min(block, dim & -dim)
@@ -161,6 +199,34 @@ def default_config(tokens: int, top_k: int, num_experts: int, hidden: int, inter
     up = dataclasses.replace(up, split_k=_filling_split(tiles * (inter // up.block_n), hidden, up.block_k))
     down = dataclasses.replace(down, split_k=_filling_split(tiles * (hidden // down.block_n), inter, down.block_k))
     return MoeConfig(block_m=block_m, up=up, down=down)
+
+
+def default_decode_config(tokens: int, top_k: int, num_experts: int, hidden: int, inter: int) -> DecodeConfig:
+    """The decode path's tiling for T tokens (a first guess until the H200 sweep of
+    scripts.bench.moe_experts sets it). Column blocks of 64 (128-byte rows of [E, in, out]
+    weights); launch (1) split in K until it has ~TARGET_PROGRAMS programs (T = 1, top-8, I = 512:
+    8 pairs x 8 blocks x split 4). Launch (2) combines in the kernel once T x H / 64 programs reach
+    half of that (T >= 4 at H = 2048), else one program per pair and XLA's combine."""
+    del num_experts
+    if hidden % MIN_BLOCK or inter % MIN_BLOCK:
+        return DecodeConfig()  # the kernel refuses the shape (kernel_problems)
+    pairs = tokens * top_k
+    up = GemmConfig(block_n=64, block_k=64).fit(inter, hidden)
+    up = dataclasses.replace(up, split_k=_filling_split(pairs * (inter // up.block_n), hidden, up.block_k))
+    down = GemmConfig(block_n=64, block_k=64).fit(hidden, inter)
+    if tokens * (hidden // down.block_n) >= TARGET_PROGRAMS // 2:
+        return DecodeConfig(up=up, down=down, combine="kernel")
+    down = dataclasses.replace(down, split_k=_filling_split(pairs * (hidden // down.block_n), inter, down.block_k))
+    return DecodeConfig(up=up, down=down, combine="xla")
+
+
+def kernel_config(tokens: int, top_k: int, num_experts: int, hidden: int, inter: int,
+                  decode_max_pairs: int = DECODE_MAX_PAIRS) -> MoeConfig | DecodeConfig:
+    """The kernel route's default: the decode path while T k <= decode_max_pairs, else the grouped
+    kernel."""
+    if tokens * top_k <= decode_max_pairs:
+        return default_decode_config(tokens, top_k, num_experts, hidden, inter)
+    return default_config(tokens, top_k, num_experts, hidden, inter)
 
 
 def max_tiles(pairs: int, num_experts: int, block_m: int) -> int:
@@ -239,8 +305,8 @@ def check_operands(x, expert_ids, weights, w_in, w_out, act: str, w_layout: str 
     return bad
 
 
-def kernel_problems(hidden: int, inter: int, num_experts: int, top_k: int, dtype, config: MoeConfig | None = None
-                    ) -> list[str]:
+def kernel_problems(hidden: int, inter: int, num_experts: int, top_k: int, dtype,
+                    config: MoeConfig | DecodeConfig | None = None) -> list[str]:
     """Why the kernel cannot take this layer (empty: it can); callers route such a layer to
     impl="xla" and say so."""
     bad = []
@@ -531,13 +597,219 @@ def _pallas(x, expert_ids, weights, w_in, w_out, *, act: str, w_layout: str, con
     return _combine_sorted(out, groups, weights, x.dtype)
 
 
-def expert_mlp(x, expert_ids, weights, w_in, w_out, *, act: str, impl: str = "xla", config: MoeConfig | None = None,
-               w_layout: str = "in_out"):
+# ----------------------------------------------------------------------------------------------
+# the decode path: one row per (token, choice) pair, no grouping
+
+
+def _padded_row(row):
+    """A [1, K] row -> [MIN_BLOCK, K]: the row, then zero rows (tl.dot's smallest side). The
+    product's other rows are then exact zeros, so a sum over them gives the row's product."""
+    rows = jnp.broadcast_to(row, (MIN_BLOCK, row.shape[1]))
+    first = lax.broadcasted_iota(jnp.int32, rows.shape, 0) == 0
+    return jnp.where(first, rows, jnp.zeros_like(rows))
+
+
+def _row_product(w, rows, w_t: bool, layout: str, precision):
+    """w's tile ([bk, bn], or [bn, bk] for weights stored [E, out, in]) against the padded rows
+    [MIN_BLOCK, bk], float32: [bn, MIN_BLOCK] ("cols": the weight columns on the MMA's M side) or
+    [MIN_BLOCK, bn] ("rows")."""
+    wk = 1 if w_t else 0  # the tile's contraction axis
+    if layout == "rows":
+        return lax.dot_general(rows, w, (((1,), (wk,)), ((), ())), precision=precision,
+                               preferred_element_type=jnp.float32)
+    return lax.dot_general(w, rows, (((wk,), (1,)), ((), ())), precision=precision,
+                           preferred_element_type=jnp.float32)
+
+
+def _the_row(acc, layout: str):
+    """The padded product's one real row as a [bn] vector (the other rows are zeros)."""
+    return jnp.sum(acc, axis=1 if layout == "cols" else 0)
+
+
+def _weight_tile(w_ref, e, k0, col, bk: int, bn: int, w_t: bool):
+    if w_t:  # stored [E, N, K]
+        return load(w_ref, (e, pl.ds(col, bn), pl.ds(k0, bk)))
+    return load(w_ref, (e, pl.ds(k0, bk), pl.ds(col, bn)))
+
+
+def _decode_up_kernel(ids_ref, x_ref, w_ref, o_ref, *, top_k, num_experts, cfg: GemmConfig, k_per_split,
+                      col_offsets, w_t, precision, act):
+    """Program (column block, K slice, pair): the pair's token row of x times its expert's w_in
+    columns (gate and up, or up). Without a K split: act(round(.)) into o_ref [P, I]; with one:
+    the float32 sums into o_ref [S, P, N1]. A pair with an id outside [0, E) writes nothing."""
+    bn, bk = cfg.block_n, cfg.block_k
+    col_block, split, pair = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    tok, choice = pair // top_k, pair % top_k
+    e = ids_ref[tok, choice]
+
+    @pl.when((e >= 0) & (e < num_experts))
+    def _():
+        col0 = col_block * bn
+        k_base = split * k_per_split
+
+        def step(i, accs):
+            k0 = k_base + i * bk
+            rows = _padded_row(load(x_ref, (pl.ds(tok, 1), pl.ds(k0, bk))))
+            return tuple(acc + _row_product(_weight_tile(w_ref, e, k0, off + col0, bk, bn, w_t), rows, w_t,
+                                            cfg.layout, precision)
+                         for off, acc in zip(col_offsets, accs))
+
+        shape = (bn, MIN_BLOCK) if cfg.layout == "cols" else (MIN_BLOCK, bn)
+        accs = lax.fori_loop(0, k_per_split // bk, step, tuple(jnp.zeros(shape, jnp.float32) for _ in col_offsets))
+        sums = [_the_row(a, cfg.layout) for a in accs]
+        if cfg.split_k > 1:
+            for off, v in zip(col_offsets, sums):
+                store(o_ref, (split, pair, pl.ds(off + col0, bn)), v)
+            return
+        store(o_ref, (pair, pl.ds(col0, bn)), _act_rounded(sums, act, o_ref.dtype))
+
+
+def _act_rounded(sums, act: str, dtype):
+    """act of the float32 sums [gate, up] (or [up]), each rounded to dtype first (module docstring)."""
+    f32 = jnp.float32
+    if act == "silu_glu":
+        g = sums[0].astype(dtype).astype(f32)
+        u = sums[1].astype(dtype).astype(f32)
+        s = (g * jax.nn.sigmoid(g)).astype(dtype).astype(f32)
+        return (s * u).astype(dtype)
+    r = jnp.maximum(sums[0].astype(dtype).astype(f32), 0.0)
+    return (r * r).astype(dtype)
+
+
+def _decode_down_kernel(ids_ref, wts_ref, h_ref, w_ref, o_ref, *, top_k, kp, num_experts, cfg: GemmConfig,
+                        k_per_split, per_token, h_split, inter, w_t, precision, act):
+    """Launch (2). per_token: program (column block, 0, token) runs the token's k choices in one
+    loop of k x (I / bk) steps (the expert changes every I / bk steps, so the weight loads stay
+    pipelined across experts) and writes round(sum_j w_j round(o_j)) into o_ref [T, H]. Else
+    program (column block, K slice, pair) writes the pair's round(o) into o_ref [P, H] (float32
+    partials [S, P, H] with a K split). h_ref: the activation [P, I] (dtype), or launch (1)'s
+    float32 partials [h_split, P, N1], added, rounded and activated here as they are loaded."""
+    f32, i32 = jnp.float32, jnp.int32
+    bn, bk = cfg.block_n, cfg.block_k
+    col_block, split, row = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    col0 = col_block * bn
+    k_base = split * k_per_split
+    nk = k_per_split // bk
+
+    def activation(pair, k0):
+        if h_split == 0:
+            return load(h_ref, (pl.ds(pair, 1), pl.ds(k0, bk)))
+        parts = [jnp.sum(load(h_ref, (pl.ds(0, h_split), pair, pl.ds(off + k0, bk))), axis=0)
+                 for off in ((0, inter) if act == "silu_glu" else (0,))]
+        return _act_rounded(parts, act, w_ref.dtype)[None, :]
+
+    shape = (bn, MIN_BLOCK) if cfg.layout == "cols" else (MIN_BLOCK, bn)
+    if per_token:
+        jj = lax.broadcasted_iota(i32, (kp,), 0)
+        at = (jnp.zeros((kp,), i32) + row, jnp.minimum(jj, top_k - 1))  # the token's k choices (padded to kp)
+        ids = load(ids_ref, at)
+        valid = (jj < top_k) & (ids >= 0) & (ids < num_experts)
+        wts = jnp.where(valid, load(wts_ref, at).astype(f32), 0.0)
+
+        def step(i, carry):
+            acc, y = carry
+            j = i // nk
+            k0 = k_base + (i - j * nk) * bk
+            pick = jj == j
+            e = jnp.clip(jnp.sum(jnp.where(pick, ids, 0)), 0, num_experts - 1)
+            rows = _padded_row(activation(row * top_k + j, k0))
+            acc = acc + _row_product(_weight_tile(w_ref, e, k0, col0, bk, bn, w_t), rows, w_t, cfg.layout, precision)
+            last = i - j * nk == nk - 1
+            add = last & (jnp.sum(jnp.where(pick, valid.astype(i32), 0)) > 0)
+            o = acc.astype(o_ref.dtype).astype(f32)
+            y = jnp.where(add, y + jnp.sum(jnp.where(pick, wts, 0.0)) * o, y)
+            return jnp.where(last, jnp.zeros_like(acc), acc), y
+
+        zeros = jnp.zeros(shape, f32)
+        _, y = lax.fori_loop(0, top_k * nk, step, (zeros, zeros))
+        store(o_ref, (row, pl.ds(col0, bn)), _the_row(y, cfg.layout).astype(o_ref.dtype))
+        return
+
+    tok, choice = row // top_k, row % top_k
+    e = ids_ref[tok, choice]
+
+    @pl.when((e >= 0) & (e < num_experts))
+    def _():
+        def step(i, acc):
+            k0 = k_base + i * bk
+            rows = _padded_row(activation(row, k0))
+            return acc + _row_product(_weight_tile(w_ref, e, k0, col0, bk, bn, w_t), rows, w_t, cfg.layout,
+                                      precision)
+
+        v = _the_row(lax.fori_loop(0, nk, step, jnp.zeros(shape, f32)), cfg.layout)
+        if cfg.split_k > 1:
+            store(o_ref, (split, row, pl.ds(col0, bn)), v)
+        else:
+            store(o_ref, (row, pl.ds(col0, bn)), v.astype(o_ref.dtype))
+
+
+def _call(kernel, grid, operands, out_shape, cfg: GemmConfig, interpret: bool, name: str):
+    full = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * len(a.shape))
+    return pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=[full(a) for a in operands],
+        out_specs=full(out_shape),
+        out_shape=out_shape,
+        compiler_params=None if interpret else compiler_params(cfg.num_warps, cfg.num_stages),
+        interpret=interpret,
+        name=name,
+    )(*operands)
+
+
+def _decode(x, expert_ids, weights, w_in, w_out, *, act: str, w_layout: str, config: DecodeConfig, interpret: bool):
+    """The decode path (module docstring): two launches, plus XLA's combine with combine "xla"."""
+    t, k = expert_ids.shape
+    e, h, _, inter, _ = _dims(w_in, w_out, w_layout)
+    bad = kernel_problems(h, inter, e, k, x.dtype, config)
+    if bad:
+        raise ValueError("expert_mlp kernel: " + "; ".join(bad) + " (use impl='xla')")
+    up, down = config.up.fit(inter, h), config.down.fit(h, inter)
+    per_token = config.combine == "kernel"
+    if per_token:
+        down = dataclasses.replace(down, split_k=1)
+    ids = expert_ids.astype(jnp.int32)
+    wts = weights.astype(jnp.float32)
+    w_t = w_layout == "out_in"
+    p = t * k
+    offsets = (0, inter) if act == "silu_glu" else (0,)
+    precision = dot_precision(x.dtype)
+    f32 = jnp.float32
+    if up.split_k > 1:
+        hid_shape = jax.ShapeDtypeStruct((up.split_k, p, len(offsets) * inter), f32)
+    else:
+        hid_shape = jax.ShapeDtypeStruct((p, inter), x.dtype)
+    up_kernel = functools.partial(_decode_up_kernel, top_k=k, num_experts=e, cfg=up, k_per_split=h // up.split_k,
+                                  col_offsets=offsets, w_t=w_t, precision=precision, act=act)
+    hid = _call(up_kernel, (inter // up.block_n, up.split_k, p), (ids, x, w_in), hid_shape, up, interpret,
+                "moe_decode_up")
+    down_kernel = functools.partial(_decode_down_kernel, top_k=k, kp=next_pow2(k), num_experts=e, cfg=down,
+                                    k_per_split=inter // down.split_k, per_token=per_token,
+                                    h_split=up.split_k if up.split_k > 1 else 0, inter=inter, w_t=w_t,
+                                    precision=precision, act=act)
+    if per_token:
+        return _call(down_kernel, (h // down.block_n, 1, t), (ids, wts, hid, w_out),
+                     jax.ShapeDtypeStruct((t, h), x.dtype), down, interpret, "moe_decode_down")
+    if down.split_k > 1:
+        out_shape = jax.ShapeDtypeStruct((down.split_k, p, h), f32)
+    else:
+        out_shape = jax.ShapeDtypeStruct((p, h), x.dtype)
+    out = _call(down_kernel, (h // down.block_n, down.split_k, p), (ids, wts, hid, w_out), out_shape, down,
+                interpret, "moe_decode_down")
+    if down.split_k > 1:
+        out = _round(jnp.sum(out, axis=0), x.dtype)
+    return combine_choices(out.reshape(t, k, h), wts, _valid(ids, e), x.dtype)
+
+
+def expert_mlp(x, expert_ids, weights, w_in, w_out, *, act: str, impl: str = "xla",
+               config: MoeConfig | DecodeConfig | None = None, w_layout: str = "in_out",
+               decode_max_pairs: int = DECODE_MAX_PAIRS):
     """y [T, H] = sum_j weights[t, j] * down_e(act(x[t] @ w_in[e])), e = expert_ids[t, j], rounded
     as the module docstring says. impl "xla": `xla_form`'s choice of reference / grouped_xla;
-    "pallas" / "pallas_interpret": the grouped kernel (config: its tiling, default
-    `default_config`; a layer it cannot take, `kernel_problems`, raises). Pure and jit-compatible
-    (config, act, impl and w_layout static)."""
+    "pallas" / "pallas_interpret": the decode path (config a DecodeConfig) or the grouped kernel
+    (a MoeConfig); default `kernel_config`: the decode path while T k <= decode_max_pairs. A layer
+    the kernels cannot take (`kernel_problems`) raises. Pure and jit-compatible (config, act, impl,
+    w_layout and decode_max_pairs static)."""
     check_impl(impl)
     bad = check_operands(x, expert_ids, weights, w_in, w_out, act, w_layout)
     if bad:
@@ -546,5 +818,9 @@ def expert_mlp(x, expert_ids, weights, w_in, w_out, *, act: str, impl: str = "xl
         t, k = expert_ids.shape
         form = reference if xla_form(t, k, w_in.shape[0]) == "reference" else grouped_xla
         return form(x, expert_ids, weights, w_in, w_out, act=act, w_layout=w_layout)
-    return _pallas(x, expert_ids, weights, w_in, w_out, act=act, w_layout=w_layout, config=config,
-                   interpret=impl == "pallas_interpret")
+    t, k = expert_ids.shape
+    e, h, _, inter, _ = _dims(w_in, w_out, w_layout)
+    config = config or kernel_config(t, k, e, h, inter, decode_max_pairs)
+    run = _decode if isinstance(config, DecodeConfig) else _pallas
+    return run(x, expert_ids, weights, w_in, w_out, act=act, w_layout=w_layout, config=config,
+               interpret=impl == "pallas_interpret")

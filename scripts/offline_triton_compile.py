@@ -16,6 +16,8 @@ compiled by pip's triton (ptxas included) for GPUTarget("cuda", 90, 32); `cuobjd
     python -m scripts.offline_triton_compile attention --nodes 65 # 4k cache
     python -m scripts.offline_triton_compile gdn_commit --nodes 65
     python -m scripts.offline_triton_compile add_rms_norm --nodes 65
+    python -m scripts.offline_triton_compile moe_decode --nodes 1   # tokens (8 pairs at top-8)
+    python -m scripts.offline_triton_compile moe_grouped --nodes 65
 
 Kernels: "ssd" (pallas_kernels/ssd_tree.py verify, NemotronH-8B-like layer: 128 heads x 64,
 8 groups, state 128), "gdn" (pallas_kernels/gdn_tree.py, Qwen3.6-27B layer: 16 k / 48 v heads
@@ -27,9 +29,13 @@ of 128) "select" (pallas_kernels/tree_select.py, 15 draft depths, --nodes = the 
 (pallas_kernels/gdn_commit.py at the 27B GDN layer, --nodes tree nodes, with and without the conv
 window slide), "add_rms_norm" (pallas_kernels/add_rms_norm.py on --nodes rows of the 27B stream,
 5120 wide, bf16, zero_centered: delta plain at its default warps, then float32 split-K partial
-sums S = 4 / 8 at a few PARTS_CHUNK / warp settings and the defaults). Each sweeps a few block /
-warp settings and prints one row per setting. Registers and spills depend on the Triton version:
-figures recorded with one (the offline-compile tests' limits) hold for that version only.
+sums S = 4 / 8 at a few PARTS_CHUNK / warp settings and the defaults), "moe_decode" (the expert
+kernel's decode path at the Qwen3.6-35B-A3B expert layer, --nodes = the tokens: its default and
+the variants scripts.bench.moe_experts times, both launches each), "moe_grouped" (the grouped
+expert kernel's default tiling at --nodes tokens, both launches). Each sweeps a few block /
+warp settings and prints one row per setting (per launch where a case has several). Registers
+and spills depend on the Triton version: figures recorded with one (the offline-compile tests'
+limits) hold for that version only.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ from pallas_kernels._common import is_pow2, pow2_at_least
 from pallas_kernels.gdn_commit import gdn_path_commit
 from pallas_kernels.gdn_decode import gdn_decode, gdn_decode_packed
 from pallas_kernels.gdn_tree import default_blocks, gdn_tree_verify
+from pallas_kernels import moe_experts as moe
 from pallas_kernels.gdn_tree_prologue import gdn_tree_prologue
 from pallas_kernels.row_top_k import row_top_k
 from pallas_kernels.ssd_tree import ssd_tree_verify
@@ -262,9 +269,57 @@ def add_rms_norm_cases(rows: int):
             yield dict(parts=parts, chunk=chunk, num_warps=warps), warps, traced(chunk, warps), (x, partials, w)
 
 
+MOE_35B_A3B = dict(hidden=2048, experts=256, top_k=8, inter=512)  # one Qwen3.6-35B-A3B expert layer
+
+
+def _moe_shapes(tokens: int, w_layout: str):
+    h, e, k, i = (MOE_35B_A3B[f] for f in ("hidden", "experts", "top_k", "inter"))
+    bf = jnp.bfloat16
+    w_in, w_out = ((e, h, 2 * i), (e, i, h)) if w_layout == "in_out" else ((e, 2 * i, h), (e, h, i))
+    return (jax.ShapeDtypeStruct((tokens, h), bf), jax.ShapeDtypeStruct((tokens, k), jnp.int32),
+            jax.ShapeDtypeStruct((tokens, k), jnp.float32), jax.ShapeDtypeStruct(w_in, bf),
+            jax.ShapeDtypeStruct(w_out, bf))
+
+
+def _launch_settings(cfg) -> dict:
+    """{kernel name prefix: (warps, stages)} of an expert-kernel config's two launches."""
+    up, down = ("moe_decode_up", "moe_decode_down") if isinstance(cfg, moe.DecodeConfig) else (
+        "moe_experts_up", "moe_experts_down")
+    return {up: (cfg.up.num_warps, cfg.up.num_stages), down: (cfg.down.num_warps, cfg.down.num_stages)}
+
+
+def moe_decode_cases(tokens: int):
+    from scripts.bench.moe_experts import decode_sweep  # the tilings the GPU bench times
+
+    h, e, k, i = (MOE_35B_A3B[f] for f in ("hidden", "experts", "top_k", "inter"))
+    for name, (cfg, layout) in decode_sweep(moe.default_decode_config(tokens, k, e, h, i), "small").items():
+        fn = functools.partial(moe.expert_mlp, act="silu_glu", impl="pallas", config=cfg, w_layout=layout)
+        yield dict(variant=name, w_layout=layout), _launch_settings(cfg), fn, _moe_shapes(tokens, layout)
+
+
+def moe_grouped_cases(tokens: int):
+    h, e, k, i = (MOE_35B_A3B[f] for f in ("hidden", "experts", "top_k", "inter"))
+    cfg = moe.default_config(tokens, k, e, h, i)
+    fn = functools.partial(moe.expert_mlp, act="silu_glu", impl="pallas", config=cfg)
+    yield dict(variant="default", w_layout="in_out"), _launch_settings(cfg), fn, _moe_shapes(tokens, "in_out")
+
+
+def compile_case(kernels, warps, stages: int) -> list[dict]:
+    """Registers etc. of a case's kernels: the first one at `warps`, or, where warps is a dict
+    {kernel name prefix: (warps, stages)}, every kernel at its own settings (named)."""
+    if not isinstance(warps, dict):
+        return [compile_ttir(kernels[0][1], warps, stages)]
+    out = []
+    for name, ttir in kernels:
+        w, st = next(v for prefix, v in warps.items() if name.startswith(prefix))
+        out.append({"launch": name, "num_warps": w, "num_stages": st, **compile_ttir(ttir, w, st)})
+    return out
+
+
 CASES = {"ssd": ssd_cases, "gdn": gdn_cases, "select": select_cases, "topk": top_k_cases,
          "gdn_decode": gdn_decode_cases, "gdn_prologue": gdn_prologue_cases, "attention": attention_cases,
-         "gdn_commit": gdn_commit_cases, "add_rms_norm": add_rms_norm_cases}
+         "gdn_commit": gdn_commit_cases, "add_rms_norm": add_rms_norm_cases, "moe_decode": moe_decode_cases,
+         "moe_grouped": moe_grouped_cases}
 
 
 def main(argv=None) -> int:
@@ -290,11 +345,12 @@ def main(argv=None) -> int:
             if not kernels:
                 raise RuntimeError("no pallas_call found")
             warps = opts.get("num_warps") or warps
-            row.update(compile_ttir(kernels[0][1], warps, opts.get("num_stages") or args.num_stages))
+            found = [{**row, **res} for res in compile_case(kernels, warps, opts.get("num_stages") or args.num_stages)]
         except Exception as e:  # one failing setting never hides the others
-            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+            found = [{**row, "error": f"{type(e).__name__}: {str(e)[:300]}"}]
+        for r in found:
+            rows.append(r)
+            print(json.dumps(r), flush=True)
     if args.out:
         atomic.write_json(args.out, rows, indent=1)
     return 0

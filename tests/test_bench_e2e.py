@@ -34,6 +34,46 @@ def test_e2e_smoke_writes_every_figure(tmp_path):
     assert row["phase_inner"] == 2 and row["phases_sum_ms"] == sum(row["phases_ms"].values())
 
 
+@pytest.mark.script  # ~70 s on this machine's CPU
+def test_e2e_moe_smoke_reports_experts_roofline_and_the_budget_table(tmp_path, capsys):
+    """--shape 35b-a3b --smoke (the moe-smoke shape: 16 experts, top-4) at batch 2 and budgets 4 / 8:
+    every choice's loop step in step_ms_by_choice; the MoE figures: distinct experts per layer at
+    decode (the 2 roots: k..2k) and at every budget (no fewer than decode's, every node of the
+    smaller tree found in the larger one), the decode bytes with only the chosen experts, the
+    expert products' times and the correlated bracket (estimate and timed); then the MoE table and
+    the budget tables. Its programs compile three at once (scripts/bench/compile_pool.py)."""
+    from scripts.bench.e2e import main
+
+    out = tmp_path / "e2e.json"
+    assert main(["--smoke", "--shape", "35b-a3b", "--batches", "2", "--budget", "8", "--budgets", "4,8", "--repeats",
+                 "1", "--loop-steps", "2", "--no-phases", "--moe-correlated-steps", "--acceptance", "demo",
+                 "--compile-workers", "3", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["shape"] == "moe-smoke" and report["elapsed_s"] > 0
+    [row] = report["runs"]
+    assert set(row["step_ms_by_choice"]) == {"ar", "4", "8"} and row["compile_wait_s"] >= 0
+    moe = row["moe"]
+    k, e, layers = moe["top_k"], moe["experts"], moe["layers"]
+    assert (k, e, layers, moe["correlated_shared"]) == (4, 16, 4, 3)
+    decode = moe["decode"]["distinct_per_layer"]
+    assert len(decode) == layers and all(k <= d <= 2 * k for d in decode)
+    assert moe["unmatched_nodes"] == {"4": 0, "8": 0}
+    unchosen = (layers * e - sum(decode)) * moe["expert_bytes"]
+    assert row["decode_bytes"] == moe["decode_bytes"] and row["roofline_ms"] > 0 and unchosen > 0
+    for b in ("4", "8"):
+        fig = moe["budgets"][b]
+        assert fig["nodes"] == int(b) + 1 and fig["tokens"] == 2 * fig["nodes"]
+        assert all(d >= dd for d, dd in zip(fig["distinct_per_layer"], decode))
+        assert fig["ratio_to_decode"] >= 1 and fig["correlated_distinct_mean"] <= e
+        for key in ("step_ms", "experts_ms", "correlated_experts_ms", "correlated_step_ms_estimate",
+                    "correlated_step_ms", "experts_x_roofline"):
+            assert isinstance(fig[key], float) and math.isfinite(fig[key]), key
+    assert math.isfinite(moe["decode"]["experts_ms"])
+    printed = capsys.readouterr().out
+    assert "MoE decode step" in printed and "DDTree steps (random" in printed
+    assert "measured steps" in printed or "no budget table" in printed  # smoke steps may time at <= 0 ms
+
+
 def test_marginal_ms_separates_the_per_call_cost():
     """bench.marginal_ms (scripts.bench.profile's marginal figures; scripts.bench.e2e's step and the
     phase split take the paired form below): from a call costing 7 ms plus 2.5 ms an iteration it recovers both, where T(16) / 16 would

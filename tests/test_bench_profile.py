@@ -27,6 +27,20 @@ def test_profile_smoke_writes_hlo(tmp_path):
 
 
 @pytest.mark.script
+def test_profile_moe_shape(tmp_path):
+    """--shape 35b-a3b --smoke (the moe-smoke shape): the decode step and a verify profile, and the
+    GEMM sweep skips the dense MLP an MoE target lacks (intermediate size 0)."""
+    from scripts.bench.profile import main
+
+    out = tmp_path / "p.json"
+    assert main(["--smoke", "--shape", "35b-a3b", "--gemm-m", "1", "--phases", "step,verify", "--verify-budgets",
+                 "", "--budget", "8", "--iters", "1", "--inner", "1", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["shape"] == "moe-smoke" and set(report["phases"]) == {"step", "verify"}
+    assert {g["gemm"].split()[0] for g in report["gemm_sweep"]} == {"gdn_qkv", "lm_head"}
+
+
+@pytest.mark.script
 def test_profile_deep_tree(tmp_path):
     """--tree-shape deep: the verify / commit phases run on a DDTree-like tree of depth <= 15
     (bench.deep_tree) instead of the random drafter's depth-1 tree."""

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from pallas_kernels import moe_experts as moe
-from pallas_kernels.moe_experts import GemmConfig, MoeConfig
+from pallas_kernels.moe_experts import DecodeConfig, GemmConfig, MoeConfig
 
 CONFIGS = {
     "small": MoeConfig(block_m=16, up=GemmConfig(block_n=16, block_k=16), down=GemmConfig(block_n=16, block_k=16)),
@@ -25,6 +25,13 @@ CONFIGS = {
     "rows32": MoeConfig(block_m=32, up=GemmConfig(block_n=32, block_k=16, layout="rows"),
                         down=GemmConfig(block_n=16, block_k=32)),
     "default": None,
+    # the decode path: one row per (token, choice) pair, no grouping
+    "decode_kernel": DecodeConfig(up=GemmConfig(block_n=16, block_k=16), down=GemmConfig(block_n=16, block_k=16),
+                                  combine="kernel"),
+    "decode_split_xla": DecodeConfig(up=GemmConfig(block_n=16, block_k=16, split_k=2),
+                                     down=GemmConfig(block_n=16, block_k=16, split_k=2, layout="rows"), combine="xla"),
+    "decode_split_rows_kernel": DecodeConfig(up=GemmConfig(block_n=16, block_k=16, split_k=2, layout="rows"),
+                                             down=GemmConfig(block_n=32, block_k=16), combine="kernel"),
 }
 
 
@@ -79,6 +86,11 @@ CASES = {
     "verify65_one_expert_everywhere": (65, 2, 4, 32, 48, "relu2", "float32", "hot", "out_in", "rows32"),
     "verify65_k_equals_E": (65, 4, 4, 32, 16, "silu_glu", "float32", "random", "in_out", "split"),
     "batch130": (130, 4, 8, 32, 16, "silu_glu", "bfloat16", "random", "out_in", "default"),
+    # the decode path (its default route: few pairs)
+    "decode_path_one_token": (1, 4, 8, 32, 16, "silu_glu", "bfloat16", "random", "in_out", "decode_kernel"),
+    "decode_path_k3_relu2": (3, 3, 5, 32, 32, "relu2", "float32", "random", "out_in", "decode_split_xla"),
+    "decode_path_shared_expert": (4, 2, 4, 48, 32, "silu_glu", "bfloat16", "hot", "in_out", "decode_split_rows_kernel"),
+    "decode_path_default_route": (2, 2, 4, 32, 16, "silu_glu", "float32", "random", "out_in", "default"),
 }
 
 
@@ -112,22 +124,27 @@ def test_kernel_equals_dense_reference_on_random_routing(impl, seed, act, how):
     args = (x, ids, w, w_in, w_out)
     want = _run(*args, form="dense_reference", act=act)
     _assert_close(_run(*args, form="kernel", act=act, impl=impl, config=CONFIGS["small"]), want, "float32", "kernel")
+    _assert_close(_run(*args, form="kernel", act=act, impl=impl, config=CONFIGS["decode_kernel"]), want, "float32",
+                  "decode path")
     _assert_close(_run(*args, form="grouped_xla", act=act), want, "float32", "grouped_xla")
 
 
-def test_an_id_outside_the_experts_adds_nothing_under_jit(impl):
+@pytest.mark.parametrize("cfg_name", ["small", "decode_kernel", "decode_split_xla"])
+def test_an_id_outside_the_experts_adds_nothing_under_jit(impl, cfg_name):
     """Under jit ids are not checked; an id outside [0, E) (HF's 'not on this rank' id E) adds
-    nothing in every form, like a zero combine weight."""
+    nothing in every form, like a zero combine weight (the grouped kernel and both combines of the
+    decode path)."""
     h, inter = (256, 128) if impl == "pallas" else (32, 16)
     x, ids, w, w_in, w_out = _problem(3, 5, 2, 4, h, inter, "silu_glu", "float32", "random")
     ids = ids.at[1, 0].set(4).at[3, 1].set(-1)
     args = (x, ids, w, w_in, w_out)
     zeroed = w.at[1, 0].set(0.0).at[3, 1].set(0.0)
     want = _run(x, jnp.clip(ids, 0, 3), zeroed, w_in, w_out, form="dense_reference", act="silu_glu")
-    for form in ("dense_reference", "reference", "grouped_xla"):
-        _assert_close(_run(*args, form=form, act="silu_glu"), want, "float32", form)
-    got = _run(*args, form="kernel", act="silu_glu", impl=impl, config=CONFIGS["small"])
-    _assert_close(got, want, "float32", "kernel")
+    if cfg_name == "small":
+        for form in ("dense_reference", "reference", "grouped_xla"):
+            _assert_close(_run(*args, form=form, act="silu_glu"), want, "float32", form)
+    got = _run(*args, form="kernel", act="silu_glu", impl=impl, config=CONFIGS[cfg_name])
+    _assert_close(got, want, "float32", f"kernel ({cfg_name})")
 
 
 @pytest.mark.parametrize("block_m", [16, 32])
@@ -167,6 +184,23 @@ def test_default_config_fills_the_gpu_at_decode_and_groups_rows_in_verify():
     assert moe.max_tiles(8, 256, 16) == 9
 
 
+def test_kernel_route_takes_the_decode_path_for_few_pairs():
+    """kernel_config: the decode path up to decode_max_pairs pairs (batch 8 at top-8 by default),
+    the grouped kernel above. The decode default fills the H200 at one token: launch (1) split
+    until pairs x column blocks x split reach TARGET_PROGRAMS; launch (2) one program per pair
+    (XLA combines) where per-token programs would be too few, per token from batch 4 at H = 2048."""
+    shape = (256, 2048, 512)  # Qwen3.6-35B-A3B: E, H, I
+    one = moe.kernel_config(1, 8, *shape)
+    assert isinstance(one, DecodeConfig) and one.combine == "xla" and one.up.block_n == 64
+    assert 8 * (512 // one.up.block_n) * one.up.split_k >= moe.TARGET_PROGRAMS
+    assert 8 * (2048 // one.down.block_n) * one.down.split_k >= moe.TARGET_PROGRAMS
+    eight = moe.kernel_config(8, 8, *shape)
+    assert isinstance(eight, DecodeConfig) and eight.combine == "kernel" and eight.down.split_k == 1
+    assert isinstance(moe.kernel_config(9, 8, *shape), MoeConfig)
+    assert isinstance(moe.kernel_config(9, 8, *shape, decode_max_pairs=72), DecodeConfig)
+    assert isinstance(moe.kernel_config(1, 8, *shape, decode_max_pairs=0), MoeConfig)
+
+
 def test_kernel_problems_name_bad_shapes():
     assert moe.kernel_problems(2048, 512, 256, 8, jnp.bfloat16) == []
     bad = moe.kernel_problems(40, 24, 0, 8, jnp.int8, MoeConfig(block_m=24, up=GemmConfig(block_n=8, split_k=3)))
@@ -174,6 +208,10 @@ def test_kernel_problems_name_bad_shapes():
     for part in ("hidden size H = 40 is not a multiple of 16", "intermediate size I = 24", "dtype int8",
                  "E >= 1", "block_m = 24", "up.block_n = 8", "up.split_k = 3"):
         assert part in text, (part, text)
+    bad = moe.kernel_problems(64, 32, 4, 2, jnp.bfloat16, DecodeConfig(down=GemmConfig(split_k=2), combine="kernel"))
+    assert bad == ["down.split_k = 2 with combine 'kernel' (its program sums whole rows: 1)"]
+    bad = moe.kernel_problems(64, 32, 4, 2, jnp.bfloat16, DecodeConfig(up=GemmConfig(block_k=48), combine="sum"))
+    assert bad == ["up.block_k = 48 (a power of two >= 16)", "combine = 'sum' (one of ('kernel', 'xla'))"]
 
 
 def test_bad_inputs_raise_clear_errors():
@@ -203,7 +241,7 @@ def test_bad_inputs_raise_clear_errors():
 @pytest.mark.script  # ~35 s in interpret mode
 def test_bench_script_smoke(tmp_path):
     """scripts.bench.moe_experts --smoke: every form runs on tiny shapes, agrees with the dense form,
-    and each row names the kernel's best tiling and both weight layouts' times."""
+    and each row names the kernel's best tiling, both weight layouts' times and the decode path's."""
     import json
 
     from scripts.bench.moe_experts import main
@@ -213,7 +251,9 @@ def test_bench_script_smoke(tmp_path):
     report = json.loads(out.read_text())
     assert report["copy_TBps"] > 0 and len(report["rows"]) == 4
     for r in report["rows"]:
-        assert {"kernel_us", "kernel_default_us", "kernel_best_out_in_us", "reference_us", "grouped_xla_us",
-                "ragged_us", "dense_us", "prep_time"} <= set(r), sorted(r)
+        assert {"kernel_us", "kernel_default_us", "kernel_best_out_in_us", "kernel_decode_us", "kernel_route_us",
+                "reference_us", "grouped_xla_us", "ragged_us", "dense_us", "prep_time"} <= set(r), sorted(r)
+        assert r["route_config"] == "decode"  # the smoke's pairs (T k <= 18) take the decode path
+        assert {"decode", "decode_out_in", "decode_combine_kernel", "default"} <= set(r["tilings"])
         errs = {key: v for key, v in r.items() if key.endswith("_err")}
-        assert len(errs) == 7 and all(v < 2e-2 for v in errs.values()), errs
+        assert len(errs) == 10 and all(v < 2e-2 for v in errs.values()), errs

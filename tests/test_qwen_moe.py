@@ -79,7 +79,8 @@ def test_sparse_forms_equal_the_dense_reference(tokens, experts, top_k, act, bf1
 def test_expert_products_read_only_the_chosen_experts(tokens, gathered):
     """8 experts, top 3, XLA forms: one token (3 < 8 choices) gathers its experts' weights ([T, k, H,
     2I] slices); three or more group the choices by expert; no form computes every expert on every
-    token ([T, E, 2I] activations). With kernels on, the grouped expert kernel runs instead."""
+    token ([T, E, 2I] activations). With kernels on, the expert kernels run instead: their decode
+    path (no grouping) up to routes.moe_decode_max_pairs pairs, the grouped kernel above."""
     e, k, inter = 8, 3, 16
     args = (jnp.zeros((tokens, H)), jnp.zeros((tokens, k), jnp.int32), jnp.ones((tokens, k)),
             jnp.zeros((e, H, 2 * inter)), jnp.zeros((e, inter, H)))
@@ -87,7 +88,10 @@ def test_expert_products_read_only_the_chosen_experts(tokens, gathered):
     assert (f"[{tokens},{k},{H},{2 * inter}]" in jaxpr) == gathered
     assert f"[{tokens},{e},{2 * inter}]" not in jaxpr and "pallas_call" not in jaxpr
     jaxpr = str(jax.make_jaxpr(lambda *a: moe.experts(*a, act=SILU_GLU, routes=INTERPRET))(*args))
-    assert "pallas_call" in jaxpr
+    assert "pallas_call" in jaxpr and "moe_decode_up" in jaxpr and "moe_experts_up" not in jaxpr
+    grouped = INTERPRET.replace(moe_decode_max_pairs=tokens * k - 1)
+    jaxpr = str(jax.make_jaxpr(lambda *a: moe.experts(*a, act=SILU_GLU, routes=grouped))(*args))
+    assert "moe_experts_up" in jaxpr and "moe_decode_up" not in jaxpr
 
 
 def _block(raw_overrides=None, seed=0, dtype=jnp.float32):

@@ -53,10 +53,12 @@ SILU_GLU, RELU2 = moe_experts.ACTS
 # ---- expert products --------------------------------------------------------------------------
 def experts(x, expert_ids, weights, w_in, w_out, *, act: str, routes: Routes = REFERENCE) -> jax.Array:
     """The expert products y [T, H] (module docstring) through pallas_kernels/moe_experts.py: with
-    kernels on (routes.moe_experts_kernel) the grouped expert kernel, which reads each touched
-    expert's weights once per tile of its tokens; otherwise the kernel module's XLA form (each
-    (token, choice)'s weights gathered while T * k < E, else tokens grouped by expert). A layer the
-    kernel cannot take is announced by a warning when traced and runs the XLA form."""
+    kernels on (routes.moe_experts_kernel) the kernels: their decode path (one row per (token,
+    choice), no grouping) while T * k <= routes.moe_decode_max_pairs, else the grouped kernel,
+    which reads each touched expert's weights once per tile of its tokens; otherwise the kernel
+    module's XLA form (each (token, choice)'s weights gathered while T * k < E, else tokens grouped
+    by expert). A layer the kernels cannot take is announced by a warning when traced and runs the
+    XLA form."""
     impl = "xla"
     if routes.kernels and routes.moe_experts_kernel:
         problems = moe_experts.kernel_problems(w_in.shape[1], w_out.shape[1], w_in.shape[0], expert_ids.shape[-1],
@@ -66,7 +68,8 @@ def experts(x, expert_ids, weights, w_in, w_out, *, act: str, routes: Routes = R
                           stacklevel=3)
         else:
             impl = routes.impl
-    return moe_experts.expert_mlp(x, expert_ids, weights, w_in, w_out, act=act, impl=impl)
+    return moe_experts.expert_mlp(x, expert_ids, weights, w_in, w_out, act=act, impl=impl,
+                                  decode_max_pairs=routes.moe_decode_max_pairs)
 
 
 # ---- Qwen3.5-MoE / Qwen3-Next ---------------------------------------------------------------------

@@ -338,7 +338,7 @@ def apply_route_options(ap, args) -> dict:
 
 def model_configs(args):
     """(shape name, target config, drafter config, context) the options ask for."""
-    shape = SHAPES["smoke" if args.smoke else args.shape]
+    shape = SHAPES[SHAPES[args.shape].smoke if args.smoke else args.shape]
     cfg = shape.target()
     context = shape.context if args.smoke or args.context is None else args.context
     return shape.name, cfg, shape.drafter(cfg), context

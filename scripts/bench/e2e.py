@@ -12,14 +12,20 @@ with random K / V and recurrent state at a 4k context. Times, by the median of r
     per generation chunk, not per step), which is reported beside it, as is T(N) / N (the step
     with 1/N of the dispatch);
   - batch 1 and 8; peak device memory;
-  - with --budgets B1,B2,... (and dflash in --modes) the loop step of DFlash and of every budget
-    too: each run's `step_ms_by_choice` ({"ar", "dflash", "B"...: ms}) is a step-time table for
-    the adaptive budget's simulation (python -m scripts.adaptive_bench simulate; one file per
-    --context).
+  - with --budgets B1,B2,... (and dflash in --modes) the loop step of every budget (and of DFlash)
+    too: each run's `step_ms_by_choice` ({"ar", "dflash", "B"...: ms}) is the step-time table that
+    --acceptance (scripts/bench/budget_table.py) turns into tokens per second per choice and the
+    adaptive budget's simulation reads (python -m scripts.adaptive_bench simulate);
+  - on an MoE target (--shape 35b-a3b) the MoE figures of scripts/bench/moe_step.py: distinct
+    experts a layer reads in the decode step and at every budget (from a routing probe), the
+    decode roofline over the bytes it must read (dense weights + the chosen experts + K / V +
+    state), the expert products' time against their bytes, and the correlated-routing bracket.
 Writes JSON (--out) and prints a table last.
 
     python -m scripts.bench.e2e --out $OUT/e2e.json                 # on the H200 (27B shape)
     python -m scripts.bench.e2e --shape demo --out $OUT/e2e_demo.json
+    python -m scripts.bench.e2e --shape 35b-a3b --batches 1,8 --budgets 8,16,32,64 --no-phases \
+        --acceptance demo --out $OUT/e2e_35b.json                  # the MoE shape (~70 GB of weights)
     python -m scripts.bench.e2e --smoke                             # tiny shapes, any device
 """
 
@@ -41,6 +47,8 @@ from ddtree_jax.cache import KVCache, RecurrentCache, TargetCache
 from ddtree_jax.config import TargetConfig
 from ddtree_jax.speculative import generate as gen
 from ddtree_jax.speculative.sampling import Sampling
+from scripts.bench import budget_table, moe_step
+from scripts.bench.compile_pool import CompilePool
 from scripts.bench.common import (add_model_options, add_route_options, apply_route_options, jax_rates, model_configs,
                                   model_setup,
                                   start_report, write_report)
@@ -73,6 +81,39 @@ def loop_state(cache, dcache, batch: int, key) -> gen.LoopState:
                          jnp.zeros((17,), jnp.int32), jnp.int32(0), gen.uniform_rows(Sampling(), batch, 10**6, key))
 
 
+def add_moe_options(ap) -> None:
+    """The MoE figures' options (scripts/bench/moe_step.py) and the budget table's."""
+    ap.add_argument("--moe-expert-times", action=argparse.BooleanOptionalAction, default=True,
+                    help="MoE targets: time every layer's expert products alone at each step's routing (one "
+                         "compilation per token count)")
+    ap.add_argument("--moe-correlated-steps", action="store_true",
+                    help="MoE targets: also time each DDTree budget's whole step with the correlated stand-in "
+                         "router (one more compilation a budget; without it the bracket is an estimate)")
+    ap.add_argument("--compile-workers", type=int, default=1,
+                    help="compile a batch's programs this many at once, all finished before the first is timed "
+                         "(scripts/bench/compile_pool.py: the GPU call's time is mostly compilation; XLA's "
+                         "autotuning then measures side by side); 1: each compiled when first run")
+    ap.add_argument("--deadline-s", type=float, default=None,
+                    help="start no batch, timing or MoE figure after this many seconds (what finished is in the "
+                         "JSON; compiles already running finish before the process ends)")
+    ap.add_argument("--acceptance", default=None,
+                    help="print tokens/s per choice from the step times: 'demo' (the demo pair's measured "
+                         "acceptance) or a JSON file {choice: tokens a step} (scripts/bench/budget_table.py)")
+
+
+def moe_figures(args, cfg, pool, params, dparams, state, budgets, row, report) -> None:
+    """The MoE figures of one batch into row["moe"] (programs from `pool`, moe_step.submit_programs);
+    the roofline's bytes become the chosen experts'."""
+    fast = args.smoke
+    row["moe"] = moe_step.batch_figures(
+        cfg, pool, params, dparams, state, budgets, step_ms=row["step_ms_by_choice"],
+        dense_decode_bytes=row["decode_bytes"], read_GBps=report["bandwidth"]["best_GBps"],
+        times=args.moe_expert_times, loop_iters=1 if fast else 4, repeats=2 if fast else 5,
+        correlated_steps=args.moe_correlated_steps, loop_steps=2 if fast else args.loop_steps,
+        log=lambda line: print(line, flush=True))
+    row["decode_bytes"] = row["moe"]["decode_bytes"]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_options(ap)
@@ -89,12 +130,18 @@ def main(argv=None) -> int:
                     help="iterations of each phase per timed call (the phase split is the difference of "
                          "calls of N and 2N iterations; at 8 the 27B commit phase drowned in dispatch jitter)")
     add_route_options(ap)
+    add_moe_options(ap)
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "e2e.json"))
     args = ap.parse_args(argv)
+    t_start = time.time()
     try:
         extra_budgets = [int(b) for b in args.budgets.split(",") if b.strip()]
     except ValueError:
         ap.error(f"--budgets: expected comma-separated integers, got {args.budgets!r}")
+    try:
+        acceptance = budget_table.load_acceptance(args.acceptance) if args.acceptance else None
+    except (OSError, ValueError) as e:
+        ap.error(f"--acceptance {args.acceptance}: {e}")
     route_fields = apply_route_options(ap, args)  # the autotune cache before the backend starts
     report = start_report("scripts.bench.e2e", argv, **route_fields, runs=[])
 
@@ -126,52 +173,76 @@ def main(argv=None) -> int:
     def n_steps(params, dparams, s, n, spec):
         return gen._advance(nnx.merge(graphdef, params), dparams, s, eos, spec, n)
 
+    pool = CompilePool(args.compile_workers)
+
     for batch in [int(b) for b in args.batches.split(",")]:
+        if args.deadline_s and time.time() - t_start > args.deadline_s:
+            report.setdefault("batches_skipped_after_deadline", []).append(batch)
+            continue
         capacity = context + 64
         cache, dcache = filled_caches(cfg, dcfg, batch, context, capacity, seed=batch)
         row = {"batch": batch, "context": context, "lengths": np.asarray(cache.lengths).tolist()}
         max_new = 10**6
         state = loop_state(cache, dcache, batch, key)
         modes = [m for m in ("ar", "ddtree") if m in args.modes.split(",")]
-        # (name, mode, budget): ar and ddtree at --budget keep their names; dflash and --budgets add runs
-        runs = [(m, m, args.budget) for m in modes]
-        runs += [("dflash", "dflash", args.budget)] if "dflash" in args.modes.split(",") else []
-        runs += [(f"ddtree{b}", "ddtree", b) for b in extra_budgets if b != args.budget]
+        # (key, mode, budget): ar and ddtree at --budget keep their keys; DFlash and --budgets add runs
+        extra = [("dflash", "dflash", args.budget)] if "dflash" in args.modes.split(",") else []
+        extra += [(f"ddtree{b}", "ddtree", b) for b in extra_budgets if b != args.budget]
         row["step_ms_by_choice"] = {}
-        for mode_name, mode, budget in runs:
+        # One compiled on-device loop per choice; the step count is traced, so a single step and a
+        # run of n steps share the compilation. Every program of the batch goes to the pool first.
+        choices = {}
+        for key_, mode, budget in [(m, m, args.budget) for m in modes] + extra:
             spec = gen.GenSpec(mode, budget, None, max_new, Sampling(), capacity,
                                None if mode == "ar" else proposer, routes)
             s = state if mode != "ar" else state._replace(dstate=None, hist=jnp.zeros((2,), jnp.int32))
-            # One compiled on-device loop per mode; the step count is traced, so a single step and
-            # a run of n steps share the compilation.
+            choices[key_] = (mode, budget, spec, s)
+            pool.submit(key_, functools.partial(n_steps.lower, params, dparams, s, jnp.int32(1), spec))
+        moe = moe_step.is_moe(cfg) and "ddtree" in modes
+        tree_budgets = sorted({args.budget, *extra_budgets})
+        if moe:
+            spec = gen.GenSpec("ddtree", args.budget, None, max_new, Sampling(), capacity, proposer, routes)
+            moe_step.submit_programs(pool, cfg, graphdef, params, dparams, state, spec, tree_budgets,
+                                     args.moe_expert_times, args.moe_correlated_steps)
+        row["compile_wait_s"] = pool.wait()  # no timed step shares the GPU with a compile
+        for key_, (mode, budget, spec, s) in choices.items():
+            if args.deadline_s and time.time() - t_start > args.deadline_s:
+                row.setdefault("skipped_after_deadline", []).append(key_)
+                continue
             t_c = time.time()
-            ms = B.median_ms(lambda: n_steps(params, dparams, s, jnp.int32(1), spec), args.repeats)
-            row[f"{mode_name}_step_ms"] = ms
-            row[f"{mode_name}_compile_and_warm_s"] = time.time() - t_c
+            run, row[f"{key_}_compile"] = pool.get(key_)
+            ms = B.median_ms(lambda: run(params, dparams, s, jnp.int32(1)), args.repeats)
+            row[f"{key_}_step_ms"] = ms
+            row[f"{key_}_compile_and_warm_s"] = time.time() - t_c  # the wait for its compile, then the warm-up
             n = args.loop_steps
-            per, fixed, pairs = B.paired_marginal_ms(lambda k: lambda: n_steps(params, dparams, s, jnp.int32(k), spec),
+            per, fixed, pairs = B.paired_marginal_ms(lambda k: lambda: run(params, dparams, s, jnp.int32(k)),
                                                      n, max(5, args.repeats))
-            row[f"{mode_name}_loop_step_ms"] = per  # marginal: what one more step costs (median of paired runs)
-            row[f"{mode_name}_loop_step_pairs_ms"] = pairs
-            row[f"{mode_name}_dispatch_ms"] = fixed
-            row[f"{mode_name}_loop_incl_dispatch_ms"] = per + fixed / n  # T(n) / n: the step with 1/n of the dispatch
-            print(f"[bench] batch {batch} {mode_name}: {ms:.2f} ms/step (single call), {per:.2f} ms/step in the on-device "
-                  f"loop ({n} -> {2 * n} steps), {row[f'{mode_name}_loop_incl_dispatch_ms']:.2f} ms/step over {n} steps "
+            row[f"{key_}_loop_step_ms"] = per  # marginal: what one more step costs (median of paired runs)
+            row[f"{key_}_loop_step_pairs_ms"] = pairs
+            row[f"{key_}_dispatch_ms"] = fixed
+            row[f"{key_}_loop_incl_dispatch_ms"] = per + fixed / n  # T(n) / n: the step with 1/n of the dispatch
+            print(f"[bench] batch {batch} {key_}: {ms:.2f} ms/step (single call), {per:.2f} ms/step in the on-device "
+                  f"loop ({n} -> {2 * n} steps), {row[f'{key_}_loop_incl_dispatch_ms']:.2f} ms/step over {n} steps "
                   f"with the call's dispatch ({fixed:.2f} ms a call)", flush=True)
             row["step_ms_by_choice"][mode if mode != "ddtree" else str(budget)] = per
             save()
         row["decode_bytes"] = decode_bytes(cfg, params, cache)
+        late = args.deadline_s and time.time() - t_start > args.deadline_s
+        if moe and not late:
+            moe_figures(args, cfg, pool, params, dparams, state, tree_budgets, row, report)
+            save()
+        pool.drop()  # programs a deadline left unasked
         row["roofline_ms"] = row["decode_bytes"] / (report["bandwidth"]["best_GBps"] * 1e6)
         # Per-step figures from inside the on-device loop (what generation runs); single-call
         # figures add the host dispatch of a ~1000-leaf params pytree and are reported beside them.
-        if "ar" in modes:
+        if "ar_loop_step_ms" in row:
             row["decode_fraction_of_roofline"] = row["roofline_ms"] / row["ar_loop_step_ms"]
             row["decode_fraction_of_roofline_incl_dispatch"] = row["roofline_ms"] / row["ar_loop_incl_dispatch_ms"]
         row["ddtree_over_decode"] = (row["ddtree_loop_step_ms"] / row["ar_loop_step_ms"]
-                                     if {"ar", "ddtree"} <= set(modes) else None)
+                                     if {"ar_loop_step_ms", "ddtree_loop_step_ms"} <= set(row) else None)
         row["phases_ms"] = None
         # Phase split of the DDTree step (batch 1 only, unless --no-phases: four more compilations).
-        if (batch == 1 or args.smoke) and "ddtree" in modes and not args.no_phases:
+        if (batch == 1 or args.smoke) and "ddtree" in modes and not args.no_phases and not late:
             spec = gen.GenSpec("ddtree", args.budget, None, max_new, Sampling(), capacity, proposer, routes)
             inner = 2 if args.smoke else args.phase_inner
             row["phases_ms"] = B.phase_times_at(graphdef, params, dparams, state, spec, key, repeats=args.repeats,
@@ -185,6 +256,9 @@ def main(argv=None) -> int:
         save()
         del cache, dcache, state
 
+    pool.close()
+    report["elapsed_s"] = time.time() - t_start
+    save()
     nan = float("nan")
     n = args.loop_steps
     print(f"\n(decode / ddtree: marginal in-loop step; /{n}: T({n}) / {n} with the call's dispatch)")
@@ -200,6 +274,13 @@ def main(argv=None) -> int:
               f"{r.get('ddtree_step_ms', nan):10.2f}  {p['draft']:5.2f}  {p['build']:5.2f}  {p['verify']:6.2f}  "
               f"{p['commit']:6.2f}  {r['peak_memory_GB'] or nan:6.1f}")
     print(f"HBM read rate {report['bandwidth']['best_GBps']:.0f} GB/s; wrote {args.out}")
+    if any("moe" in r for r in report["runs"]):
+        moe_step.print_table(report["runs"])
+    if acceptance is not None:
+        try:
+            budget_table.print_tables(report, *acceptance)
+        except ValueError as e:  # a step time that came out <= 0 (timer noise on tiny smoke steps)
+            print(f"no budget table: {e}")
     return 0
 
 

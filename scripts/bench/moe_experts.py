@@ -4,10 +4,13 @@ bf16, random weights, never zeros), decode to batch-of-trees token counts.
 
 For each token count T and routing ("random": uniform top-k; "correlated": each token shares 6
 of its 8 experts with the previous token's, as trained routers do along a sequence), one row:
-distinct experts touched, their weight bytes, and the time of every form: the kernel at its
-default tiling and a small sweep around it, on weights stored [E, in, out] and [E, out, in] (HF's)
-(`kernel` is the best of them, `kernel_default` the default tiling on [E, in, out]; the JSON has
-every tiling's time and each layout's best), XLA's gathered `reference`,
+distinct experts touched, their weight bytes, and the time of every form: the grouped kernel at
+its default tiling and a small sweep around it, and on rows of up to --decode-max-pairs pairs the
+decode path (no grouping: one row per (token, choice) pair) at its default tiling and a sweep
+(decode_sweep), on weights stored [E, in, out] and [E, out, in] (HF's) (`kernel` is the best of
+them, `kernel_default` the grouped default, `kernel_decode` the decode path's default,
+`kernel_route` what the library's route takes at this T (`route_config`: moe_experts.kernel_config),
+all on [E, in, out]; the JSON has every tiling's time and each layout's best), XLA's gathered `reference`,
 `grouped_xla`, a `ragged` form (lax.ragged_dot over the pairs sorted by expert) and `dense` (every
 expert on every token), plus `prep`, the grouping alone (the XLA part of the kernel route). The
 forms that XLA compiles or runs too slowly at many pairs are gated by --max-*-pairs. Times: each
@@ -20,6 +23,8 @@ read and written). Every form is checked against the dense form (or, where that 
 first form that ran). Prints a table last and writes JSON (rewritten after every row).
 
     python -m scripts.bench.moe_experts --out $OUT/moe_experts.json      # on the H200
+    python -m scripts.bench.moe_experts --tokens 1,8,16 --sweep decode --max-gather-pairs 8 \
+        --max-ragged-pairs 0 --max-grouped-pairs 0 --out $OUT/moe_decode.json   # the decode rows (~1.5 min)
     python -m scripts.bench.moe_experts --smoke                          # CPU, seconds
 """
 
@@ -93,7 +98,10 @@ def sweep_configs(base, which: str):
     both = lambda cfg=base, **kw: dataclasses.replace(cfg, up=dataclasses.replace(cfg.up, **kw),
                                                       down=dataclasses.replace(cfg.down, **kw))
     flip = "rows" if base.up.layout == "cols" else "cols"
-    out = {"default": (base, "in_out"), "default_out_in": (base, "out_in")}
+    out = {"default": (base, "in_out")}
+    if which == "decode":  # the decode rows' call: the grouped default only, beside decode_sweep's
+        return out
+    out["default_out_in"] = (base, "out_in")
     if which == "none":
         return out
     out["flip_layout"] = (both(layout=flip), "in_out")
@@ -115,6 +123,37 @@ def sweep_configs(base, which: str):
         out["up_split_x2"] = (dataclasses.replace(base, up=dataclasses.replace(base.up, split_k=2 * base.up.split_k)),
                               "in_out")
         out["k128_out_in"] = (both(block_k=128), "out_in")
+    return out
+
+
+def decode_sweep(base, which: str):
+    """{name: (DecodeConfig, w_layout)} of the decode path's variants timed (which as sweep_configs;
+    "decode" = "small"): the default on both weight layouts, then one change each: the other
+    combine, K blocks of 128, the "rows" MMA form, 6 stages, launch (1)'s K split doubled, column
+    blocks of 32 (launch (1)'s split halved: as many programs), and column blocks of 16 with K
+    blocks of 128, no split and the combine in the kernel (most programs; on [E, out, in] weights
+    each reads whole contiguous rows). Column blocks under 64 take the "rows" form: with the
+    weight columns on the MMA's M side (< 64: no wgmma) sm_90 Triton 3.6 did not pipeline the
+    weight loads (no cp.async in the offline compile)."""
+    rep = dataclasses.replace
+    both = lambda **kw: rep(base, up=rep(base.up, **kw), down=rep(base.down, **kw))
+    out = {"decode": (base, "in_out"), "decode_out_in": (base, "out_in")}
+    if which == "none":
+        return out
+    flip = "xla" if base.combine == "kernel" else "kernel"
+    out[f"decode_combine_{flip}"] = (rep(base, combine=flip, down=rep(base.down, split_k=1)), "in_out")
+    if which == "smoke":
+        return out
+    out["decode_k128"] = (both(block_k=128), "in_out")
+    out["decode_rows"] = (both(layout="rows"), "in_out")
+    out["decode_stages6"] = (both(num_stages=6), "in_out")
+    out["decode_up_split_x2"] = (rep(base, up=rep(base.up, split_k=2 * base.up.split_k)), "in_out")
+    out["decode_n32"] = (rep(base, up=rep(base.up, block_n=32, split_k=max(1, base.up.split_k // 2), layout="rows"),
+                             down=rep(base.down, block_n=32, layout="rows")), "in_out")
+    narrow = dict(block_n=16, block_k=128, split_k=1, layout="rows")
+    n16 = rep(base, combine="kernel", up=rep(base.up, **narrow), down=rep(base.down, **narrow))
+    out["decode_n16_kernel"] = (n16, "in_out")
+    out["decode_n16_kernel_out_in"] = (n16, "out_in")
     return out
 
 
@@ -206,8 +245,11 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", default=None, help=f"token counts T (default {TOKENS}; smoke {SMOKE_TOKENS})")
     ap.add_argument("--routings", default="random,correlated")
     ap.add_argument("--act", default="silu_glu", choices=("silu_glu", "relu2"))
-    ap.add_argument("--sweep", default=None, choices=("none", "smoke", "small", "full"),
-                    help="kernel tilings timed beside the default (sweep_configs; default small, smoke with --smoke)")
+    ap.add_argument("--sweep", default=None, choices=("none", "smoke", "small", "full", "decode"),
+                    help="kernel tilings timed beside the default (sweep_configs, decode_sweep; default small, smoke "
+                         "with --smoke; decode: the decode path's variants and the grouped default only)")
+    ap.add_argument("--decode-max-pairs", type=int, default=128,
+                    help="time the decode path (decode_sweep) on rows of up to this many pairs T k")
     ap.add_argument("--out-in", action=argparse.BooleanOptionalAction, default=True,
                     help="also time the kernel on weights stored [E, out, in] (HF's layout; a second copy)")
     ap.add_argument("--max-gather-pairs", type=int, default=64,
@@ -259,7 +301,12 @@ def main(argv=None) -> int:
     for t in tokens:
         pairs = t * k
         base = moe.default_config(t, k, e, h, inter)
-        configs = sweep_configs(base, args.sweep or ("smoke" if args.smoke else "small"))
+        which = args.sweep or ("smoke" if args.smoke else "small")
+        configs = sweep_configs(base, which)
+        if pairs <= args.decode_max_pairs:
+            configs.update(decode_sweep(moe.default_decode_config(t, k, e, h, inter),
+                                        "small" if which in ("decode", "full") else which))
+        route = "decode" if isinstance(moe.kernel_config(t, k, e, h, inter), moe.DecodeConfig) else "default"
         forms, weights_of = {}, {}
         for name, (cfg, layout) in configs.items():
             if layout == "out_in" and w_t is None:
@@ -295,7 +342,7 @@ def main(argv=None) -> int:
                 sets.append((x, jnp.asarray(ids), jnp.asarray(w)))
             row = {"tokens": t, "routing": how, "pairs": pairs, "distinct": statistics.mean(counts),
                    "touched_MB": statistics.mean(counts) * expert_bytes / 1e6, "rotations": nrot,
-                   "default_config": dataclasses.asdict(base)}
+                   "default_config": dataclasses.asdict(base), "route_config": route}
             times, errors, outs = time_interleaved(runners, sets, weights_of, round_s=args.round_ms / 1e3,
                                                    rounds=args.rounds if on_gpu else 2)
             for name, msg in errors.items():
@@ -310,7 +357,8 @@ def main(argv=None) -> int:
             row["tilings"] = sweep  # {tiling: us}
             if sweep:
                 best = min(sweep, key=sweep.get)
-                row.update(kernel_us=sweep[best], best_config=best, kernel_default_us=sweep.get("default"))
+                row.update(kernel_us=sweep[best], best_config=best, kernel_default_us=sweep.get("default"),
+                           kernel_route_us=sweep.get(route), kernel_decode_us=sweep.get("decode"))
                 row["best_config_fields"] = dict(dataclasses.asdict(configs[best][0]), w_layout=configs[best][1])
                 in_out = {n: v for n, v in sweep.items() if configs[n][1] == "in_out"}
                 out_in = {n: v for n, v in sweep.items() if configs[n][1] == "out_in"}

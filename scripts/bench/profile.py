@@ -45,7 +45,7 @@ from scripts.bench.shapes import filled_caches, normal
 
 KINDS = (  # first match wins; matched against the lower-cased kernel name
     ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "matmul", "gemv", "dot")),
-    ("pallas/triton", ("pallas", "triton", "tree_attention", "gdn_", "ssd_")),
+    ("pallas/triton", ("pallas", "triton", "tree_attention", "gdn_", "ssd_", "moe_")),
     ("reduce", ("reduce", "argmax", "topk", "top_k", "sort")),
     ("copy/transpose", ("copy", "transpose", "memcpy", "memset", "dynamic_update", "concatenate")),
     ("gather/scatter", ("gather", "scatter", "dynamic_slice")),
@@ -130,6 +130,8 @@ def gemm_sweep(cfg: TargetConfig, ms_list, repeats: int = 20) -> list[dict]:
     }
     out = []
     for name, (k, n) in shapes.items():
+        if not k * n:  # an MoE target has no dense MLP (intermediate_size 0)
+            continue
         label = f"{name} ({k}x{n})"
         copies = max(1, min(16, int(2e9 // (k * n * 2))))  # up to ~2 GB of weights per call
         ws = [normal(jax.random.PRNGKey(10 + i), (k, n), jnp.bfloat16, k**-0.5) for i in range(copies)]

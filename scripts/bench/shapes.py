@@ -4,13 +4,23 @@ Model shapes (`SHAPES`, chosen with `--shape`):
   27b   the Qwen3.6-27B-shaped hybrid target (hidden 5120, 64 layers, full attention every 4th,
         24 q / 4 kv heads of 256, GDN 16 k / 48 v heads of 128, conv 4, FFN 17408, vocab 248320,
         bf16) and a 5-layer DFlash drafter of its width (32 q / 8 kv heads of 128, block 16);
+  35b-a3b  the Qwen3.6-35B-A3B-shaped MoE hybrid target (qwen3_5_moe_text: hidden 2048, 40 layers,
+        full attention every 4th with 16 q / 2 kv heads of 256 and partial rotary 0.25, GDN 16 k /
+        32 v heads of 128, conv 4; every layer's FFN a sparse MoE: 256 experts, top-8, expert
+        intermediate 512, shared expert 512 with its sigmoid gate; vocab 248320; bf16; ~35 B
+        parameters, 70 GB) and a 5-layer DFlash drafter of hidden 2048, block 16 (z-lab's 35B-A3B
+        drafters use block 16; their layer sizes are not in our sources: 16 q / 8 kv heads of 128
+        and intermediate 6144 here, a Qwen3-1.7B-like layer); its smoke size is `moe-smoke`;
   demo  the embedded demo pair's configs (ddtree_jax/assets/demo: 8 layers of 256, vocab 8192) with
         random weights: a small model, whose step is bound by its kernel count;
-  smoke tiny widths of the 27B's layer pattern, to check a tool on any machine in seconds.
+  smoke tiny widths of the 27B's layer pattern, to check a tool on any machine in seconds
+        (`--smoke` picks a shape's own smoke size: `moe-smoke` for 35b-a3b, tiny widths of its
+        pattern with 16 experts, top-4).
 
-Random weights: normal with std fan_in^-1/2, norm weights 1 + N(0, 0.1), the GDN gate parameters
-(A_log, dt_bias) uniform in [-1, 1]; never zeros (a kernel fed zeros can look right and fast while
-reading the wrong rows). Made on the device leaf by leaf, so a 27B target needs no host copy.
+Random weights: normal with std fan_in^-1/2 (stacked experts [E, in, out]: in^-1/2), norm weights
+1 + N(0, 0.1), the GDN gate parameters (A_log, dt_bias) uniform in [-1, 1]; never zeros (a kernel
+fed zeros can look right and fast while reading the wrong rows). Made on the device leaf by leaf,
+so a 27B target needs no host copy.
 
 Caches: `filled_caches` holds `context` committed tokens of random K / V and recurrent state per row,
 what a prefill of that length leaves (no long prefill to compile).
@@ -45,6 +55,19 @@ QWEN36_27B = dict(
     rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
     rms_norm_eps=1e-6, tie_word_embeddings=False, dtype="bfloat16", max_position_embeddings=262144,
 )
+QWEN36_35B_A3B = dict(
+    model_type="qwen3_5_moe_text", vocab_size=248320, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16,
+    num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+    linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+    num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+    rms_norm_eps=1e-6, tie_word_embeddings=False, dtype="bfloat16", max_position_embeddings=262144,
+)
+DRAFTER_35B_A3B = dict(layers=5, heads=16, kv=8, head_dim=128, block=16, inter=6144)
+SMOKE_MOE = dict(QWEN36_35B_A3B, vocab_size=512, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                 linear_key_head_dim=32, linear_value_head_dim=32, num_experts=16, num_experts_per_tok=4,
+                 moe_intermediate_size=64, shared_expert_intermediate_size=64)
 SMOKE = dict(QWEN36_27B, vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
              num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
              linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32)
@@ -69,11 +92,13 @@ SSD_NEMOTRON_H_8B = dict(heads=128, head_dim=64, groups=8, state=128)
 DRAFT_DEPTHS = 15  # a DFlash block of 16: 15 drafted depths below the root
 
 
-def dflash_drafter(cfg: TargetConfig, layers: int, heads: int, kv: int, head_dim: int, block: int) -> DrafterConfig:
-    """A DFlash drafter config of the target's width and vocabulary (mask token: the last id)."""
+def dflash_drafter(cfg: TargetConfig, layers: int, heads: int, kv: int, head_dim: int, block: int,
+                   inter: int | None = None) -> DrafterConfig:
+    """A DFlash drafter config of the target's width and vocabulary (mask token: the last id); its
+    MLP of the target's intermediate size unless `inter` is given (a MoE target has none)."""
     return DrafterConfig.from_hf_dict({
         "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": layers, "num_attention_heads": heads,
+        "intermediate_size": inter or cfg.intermediate_size, "num_hidden_layers": layers, "num_attention_heads": heads,
         "num_key_value_heads": kv, "head_dim": head_dim, "rope_theta": 1e7, "rms_norm_eps": 1e-6,
         "vocab_size": cfg.vocab_size, "num_target_layers": cfg.num_layers, "block_size": block, "dtype": "bfloat16",
         "dflash_config": {"mask_token_id": cfg.vocab_size - 1},
@@ -88,6 +113,7 @@ class ModelShape:
     target: Callable[[], TargetConfig]
     drafter: Callable[[TargetConfig], DrafterConfig]
     context: int
+    smoke: str = "smoke"  # the shape --smoke runs instead
 
 
 SHAPES = {
@@ -95,8 +121,12 @@ SHAPES = {
                       lambda cfg: dflash_drafter(cfg, 5, 32, 8, 128, 16), 4096),
     "demo": ModelShape("demo", lambda: TargetConfig.from_file(os.path.join(DEMO_DIR, "target")),
                        lambda cfg: DrafterConfig.from_file(os.path.join(DEMO_DIR, "drafter")), 512),
+    "35b-a3b": ModelShape("35b-a3b", lambda: TargetConfig.from_hf_dict(QWEN36_35B_A3B),
+                          lambda cfg: dflash_drafter(cfg, **DRAFTER_35B_A3B), 4096, smoke="moe-smoke"),
     "smoke": ModelShape("smoke", lambda: TargetConfig.from_hf_dict(SMOKE),
                         lambda cfg: dflash_drafter(cfg, 5, 4, 2, 32, 16), 64),
+    "moe-smoke": ModelShape("moe-smoke", lambda: TargetConfig.from_hf_dict(SMOKE_MOE),
+                            lambda cfg: dflash_drafter(cfg, 5, 4, 2, 32, 16, inter=256), 64, smoke="moe-smoke"),
 }
 
 
@@ -119,8 +149,10 @@ def random_params(abstract, seed: int):
         elif "norm" in name:
             leaves.append((1.0 + 0.1 * jax.random.normal(key, shape, jnp.float32)).astype(dtype))
         else:
-            std = (shape[0] if len(shape) == 2 and "embedding" not in name else 1) ** -0.5
-            leaves.append(normal(key, shape, dtype, std))
+            fan_in = shape[0] if len(shape) == 2 and "embedding" not in name else 1
+            if len(shape) == 3 and "experts" in name:  # stacked experts [E, in, out]
+                fan_in = shape[1]
+            leaves.append(normal(key, shape, dtype, fan_in**-0.5))
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
