@@ -308,7 +308,8 @@ def auto_cost_table(engine: Engine, prompts: Sequence[Sequence[int]], args) -> c
         prompt[i, : len(p)] = p
         lens[i] = len(p)
     eos = jnp.asarray(sorted(set(engine.stop_ids)), jnp.int32)
-    table = engine.measure_cost_table(spec, jnp.asarray(prompt), jnp.asarray(lens), eos, jax.random.PRNGKey(0),
+    rows = gen.uniform_rows(Sampling(), b, args.max_new_tokens, jax.random.PRNGKey(0))  # as Engine.generate's
+    table = engine.measure_cost_table(spec, jnp.asarray(prompt), jnp.asarray(lens), eos, rows,
                                       repeats=args.cost_repeats)
     table = dataclasses.replace(table, source=table.source.replace("at start-up", "by ddtree-bench"))
     if args.cost_table:

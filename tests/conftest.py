@@ -26,8 +26,11 @@ def _selects_gpu(argv) -> bool:
     return False
 
 
-GPU_RUN = _selects_gpu(sys.argv)
-if not GPU_RUN:
+# xdist's workers do not see the command line's -m: the main process hands its answer down.
+GPU_RUN = _selects_gpu(sys.argv) or os.environ.get("DDTREE_TEST_GPU_RUN") == "1"
+if GPU_RUN:
+    os.environ["DDTREE_TEST_GPU_RUN"] = "1"
+else:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 
