@@ -20,6 +20,7 @@ import dataclasses
 import json
 import math
 import re
+import sys
 
 # The demo pair's acceptance (docs/benchmarks.md section 4: H200, batch 1, 8 held-out prompts, 128
 # new tokens, greedy). Budget 8 was not measured: 2.8 sits between DFlash linear (2.54) and
@@ -109,3 +110,81 @@ def format_table(rows: list[Ranked], skipped: list[str], batch: int, title: str 
         lines.append(f"skipped (in one table only): {', '.join(skipped)}")
     lines.append(f"batch {batch}: tokens/s = batch x tokens a step / step time")
     return "\n".join(lines)
+
+
+def step_tables(report: dict) -> list[tuple[str, int, dict]]:
+    """(title, batch, {choice: step ms}) of every run in an e2e report: the measured steps, and on an
+    MoE shape the correlated-routing bracket."""
+    out = []
+    for run in report.get("runs", []):
+        batch = run["batch"]
+        steps = dict(run.get("step_ms_by_choice") or {})
+        out.append((f"batch {batch}, {report.get('shape', '?')}: measured steps (random routing on MoE shapes)",
+                    batch, steps))
+        budgets = (run.get("moe") or {}).get("budgets") or {}
+        corr, how = dict(steps), set()
+        for b, fig in budgets.items():
+            for key, what in (("correlated_step_ms", "timed"), ("correlated_step_ms_estimate", "estimated")):
+                if fig.get(key):
+                    corr[str(b)] = fig[key]
+                    how.add(what)
+                    break
+        if how:
+            out.append((f"batch {batch}: DDTree steps under correlated routing ({' / '.join(sorted(how))}; "
+                        f"{run['moe']['correlated_shared']} of {run['moe']['top_k']} experts shared with the "
+                        "previous node)", batch, corr))
+    return out
+
+
+def merge_reports(reports: list[dict]) -> dict:
+    """One report from several of the same shape (budgets timed in separate calls): each batch's
+    step times and MoE budget figures united, a later report's entries replacing an earlier one's."""
+    runs = {}
+    for report in reports:
+        for run in report.get("runs", []):
+            have = runs.setdefault(run["batch"], {"batch": run["batch"], "step_ms_by_choice": {}})
+            have["step_ms_by_choice"].update(run.get("step_ms_by_choice") or {})
+            if run.get("moe"):
+                budgets = {**(have.get("moe") or {}).get("budgets", {}), **run["moe"].get("budgets", {})}
+                have["moe"] = {**run["moe"], "budgets": budgets}
+    return {"shape": reports[0].get("shape"), "runs": [runs[b] for b in sorted(runs)]}
+
+
+def print_tables(report: dict, acceptance: dict, estimated=(), file=None) -> list:
+    """Print every table of the report (to file, default stdout); returns [(title, best choice)]."""
+    best = []
+    for title, batch, steps in step_tables(report):
+        rows, skipped = rank(steps, acceptance, batch, estimated)
+        print("\n" + format_table(rows, skipped, batch, title), file=file or sys.stdout)
+        best.append((title, rows[0].choice if rows else None))
+    return best
+
+
+def load_inputs(paths, acceptance_source: str) -> tuple[dict, dict, tuple, list[str]]:
+    """(one report united from the scripts.bench.e2e reports at `paths`, the acceptance curve, its
+    estimated entries, every problem found: unreadable files, mixed shapes, bad table entries)."""
+    problems, reports = [], []
+    for path in paths:
+        try:
+            with open(path) as f:
+                report = json.load(f)
+        except (OSError, ValueError) as e:
+            problems.append(f"{path}: {e}")
+            continue
+        if not isinstance(report, dict) or not report.get("runs"):
+            problems.append(f"{path}: no runs (is it a scripts.bench.e2e report?)")
+            continue
+        reports.append(report)
+    shapes = {r.get("shape") for r in reports}
+    if len(shapes) > 1:
+        problems.append(f"the reports are of different shapes: {sorted(map(str, shapes))}")
+    acceptance, estimated = {}, ()
+    try:
+        acceptance, estimated = load_acceptance(acceptance_source)
+    except (OSError, ValueError) as e:
+        problems.append(f"acceptance {acceptance_source}: {e}")
+    report = merge_reports(reports) if reports else {"runs": []}
+    if not problems:
+        for _, _, steps in step_tables(report):
+            problems += check_tables(steps, acceptance)
+    return report, acceptance, estimated, problems

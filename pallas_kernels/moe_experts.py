@@ -92,7 +92,7 @@ DTYPES = ("bfloat16", "float16", "float32")
 MIN_BLOCK = 16  # Triton's tl.dot needs every block dimension >= 16
 RANK_BY_COUNT_MAX_PAIRS = 16384  # up to here a pair's sorted row is a comparison count (P^2 compares)
 TARGET_PROGRAMS = 256  # ~two programs per SM of the H200's 132, all resident at once: loads in flight
-DECODE_MAX_PAIRS = 64  # default: the decode path up to this many (token, choice) pairs (batch 8 at top-8)
+DECODE_MAX_PAIRS = 8  # the decode path up to this many (token, choice) pairs: one token at top-8 (decision 0039)
 COMBINES = ("kernel", "xla")
 
 

@@ -111,3 +111,22 @@ def test_cli_unites_reports_of_budgets_timed_in_separate_calls(tmp_path, capsys)
     with pytest.raises(SystemExit):
         main([a, c])
     assert "different shapes" in capsys.readouterr().err
+
+
+def test_ddtree_bench_step_times_ranks_without_a_model(tmp_path, capsys):
+    """ddtree-bench --step-times REPORT --acceptance FILE: the same tables, no --prompts, no model
+    loaded; bad input named (exit 2) before anything is printed."""
+    from ddtree_jax.cli import bench as bench_cli
+
+    path = _report(tmp_path, [{"batch": 1, "step_ms_by_choice": {"ar": 2.0, "16": 5.0, "64": 12.0}}])
+    curve = tmp_path / "curve.json"
+    curve.write_text(json.dumps({"ar": 1.0, "16": 3.0, "64": 4.0}))
+    assert bench_cli.main(["--step-times", path, "--acceptance", str(curve)]) == 0
+    out = capsys.readouterr().out
+    best = next(line for line in out.splitlines() if "<- best" in line)
+    assert best.split()[0] == "16"  # 3 tokens in 5 ms beats 1 in 2 and 4 in 12
+    with pytest.raises(SystemExit) as e:
+        bench_cli.main(["--step-times", str(tmp_path / "missing.json")])
+    assert e.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "missing.json" in captured.err

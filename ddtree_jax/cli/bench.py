@@ -25,11 +25,19 @@ examples:
   ddtree-bench --prompts prompts.txt --out results/                 # the embedded demo pair
   ddtree-bench --target T --drafter D --prompts p.jsonl --budgets 16,64,256 --max-new-tokens 256
   ddtree-bench --prompts p.jsonl --budgets auto,4,8,16,32,64 --batch 8 --cost-table costs.json
+  ddtree-bench --step-times e2e_35b.json --acceptance demo          # which budget pays, no model run
 
 Prompts: a UTF-8 text file with one prompt per line ("\\n" inside a line is a newline), or JSONL
 with {"prompt": "..."} or {"prompt_ids": [...]} per line. Writes bench.json and, with matplotlib
 installed (pip install 'ddtree-jax[bench]'), bench.png in --out (and auto_choices.png: the choice
 of every step of --budget auto's first generation).
+
+--step-times REPORT... ranks plain decoding, DFlash and every budget by tokens per second from
+step times measured by `python -m scripts.bench.e2e` (e.g. at the Qwen3.6-35B-A3B MoE shape, where
+a tree reads many more experts than a decode step; with the correlated-routing bracket) and an
+acceptance curve (--acceptance: 'demo', the demo pair's measured one, or a JSON file
+{"ar": 1, "dflash": 2.5, "16": 3.1, ...}, e.g. the acceptance lengths a ddtree-bench run of your
+drafter reported), and exits without loading a model.
 
 --budgets auto runs the adaptive budget with a step-time table measured here (each choice forced
 in the compiled auto program, on the first batch of prompts) and, with --cost-table FILE, writes
@@ -57,7 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default=None, help="target directory (default: the embedded demo pair)")
     p.add_argument("--drafter", default=None, help="DFlash drafter directory")
     add_tokenizer_argument(p)
-    p.add_argument("--prompts", required=True, help="prompt file (text lines or JSONL)")
+    p.add_argument("--prompts", default=None, help="prompt file (text lines or JSONL; required unless --step-times)")
+    p.add_argument("--step-times", nargs="+", default=None, metavar="REPORT",
+                   help="rank the choices by tokens/s from scripts.bench.e2e reports' step times and --acceptance, "
+                   "then exit (no model is run)")
+    p.add_argument("--acceptance", default="demo", metavar="demo|FILE",
+                   help="--step-times: tokens a step per choice: 'demo' (the demo pair's curve) or a JSON file")
     p.add_argument("--limit", type=positive_int, default=None, help="use only the first N prompts")
     p.add_argument("--modes", default="ar,dflash,ddtree", help="comma-separated modes (default ar,dflash,ddtree)")
     p.add_argument("--budgets", type=budgets, default=("auto", 16, 32, 64, 128, 256),
@@ -82,6 +95,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="repeats for per-phase timing medians; 0 skips the phase split (faster: no extra compiles)")
     p.add_argument("--out", default="bench_out", help="output directory for bench.json and bench.png")
     return p
+
+
+def budget_tables(args) -> int:
+    """--step-times: the tokens/s tables of ddtree_jax.budget_table, every input problem named first."""
+    from ddtree_jax import budget_table
+
+    report, acceptance, estimated, problems = budget_table.load_inputs(args.step_times, args.acceptance)
+    if problems:
+        die("; ".join(problems))
+    budget_table.print_tables(report, acceptance, estimated)
+    return 0
 
 
 def read_prompts(path: str) -> list[tuple[int, str | list[int]]]:
@@ -142,6 +166,10 @@ def main(argv=None) -> int:
 def bench_main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.step_times:
+        return budget_tables(args)
+    if args.prompts is None:
+        parser.error("the following arguments are required: --prompts (or --step-times REPORT)")
     use_autotune_cache(args)  # before the backend starts
     routes = routes_from(args)
     if args.cost_table and args.cost_table_in:

@@ -43,11 +43,12 @@ import numpy as np
 from flax import nnx
 
 from ddtree_jax import bench as B
+from ddtree_jax import budget_table
 from ddtree_jax.cache import KVCache, RecurrentCache, TargetCache
 from ddtree_jax.config import TargetConfig
 from ddtree_jax.speculative import generate as gen
 from ddtree_jax.speculative.sampling import Sampling
-from scripts.bench import budget_table, moe_step
+from scripts.bench import moe_step
 from scripts.bench.compile_pool import CompilePool
 from scripts.bench.common import (add_model_options, add_route_options, apply_route_options, jax_rates, model_configs,
                                   model_setup,
