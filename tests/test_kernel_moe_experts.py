@@ -185,7 +185,7 @@ def test_default_config_fills_the_gpu_at_decode_and_groups_rows_in_verify():
 
 
 def test_kernel_route_takes_the_decode_path_for_few_pairs():
-    """kernel_config: the decode path up to decode_max_pairs pairs (batch 8 at top-8 by default),
+    """kernel_config: the decode path up to decode_max_pairs pairs (one token at top-8 by default),
     the grouped kernel above. The decode default fills the H200 at one token: launch (1) split
     until pairs x column blocks x split reach TARGET_PROGRAMS; launch (2) one program per pair
     (XLA combines) where per-token programs would be too few, per token from batch 4 at H = 2048."""
@@ -194,9 +194,10 @@ def test_kernel_route_takes_the_decode_path_for_few_pairs():
     assert isinstance(one, DecodeConfig) and one.combine == "xla" and one.up.block_n == 64
     assert 8 * (512 // one.up.block_n) * one.up.split_k >= moe.TARGET_PROGRAMS
     assert 8 * (2048 // one.down.block_n) * one.down.split_k >= moe.TARGET_PROGRAMS
-    eight = moe.kernel_config(8, 8, *shape)
+    assert isinstance(moe.kernel_config(2, 8, *shape), MoeConfig)
+    eight = moe.kernel_config(8, 8, *shape, decode_max_pairs=64)
     assert isinstance(eight, DecodeConfig) and eight.combine == "kernel" and eight.down.split_k == 1
-    assert isinstance(moe.kernel_config(9, 8, *shape), MoeConfig)
+    assert isinstance(moe.kernel_config(9, 8, *shape, decode_max_pairs=64), MoeConfig)
     assert isinstance(moe.kernel_config(9, 8, *shape, decode_max_pairs=72), DecodeConfig)
     assert isinstance(moe.kernel_config(1, 8, *shape, decode_max_pairs=0), MoeConfig)
 

@@ -87,7 +87,8 @@ def test_expert_products_read_only_the_chosen_experts(tokens, gathered):
     jaxpr = str(jax.make_jaxpr(lambda *a: moe.experts(*a, act=SILU_GLU, routes=REFERENCE))(*args))
     assert (f"[{tokens},{k},{H},{2 * inter}]" in jaxpr) == gathered
     assert f"[{tokens},{e},{2 * inter}]" not in jaxpr and "pallas_call" not in jaxpr
-    jaxpr = str(jax.make_jaxpr(lambda *a: moe.experts(*a, act=SILU_GLU, routes=INTERPRET))(*args))
+    decode = INTERPRET.replace(moe_decode_max_pairs=tokens * k)
+    jaxpr = str(jax.make_jaxpr(lambda *a: moe.experts(*a, act=SILU_GLU, routes=decode))(*args))
     assert "pallas_call" in jaxpr and "moe_decode_up" in jaxpr and "moe_experts_up" not in jaxpr
     grouped = INTERPRET.replace(moe_decode_max_pairs=tokens * k - 1)
     jaxpr = str(jax.make_jaxpr(lambda *a: moe.experts(*a, act=SILU_GLU, routes=grouped))(*args))
