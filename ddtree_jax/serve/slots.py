@@ -264,7 +264,7 @@ class SlotBatch:
         if not placeholder:
             raise RuntimeError(f"no step-time table for batch {rows}: call measure_costs() (warm_up does) or "
                                "give cost_table")
-        arrays = costs.placeholder(self.auto)  # forced choices, warm-up: the times are not read
+        arrays = costs.placeholder(self.auto)  # warm-up and measurement runs: their choices do not matter
         return jnp.asarray(arrays.ms), jnp.asarray(arrays.contexts)
 
     def measure_costs(self, steps: int = MEASURE_STEPS, repeats: int = 3) -> dict[int, float]:
@@ -272,10 +272,13 @@ class SlotBatch:
         serving program itself (the bucket's chunk; the forced choice and the table are data, so
         nothing more compiles): the bucket's slots hold copies of one synthetic request, run without
         stop tokens, each choice forced (cost_table.measure). The acceptance such runs see says
-        nothing of real requests and is not kept: the policy learns it from the traffic. Needs room
-        for a copy of the slots' state. The slots end idle. Returns the seconds each bucket took."""
+        nothing of real requests and is not kept: the policy learns it from the traffic. Needs idle
+        slots (before serving) and room for a copy of their state. The slots end idle. Returns the
+        seconds each bucket took."""
         if self.auto is None:
             return {}
+        if not bool(np.asarray(self.state.done).all()):
+            raise RuntimeError("measure_costs needs idle slots: call it before serving")
         if 2 * steps > self.trace_len:
             raise ValueError(f"steps must be at most {self.trace_len // 2}, got {steps}")
         todo = [rows for rows in self.buckets if rows not in self.tables]
