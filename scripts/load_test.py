@@ -14,6 +14,11 @@ through Engine.generate in fixed batches of B (each batch runs to its longest re
 process; its throughput beside the continuous batching one is the comparison the server exists
 for (docs/serving.md).
 
+--budget auto (the default) serves mode ddtree with the adaptive budget (its step-time tables
+measured at the server's start-up; pass --server-args '--cost-table FILE' to load them) and runs
+the static engine with it too (its own table per batch, measured untimed); the report holds the
+steps of each choice per level (the server's ddtree_auto_steps_total) and per static run.
+
     python -m scripts.load_test --modes ar,dflash,ddtree --clients 1,8,32 --static-batch 32 \
         --out $OUT/load.json
 """
@@ -25,6 +30,7 @@ import asyncio
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -37,6 +43,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from ddtree_jax.atomic import write_bytes, write_json  # noqa: E402
+from ddtree_jax.cli.common import budget_arg  # noqa: E402
 
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
 DEFAULT_PROMPTS = os.path.join(ROOT, "docs", "demo_heldout_prompts.jsonl")
@@ -149,6 +156,12 @@ def summarize(results: list[dict], wall: float, clients: int) -> dict:
     }
 
 
+def auto_steps(url: str) -> dict[str, float]:
+    """The server's steps per budget-auto choice so far (ddtree_auto_steps_total; empty without auto)."""
+    text = _httpx().get(url + "/metrics", timeout=10).text
+    return {c: float(v) for c, v in re.findall(r'^ddtree_auto_steps_total\{choice="([^"]+)"\} (\S+)$', text, re.M)}
+
+
 def check_local(url: str) -> None:
     host = urllib.parse.urlparse(url).hostname
     if host not in LOCAL_HOSTS:
@@ -194,18 +207,22 @@ class LaunchedServer:
 
 
 # ---- the static-batch engine --------------------------------------------------------------------
-def static_batches(engine, requests: list[dict], batch: int, mode: str, budget: int) -> dict:
+def static_batches(engine, requests: list[dict], batch: int, mode: str, budget: int | str) -> dict:
     """The requests through Engine.generate in fixed batches of `batch` (in order): each batch runs
-    until its longest request ends; generation time only (the engine compiles untimed)."""
-    tokens, seconds = 0, 0.0
+    until its longest request ends; generation time only (the engine compiles, and under budget
+    "auto" measures its step-time table, untimed)."""
+    tokens, seconds, choices = 0, 0.0, {}
     for i in range(0, len(requests), batch):
         part = requests[i : i + batch]
         res = engine.generate([r["prompt"] for r in part], mode=mode, budget=budget,
                               max_new_tokens=[r["max_tokens"] for r in part])
         tokens += sum(c.stats.num_tokens for c in res)
         seconds += res[0].stats.seconds
-    return {"batch": batch, "requests": len(requests), "completion_tokens": tokens, "seconds": seconds,
-            "throughput_tok_s": tokens / seconds if seconds else None}
+        for name, n in ((res[0].stats.adaptive or {}).get("choices") or {}).items():
+            choices[name] = choices.get(name, 0) + n
+    row = {"batch": batch, "requests": len(requests), "completion_tokens": tokens, "seconds": seconds,
+           "throughput_tok_s": tokens / seconds if seconds else None}
+    return row | ({"auto_steps": choices} if choices else {})
 
 
 # ---- report ------------------------------------------------------------------------------------
@@ -240,7 +257,7 @@ def plot(report: dict, path: str) -> None:
     write_bytes(path, buf.getvalue())
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--modes", default="ar,dflash,ddtree", help="modes to serve, one server each")
     p.add_argument("--clients", default="1,8,32", help="concurrent client counts")
@@ -253,13 +270,19 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--url", default=None, help="a running server (localhost) instead of launching one per mode")
     p.add_argument("--port", type=int, default=8123)
-    p.add_argument("--budget", type=int, default=64, help="DDTree budget of the servers and the static engine")
+    p.add_argument("--budget", type=budget_arg, default="auto",
+                   help="DDTree budget of the servers and the static engine: nodes per step, or auto (default)")
     p.add_argument("--server-args", default="", help="more ddtree-serve arguments, e.g. '--max-context 1024'")
     p.add_argument("--start-timeout", type=float, default=1800.0, help="seconds a server may take to compile")
     p.add_argument("--static-batch", type=int, default=0, help="also run the static-batch engine at this batch")
     p.add_argument("--target", default=None, help="the static engine's target (default: the demo pair)")
     p.add_argument("--drafter", default=None)
     p.add_argument("--out", default="load_test.json", help="JSON report; the plot goes beside it (.png)")
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
     levels = sorted({int(c) for c in args.clients.split(",")})
@@ -294,13 +317,17 @@ def main(argv=None) -> int:
             report["device"] = httpx.get(url + "/health", timeout=10).json().get("device")
             report["levels"][mode] = []
             for c in levels:
+                before = auto_steps(url)
                 row = asyncio.run(run_level(url, model, lists[c], c, args.duration, args.temperature))
                 row["mode"] = mode
+                after = auto_steps(url)
+                if after:  # budget auto: the steps of each choice at this level
+                    row["auto_steps"] = {k: v - before.get(k, 0.0) for k, v in after.items()}
                 report["levels"][mode].append(row)
                 print(f"[load] {mode} {c:3d} clients: {row['throughput_tok_s']:.1f} tok/s, ttft p50 "
                       f"{row['ttft_ms']['p50']:.1f} ms p99 {row['ttft_ms']['p99']:.1f}, itl p50 "
-                      f"{row['itl_ms']['p50']:.2f} ms p99 {row['itl_ms']['p99']:.2f}, {row['error_count']} errors",
-                      flush=True)
+                      f"{row['itl_ms']['p50']:.2f} ms p99 {row['itl_ms']['p99']:.2f}, {row['error_count']} errors"
+                      + (f", steps {row['auto_steps']}" if row.get("auto_steps") else ""), flush=True)
                 save()
         finally:
             if server is not None:
@@ -326,7 +353,8 @@ def main(argv=None) -> int:
                 row["continuous_over_static"] = cont["throughput_tok_s"] / row["throughput_tok_s"]
             report["static"].append(row)
             print(f"[load] static {mode} batch {args.static_batch}: {row['throughput_tok_s']:.1f} tok/s"
-                  + (f" (continuous: {row['continuous_over_static']:.2f}x)" if cont else ""), flush=True)
+                  + (f" (continuous: {row['continuous_over_static']:.2f}x)" if cont else "")
+                  + (f", steps {row['auto_steps']}" if row.get("auto_steps") else ""), flush=True)
             save()
     save()
     plot(report, os.path.splitext(args.out)[0] + ".png")

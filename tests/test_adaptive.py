@@ -231,6 +231,35 @@ def test_cost_table_interpolates_in_context():
     assert np.isinf(np.asarray(choice.step_costs(no_ar, a, jnp.float32(0)))[AR])
 
 
+def test_population_expectation_and_joining_rows():
+    """pop_e: the mean over the active rows of a speculative step's calibrated E, then decayed by
+    `decay` per step (a table's measured acceptance seeds it); a row joining a running batch starts
+    from it (choice.joining); clear_statistics zeroes the statistics and keeps the policy's state."""
+    a = state([1, 2, 2, 2], batch=3)
+    assert not bool(a.have_e) and not np.asarray(a.pop_e).any()
+    left = jnp.asarray([100, 100, 0], jnp.int32)  # row 2 is done
+    costs = choice.step_costs(AUTO, a, jnp.float32(0))
+    pops = []
+    for i, e_raw in enumerate(([[0, 1.0, 2.0, 3.0], [0, 3.0, 4.0, 5.0], [0, 9, 9, 9]],
+                               [[0, 2.0, 2.0, 2.0], [0, 1.0, 1.0, 1.0], [0, 9, 9, 9]])):
+        e_raw = jnp.asarray(e_raw, jnp.float32)
+        c, e_cal = choose(AUTO, a, e_raw, left, costs)
+        a = after_spec(AUTO, a, c, e_raw, e_cal, jnp.asarray([1, 2, 0]), left, i, costs)
+        pops.append(np.asarray(choice.calibrated(AUTO, a, e_raw))[:2].mean(0))
+    np.testing.assert_allclose(np.asarray(a.pop_e), AUTO.decay * pops[0] + (1 - AUTO.decay) * pops[1], rtol=1e-6)
+    joined = choice.joining(a, state([1, 2, 2, 2], batch=1))
+    np.testing.assert_array_equal(np.asarray(joined.row_e), np.asarray(a.pop_e)[None])
+    cleared = choice.clear_statistics(a)
+    assert not np.asarray(cleared.n_steps).any() and not np.asarray(cleared.sum_real).any()
+    assert (np.asarray(cleared.trace) == -1).all() and np.asarray(a.n_steps).sum() == 2
+    for f in ("real", "pred", "all_real", "pop_e", "row_e", "have_e", "since", "gap"):
+        np.testing.assert_array_equal(np.asarray(getattr(cleared, f)), np.asarray(getattr(a, f)))
+    seeded = choice.init_state(AUTO, 2, 8, choice.TableArrays(np.ones((4, 1), np.float32), np.zeros(1),
+                                                              -np.ones(4), np.asarray([-1, 1.5, 2.0, 2.5])))
+    assert bool(seeded.have_e)
+    np.testing.assert_array_equal(np.asarray(seeded.pop_e), [0, 1.5, 2.0, 2.5])
+
+
 def test_bad_settings_are_named():
     assert AutoBudget(budgets=(8, 4)).problems() and AutoBudget(budgets=()).problems()
     assert AutoBudget(ar_burst=0).problems() and AutoBudget(probe_wait=(4, 2)).problems()

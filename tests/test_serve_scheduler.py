@@ -20,6 +20,7 @@ from ddtree_jax.serve.chat import ChatTemplate  # noqa: E402
 from ddtree_jax.serve.scheduler import Closed, Delta, QueueFull, Request, Scheduler  # noqa: E402
 from ddtree_jax.serve.slots import SlotBatch, batch_buckets, prompt_buckets  # noqa: E402
 from ddtree_jax.serve.text import TextStream  # noqa: E402
+from ddtree_jax.speculative.cost_table import CostTable  # noqa: E402
 from ddtree_jax.speculative.generate import generate  # noqa: E402
 from ddtree_jax.speculative.sampling import Sampling  # noqa: E402
 from tests.cli_fixtures import char_tokenizer  # noqa: E402
@@ -140,6 +141,110 @@ def test_the_other_modes_serve_the_same_tokens(mode):
     finally:
         scheduler.stop()
     assert [ids for ids, _, _ in results] == alone(requests)
+
+
+# ---- budget "auto" ---------------------------------------------------------------------------
+AUTO_NAMES = ("ar", "dflash", "3", "6")
+
+
+def table(rows, ar, spec):
+    """A step-time table for batch `rows`: plain steps ar ms, every speculative choice about spec ms."""
+    ms = {"ar": (ar,), "dflash": (spec,), "3": (spec * 1.02,), "6": (spec * 1.05,)}
+    return CostTable(rows, (16.0,), ms, f"test table {ar}/{spec}")
+
+
+@pytest.fixture(scope="module")
+def auto_slots():
+    """Budget auto over budgets 3 and 6, batch buckets 1 and 2; its tables measured at start-up."""
+    slots = SlotBatch(engine(), mode="ddtree", budget="auto", auto_budgets=(3, 6), max_batch=2, max_context=64,
+                      max_top_k=8, max_stop_ids=2, chunk_steps=2)
+    seconds = slots.measure_costs(steps=2, repeats=1)
+    assert set(seconds) == {1, 2}
+    return slots
+
+
+def test_auto_start_up_tables_and_objective(auto_slots):
+    """The server's objective is the batch's tokens per second; a table per batch bucket, measured in
+    the serving program (no compilation beyond one chunk program per bucket), without the synthetic
+    prompt's acceptance; the slots end idle, the policy with nothing learned."""
+    assert auto_slots.auto.objective == "tokens" and auto_slots.choice_names == AUTO_NAMES
+    for rows in (1, 2):
+        t = auto_slots.tables[rows]
+        assert t.batch == rows and set(t.ms) == set(AUTO_NAMES) and all(v[0] > 0 for v in t.ms.values())
+        assert t.source.startswith(f"measured at start-up in the serving program (batch {rows}")
+        assert t.ratios == {} and t.accepted == {}
+    assert auto_slots._chunk._cache_size() == 2
+    a = auto_slots.state.adapt
+    assert bool(np.asarray(auto_slots.state.done).all()) and not bool(a.have_e) and int(a.force) == -1
+    with pytest.raises(ValueError, match="a step-time table is for mode ddtree"):
+        SlotBatch(engine(), mode="dflash", budget="auto", max_batch=2, max_context=64, cost_table={2: table(2, 1, 2)})
+    with pytest.raises(ValueError, match=r"no step-time table for batch 1 .*no times for \['6'\]"):
+        SlotBatch(engine(), budget="auto", auto_budgets=(3, 6), max_batch=2, max_context=64,
+                  cost_table={2: CostTable(2, (16.0,), {"ar": (1,), "dflash": (2,), "3": (2,)}, "short")})
+
+
+def test_auto_serves_each_request_as_alone(auto_slots):
+    """Budget auto under continuous batching (rows joining, leaving and moving between slots, the
+    batch bucket changing): greedy requests are token-identical to plain decoding alone, the policy
+    ran plain and speculative steps, and its per-choice statistics account for every row-step."""
+    auto_slots.tables = {1: table(1, 1.0, 2.2), 2: table(2, 1.0, 2.4)}
+    auto_slots._install_tables()
+    rng = np.random.default_rng(1)
+    requests = [Request(tuple(int(t) for t in rng.integers(2, VOCAB, rng.integers(3, 16))), int(rng.integers(4, MAX_NEW)),
+                        Sampling() if i % 3 else Sampling(temperature=0.9), seed=i, stop_ids=(7,) if i == 2 else ())
+                for i in range(7)]
+    refs = alone(requests)
+    reports = []
+    chunk = auto_slots.advance
+    auto_slots.advance = lambda n, sent, steps=None: reports.append(chunk(n, sent, steps)) or reports[-1]
+    scheduler = Scheduler(auto_slots, TOKENIZER, max_queue=16)
+    scheduler.start()
+    try:
+        results = run(scheduler, requests)
+    finally:
+        scheduler.stop()
+        auto_slots.advance = chunk
+    for req, ref, (ids, _, fin) in zip(requests, refs, results):
+        assert fin.reason in ("stop", "length")
+        if req.sampling.greedy:
+            assert ids == ref, req
+    steps = sum(r.choice_steps for r in reports)
+    assert steps[0] > 0 and steps[1:].sum() > 0, steps  # plain and speculative steps both ran
+    assert sum(fin.steps for _, _, fin in results) == int(sum(r.choice_rows for r in reports).sum())
+    assert all(int(r.choice_steps.sum()) <= auto_slots.chunk_steps for r in reports)  # restarts every chunk
+    assert auto_slots._chunk._cache_size() == 2  # the tables are data: nothing recompiled
+
+
+def test_a_reused_slot_starts_afresh(auto_slots):
+    """A request that takes a slot over starts with the population's expectation, not the evicted
+    request's moving average; a moved request keeps its own; the calibration persists."""
+    auto_slots.tables = {1: table(1, 1.0, 2.2), 2: table(2, 1.0, 2.2)}
+    auto_slots._install_tables()
+    first = [auto_slots.prefill((3 + i, 40, 41 + i), Sampling(), 0, 40) for i in range(2)]
+    for slot, row in enumerate(first):
+        auto_slots.insert(row, slot)
+    sent = [1, 1]
+    for _ in range(4):
+        r = auto_slots.advance(2, sent)
+        sent = r.n_out.tolist()
+    a = auto_slots.state.adapt
+    assert bool(a.have_e) and np.asarray(a.pop_e)[1:].min() > 0  # a speculative step taught E
+    row_e = np.asarray(a.row_e) + np.asarray([[7.0], [9.0]], np.float32)  # the rows' own values, told apart
+    auto_slots.state = auto_slots.state._replace(adapt=a._replace(row_e=jnp.asarray(row_e)))
+    pop_e = np.asarray(a.pop_e)
+    calibration = [np.asarray(x) for x in (a.real, a.pred, a.all_real, a.all_pred)]
+    auto_slots.move(1, 0)  # request 0 leaves; request 1 moves into slot 0 with its own state
+    a = auto_slots.state.adapt
+    np.testing.assert_array_equal(np.asarray(a.row_e)[0], row_e[1])
+    auto_slots.insert(auto_slots.prefill((9, 10, 11), Sampling(), 0, 20), 1)  # a new request in slot 1
+    a = auto_slots.state.adapt
+    np.testing.assert_array_equal(np.asarray(a.row_e)[1], pop_e)
+    np.testing.assert_array_equal(np.asarray(a.row_e)[0], row_e[1])
+    for before, after in zip(calibration, (a.real, a.pred, a.all_real, a.all_pred)):
+        np.testing.assert_array_equal(np.asarray(after), before)
+    auto_slots.move(1, 1)
+    auto_slots.move(0, 0)
+    assert bool(np.asarray(auto_slots.state.done).all())
 
 
 def test_sampled_rows_depend_on_their_seed_only(slots):

@@ -7,9 +7,9 @@ import os
 import signal
 import sys
 
-from ddtree_jax.cli.common import (add_autotune_cache_argument, add_draft_vocab_argument, add_int8_drafter_argument,
-                                   add_routes_arguments, die, non_negative_int, positive_int, routes_from,
-                                   use_autotune_cache)
+from ddtree_jax.cli.common import (add_auto_budget_arguments, add_autotune_cache_argument, add_draft_vocab_argument,
+                                   add_int8_drafter_argument, add_routes_arguments, budget_arg, die, non_negative_int,
+                                   positive_int, routes_from, use_autotune_cache)
 
 EPILOG = """\
 examples:
@@ -23,6 +23,12 @@ GET /v1/models, GET /health, GET /metrics (Prometheus). Requests share B slots o
 request waits in a bounded queue for a free slot (429 when the queue is full). SIGTERM stops
 accepting, lets running requests finish for --shutdown-timeout seconds, cancels the rest and
 exits 0. Design: docs/serving.md.
+
+--budget auto (the default): every device step picks plain decoding, DFlash or a tree of one of
+--auto-budgets for the most tokens per second over the batch, from the drafter's confidence and a
+step-time table per batch bucket: --cost-table FILE (ddtree-bench --batch B --cost-table FILE
+writes one per batch; every bucket needs one) or measured at start-up (logged with its source).
+/metrics counts the steps of each choice (ddtree_auto_steps_total{choice=...}).
 """
 
 
@@ -47,7 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     dec.add_argument("--mode", choices=["ar", "dflash", "ddtree"], default=None,
                      help="ar = plain decoding; dflash = linear drafts; ddtree = draft trees (default: ddtree with a "
                      "drafter, ar without)")
-    dec.add_argument("--budget", type=positive_int, default=64, help="DDTree nodes per step (1..1024, default 64)")
+    dec.add_argument("--budget", type=budget_arg, default="auto",
+                     help="DDTree nodes per step (1..1024), or auto (default): chosen every step")
+    add_auto_budget_arguments(dec, "--budget auto: step times from this file, a table for every batch bucket "
+                              "(ddtree-bench --batch B --cost-table FILE writes them; default: measured at start-up)")
     add_draft_vocab_argument(dec)
     add_int8_drafter_argument(dec)
     dec.add_argument("--max-top-k", type=non_negative_int, default=64,
@@ -81,6 +90,22 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     srv.add_argument("--access-log", action="store_true", help="log every HTTP request")
     return p
+
+
+def describe_budget(slots) -> str:
+    """The budget part of the start-up line: ", budget 64", ", budget auto (...)" or nothing."""
+    if slots.spec.mode != "ddtree":
+        return ""
+    if slots.auto is None:
+        return f", budget {slots.spec.budget}"
+    return (f", budget auto (plain, DFlash, budgets {','.join(map(str, slots.auto.budgets))}; objective "
+            f"{slots.auto.objective})")
+
+
+def describe_table(table) -> str:
+    """One line: each choice's step time at the table's first context, and where the table came from."""
+    times = ", ".join(f"{'plain' if k == 'ar' else k} {v[0]:.3g} ms" for k, v in table.ms.items())
+    return f"{times} (at {table.contexts[0]:.0f} tokens; {table.source})"
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -126,6 +151,10 @@ def main(argv=None) -> int:
         die(f"ddtree-serve needs {', '.join(missing)}: install the serve extra, pip install 'ddtree-jax[serve]'")
     if args.port > 65535:
         die(f"--port must be in [0, 65535], got {args.port}")
+    if args.budget != "auto" or args.mode in ("ar", "dflash"):
+        given = [flag for flag, v in (("--auto-budgets", args.auto_budgets), ("--cost-table", args.cost_table)) if v]
+        if given:
+            die(f"{' and '.join(given)} appl{'y' if len(given) > 1 else 'ies'} to --mode ddtree --budget auto only")
     use_autotune_cache(args)
     routes = routes_from(args)
 
@@ -150,27 +179,41 @@ def main(argv=None) -> int:
         target_dir = demo_paths()[0]
     name = args.model_name or ("ddtree-demo" if args.target is None else os.path.basename(os.path.normpath(target_dir)))
     mode = args.mode or ("ddtree" if engine.proposer is not None else "ar")
+    if args.cost_table and mode != "ddtree":
+        die(f"--cost-table applies to --mode ddtree --budget auto only (the mode is {mode}: no drafter)")
     max_context = args.max_context or min(engine.max_context, 4096)
     try:
         template = load_chat_template(target_dir)
         slots = SlotBatch(engine, mode=mode, budget=args.budget, max_batch=args.max_batch, max_context=max_context,
                           max_top_k=args.max_top_k, max_stop_ids=args.max_stop_ids, chunk_steps=args.chunk_steps,
-                          buckets=(args.max_batch,) if args.no_compact else args.batch_buckets)
-    except ValueError as e:
+                          buckets=(args.max_batch,) if args.no_compact else args.batch_buckets,
+                          auto_budgets=args.auto_budgets, cost_table=args.cost_table)
+    except ValueError as e:  # a bad --cost-table among them: named before anything compiles or listens
         die(str(e))
-    print(f"ddtree-serve: {name}, mode {mode}, {args.max_batch} slots of {max_context} tokens, "
+    budget = describe_budget(slots)
+    print(f"ddtree-serve: {name}, mode {mode}{budget}, {args.max_batch} slots of {max_context} tokens, "
           f"{'no' if template is None else 'a'} chat template", file=sys.stderr, flush=True)
     if not args.no_warmup:
-        print(f"ddtree-serve: compiling (prompt buckets {slots.prompt_buckets}, batch buckets {slots.buckets})",
-              file=sys.stderr, flush=True)
+        print(f"ddtree-serve: compiling (prompt buckets {slots.prompt_buckets}, batch buckets {slots.buckets})"
+              + (", then timing every choice per batch bucket" if slots.auto and len(slots.tables) < len(slots.buckets)
+                 else ""), file=sys.stderr, flush=True)
         slots.warm_up(args.warmup_prompt_len)
-    metrics = Metrics(args.max_batch, mode)
+    elif slots.auto is not None and len(slots.tables) < len(slots.buckets):
+        print(f"ddtree-serve: compiling batch buckets {slots.buckets} and timing every choice (--budget auto without "
+              "--cost-table)", file=sys.stderr, flush=True)
+        slots.measure_costs()
+    for rows, table in sorted(slots.tables.items()):
+        print(f"ddtree-serve: step times, batch {rows}: {describe_table(table)}", file=sys.stderr, flush=True)
+    metrics = Metrics(args.max_batch, mode, slots.choice_names)
     scheduler = Scheduler(slots, engine.tokenizer, max_queue=args.max_queue, metrics=metrics)
     limits = Limits(name, max_context, engine.cfg.vocab_size, args.max_top_k, args.max_stop_ids)
     import jax
 
     info = {"model": name, "mode": mode, "budget": args.budget if mode == "ddtree" else None,
             "slots": args.max_batch, "max_context": max_context, "device": jax.devices()[0].device_kind}
+    if slots.auto is not None:
+        info |= {"auto_budgets": list(slots.auto.budgets), "auto_objective": slots.auto.objective,
+                 "cost_tables": {str(rows): t.source for rows, t in sorted(slots.tables.items())}}
     app = create_app(scheduler, limits, engine.tokenizer, template, metrics, info)
     # Past --shutdown-timeout the scheduler cancels what is left, which ends those responses
     # properly (an error event and [DONE]); uvicorn's own limit is a backstop behind it.

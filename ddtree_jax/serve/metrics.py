@@ -15,7 +15,9 @@ class Metrics:
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, max_batch: int, mode: str):
+    def __init__(self, max_batch: int, mode: str, choices: tuple[str, ...] = ()):
+        """choices: budget "auto"'s choice names (SlotBatch.choice_names: "ar", "dflash", budgets),
+        whose counters start at 0."""
         r = self.registry = CollectorRegistry()
         self.requests = Counter("ddtree_requests", "HTTP generation requests by endpoint and outcome",
                                 ["endpoint", "status"], registry=r)
@@ -49,6 +51,19 @@ class Metrics:
                               buckets=LATENCY_BUCKETS, registry=r)
         self.latency = Histogram("ddtree_request_seconds", "Time from submission to the end", buckets=LATENCY_BUCKETS,
                                  registry=r)
+        # budget "auto": per choice ("ar" = plain decoding, "dflash", DDTree budgets), over all slots
+        self.auto_steps = Counter("ddtree_auto_steps", "Device steps of budget auto, by the choice each ran",
+                                  ["choice"], registry=r)
+        self.auto_row_steps = Counter("ddtree_auto_row_steps", "Those steps summed over their active requests",
+                                      ["choice"], registry=r)
+        self.auto_accepted = Counter("ddtree_auto_accepted_tokens", "Draft tokens the target accepted in those "
+                                     "steps (over row_steps: acceptance per request step)", ["choice"], registry=r)
+        self.auto_predicted = Counter("ddtree_auto_predicted_tokens", "Accepted draft tokens the policy predicted "
+                                      "for those steps (calibrated; against accepted: the calibration's error)",
+                                      ["choice"], registry=r)
+        for name in choices:
+            for counter in (self.auto_steps, self.auto_row_steps, self.auto_accepted, self.auto_predicted):
+                counter.labels(choice=name)
 
     # ---- scheduler hooks -------------------------------------------------------------------
     def on_prefill(self, seconds: float, prompt_tokens: int, waited: float) -> None:
@@ -65,6 +80,15 @@ class Metrics:
         self.batch_rows.observe(rows)
         if steps:
             self.step_time.observe(seconds / steps)
+
+    def on_choices(self, names, steps, row_steps, predicted, accepted) -> None:
+        """A chunk's budget-auto statistics, per choice in `names` order."""
+        for i, name in enumerate(names):
+            if steps[i]:
+                self.auto_steps.labels(choice=name).inc(int(steps[i]))
+                self.auto_row_steps.labels(choice=name).inc(int(row_steps[i]))
+                self.auto_accepted.labels(choice=name).inc(float(accepted[i]))
+                self.auto_predicted.labels(choice=name).inc(float(predicted[i]))
 
     def on_finish(self, reason: str, tokens: int, steps: int, ttft: float | None, seconds: float) -> None:
         self.finished.labels(reason=reason).inc()

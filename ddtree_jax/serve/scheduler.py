@@ -264,6 +264,9 @@ class Scheduler:
                 finished.append((r, reason))
         if self.metrics:
             self.metrics.on_chunk(seconds, steps_run, self.slots.rows_for(n), n)
+            if report.choice_steps is not None:  # budget "auto": what each step chose
+                self.metrics.on_choices(self.slots.choice_names, report.choice_steps, report.choice_rows,
+                                        report.choice_predicted, report.choice_accepted)
         for r, reason in sorted(finished, reverse=True):
             self._finish(self._active[r], reason, "the client went away" if reason == "cancelled" else None)
             last = len(self._active) - 1

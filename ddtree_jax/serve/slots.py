@@ -7,24 +7,38 @@ insertions the state advances in chunks of device steps. Requests are kept packe
 0 .. n-1 (a freed slot takes the last active row), so a chunk runs only the smallest batch
 bucket that holds every active request: idle slots cost no compute.
 
+Budget "auto" (choice.AutoBudget, objective "tokens"): each chunk runs with its batch bucket's
+step-time table (data in the loop state: one compilation per bucket still), from a file or
+measured at start-up in the chunk program itself. The policy's per-row state moves with its
+request and starts afresh in a slot that gets a new one (choice.joining); its calibration belongs
+to the model and persists. The step counter and statistics restart with every chunk.
+
 Nothing here knows HTTP, text or requests: ddtree_jax/serve/scheduler.py drives it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import NamedTuple, Sequence
+import os
+import time
+from typing import Mapping, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ddtree_jax.engine import Engine
+from ddtree_jax.engine import Engine, resolve_budget
+from ddtree_jax.speculative import choice
+from ddtree_jax.speculative import cost_table as costs
 from ddtree_jax.speculative import generate as gen
+from ddtree_jax.speculative.choice import AutoBudget
 from ddtree_jax.speculative.sampling import RowSampling, Sampling, SamplingCode, seed_key
 
 MIN_PROMPT_BUCKET = 16
+MEASURE_STEPS = 8  # a start-up table times each choice for this many steps and twice as many
+MEASURE_PROMPT = 64  # tokens of the start-up table's synthetic prompt (at most a quarter of the context)
 
 
 class ChunkReport(NamedTuple):
@@ -34,6 +48,12 @@ class ChunkReport(NamedTuple):
     done: np.ndarray  # [rows] bool
     steps: np.ndarray  # [rows] steps taken while active
     tokens: np.ndarray  # [rows, window] out[r, sent[r] :], -1 past the end
+    # budget "auto", per choice (AutoBudget.names order), in this chunk: steps, row-steps (active rows
+    # summed over those steps), predicted (calibrated) and realised accepted draft tokens; else None
+    choice_steps: np.ndarray | None = None
+    choice_rows: np.ndarray | None = None
+    choice_predicted: np.ndarray | None = None
+    choice_accepted: np.ndarray | None = None
 
 
 class RowStart(NamedTuple):
@@ -44,52 +64,66 @@ class RowStart(NamedTuple):
     done: bool  # finished at its first token (a stop id, or max_new 1)
 
 
-def _rows_of(state: gen.LoopState, fn) -> dict:
-    return {f: jax.tree.map(fn, getattr(state, f)) for f in gen.ROW_FIELDS}
-
-
 def _take(state: gen.LoopState, rows: int) -> gen.LoopState:
     """The first `rows` slots (a copy when rows < B)."""
     if rows == state.done.shape[0]:
         return state
-    return state._replace(**_rows_of(state, lambda x: x[:rows]))
+    return gen.map_rows(lambda x: x[:rows], state)
 
 
 def _put(state: gen.LoopState, sub: gen.LoopState, rows: int) -> gen.LoopState:
     """state with its first `rows` slots and its batch fields from sub."""
     if rows == state.done.shape[0]:
         return sub
-    fields = {f: jax.tree.map(lambda big, small: big.at[:rows].set(small), getattr(state, f), getattr(sub, f))
-              for f in gen.ROW_FIELDS}
-    return sub._replace(**fields)
+    return gen.map_rows(lambda big, small: big.at[:rows].set(small), state, sub, base=sub)
 
 
-def _chunk(graphdef, params, dparams, state, eos, max_steps, sent, *, spec, rows: int, window: int):
-    """Up to max_steps steps of the first `rows` slots, and their new tokens from sent [rows] on."""
+def _chunk(graphdef, params, dparams, state, eos, max_steps, sent, table, *, spec, rows: int, window: int):
+    """Up to max_steps steps of the first `rows` slots, and their new tokens from sent [rows] on.
+
+    The batch's step counter, histogram and (budget "auto") statistics restart from zero in every
+    chunk, so none of them grows with the server's lifetime (the step counter stays below
+    max_steps: every index by step is in range). table: budget "auto"'s step times for this bucket
+    (cost_ms [C, K], cost_ctx [K]: data, so every table shares the bucket's compilation); None
+    otherwise."""
     model = nnx.merge(graphdef, params)
-    sub = gen._advance(model, dparams, _take(state, rows), eos, spec, max_steps)
+    sub = _take(state, rows)
+    sub = sub._replace(i=jnp.zeros_like(sub.i), hist=jnp.zeros_like(sub.hist))
+    if spec.adaptive is not None:
+        ms, ctx = table
+        sub = sub._replace(adapt=choice.clear_statistics(sub.adapt)._replace(cost_ms=ms, cost_ctx=ctx))
+    sub = gen._advance(model, dparams, sub, eos, spec, max_steps)
     pos = jnp.minimum(sent[:, None] + jnp.arange(window, dtype=jnp.int32)[None], sub.out.shape[1] - 1)
     tokens = jnp.where(sent[:, None] + jnp.arange(window)[None] < sub.n_out[:, None],
                        jnp.take_along_axis(sub.out, pos, axis=1), -1)
-    return _put(state, sub, rows), (sub.n_out, sub.done, sub.steps, tokens)
+    stats = (None,) * 4
+    if spec.adaptive is not None:
+        a = sub.adapt
+        stats = (a.n_steps, a.n_rows, a.sum_cal, a.sum_real)
+    return _put(state, sub, rows), (sub.n_out, sub.done, sub.steps, tokens) + stats
 
 
 def _insert(state: gen.LoopState, row: gen.LoopState, slot) -> gen.LoopState:
-    """state with slot `slot` holding row's sequence (row: batch 1; its caches may be shorter)."""
+    """state with slot `slot` holding row's sequence (row: batch 1; its caches may be shorter).
+    Budget "auto": the slot's per-row policy state is a joining row's (choice.joining), never the
+    previous occupant's; the batch's calibration is state's own."""
+    if state.adapt is not None:
+        row = row._replace(adapt=choice.joining(state.adapt, row.adapt))
 
     def put(big, small):
         return jax.lax.dynamic_update_slice(big, small.astype(big.dtype), (slot,) + (0,) * (big.ndim - 1))
 
-    return state._replace(**{f: jax.tree.map(put, getattr(state, f), getattr(row, f)) for f in gen.ROW_FIELDS})
+    return gen.map_rows(put, state, row)
 
 
 def _move(state: gen.LoopState, src, dst) -> gen.LoopState:
-    """Copy slot src into slot dst, then mark src done (src == dst: just free it)."""
+    """Copy slot src into slot dst (its per-row policy state too), then mark src done (src == dst:
+    just free it)."""
 
     def mv(x):
         return jax.lax.dynamic_update_slice_in_dim(x, jax.lax.dynamic_slice_in_dim(x, src, 1, axis=0), dst, axis=0)
 
-    state = state._replace(**_rows_of(state, mv))
+    state = gen.map_rows(mv, state)
     return state._replace(done=state.done.at[src].set(True))
 
 
@@ -118,11 +152,19 @@ class SlotBatch:
     top-k up to max_top_k and top-p, skipped at run time when no row uses it); every slot has
     room for max_context tokens (prompt + generated). buckets: the batch sizes a chunk may run
     (one compilation each; default powers of two and max_batch; (max_batch,): always every slot).
+
+    budget "auto" (mode ddtree): an AutoBudget over auto_budgets with the objective "tokens" (a
+    server replaces finished rows, so the batch's tokens per second is what counts; an AutoBudget
+    passed in is used as it is). Its step times per batch bucket come from cost_table (the path of
+    a file `ddtree-bench --cost-table` wrote, with a table for every bucket, or {bucket: CostTable})
+    or from measure_costs() (warm_up calls it); `tables` holds them.
     """
 
-    def __init__(self, engine: Engine, *, mode: str = "ddtree", budget: int = 64, candidates: int | None = None,
-                 max_batch: int = 8, max_context: int = 2048, max_top_k: int = 64, max_stop_ids: int = 8,
-                 chunk_steps: int = 4, buckets: Sequence[int] | None = None):
+    def __init__(self, engine: Engine, *, mode: str = "ddtree", budget: int | str | AutoBudget = 64,
+                 candidates: int | None = None, max_batch: int = 8, max_context: int = 2048, max_top_k: int = 64,
+                 max_stop_ids: int = 8, chunk_steps: int = 4, buckets: Sequence[int] | None = None,
+                 auto_budgets: Sequence[int] | None = None,
+                 cost_table: str | os.PathLike | Mapping[int, costs.CostTable] | None = None):
         if mode != "ar" and engine.proposer is None:
             raise ValueError(f"mode {mode!r} needs a drafter (--drafter)")
         if not 2 <= max_context <= engine.max_context:
@@ -140,11 +182,24 @@ class SlotBatch:
         # (rounded up to a multiple of 64, the kernels' key blocks).
         self.capacity = -(-gen.required_capacity(0, max_context, block) // 64) * 64
         code = SamplingCode(sample=True, top_k=max_top_k, top_p=True)
-        self.spec = gen.GenSpec(mode, budget, candidates, max_context, code, self.capacity, proposer, engine.routes)
+        resolved = resolve_budget(mode, budget, auto_budgets)
+        if isinstance(budget, str) and isinstance(resolved, AutoBudget):
+            resolved = dataclasses.replace(resolved, objective="tokens")  # rows are replaced as they finish
+        self.spec = gen.GenSpec(mode, resolved, candidates, max_context, code, self.capacity, proposer, engine.routes)
         self.spec.validate(engine.cfg.vocab_size)
+        self.auto: AutoBudget | None = self.spec.adaptive
         self.buckets = batch_buckets(max_batch) if buckets is None else tuple(sorted(set(buckets) | {max_batch}))
         if not 1 <= self.buckets[0] or self.buckets[-1] != max_batch:
             raise ValueError(f"batch buckets must be in [1, max_batch={max_batch}], got {tuple(buckets)}")
+        # budget "auto": the step-time table of each batch bucket, and its arrays on the device
+        self.tables: dict[int, costs.CostTable] = {}
+        self._table_arrays: dict[int, tuple] = {}
+        # the trace of choices holds one chunk's steps (or a start-up measurement's longest call)
+        self.trace_len = max(chunk_steps, 2 * MEASURE_STEPS)
+        if cost_table is not None:
+            if self.auto is None:
+                raise ValueError("a step-time table is for mode ddtree with budget 'auto' only")
+            self.tables = self._load_tables(cost_table)
         self.prompt_buckets = prompt_buckets(max_context)
         self.window = chunk_steps * block + 1  # a chunk's tokens per row, plus the prefill's
         self.eos = jnp.asarray(sorted(set(engine.stop_ids)), jnp.int32)
@@ -155,6 +210,111 @@ class SlotBatch:
         self._insert = jax.jit(_insert, donate_argnames=("state",))
         self._move = jax.jit(_move, donate_argnames=("state",))
         self.state = self._empty()
+        if self.auto is not None:
+            self._install_tables()
+
+    # ---- budget "auto": step-time tables ---------------------------------------------------------
+    @property
+    def choice_names(self) -> tuple[str, ...]:
+        """The adaptive budget's choices (ChunkReport.choice_* order); () without one."""
+        return () if self.auto is None else self.auto.names
+
+    def _load_tables(self, source) -> dict[int, costs.CostTable]:
+        """A table for every batch bucket, each checked against the compiled choices; every problem
+        of every bucket in one ValueError."""
+        tables, problems = {}, []
+        for rows in self.buckets:
+            try:
+                if isinstance(source, Mapping):
+                    if rows not in source:
+                        raise ValueError(f"no step-time table for batch {rows} (tables for {sorted(source)})")
+                    table = source[rows]
+                else:
+                    table = self.engine.load_cost_table(source, rows)
+                table.arrays(self.auto)  # every compiled choice has a time
+                tables[rows] = table
+            except ValueError as e:
+                if str(e) not in problems:
+                    problems.append(str(e))
+        if problems:
+            raise ValueError("; ".join(problems))
+        return tables
+
+    def _install_tables(self) -> None:
+        """The tables' arrays for the chunks, and the policy's state from scratch: calibration and
+        population expectation from the largest bucket's table where it measured them (a file from
+        ddtree-bench), else nothing learned yet (the first speculative step teaches them)."""
+        self._table_arrays = {}
+        for rows, table in self.tables.items():
+            arrays = table.arrays(self.auto)
+            self._table_arrays[rows] = (jnp.asarray(arrays.ms, jnp.float32), jnp.asarray(arrays.contexts, jnp.float32))
+        prior = self.tables.get(self.buckets[-1])
+        arrays = prior.arrays(self.auto) if prior is not None else costs.placeholder(self.auto)
+        fresh = choice.init_state(self.auto, self.max_batch, self.trace_len, arrays)
+        # one buffer per field (init_state shares some; the chunk donates the state) and exact types
+        # (no weak types: a new state must not compile another program)
+        self.state = self.state._replace(adapt=jax.tree.map(lambda x: jnp.array(x, x.dtype, copy=True), fresh))
+
+    def _table(self, rows: int, placeholder: bool = False):
+        """The (cost_ms, cost_ctx) a chunk of batch `rows` runs with; None without budget "auto"."""
+        if self.auto is None:
+            return None
+        if rows in self._table_arrays:
+            return self._table_arrays[rows]
+        if not placeholder:
+            raise RuntimeError(f"no step-time table for batch {rows}: call measure_costs() (warm_up does) or "
+                               "give cost_table")
+        arrays = costs.placeholder(self.auto)  # warm-up and measurement runs: their choices do not matter
+        return jnp.asarray(arrays.ms), jnp.asarray(arrays.contexts)
+
+    def measure_costs(self, steps: int = MEASURE_STEPS, repeats: int = 3) -> dict[int, float]:
+        """Budget "auto": measure the step-time table of every batch bucket that has none, in the
+        serving program itself (the bucket's chunk; the forced choice and the table are data, so
+        nothing more compiles): the bucket's slots hold copies of one synthetic request, run without
+        stop tokens, each choice forced (cost_table.measure). The acceptance such runs see says
+        nothing of real requests and is not kept: the policy learns it from the traffic. Needs idle
+        slots (before serving) and room for a copy of their state. The slots end idle. Returns the
+        seconds each bucket took."""
+        if self.auto is None:
+            return {}
+        if not bool(np.asarray(self.state.done).all()):
+            raise RuntimeError("measure_costs needs idle slots: call it before serving")
+        if 2 * steps > self.trace_len:
+            raise ValueError(f"steps must be at most {self.trace_len // 2}, got {steps}")
+        todo = [rows for rows in self.buckets if rows not in self.tables]
+        seconds = {}
+        if todo:
+            n = max(1, min(MEASURE_PROMPT, self.max_context // 4))
+            if self.max_context - n < 2:
+                raise ValueError(f"max_context {self.max_context} leaves no room to measure step times")
+            prompt = np.random.default_rng(0).integers(0, self.engine.cfg.vocab_size, n).tolist()
+            never = jnp.full(self.eos.shape, -1, jnp.int32)  # the real EOS set's shape: the same program
+            row = self._prefill(prompt, Sampling(), 0, self.max_context - n, (), never)
+            e = self.engine
+            for rows in todo:
+                t0 = time.perf_counter()
+                for slot in range(rows):
+                    self.insert(row, slot)
+                start = self.state._replace(i=jnp.zeros_like(self.state.i))
+                sent = jnp.zeros((rows,), jnp.int32)
+                hold = self._table(rows, placeholder=True)
+
+                def advance(st, k, rows=rows, sent=sent, hold=hold):
+                    return self._chunk(e.params, e.drafter_params, st, never, jnp.int32(k), sent, hold, spec=self.spec,
+                                       rows=rows, window=self.window)[0]
+
+                table = costs.measure(advance, start, self.auto, steps=steps, repeats=repeats, batch=rows,
+                                      context=float(n))
+                self.tables[rows] = dataclasses.replace(
+                    table, ratios={}, accepted={},
+                    source=f"measured at start-up in the serving program (batch {rows}, a synthetic {n}-token prompt; "
+                    f"each choice forced for {steps} and {2 * steps} steps, median of {repeats} interleaved pairs)")
+                self.state = start
+                seconds[rows] = time.perf_counter() - t0
+            self.state = self.state._replace(done=jnp.ones_like(self.state.done))
+        self._install_tables()
+        jax.block_until_ready(self.state)
+        return seconds
 
     # ---- host-side helpers -----------------------------------------------------------------
     def rows_for(self, n_active: int) -> int:
@@ -181,15 +341,24 @@ class SlotBatch:
         prompt = jax.ShapeDtypeStruct((b, 1), jnp.int32)
         lens = jax.ShapeDtypeStruct((b,), jnp.int32)
         fn = lambda p, d, pr, ln, eos, r: gen._start_from(e.graphdef, p, d, pr, ln, eos, None, self.spec, r,
-                                                           self.capacity)
+                                                           self.capacity, self._row_costs())
         shapes = jax.eval_shape(fn, e.params, e.drafter_params, prompt, lens, self.eos, rows)
+        # (budget "auto": the adaptive state is replaced by _install_tables)
         state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
         return state._replace(done=jnp.ones((b,), bool))
+
+    def _row_costs(self):
+        """The table arrays a prefill's own adaptive state starts from: only its per-row fields are
+        used, and insert replaces them (choice.joining)."""
+        return None if self.auto is None else costs.placeholder(self.auto)
 
     # ---- device work ---------------------------------------------------------------------
     def prefill(self, prompt_ids: Sequence[int], sampling: Sampling, seed: int, max_new: int,
                 stop_ids: Sequence[int] = ()) -> RowStart:
         """Prefill one request alone (its prompt padded to a length bucket) and choose its first token."""
+        return self._prefill(prompt_ids, sampling, seed, max_new, stop_ids, self.eos)
+
+    def _prefill(self, prompt_ids, sampling, seed, max_new, stop_ids, eos) -> RowStart:
         n = len(prompt_ids)
         if not 1 <= n or n + max_new > self.max_context:
             raise ValueError(f"prompt of {n} tokens + {max_new} new exceeds the context {self.max_context}")
@@ -198,8 +367,8 @@ class SlotBatch:
         prompt[0, :n] = prompt_ids
         rows = self.controls([sampling], [seed], [max_new], [stop_ids])
         e = self.engine
-        state = self._start(e.params, e.drafter_params, jnp.asarray(prompt), jnp.asarray([n], jnp.int32), self.eos,
-                            None, spec=self.spec, rows=rows, capacity=t)
+        state = self._start(e.params, e.drafter_params, jnp.asarray(prompt), jnp.asarray([n], jnp.int32), eos,
+                            None, spec=self.spec, rows=rows, capacity=t, costs=self._row_costs())
         first, done = jax.device_get((state.out[0, 0], state.done[0]))
         return RowStart(state, int(first), bool(done))
 
@@ -211,27 +380,36 @@ class SlotBatch:
         self.state = self._move(self.state, jnp.int32(src), jnp.int32(dst))
 
     def advance(self, n_active: int, sent: Sequence[int], steps: int | None = None) -> ChunkReport:
-        """One chunk of up to `steps` (default chunk_steps) device steps of the slots 0 .. n_active-1
-        (in their batch bucket); one host sync."""
+        """One chunk of up to `steps` (default and at most chunk_steps) device steps of the slots
+        0 .. n_active-1 (in their batch bucket); one host sync."""
+        steps = steps or self.chunk_steps
+        if not 1 <= steps <= self.chunk_steps:
+            raise ValueError(f"a chunk runs 1 to chunk_steps={self.chunk_steps} steps, got {steps}")
         rows = self.rows_for(n_active)
+        return self._run_chunk(rows, sent, steps, self._table(rows))
+
+    def _run_chunk(self, rows: int, sent: Sequence[int], steps: int, table) -> ChunkReport:
         sent_arr = np.zeros((rows,), np.int32)
         sent_arr[: len(sent)] = sent
         e = self.engine
-        self.state, report = self._chunk(e.params, e.drafter_params, self.state, self.eos,
-                                         jnp.int32(steps or self.chunk_steps), jnp.asarray(sent_arr),
-                                         spec=self.spec, rows=rows, window=self.window)
+        self.state, report = self._chunk(e.params, e.drafter_params, self.state, self.eos, jnp.int32(steps),
+                                         jnp.asarray(sent_arr), table, spec=self.spec, rows=rows, window=self.window)
         return ChunkReport(*jax.device_get(report))
 
-    def warm_up(self, max_prompt: int | None = None) -> None:
+    def warm_up(self, max_prompt: int | None = None) -> dict[int, float]:
         """Compile and run once: the prefill of each prompt bucket (up to max_prompt tokens; default
-        all), the insert, the move, and a chunk of each batch bucket; the slots end idle."""
+        all), the insert, the move, and a chunk of each batch bucket; budget "auto": the step-time
+        tables the buckets lack (measure_costs; its seconds per bucket are returned). The slots end
+        idle, the adaptive policy with nothing learned from the warm-up's requests."""
         limit = max_prompt or self.max_context
         for t in self.prompt_buckets[: 1 + sum(t < limit for t in self.prompt_buckets)]:
             row = self.prefill([1] * min(t, self.max_context - 1), Sampling(), 0, 1)
         for rows in self.buckets:
             for slot in range(rows):
                 self.insert(row, slot)
-            self.advance(rows, [0] * rows, steps=1)
+            self._run_chunk(rows, [0] * rows, 1, self._table(rows, placeholder=True))
             for slot in reversed(range(rows)):
                 self.move(slot, slot)
+        seconds = self.measure_costs()  # budget "auto" (else nothing); resets the policy's state
         jax.block_until_ready(self.state)
+        return seconds

@@ -25,6 +25,10 @@ with E the drafter's expected acceptance of the choice's draft (speculative/expe
   probe_budget plain steps for the cheapest speculative choice, within `probe_wait`; it doubles
   while probes keep choosing plain steps.
 
+Under continuous batching (ddtree_jax/serve) rows join and leave a running state: the per-row
+fields (ROW_FIELDS) move with their request and start from the population's expectation when a
+new one joins (`joining`); the calibration and the probe schedule belong to the batch and persist.
+
 Everything is arrays in the loop state (`AdaptiveState`), updated without a host round trip.
 Pure functions of arrays: the generation loop (speculative/adaptive.py) and the offline simulation
 (scripts/adaptive_sim.py) run the same code.
@@ -113,7 +117,10 @@ class AdaptiveState(NamedTuple):
     all_real: jax.Array  # float32 decayed sums over all speculative steps
     all_pred: jax.Array  # float32
     row_e: jax.Array  # [B, C] float32 moving average of each row's calibrated E (decision before a draft)
-    have_e: jax.Array  # bool: row_e holds a speculative step's values
+    have_e: jax.Array  # bool: row_e (and pop_e) hold a speculative step's values or a table's measured acceptance
+    # [C] float32 the population's calibrated E: decayed mean over the active rows of each speculative
+    # step (decay `decay` per step); a row that joins a running batch (ddtree_jax/serve) starts from it
+    pop_e: jax.Array
     since: jax.Array  # int32 plain steps since the last speculative step
     gap: jax.Array  # int32 the probe wait's multiplier: doubles at each probe that chooses plain steps again
     # statistics (whole generation): per choice steps, row-steps, and sums of raw / calibrated
@@ -124,6 +131,11 @@ class AdaptiveState(NamedTuple):
     sum_cal: jax.Array  # [C] float32
     sum_real: jax.Array  # [C] float32
     trace: jax.Array  # [T] int8 choice of step i (-1: no step)
+
+
+# The AdaptiveState fields with the batch on axis 0 (one row of them belongs to one sequence); the
+# others belong to the batch (the table, the calibration, the probe schedule, the statistics).
+ROW_FIELDS = ("row_e",)
 
 
 class TableArrays(NamedTuple):
@@ -158,10 +170,25 @@ def init_state(policy: AutoBudget, batch: int, steps: int, table: TableArrays) -
     all_real = jnp.sum(real) / jnp.maximum(n_seeded, 1)
     accepted = jnp.asarray(table.accepted, jnp.float32)
     known = jnp.all(jnp.where(spec & jnp.asarray(policy.enabled), accepted >= 0, True))
-    row_e = jnp.broadcast_to(jnp.where(spec & (accepted >= 0), accepted, 0.0), (batch, c))
+    pop_e = jnp.where(spec & (accepted >= 0), accepted, 0.0).astype(jnp.float32)
     return AdaptiveState(ms, ctx, jnp.int32(-1), real, pred, all_real, all_pred,
-                         row_e, known, jnp.int32(0), jnp.int32(1), zc, zc, zf,
+                         jnp.broadcast_to(pop_e, (batch, c)), known, pop_e, jnp.int32(0), jnp.int32(1), zc, zc, zf,
                          zf, zf, jnp.full((steps,), -1, jnp.int8))
+
+
+def joining(a: AdaptiveState, row: AdaptiveState) -> AdaptiveState:
+    """row (the state of newly prefilled rows) with its per-row fields (ROW_FIELDS) as rows that join
+    the running batch `a` start them (a server's new requests): row_e = a's population expectation,
+    never the values of the row that held the slot before."""
+    return row._replace(row_e=jnp.broadcast_to(a.pop_e, row.row_e.shape).astype(row.row_e.dtype))
+
+
+def clear_statistics(a: AdaptiveState) -> AdaptiveState:
+    """a with its statistics (steps, row-steps and accepted-token sums per choice, the trace) zeroed:
+    a server reads them per chunk of steps and starts the next chunk from zero, so no counter grows
+    with the server's lifetime. The policy's state (calibration, population E, probes) is kept."""
+    zc, zf = jnp.zeros_like(a.n_steps), jnp.zeros_like(a.sum_pred)
+    return a._replace(n_steps=zc, n_rows=zc, sum_pred=zf, sum_cal=zf, sum_real=zf, trace=jnp.full_like(a.trace, -1))
 
 
 def step_costs(policy: AutoBudget, a: AdaptiveState, context: jax.Array) -> jax.Array:
@@ -255,7 +282,9 @@ def after_spec(policy: AutoBudget, a: AdaptiveState, c, e_raw, e_cal, accepted, 
         sum_real=a.sum_real + onehot * real, trace=a.trace.at[step].set(c.astype(jnp.int8), mode="drop"))
     e_new = calibrated(policy, b, e_raw)
     row_e = jnp.where(a.have_e, policy.smooth * a.row_e + (1 - policy.smooth) * e_new, e_new)
-    b = b._replace(row_e=jnp.where(active[:, None], row_e, a.row_e))
+    mean_e = jnp.sum(jnp.where(active[:, None], e_new, 0.0), axis=0) / jnp.maximum(n, 1).astype(jnp.float32)
+    pop_e = jnp.where(a.have_e, d * a.pop_e + (1 - d) * mean_e, mean_e)
+    b = b._replace(row_e=jnp.where(active[:, None], row_e, a.row_e), pop_e=jnp.where(n > 0, pop_e, a.pop_e))
     # if plain steps come next, the next probe waits twice as long when this step was itself a probe
     # (it ran for the wait, not for its predicted worth) and as long as the costs say otherwise
     was_probe = _probe_due(policy, a, costs) & a.have_e & ~_predicted_spec_wins(policy, a, left, costs)

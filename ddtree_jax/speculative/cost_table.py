@@ -106,14 +106,17 @@ def fingerprint(cfg, proposer, routes) -> dict:
 
 
 def measure(advance: Callable, start_state, auto: AutoBudget, *, steps: int = 8, repeats: int = 3,
-            batch: int | None = None) -> CostTable:
+            batch: int | None = None, context: float | None = None) -> CostTable:
     """Time every compiled choice of `auto` from start_state (a prefilled LoopState of the auto
     program; never modified): advance(state, n) -> state runs up to n steps (it may donate its
     input: each call gets a copy). Rows should not stop early (pass an EOS set nothing matches);
     steps actually run are counted, so a generation that ends early still yields a time. The
     forced runs' acceptance per choice comes with the table (`ratios`: realised / predicted,
-    `accepted`: per row and step; the generations' first calibration and expectation)."""
-    context = float(np.mean(np.asarray(start_state.cache.lengths)))
+    `accepted`: per row and step; the generations' first calibration and expectation). context:
+    the table's committed length (default the mean over start_state's rows; a server whose state
+    has idle slots gives its rows')."""
+    if context is None:
+        context = float(np.mean(np.asarray(start_state.cache.lengths)))
     i0 = int(start_state.i)
 
     real, pred, rows = np.zeros(auto.size), np.zeros(auto.size), np.zeros(auto.size)

@@ -31,7 +31,7 @@ from flax import nnx
 
 from ddtree_jax.cache import TargetCache, init_target_cache
 from ddtree_jax.routes import REFERENCE, Routes
-from ddtree_jax.speculative import adaptive
+from ddtree_jax.speculative import adaptive, choice
 from ddtree_jax.speculative.build import build_chain, build_tree, validate_budget
 from ddtree_jax.speculative.choice import AutoBudget
 from ddtree_jax.speculative.sampling import RowSampling, Sampling, SamplingCode, choose, to_code
@@ -133,8 +133,20 @@ class LoopState(NamedTuple):
 
 
 # The LoopState fields whose every leaf has the batch on axis 0 (a proposer's state included):
-# one row of these is one sequence's whole state. The others (hist, i) belong to the batch.
+# one row of these and of the adaptive state's per-row fields (choice.ROW_FIELDS) is one sequence's
+# whole state. The others (hist, i, the rest of adapt) belong to the batch.
 ROW_FIELDS = ("cache", "dstate", "bonus", "out", "n_out", "done", "steps", "rows")
+
+
+def map_rows(fn, *states: LoopState, base: LoopState | None = None) -> LoopState:
+    """base (default states[0]) with every leaf that carries the batch on axis 0 replaced by fn of
+    the states' leaves there: the ROW_FIELDS and, under budget "auto", adapt's choice.ROW_FIELDS.
+    The batch's own fields are base's."""
+    base = states[0] if base is None else base
+    new = {f: jax.tree.map(fn, *(getattr(s, f) for s in states)) for f in ROW_FIELDS}
+    if base.adapt is not None:
+        new["adapt"] = base.adapt._replace(**{f: fn(*(getattr(s.adapt, f) for s in states)) for f in choice.ROW_FIELDS})
+    return base._replace(**new)
 
 
 def position_keys(rows: RowControls, positions: jax.Array) -> jax.Array:
