@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ddtree_jax.config import TargetConfig
-from ddtree_jax.models.layers import Linear, Relu2MLP, SwiGLU, _init, relu2
+from ddtree_jax.models.layers import Linear, Relu2MLP, SwiGLU, _init
 from ddtree_jax.models.mixer import StatelessMixer
 from ddtree_jax.routes import REFERENCE, Routes
 from pallas_kernels import moe_experts
