@@ -117,7 +117,8 @@ def _require_dir(path: str) -> None:
 def _read_config(path: str) -> tuple[dict, TargetConfig]:
     cfg_path = os.path.join(path, CONFIG_FILE)
     if not os.path.isfile(cfg_path):
-        raise FileNotFoundError(f"no {CONFIG_FILE} in {path} (a Hugging Face model directory has one next to its weights)")
+        raise FileNotFoundError(
+            f"no {CONFIG_FILE} in {path} (a Hugging Face model directory has one next to its weights)")
     try:
         with open(cfg_path) as f:
             raw = json.load(f)

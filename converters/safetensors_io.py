@@ -112,7 +112,8 @@ class SafetensorsCheckpoint:
             raise CheckpointError([f"cannot read {INDEX_FILE}: {e}"], self.directory) from None
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict) or not weight_map:
-            raise CheckpointError([f"{INDEX_FILE} has no 'weight_map' object naming the shard of each tensor"], self.directory)
+            raise CheckpointError([f"{INDEX_FILE} has no 'weight_map' object naming the shard of each tensor"],
+                                  self.directory)
         by_file: dict[str, list[str]] = {}
         for name, fname in weight_map.items():
             if not isinstance(fname, str):
@@ -126,7 +127,8 @@ class SafetensorsCheckpoint:
         if not os.path.isfile(path):
             count = len(wanted or [])
             self.problems.append(
-                f"shard file '{fname}' is missing ({INDEX_FILE} maps {count} tensor(s) to it, e.g. '{(wanted or ['?'])[0]}')"
+                f"shard file '{fname}' is missing ({INDEX_FILE} maps {count} tensor(s) to it, "
+                f"e.g. '{(wanted or ['?'])[0]}')"
             )
             self.unavailable.extend(wanted or [])
             return
@@ -149,7 +151,8 @@ class SafetensorsCheckpoint:
         if wanted is not None:
             for name in wanted:
                 if name not in present_set:
-                    self.problems.append(f"{INDEX_FILE} lists tensor '{name}' in '{fname}', but that file does not contain it")
+                    self.problems.append(
+                        f"{INDEX_FILE} lists tensor '{name}' in '{fname}', but that file does not contain it")
                     self.unavailable.append(name)
 
     # ---- access ------------------------------------------------------------------------

@@ -159,8 +159,9 @@ def _phase_loop(graphdef, params, dparams, s, logq, tree, res, eos, key, spec, p
     gen._advance runs them) instead carry their state from iteration to iteration, as generation
     does: with only a checksum of each output, XLA dropped the recurrent-state and cache writebacks
     and copied the K cache per layer instead of updating it in place (seen in the profile's HLO),
-    and the separate phases miss the copies the loop itself makes into its carried buffers. The inputs are not donated: each call first copies the
-    caches it will update (per call, not per iteration)."""
+    and the separate phases miss the copies the loop itself makes into its carried buffers. The
+    inputs are not donated: each call first copies the caches it will update (per call, not per
+    iteration)."""
     model = nnx.merge(graphdef, params)
     vocab = model.cfg.vocab_size
     if phase == "step":
@@ -185,7 +186,8 @@ def _phase_loop(graphdef, params, dparams, s, logq, tree, res, eos, key, spec, p
             out = gen.verify(model, s, tree._replace(tokens=tree.tokens.at[:, 0].set((tree.tokens[:, 0] + i) % vocab)),
                              spec)
         elif phase == "commit":
-            out = gen.commit_and_emit(model, dparams, s, tree, res._replace(bonus=(res.bonus + i) % vocab), eos, spec)[0]
+            out = gen.commit_and_emit(model, dparams, s, tree, res._replace(bonus=(res.bonus + i) % vocab), eos,
+                                      spec)[0]
         else:
             raise ValueError(f"unknown phase {phase!r}")
         return acc + _checksum(out)
@@ -379,7 +381,8 @@ def table(results: list[RunResult]) -> str:
     """One row per run; with repeated passes tok/s is their median and a range column shows the spread."""
     spread = any(r.tokens_per_second_runs for r in results)
     head = f"{'mode':7} {'budget':>6} {'tok/s':>9} " + (f"{'tok/s range':>15} " if spread else "") + \
-           f"{'speedup':>7} {'accept':>6} {'ms/step':>8} {'draft':>7} {'build':>7} {'verify':>7} {'commit':>7} {'same':>5}"
+           f"{'speedup':>7} {'accept':>6} {'ms/step':>8} {'draft':>7} {'build':>7} {'verify':>7} {'commit':>7} " \
+           f"{'same':>5}"
     lines = [head, "-" * len(head)]
     for r in results:
         ph = r.phases_ms

@@ -81,7 +81,8 @@ class TargetConfig:
     ffn_types: tuple[str, ...] = ()
     mlp_bias: bool = False
     qk_norm: bool = True  # RMSNorm on q and k per head (Qwen3); rotary_dim = 0 means no RoPE
-    norm_weight_fp32: bool = False  # RMSNorm: (w_f32 * normed_f32).astype(x) (NemotronH) instead of w * normed.astype(x)
+    # RMSNorm: (w_f32 * normed_f32).astype(x) (NemotronH) instead of w * normed.astype(x)
+    norm_weight_fp32: bool = False
     residual_in_fp32: bool = False  # keep the residual stream in float32 (Mamba2ForCausalLM)
     # ---- Mamba2 / SSD mixer (conv_kernel above is shared) ----
     mamba_num_heads: int = 0

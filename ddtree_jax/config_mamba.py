@@ -226,11 +226,13 @@ def mamba_fields(raw: Mapping[str, Any], model_type: str, source: str) -> dict[s
             if experts and n_group and experts % n_group:
                 problems.append(f"n_routed_experts ({experts}) must be a multiple of n_group ({n_group})")
             elif experts and n_group and experts // n_group < 2:
-                problems.append(f"each expert group needs >= 2 experts (router sums each group's top 2), got {experts // n_group}")
+                problems.append(
+                    f"each expert group needs >= 2 experts (router sums each group's top 2), got {experts // n_group}")
             if topk_group and n_group and topk_group > n_group:
                 problems.append(f"topk_group ({topk_group}) must be <= n_group ({n_group})")
             if experts and n_group and top_k and topk_group and top_k > topk_group * (experts // n_group):
-                problems.append(f"num_experts_per_tok ({top_k}) exceeds the experts of the {topk_group} chosen group(s)")
+                problems.append(
+                    f"num_experts_per_tok ({top_k}) exceeds the experts of the {topk_group} chosen group(s)")
         _need(r, "mlp_hidden_act", ("relu2",), "relu2")
         _need(r, "mamba_hidden_act", ("silu",), "silu")
         if raw.get("sliding_window") is not None:

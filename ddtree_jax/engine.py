@@ -231,7 +231,8 @@ class Engine:
                 raise ValueError(f"prompt {i} is empty")
             bad = [t for t in p if not 0 <= t < self.cfg.vocab_size]
             if bad:
-                raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {self.cfg.vocab_size}): {bad[:5]}")
+                raise ValueError(
+                    f"prompt {i} has token ids outside the vocabulary [0, {self.cfg.vocab_size}): {bad[:5]}")
             if len(p) + max_new_tokens > self.max_context:
                 raise ValueError(
                     f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it needs "

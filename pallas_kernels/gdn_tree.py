@@ -117,7 +117,8 @@ def _tree_kernel(*refs, n, c, bk, p_in, p32, peel, in_place=False, split_state=F
     if in_place:
         q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, bits_ref, m0_ref, o_ref = refs
     elif peel:
-        q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, bits_ref, q0_ref, k0_ref, v0_ref, gb0_ref, m0_ref, o_ref, o0_ref = refs
+        (q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, bits_ref, q0_ref, k0_ref, v0_ref, gb0_ref, m0_ref, o_ref,
+         o0_ref) = refs
     else:
         q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, bits_ref, o_ref = refs
     off = 1 if in_place else 0  # row of node-relative row 0 in the row refs
@@ -369,7 +370,8 @@ def _pallas(q, k, v, g, beta, state, ancestor_bits, *, interpret, block_n, block
         args.append(pad(m0, 1, n_pad))
     elif peel:
         key_row = pl.BlockSpec((None, None, dk_pad), lambda i, j, t: (i, j // rep, 0))
-        in_specs += [key_row, key_row, row_tile_spec, pl.BlockSpec((None, None, SCALAR_LANES), lambda i, j, t: (i, j, 0)),
+        in_specs += [key_row, key_row, row_tile_spec,
+                     pl.BlockSpec((None, None, SCALAR_LANES), lambda i, j, t: (i, j, 0)),
                      pl.BlockSpec((None, n_pad), lambda i, j, t: (i, 0))]
         args += [pad(q0.astype(in_dtype), 2, dk_pad), pad(k0.astype(in_dtype), 2, dk_pad), pad(v0, 2, dv_pad),
                  gb0, pad(m0, 1, n_pad)]

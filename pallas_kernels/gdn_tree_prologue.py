@@ -55,15 +55,17 @@ def reference(mixed, window, conv_w, conv_src, *, num_k_heads: int, head_k_dim: 
     """(q, k, v in out_dtype, k float32): q, k [B, Hk, N, dk], v [B, Hv, N, dv] (module doc); with
     `gates` also (g, beta) [B, Hv, N] float32.
 
-    mixed [B, N, >= D] (its first D = 2 Hk dk + Hv dv columns: q | k | v channels); window [B, K - 1, D], conv_w [K, D], conv_src
-    [B, N, K] int32 (indices into [window ; mixed]); gates = (a_log, dt_bias) [Hv] with the b
-    columns of mixed at [ba_col, ba_col + Hv) and the a columns after them."""
+    mixed [B, N, >= D] (its first D = 2 Hk dk + Hv dv columns: q | k | v channels); window
+    [B, K - 1, D], conv_w [K, D], conv_src [B, N, K] int32 (indices into [window ; mixed]);
+    gates = (a_log, dt_bias) [Hv] with the b columns of mixed at [ba_col, ba_col + Hv) and the a
+    columns after them."""
     b, n, _ = mixed.shape
     d = conv_w.shape[1]
     act = jax.nn.silu(tree_conv(mixed[..., :d], window, conv_w, conv_src)).astype(out_dtype).astype(jnp.float32)
     kd = num_k_heads * head_k_dim
     heads = lambda a, dim: jnp.swapaxes(a.reshape(b, n, -1, dim), 1, 2)
-    q, k, v = heads(act[..., :kd], head_k_dim), heads(act[..., kd : 2 * kd], head_k_dim), heads(act[..., 2 * kd :], head_v_dim)
+    q, k, v = (heads(act[..., :kd], head_k_dim), heads(act[..., kd : 2 * kd], head_k_dim),
+               heads(act[..., 2 * kd :], head_v_dim))
     k32 = l2_normalize(k)
     out = (l2_normalize(q) * head_k_dim**-0.5).astype(out_dtype), k32.astype(out_dtype), v.astype(out_dtype), k32
     if gates is None:

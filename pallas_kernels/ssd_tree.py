@@ -104,7 +104,8 @@ def _gather_path(x, dt, B, path, count):
     path = jnp.clip(path.astype(jnp.int32), 0, n - 1)
     on = jnp.arange(p)[None, :] < count[:, None]
     take = lambda a: jnp.take_along_axis(a, path.reshape(*path.shape, *([1] * (a.ndim - 2))), axis=1)
-    return take(x).astype(jnp.float32), jnp.where(on[..., None], take(dt).astype(jnp.float32), 0.0), take(B).astype(jnp.float32)
+    return (take(x).astype(jnp.float32), jnp.where(on[..., None], take(dt).astype(jnp.float32), 0.0),
+            take(B).astype(jnp.float32))
 
 
 def ssd_path_commit_reference(x, dt, A, B, state, path, count):
@@ -240,7 +241,8 @@ def _verify_pallas(x, dt, A, B, C, D, state, ancestor_bits, *, interpret, block_
     if peel:
         head_tile = pl.BlockSpec((None, None, bp), lambda i, j, t: (i, j, t))
         group_row = pl.BlockSpec((None, None, ns), lambda i, j, t: (i, j // rep, 0))
-        in_specs += [head_tile, group_row, group_row, pl.BlockSpec((None, None, SCALAR_LANES), lambda i, j, t: (i, j, 0)),
+        in_specs += [head_tile, group_row, group_row,
+                     pl.BlockSpec((None, None, SCALAR_LANES), lambda i, j, t: (i, j, 0)),
                      pl.BlockSpec((None, n_pad), lambda i, j, t: (i, 0))]
         args += [x0, b0, c0, da0, _pad(m0, 1, n_pad)]
         out_specs = [out_specs, head_tile]

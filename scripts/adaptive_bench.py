@@ -115,7 +115,8 @@ def trace(engine, prompts: list[list[int]], max_new: int, auto: AutoBudget) -> d
     rows = []
     for i, c in enumerate(ref):
         n = min(len(c.token_ids), max_new) - 1  # positions a generation of max_new tokens (or to EOS) visits
-        rows.append({"prompt_len": lens[i], "positions": n, "e": e[:n, i].round(5).tolist(), "accepted": acc[:n, i].tolist()})
+        rows.append({"prompt_len": lens[i], "positions": n, "e": e[:n, i].round(5).tolist(),
+                     "accepted": acc[:n, i].tolist()})
     return {"choices": list(auto.names), "budgets": list(auto.budgets), "ar_burst": auto.ar_burst,
             "max_new_tokens": max_new, "rows": rows}
 
@@ -291,8 +292,9 @@ def latency(engine, prompt: list[int], max_new: int, auto_budgets, fixed_budget:
         row["compile_and_warm_s"] = row["first_call_s"] - row["second_call_s"] - row.get("first_table_s", 0.0)
         out[name] = row
         table = f", step-time table {row['first_table_s']:.2f} s" if "first_table_s" in row else ""
-        print(f"{name:10s} first call {row['first_call_s']:7.2f} s (first token after {row['first_first_token_s']:.2f} s"
-              f"{table}), second call {row['second_call_s']:.3f} s (first token after "
+        print(f"{name:10s} first call {row['first_call_s']:7.2f} s "
+              f"(first token after {row['first_first_token_s']:.2f} s{table}), "
+              f"second call {row['second_call_s']:.3f} s (first token after "
               f"{row['second_first_token_s'] * 1000:.1f} ms)", flush=True)
     return out
 
@@ -359,7 +361,8 @@ def main(argv=None) -> int:
     s = sub.add_parser("simulate", help="tokens/s of every policy on a trace with a step-time table")
     s.add_argument("--trace", required=True)
     s.add_argument("--cost-table", default=None, help="a table file from ddtree-bench --cost-table")
-    s.add_argument("--e2e", nargs="*", default=[], help="scripts.bench.e2e reports with step_ms_by_choice (one per context)")
+    s.add_argument("--e2e", nargs="*", default=[],
+                   help="scripts.bench.e2e reports with step_ms_by_choice (one per context)")
     s.add_argument("--ratios-from", default=None,
                    help="with --e2e: the first calibration from this ddtree-bench table file (of the trace's pair)")
     s.add_argument("--batches", default="1,8")

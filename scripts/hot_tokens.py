@@ -70,7 +70,8 @@ def main(argv=None) -> int:
     report = {"ids": ids, "size": len(ids), "counted_tokens": total, "coverage": covered / total if total else None,
               "files": args.files, "target": args.target}
     atomic.write_json(args.out, report)
-    print(f"hot_tokens: {len(ids)} ids cover {100 * (report['coverage'] or 0):.2f} % of {total} tokens; wrote {args.out}")
+    print(f"hot_tokens: {len(ids)} ids cover {100 * (report['coverage'] or 0):.2f} % of {total} tokens; "
+          f"wrote {args.out}")
     return 0
 
 

@@ -70,7 +70,8 @@ def main(argv=None, runner=profile_try) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tries", type=int, default=4, help="profile processes, each autotuning from scratch")
     ap.add_argument("--cache", required=True, metavar="DIR", help="where the chosen autotune cache goes (replaced)")
-    ap.add_argument("--smoke", action="store_true", help="scripts.bench.profile --smoke (checks the tool on any device)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="scripts.bench.profile --smoke (checks the tool on any device)")
     ap.add_argument("--timeout-s", type=float, default=300, help="per try")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "pick_autotune_cache.json"))
     args = ap.parse_args(own)

@@ -118,10 +118,12 @@ class Spec:
             heads, g, n, k, c = kw["num_heads"], kw["n_groups"], kw["state_size"], kw["conv_kernel"], kw["chunk_size"]
             hd, conv_bias = kw["head_dim"], kw.get("use_conv_bias", True)
         elif self.model_type == "bamba":
-            heads, g, n, k, c = kw["mamba_n_heads"], kw["mamba_n_groups"], kw["mamba_d_state"], kw["mamba_d_conv"], kw["mamba_chunk_size"]
+            heads, g, n = kw["mamba_n_heads"], kw["mamba_n_groups"], kw["mamba_d_state"]
+            k, c = kw["mamba_d_conv"], kw["mamba_chunk_size"]
             hd, conv_bias = kw["mamba_d_head"], kw.get("mamba_conv_bias", True)
         else:
-            heads, g, n, k, c = kw["mamba_num_heads"], kw["n_groups"], kw["ssm_state_size"], kw["conv_kernel"], kw["chunk_size"]
+            heads, g, n = kw["mamba_num_heads"], kw["n_groups"], kw["ssm_state_size"]
+            k, c = kw["conv_kernel"], kw["chunk_size"]
             hd, conv_bias = kw["mamba_head_dim"], kw.get("use_conv_bias", True)
         return (f"{self.model_type} heads={heads}x{hd} G={g} N={n} K={k} chunk={c} "
                 f"conv_bias={conv_bias} {'tied' if self.tie else 'untied'}")
@@ -156,7 +158,8 @@ SPECS: dict[str, Spec] = {s.name: s for s in [
           n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=32,
           time_step_min=1e-12, tie_word_embeddings=False),
     _spec("nemo_b", "nemotron_h", seed=22, intermediate_size=96,
-          layers_block_type=["linear_attention", "full_attention", "linear_attention", "moe", "linear_attention", "mlp"],
+          layers_block_type=["linear_attention", "full_attention", "linear_attention", "moe", "linear_attention",
+                             "mlp"],
           **_NEMO_ATTN, mamba_num_heads=4, mamba_head_dim=32, ssm_state_size=8, n_groups=1, conv_kernel=3,
           chunk_size=16, n_routed_experts=8, n_group=2, topk_group=1, num_experts_per_tok=3, norm_topk_prob=False,
           routed_scaling_factor=2.5, moe_intermediate_size=32, moe_shared_expert_intermediate_size=48,
@@ -171,7 +174,8 @@ SPECS: dict[str, Spec] = {s.name: s for s in [
 
 
 def spec_names(include_slow: bool = True, model_type: str | None = None) -> list[str]:
-    return [n for n, s in SPECS.items() if (include_slow or not s.slow) and (model_type is None or s.model_type == model_type)]
+    return [n for n, s in SPECS.items()
+            if (include_slow or not s.slow) and (model_type is None or s.model_type == model_type)]
 
 
 def _hf_class(model_type: str):

@@ -77,13 +77,16 @@ class RecordingProposer:
         return self.inner.block_size
 
     def init_state(self, params, batch, capacity):
-        return RecordState(self.inner.init_state(params, batch, capacity), jnp.zeros((batch, capacity, self.feature_dim)))
+        return RecordState(self.inner.init_state(params, batch, capacity),
+                           jnp.zeros((batch, capacity, self.feature_dim)))
 
     def extend(self, params, state, features, n_valid, routes=REFERENCE):
         start = state.inner.lengths
         t = features.shape[1]
-        pos = jnp.where(jnp.arange(t)[None, :] < n_valid[:, None], start[:, None] + jnp.arange(t)[None, :], state.features.shape[1])
-        feats = jax.vmap(lambda buf, p, f: buf.at[p].set(f.astype(buf.dtype), mode="drop"))(state.features, pos, features)
+        pos = jnp.where(jnp.arange(t)[None, :] < n_valid[:, None], start[:, None] + jnp.arange(t)[None, :],
+                        state.features.shape[1])
+        feats = jax.vmap(lambda buf, p, f: buf.at[p].set(f.astype(buf.dtype), mode="drop"))(state.features, pos,
+                                                                                            features)
         return RecordState(self.inner.extend(params, state.inner, features, n_valid, routes=routes), feats)
 
     def propose(self, params, state, target, bonus, start, routes=REFERENCE):

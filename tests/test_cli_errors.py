@@ -120,7 +120,8 @@ def test_convert_input_errors_in_cli_words(dirs, capsys, tmp_path, case):
         "dst_file": ([dirs["target"], tmp_path / "file"], f"{tmp_path / 'file'} is a file, expected a directory"),
         "dst_parent_file": ([dirs["target"], tmp_path / "file" / "dst"],
                             f"{tmp_path / 'file'} is a file, expected a directory"),
-        "already_converted": ([converted, tmp_path / "again"], "is already a converted checkpoint: pass it to ddtree-generate"),
+        "already_converted": ([converted, tmp_path / "again"],
+                              "is already a converted checkpoint: pass it to ddtree-generate"),
         "exists": ([dirs["target"], converted], "already exists; pass --force to replace it"),
     }[case]
     err = fails(capsys, convert_cli.main, argv + ["-q"])

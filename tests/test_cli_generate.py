@@ -90,8 +90,8 @@ def test_stream_callback_is_called_in_chunks(ckpts):
     target, drafter, _ = ckpts
     engine = Engine.load(target, drafter)
     seen = []
-    [c] = engine.generate(["a = 1\n"], mode="ddtree", budget=8, max_new_tokens=30, stream=lambda r, ids: seen.append(ids),
-                          stream_every=1)
+    [c] = engine.generate(["a = 1\n"], mode="ddtree", budget=8, max_new_tokens=30,
+                          stream=lambda r, ids: seen.append(ids), stream_every=1)
     assert len(seen) > 2, "tokens should arrive in several chunks"
     assert sum(seen, []) == c.token_ids
 
@@ -101,7 +101,8 @@ def test_prompt_from_stdin_and_ids(ckpts, capsys, monkeypatch):
     monkeypatch.setattr(cli.sys, "stdin", io.StringIO("import os\n"))
     code, out, _ = run(capsys, "--target", target, "--mode", "ar", "--max-new-tokens", "5", "--json")
     assert code == 0 and json.loads(out)["prompt_ids"][:3] == [75, 79, 82]  # 'i', 'm', 'p'
-    code, out, _ = run(capsys, "--target", target, "--mode", "ar", "--prompt-ids", "5,6,7", "--max-new-tokens", "5", "--json")
+    code, out, _ = run(capsys, "--target", target, "--mode", "ar", "--prompt-ids", "5,6,7", "--max-new-tokens", "5",
+                       "--json")
     assert code == 0 and json.loads(out)["prompt_ids"] == [5, 6, 7]
 
 
@@ -306,7 +307,8 @@ def test_bench_repeats_interleave_passes_and_report_the_median(ckpts, tmp_path, 
     code = bench_cli.main(["--target", target, "--drafter", drafter, "--prompts", str(prompts), "--modes", "ar,dflash",
                            "--repeats", "3", "--phase-repeats", "2", "--out", str(tmp_path)])
     assert code == 0
-    assert [(m, p) for m, _, p in order] == [("ar", 2), ("dflash", 2), ("ar", 0), ("dflash", 0), ("ar", 0), ("dflash", 0)]
+    assert [(m, p) for m, _, p in order] == [("ar", 2), ("dflash", 2), ("ar", 0), ("dflash", 0), ("ar", 0),
+                                             ("dflash", 0)]
     report = json.loads((tmp_path / "bench.json").read_text())
     runs = {r["mode"]: r for r in report["results"]}
     assert runs["ar"]["tokens_per_second_runs"] == [10.0, 30.0, 40.0] and runs["ar"]["tokens_per_second"] == 30.0

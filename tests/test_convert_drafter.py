@@ -48,7 +48,8 @@ def test_hf_and_converted_pairs_generate_alike_in_the_merged_layouts(dirs):
     target, drafter, root = dirs
     for name in ("target", "drafter"):
         if not (root / f"{name}_ckpt").exists():
-            assert convert_cli.main([{"target": target, "drafter": drafter}[name], str(root / f"{name}_ckpt"), "-q"]) == 0
+            src = {"target": target, "drafter": drafter}[name]
+            assert convert_cli.main([src, str(root / f"{name}_ckpt"), "-q"]) == 0
     outs = []
     for t, d in ((target, drafter), (str(root / "target_ckpt"), str(root / "drafter_ckpt"))):
         engine = Engine.load(t, d)

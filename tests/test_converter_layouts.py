@@ -28,8 +28,10 @@ def test_layout_plans_round_trip():
                 "layers/1/linear_attn/out_proj/kernel": ((5, 8), np.float32),
                 "norm/weight": ((8,), np.float32)}
     parts, plan = layout.to_parts(expected, kv_width=4)
-    assert parts["layers/0/self_attn/q_proj/kernel"][0] == (8, 12) and parts["layers/0/self_attn/v_proj/bias"][0] == (4,)
-    assert parts["layers/0/mlp/up_proj/kernel"][0] == (8, 6) and parts["layers/1/linear_attn/in_proj_a/kernel"][0] == (8, 3)
+    assert parts["layers/0/self_attn/q_proj/kernel"][0] == (8, 12)
+    assert parts["layers/0/self_attn/v_proj/bias"][0] == (4,)
+    assert parts["layers/0/mlp/up_proj/kernel"][0] == (8, 6)
+    assert parts["layers/1/linear_attn/in_proj_a/kernel"][0] == (8, 3)
     assert parts["layers/1/linear_attn/in_proj_qkv/kernel"][0] == (8, 9)  # z as wide as out_proj's input
     assert parts["layers/1/linear_attn/in_proj_z/kernel"][0] == (8, 5)
     assert layout.to_merged(parts)[0] == expected

@@ -75,7 +75,7 @@ def test_drafter_context_projections_stay_apart():
     cos, sin = model._rope(pos)
     for layer, lc in zip(model.layers, got.layers):
         k, v = layer.self_attn.kv(ctx, cos, sin)
-        np.testing.assert_allclose(np.asarray(lc.k[0, :, :5], np.float32), np.asarray(k[0].transpose(1, 0, 2), np.float32),
-                                   rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(lc.k[0, :, :5], np.float32),
+                                   np.asarray(k[0].transpose(1, 0, 2), np.float32), rtol=1e-6, atol=1e-6)
         np.testing.assert_allclose(np.asarray(lc.v[1, :, :3], np.float32),
                                    np.asarray(v[1, :3].transpose(1, 0, 2), np.float32), rtol=1e-6, atol=1e-6)

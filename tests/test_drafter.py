@@ -212,8 +212,10 @@ def test_checkpoint_round_trip(plain_dir):
     np.testing.assert_array_equal(np.asarray(flat["hidden_norm"]["weight"]), sd["hidden_norm.weight"])
     np.testing.assert_array_equal(np.asarray(flat["norm"]["weight"]), sd["norm.weight"])
     lay = flat["layers"][1]
-    np.testing.assert_array_equal(np.asarray(lay["self_attn"]["k_proj"]["kernel"]), sd["layers.1.self_attn.k_proj.weight"].T)
-    np.testing.assert_array_equal(np.asarray(lay["self_attn"]["q_norm"]["weight"]), sd["layers.1.self_attn.q_norm.weight"])
+    np.testing.assert_array_equal(np.asarray(lay["self_attn"]["k_proj"]["kernel"]),
+                                  sd["layers.1.self_attn.k_proj.weight"].T)
+    np.testing.assert_array_equal(np.asarray(lay["self_attn"]["q_norm"]["weight"]),
+                                  sd["layers.1.self_attn.q_norm.weight"])
     np.testing.assert_array_equal(np.asarray(lay["mlp"]["down_proj"]["kernel"]), sd["layers.1.mlp.down_proj.weight"].T)
     np.testing.assert_array_equal(
         np.asarray(lay["post_attention_layernorm"]["weight"]), sd["layers.1.post_attention_layernorm.weight"]
@@ -321,7 +323,8 @@ def test_jax_matches_torch(variant, target, tmp_path):
     full = np.zeros((2, sum(widths), kh), np.float32)
     for b in range(2):
         full[b, : tlen[b]] = np.concatenate([f[b, : n[b]] for f, n in zip(feats, n_calls)])
-    one = extend_context(graphdef, params, init_drafter_cache(dcfg, 2, 24), jnp.asarray(full), jnp.asarray(tlen, jnp.int32))
+    one = extend_context(graphdef, params, init_drafter_cache(dcfg, 2, 24), jnp.asarray(full),
+                         jnp.asarray(tlen, jnp.int32))
     logits_one = draft_logits(graphdef, params, one, tgraph, tparams, jnp.asarray(bonuses[-1], jnp.int32))
     assert rel_err(logits_one, logits) < 1e-5
     # the cache beyond the committed lengths stays zero (padding rows were dropped, not written)

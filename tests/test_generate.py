@@ -120,7 +120,8 @@ def test_final_committed_state_equals_sequential_prefill(mode):
     for got, want in zip(res.cache.layers, cache.layers):
         for b in range(B):
             if isinstance(want, KVCache):
-                pairs = [(got.k[b, :, : lengths[b]], want.k[b, :, : lengths[b]]), (got.v[b, :, : lengths[b]], want.v[b, :, : lengths[b]])]
+                pairs = [(got.k[b, :, : lengths[b]], want.k[b, :, : lengths[b]]),
+                         (got.v[b, :, : lengths[b]], want.v[b, :, : lengths[b]])]
             else:
                 pairs = [(got.state[b], want.state[b]), (got.conv[b], want.conv[b])]
             for x, y in pairs:

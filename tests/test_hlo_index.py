@@ -31,7 +31,7 @@ ENTRY %main (p: bf16[65,5120]) -> (bf16[65,16384], f32[65]) {
   %tuple_out = (bf16[65,16384]{1,0}, f32[65]{0}) custom-call(%p), custom_call_target="x", metadata={op_name="jit(f)/pallas_call" source_file="/src/pallas_kernels/gdn_tree.py" source_line=9}
   ROOT %r = (bf16[65,16384]{1,0}, f32[65]{0}) tuple(%gemm_fusion_dot.610, %x)
 }
-"""
+"""  # noqa: E501 (XLA prints each HLO instruction on one line)
 
 
 def test_index_reads_frames_shapes_and_kernel_spellings():

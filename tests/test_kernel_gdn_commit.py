@@ -183,7 +183,8 @@ def test_commit_then_step_equals_tree_output(impl):
         count = np.full(B, len(path) - 1, np.int32)
         s = kernel(impl)(*args[1:], jnp.asarray(parent_path), jnp.asarray(count))
         rep = lambda a: jnp.repeat(a, REP, axis=1)[:, :, i]
-        step_o, _ = delta_rule.recurrent_step(rep(args[0]), rep(args[1]), args[2][:, :, i], args[3][:, :, i], args[4][:, :, i], s)
+        step_o, _ = delta_rule.recurrent_step(rep(args[0]), rep(args[1]), args[2][:, :, i], args[3][:, :, i],
+                                              args[4][:, :, i], s)
         np.testing.assert_allclose(o[:, :, i], step_o, rtol=1e-5, atol=1e-5)
 
 

@@ -76,10 +76,11 @@ def test_reference_is_the_model_decode_path():
     hv = cfg.gdn_num_v_heads
     w_ba = layer.in_proj_qkvzba.kernel[...][:, -2 * hv:]  # the b | a columns of the merged product
     w_a, w_b = w_ba[:, hv:], w_ba[:, :hv]
-    y, state, window = gdn_decode(mixed[:, 0], z[:, 0], x[:, 0], w_a, w_b, layer.A_log[...], layer.dt_bias[...], cache.conv,
-                                  layer.conv_weight[...], cache.state, layer.norm.weight[...], n_valid,
+    y, state, window = gdn_decode(mixed[:, 0], z[:, 0], x[:, 0], w_a, w_b, layer.A_log[...], layer.dt_bias[...],
+                                  cache.conv, layer.conv_weight[...], cache.state, layer.norm.weight[...], n_valid,
                                   num_k_heads=cfg.gdn_num_k_heads, eps=layer.norm.eps, impl="xla")
-    np.testing.assert_allclose(np.asarray(layer.out_proj(y.reshape(b, 1, -1))), np.asarray(y_model), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(layer.out_proj(y.reshape(b, 1, -1))), np.asarray(y_model),
+                               rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(np.asarray(state), np.asarray(c_model.state), rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(np.asarray(window), np.asarray(c_model.conv))
 

@@ -194,7 +194,8 @@ def test_strong_decay_needs_mask_before_exp(impl):
     assert_close(out, ref, 1e-5)
     for i in (1, 2, 17, n - 1):
         np.testing.assert_allclose(
-            np.asarray(out)[:, :, i], oracle(q, k, v, g, beta, state, root_path(parents, i), H // HK), rtol=1e-4, atol=1e-6
+            np.asarray(out)[:, :, i], oracle(q, k, v, g, beta, state, root_path(parents, i), H // HK),
+            rtol=1e-4, atol=1e-6
         )
 
 

@@ -208,7 +208,8 @@ def test_split_bounds_cover_the_cache_and_balance_the_tree_keys(length, splits, 
     bounds = [tuple(int(x) for x in split_bounds(length, s, splits, block_k, tree_keys)) for s in range(splits)]
     covered = [k for a, e in bounds for k in range(a, e)]
     assert covered == list(range(length))
-    share = -(-(-(-(length + tree_keys) // splits)) // block_k) * block_k  # round_up(cdiv(L + T, S), block_k)
+    # round_up(cdiv(L + T, S), block_k); B002 misreads the ceil division -(-a // b) as a decrement
+    share = -(-(-(-(length + tree_keys) // splits)) // block_k) * block_k  # noqa: B002
     work = [e - a for a, e in bounds]
     work[-1] += tree_keys
     assert max(work[:-1] + [0]) <= share

@@ -77,6 +77,7 @@ def test_every_kernel_sits_next_to_its_reference(name):
     entries = [f for n, f in vars(module).items() if inspect.isfunction(f) and f.__module__ == module.__name__
                and not n.startswith("_") and "impl" in inspect.signature(f).parameters]
     assert entries, f"pallas_kernels.{name} has no entry point taking impl="
-    refs = {n for n, f in vars(module).items() if inspect.isfunction(f) and (n == "reference" or n.endswith("_reference"))}
+    refs = {n for n, f in vars(module).items()
+            if inspect.isfunction(f) and (n == "reference" or n.endswith("_reference"))}
     for f in entries:
         assert "reference" in refs or f"{f.__name__}_reference" in refs, (name, f.__name__, refs)

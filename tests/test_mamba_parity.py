@@ -87,7 +87,8 @@ def test_config_matches_hf(name):
     )
     assert cfg.mamba_dt_limit == tuple(float(v) for v in mixer.time_step_limit)
     assert cfg.tie_word_embeddings == SPECS[name].tie
-    tied = hf_model(name).get_output_embeddings().weight.data_ptr() == hf_model(name).get_input_embeddings().weight.data_ptr()
+    model = hf_model(name)
+    tied = model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
     assert cfg.tie_word_embeddings == tied
     assert config_dict(name)["model_type"] == SPECS[name].model_type
 
@@ -198,7 +199,8 @@ def _flat(params):
     import jax
     from flax import nnx
 
-    return {jax.tree_util.keystr(p): np.asarray(v) for p, v in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(params))[0]}
+    leaves = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(params))[0]
+    return {jax.tree_util.keystr(p): np.asarray(v) for p, v in leaves}
 
 
 @pytest.mark.parametrize("name", ["mamba2_a", "bamba_b", "nemo_b"])

@@ -6,7 +6,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import pytest
 
 from scripts.offline_triton_compile import capture_ttir, compile_ttir, gdn_cases, gdn_commit_cases, gdn_decode_cases
 from tests.triton_limits import require_recorded_triton

@@ -325,7 +325,8 @@ BAD = [
 
 @pytest.mark.parametrize("path, body, what", BAD, ids=[b[2] for b in BAD])
 def test_bad_input_is_400_with_an_openai_error(ready, path, body, what):
-    kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {"json": body}
+    kw = ({"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes)
+          else {"json": body})
     r = httpx.post(ready.url + path, timeout=60, **kw)
     assert r.status_code == 400, r.text
     err = r.json()["error"]

@@ -297,7 +297,7 @@ def test_text_stream_stop_strings_across_tokens():
     ids = tok.encode("hello world, stop here").ids
     s = TextStream(tok, stop=("lo w", "zzz"))
     streamed = ""
-    for i, t in enumerate(ids):
+    for i, t in enumerate(ids):  # noqa: B007 (i is read after the loop: the token the stream stopped at)
         hit = s.add(t)
         streamed += s.ready(final=hit)
         if hit:

@@ -54,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--drafter", default=None, help="DFlash drafter directory (default: the demo drafter when "
                      "--target is not given; none otherwise, which allows only --mode ar)")
     add_tokenizer_argument(src)
-    src.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None, help="params dtype (default: checkpoint's)")
+    src.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
+                     help="params dtype (default: checkpoint's)")
     add_routes_arguments(src)
     inp = p.add_argument_group("prompt (one of)")
     inp.add_argument("--prompt", default=None, help="prompt text")
@@ -285,7 +286,8 @@ def explain_divergence(engine, prompt, got: list[int], ref: list[int], greedy: b
     ids = engine.encode(prompt) if isinstance(prompt, str) else list(prompt)
     gap = bench.top2_gap(engine, ids + list(ref[:k]))
     tol = bench.TIE_TOLERANCE.get(engine.cfg.dtype, 1e-3)
-    where = f"first difference at generated token {k}: plain decoding's top two logits differ by {gap:.2e} of the logit scale"
+    where = (f"first difference at generated token {k}: plain decoding's top two logits differ by {gap:.2e} "
+             "of the logit scale")
     if gap < tol:
         return f"{where}, a near tie within {engine.cfg.dtype} rounding (tolerance {tol:g}): not a bug"
     return f"{where}, NOT a near tie (tolerance {tol:g}): please report this as a bug"

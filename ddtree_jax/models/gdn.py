@@ -217,5 +217,6 @@ class GatedDeltaNet(nnx.Module):
         on = (jnp.arange(p)[None, :] < count[:, None])[:, None, :]
         take = lambda a: jnp.take_along_axis(jnp.repeat(a, h // a.shape[1], axis=1), path[:, None, :, None], axis=2)
         take1 = lambda a: jnp.where(on, jnp.take_along_axis(a, path[:, None, :], axis=2), 0.0)
-        state = delta_rule.path_state(take(pending.k), take(pending.v), take1(pending.g), take1(pending.beta), cache.state)
+        state = delta_rule.path_state(take(pending.k), take(pending.v), take1(pending.g), take1(pending.beta),
+                                      cache.state)
         return RecurrentCache(conv=window, state=state)

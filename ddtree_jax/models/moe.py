@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ddtree_jax.config import TargetConfig
-from ddtree_jax.models.layers import Linear, Relu2MLP, SwiGLU, _init, relu2
+from ddtree_jax.models.layers import Linear, Relu2MLP, SwiGLU, _init
 from ddtree_jax.models.mixer import StatelessMixer
 from ddtree_jax.routes import REFERENCE, Routes
 from pallas_kernels import moe_experts
@@ -160,7 +160,8 @@ class NemotronMoE(StatelessMixer, nnx.Module):
     def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Chosen experts [..., k] and their combine weights [..., k] (float32) of tokens x."""
         cfg = self.cfg
-        logits = jnp.einsum("...h,he->...e", x.astype(jnp.float32), self.router[...].astype(jnp.float32), precision=HIGHEST)
+        logits = jnp.einsum("...h,he->...e", x.astype(jnp.float32), self.router[...].astype(jnp.float32),
+                            precision=HIGHEST)
         return route_top_k(
             logits, self.correction_bias[...].astype(jnp.float32), top_k=cfg.moe_top_k, n_group=cfg.moe_n_group,
             topk_group=cfg.moe_topk_group, norm=cfg.moe_norm_topk_prob, scale=cfg.moe_routed_scaling_factor,

@@ -1,6 +1,7 @@
 """The hybrid target stack, driven by the config's layer pattern: Qwen3 / Qwen3.5 / Qwen3-Next
-(attention + Gated DeltaNet; each block's FFN dense or a sparse MoE, cfg.ffn_types), Bamba (attention + Mamba2), NemotronH (one mixer per block:
-Mamba2, attention, relu^2 MLP or MoE) and Mamba2ForCausalLM (pure Mamba2).
+(attention + Gated DeltaNet; each block's FFN dense or a sparse MoE, cfg.ffn_types), Bamba
+(attention + Mamba2), NemotronH (one mixer per block: Mamba2, attention, relu^2 MLP or MoE) and
+Mamba2ForCausalLM (pure Mamba2).
 
 Every token mixer offers the same entry points (models/mixer.py: append, tree, commit), so a
 decoder layer and `verify` / `commit` below drive any pattern generically. Blocks without a cache
@@ -186,7 +187,8 @@ class TargetModel(nnx.Module):
             cfg.hidden_size, cfg.rms_norm_eps, zero_centered=cfg.norm_zero_centered, dtype=dtype, rngs=rngs,
             weight_fp32=cfg.norm_weight_fp32,
         )
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype, rngs=rngs)
+        self.lm_head = (None if cfg.tie_word_embeddings
+                        else Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype, rngs=rngs))
 
     def logits(self, h: jax.Array) -> jax.Array:
         if self.cfg.residual_in_fp32:  # HF Mamba2: the float32 stream meets the head in the params dtype

@@ -105,10 +105,12 @@ def create_app(scheduler: Scheduler, limits: Limits, tokenizer, template: ChatTe
             return _error(e.status, e.message, param=e.param, code=e.code)
         except QueueFull as e:
             metrics.on_request(endpoint, 429)
-            return _error(429, str(e), "rate_limit_error", code="queue_full", headers={"Retry-After": str(retry_after_s)})
+            return _error(429, str(e), "rate_limit_error", code="queue_full",
+                          headers={"Retry-After": str(retry_after_s)})
         except Closed as e:
             metrics.on_request(endpoint, 503)
-            return _error(503, str(e), "server_error", code="shutting_down", headers={"Retry-After": str(retry_after_s)})
+            return _error(503, str(e), "server_error", code="shutting_down",
+                          headers={"Retry-After": str(retry_after_s)})
         metrics.on_request(endpoint, 200)
         rid = protocol.new_id(job.chat)
         if job.stream:

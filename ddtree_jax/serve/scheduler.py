@@ -249,7 +249,8 @@ class Scheduler:
         for r, a in enumerate(self._active):
             new = int(report.n_out[r]) - a.sent
             if new > report.tokens.shape[1]:
-                raise RuntimeError(f"slot {r} made {new} tokens in a chunk, more than the window {report.tokens.shape[1]}")
+                raise RuntimeError(
+                    f"slot {r} made {new} tokens in a chunk, more than the window {report.tokens.shape[1]}")
             tokens = report.tokens[r, :new].tolist()
             a.sent += new
             steps_run = max(steps_run, int(report.steps[r]) - a.steps)

@@ -168,7 +168,8 @@ class SlotBatch:
         if mode != "ar" and engine.proposer is None:
             raise ValueError(f"mode {mode!r} needs a drafter (--drafter)")
         if not 2 <= max_context <= engine.max_context:
-            raise ValueError(f"max_context must be in [2, {engine.max_context}] (the target's limit), got {max_context}")
+            raise ValueError(
+                f"max_context must be in [2, {engine.max_context}] (the target's limit), got {max_context}")
         if max_batch < 1 or chunk_steps < 1 or max_top_k < 0 or max_stop_ids < 0:
             raise ValueError("max_batch and chunk_steps must be >= 1, max_top_k and max_stop_ids >= 0")
         self.engine = engine

@@ -192,7 +192,7 @@ def choose(logits: jax.Array, code: SamplingCode, rows: RowSampling | None, keys
     def sample(logits):
         x = filtered_rows(logits, code, rows)
         flat_keys, flat_x = keys.reshape(-1, keys.shape[-1]), x.reshape(-1, x.shape[-1])
-        drawn = jax.vmap(lambda k, l: jax.random.categorical(k, l))(flat_keys, flat_x)
+        drawn = jax.vmap(lambda k, row: jax.random.categorical(k, row))(flat_keys, flat_x)
         drawn = drawn.reshape(x.shape[:-1]).astype(jnp.int32)
         return jnp.where(_per_row(rows.temperature > 0, greedy), drawn, greedy)
 

@@ -339,7 +339,8 @@ def train_target(cfg: TargetConfig, train_tokens: np.ndarray, heldout_tokens: np
         raise ValueError(f"training set of {data.shape[0]} tokens is shorter than one window of {s.seq_len + 1}")
     windows = eval_windows(heldout_tokens, s.seq_len + 1, s.eval_windows)
     log(f"[target] {count_params(params):,} params, {len(train_tokens):,} train tokens, "
-        f"{len(windows)} held-out windows of {s.seq_len + 1}, GDN {'chunked' if default_gdn_chunked() else 'recurrent'} form")
+        f"{len(windows)} held-out windows of {s.seq_len + 1}, "
+        f"GDN {'chunked' if default_gdn_chunked() else 'recurrent'} form")
 
     def step(state, key, lr):
         p, o = state

@@ -25,7 +25,8 @@ def train_tokenizer(texts: Sequence[str], vocab_size: int = 8192, *, min_frequen
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     if vocab_size < 256 + len(SPECIAL_TOKENS):
-        raise ValueError(f"vocab_size must be >= {256 + len(SPECIAL_TOKENS)} (bytes + special tokens), got {vocab_size}")
+        raise ValueError(
+            f"vocab_size must be >= {256 + len(SPECIAL_TOKENS)} (bytes + special tokens), got {vocab_size}")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()

@@ -29,7 +29,6 @@ from jax.profiler import ProfileData
 from ddtree_jax import atomic, autotune_cache
 from ddtree_jax import routes as routes_mod
 from ddtree_jax.models import int8
-from ddtree_jax.speculative import generate as gen
 from ddtree_jax.speculative.dflash import DFlashProposer
 from ddtree_jax.speculative.draft_vocab import first_ids
 from scripts.bench.shapes import SHAPES, random_models

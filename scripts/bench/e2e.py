@@ -206,7 +206,7 @@ def main(argv=None) -> int:
             moe_step.submit_programs(pool, cfg, graphdef, params, dparams, state, spec, tree_budgets,
                                      args.moe_expert_times, args.moe_correlated_steps)
         row["compile_wait_s"] = pool.wait()  # no timed step shares the GPU with a compile
-        for key_, (mode, budget, spec, s) in choices.items():
+        for key_, (mode, budget, _spec, s) in choices.items():
             if args.deadline_s and time.time() - t_start > args.deadline_s:
                 row.setdefault("skipped_after_deadline", []).append(key_)
                 continue

@@ -76,10 +76,11 @@ class TorchAttention:
                 self.gqa_mode = self._pick_gqa(tq, k, v, mask, scale, group)
             if self.gqa_mode == "expanded":
                 k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-                fn = lambda tq=tq, k=k, v=v, m=mask: F.scaled_dot_product_attention(tq, k, v, attn_mask=m, scale=scale)
+                fn = lambda tq=tq, k=k, v=v, m=mask, sc=scale: F.scaled_dot_product_attention(
+                    tq, k, v, attn_mask=m, scale=sc)
             else:
-                fn = lambda tq=tq, k=k, v=v, m=mask: F.scaled_dot_product_attention(
-                    tq, k, v, attn_mask=m, scale=scale, enable_gqa=True)
+                fn = lambda tq=tq, k=k, v=v, m=mask, sc=scale: F.scaled_dot_product_attention(
+                    tq, k, v, attn_mask=m, scale=sc, enable_gqa=True)
             fns.append(fn)
         return fns
 
@@ -115,7 +116,8 @@ class TorchAttention:
 
             bm = create_block_mask(mask_mod, b, None, n, lmax + n, device=tq.device)
             scale = tq.shape[-1] ** -0.5
-            fns.append(lambda tq=tq, k=k, v=v, bm=bm: self.flex(tq, k, v, block_mask=bm, scale=scale, enable_gqa=True))
+            fns.append(lambda tq=tq, k=k, v=v, bm=bm, sc=scale: self.flex(tq, k, v, block_mask=bm, scale=sc,
+                                                                           enable_gqa=True))
         return fns
 
     def check(self, fn, ref):

@@ -197,8 +197,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     route_fields = apply_route_options(ap, args)  # the autotune cache before the backend starts
     shape, cfg, dcfg, context = model_configs(args)
-    report = start_report("scripts.bench.profile", argv, **route_fields, shape=shape, context=context, budget=args.budget,
-                          batch=args.batch, phases={})
+    report = start_report("scripts.bench.profile", argv, **route_fields, shape=shape, context=context,
+                          budget=args.budget, batch=args.batch, phases={})
 
     def save():
         write_report(args.out, report)
