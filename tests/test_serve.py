@@ -82,8 +82,8 @@ class Server:
         self.target = chat_model(tmp_path / NAME)
         _, drafter = demo_paths()
         cmd = [sys.executable, "-m", "ddtree_jax.cli.serve", "--target", self.target, "--drafter", drafter,
-               "--dtype", "fp32", "--mode", MODE, "--budget", "auto", "--auto-budgets", ",".join(map(str, AUTO_BUDGETS)),
-               "--cost-table", table, "--max-batch", str(SLOTS),
+               "--dtype", "fp32", "--mode", MODE, "--budget", "auto",
+               "--auto-budgets", ",".join(map(str, AUTO_BUDGETS)), "--cost-table", table, "--max-batch", str(SLOTS),
                "--max-context", str(MAX_CONTEXT), "--max-queue", str(QUEUE), "--chunk-steps", "2", "--max-top-k", "8",
                "--no-compact", "--no-warmup", "--port", str(self.port), "--shutdown-timeout", "5",
                "--log-level", "warning"]
@@ -387,12 +387,14 @@ def test_a_bad_cost_table_ends_the_command_before_serving(problem, engine, tmp_p
     target, drafter = demo_paths()
     budgets = "4,8" if problem == "other budgets" else ",".join(map(str, AUTO_BUDGETS))
     with pytest.raises(SystemExit) as e:
-        cli.main(["--target", target, "--drafter", drafter, "--dtype", "fp32", "--max-batch", str(SLOTS), "--no-compact",
-                  "--max-context", str(MAX_CONTEXT), "--auto-budgets", budgets, "--cost-table", str(path)])
+        cli.main(["--target", target, "--drafter", drafter, "--dtype", "fp32", "--max-batch", str(SLOTS),
+                  "--no-compact", "--max-context", str(MAX_CONTEXT), "--auto-budgets", budgets,
+                  "--cost-table", str(path)])
     out = capsys.readouterr()
     want = {"missing": "does not exist", "not json": "not readable JSON", "other batch": "no table for batch 4",
             "other device": "measured on 'Another GPU'", "other budgets": "has no times for ['8']"}[problem]
     assert e.value.code == 2 and str(path) in out.err and want in out.err, out.err
+    assert out.err.startswith("ddtree-serve: error: "), out.err
     assert out.out == "" and "compiling" not in out.err
 
 

@@ -190,7 +190,8 @@ def test_auto_serves_each_request_as_alone(auto_slots):
     auto_slots.tables = {1: table(1, 1.0, 2.2), 2: table(2, 1.0, 2.4)}
     auto_slots._install_tables()
     rng = np.random.default_rng(1)
-    requests = [Request(tuple(int(t) for t in rng.integers(2, VOCAB, rng.integers(3, 16))), int(rng.integers(4, MAX_NEW)),
+    requests = [Request(tuple(int(t) for t in rng.integers(2, VOCAB, rng.integers(3, 16))),
+                        int(rng.integers(4, MAX_NEW)),
                         Sampling() if i % 3 else Sampling(temperature=0.9), seed=i, stop_ids=(7,) if i == 2 else ())
                 for i in range(7)]
     refs = alone(requests)

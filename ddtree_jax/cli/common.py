@@ -33,8 +33,13 @@ _prog = ["ddtree"]  # the running command's name, for die()
 def run(prog: str, work, argv):
     """Run a command's work(argv) as `prog` (its errors say `prog: error: ...`), with Ctrl-C / SIGTERM
     ending it on one line (ddtree_jax.cli.interrupts)."""
-    _prog[0] = prog
+    set_prog(prog)
     return interrupts.run(prog, work, argv)
+
+
+def set_prog(prog: str) -> None:
+    """Name the running command in die() / note() (ddtree-serve runs outside run(): uvicorn owns signals)."""
+    _prog[0] = prog
 
 
 def die(message: str, code: int = INPUT_ERROR):

@@ -9,7 +9,7 @@ import sys
 
 from ddtree_jax.cli.common import (add_auto_budget_arguments, add_autotune_cache_argument, add_draft_vocab_argument,
                                    add_int8_drafter_argument, add_routes_arguments, budget_arg, die, non_negative_int,
-                                   positive_int, routes_from, use_autotune_cache)
+                                   positive_int, routes_from, set_prog, use_autotune_cache)
 
 EPILOG = """\
 examples:
@@ -143,6 +143,7 @@ def _draining_server_class():
 def main(argv=None) -> int:
     # SIGTERM while loading or compiling: exit 0 without serving (uvicorn takes it over later).
     signal.signal(signal.SIGTERM, _stop_quietly)
+    set_prog("ddtree-serve")
     args = build_parser().parse_args(argv)
     from ddtree_jax.serve import missing_dependencies
 
