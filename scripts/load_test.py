@@ -15,7 +15,7 @@ process; its throughput beside the continuous batching one is the comparison the
 for (docs/serving.md).
 
 --budget auto (the default) serves mode ddtree with the adaptive budget (its step-time tables
-measured at the server's start-up; pass --server-args '--cost-table FILE' to load them) and runs
+measured at the server's start-up; --cost-table FILE loads them, for the ddtree server only) and runs
 the static engine with it too (its own table per batch, measured untimed); the report holds the
 steps of each choice per level (the server's ddtree_auto_steps_total) and per static run.
 
@@ -272,6 +272,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8123)
     p.add_argument("--budget", type=budget_arg, default="auto",
                    help="DDTree budget of the servers and the static engine: nodes per step, or auto (default)")
+    p.add_argument("--cost-table", default=None, metavar="FILE",
+                   help="the ddtree server's step-time tables under --budget auto (ddtree-serve --cost-table; "
+                        "the ar and dflash servers take none); default: measured at its start-up")
     p.add_argument("--server-args", default="", help="more ddtree-serve arguments, e.g. '--max-context 1024'")
     p.add_argument("--start-timeout", type=float, default=1800.0, help="seconds a server may take to compile")
     p.add_argument("--static-batch", type=int, default=0, help="also run the static-batch engine at this batch")
@@ -281,6 +284,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def server_arguments(mode: str, args, levels, max_prompt: int, max_tokens: int) -> list[str]:
+    """ddtree-serve's arguments for one mode's server: batch buckets at the client counts, room for
+    the longest request, prefills warmed up to the longest prompt, the cost table for the ddtree
+    server under budget auto; --server-args last (they override these)."""
+    extra = ["--budget", str(args.budget), "--batch-buckets", ",".join(map(str, levels)),
+             "--max-context", str(max_prompt + max_tokens), "--warmup-prompt-len", str(max_prompt)]
+    if args.cost_table and mode == "ddtree" and args.budget == "auto":
+        extra += ["--cost-table", args.cost_table]
+    return extra + args.server_args.split()
+
+
 def main(argv=None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
@@ -288,6 +302,10 @@ def main(argv=None) -> int:
     levels = sorted({int(c) for c in args.clients.split(",")})
     lo_p, hi_p = (int(x) for x in args.prompt_len.split(","))
     lo_t, hi_t = (int(x) for x in args.max_tokens.split(","))
+    if args.cost_table and ("ddtree" not in modes or args.budget != "auto" or args.url):
+        p.error("--cost-table applies to the ddtree server this tool starts, under --budget auto")
+    if args.cost_table and not os.path.isfile(args.cost_table):
+        p.error(f"--cost-table {args.cost_table}: no such file")
     if args.url:
         check_local(args.url)
         if len(modes) != 1:
@@ -304,10 +322,7 @@ def main(argv=None) -> int:
         if args.url:
             url = args.url
         else:
-            # batch buckets at the client counts, room for the longest request, prefills warmed up
-            # to the longest prompt; --server-args come last and override these
-            extra = ["--budget", str(args.budget), "--batch-buckets", ",".join(map(str, levels)),
-                     "--max-context", str(hi_p + hi_t), "--warmup-prompt-len", str(hi_p)] + args.server_args.split()
+            extra = server_arguments(mode, args, levels, hi_p, hi_t)
             server = LaunchedServer(mode, args.port, max(levels), extra, os.path.splitext(args.out)[0] + f"_{mode}.log")
             server.wait_ready(args.start_timeout)
             url = server.url

@@ -416,6 +416,15 @@ def test_load_test_script(ready, engine, tmp_path):
     assert (tmp_path / "load.png").stat().st_size > 1000
     with pytest.raises(ValueError, match="only targets this machine"):
         load_test.check_local("http://10.0.0.1:8000")
+    args = load_test.build_parser().parse_args(["--cost-table", "t.json", "--server-args", "--max-batch 4"])
+    ddtree, ar = (load_test.server_arguments(m, args, [1, 8], 96, 128) for m in ("ddtree", "ar"))
+    assert ddtree[-4:] == ["--cost-table", "t.json", "--max-batch", "4"] and "--cost-table" not in ar
+    assert ar[:4] == ["--budget", "auto", "--batch-buckets", "1,8"] and "224" in ar
+    for argv in (["--modes", "ar", "--cost-table", "t.json"], ["--budget", "8", "--cost-table", "t.json"],
+                 ["--cost-table", str(tmp_path / "missing.json")]):
+        with pytest.raises(SystemExit) as e:
+            load_test.main(argv)
+        assert e.value.code == 2
 
 
 def test_sigterm_stops_cleanly(ready):
