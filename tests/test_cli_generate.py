@@ -47,7 +47,14 @@ def test_all_modes_give_identical_greedy_text(ckpts, capsys, tmp_path):
     assert outs["ar"]["text"] == outs["ddtree"]["text"]
 
 
-def test_streaming_prints_text_and_stats(ckpts, capsys):
+def test_streaming_prints_text_and_stats(ckpts, capsys, monkeypatch):
+    """The streamed run prints its text as it goes; --compare-ar's plain run is timed the same way
+    (a host sync every 4 steps, its tokens shown nowhere), so the speed ratio compares like with like."""
+    from ddtree_jax.engine import Engine
+
+    calls, generate = [], Engine.generate
+    monkeypatch.setattr(Engine, "generate", lambda self, prompts, **kw: calls.append(
+        (kw["mode"], kw["stream"] is not None, kw["stream_every"])) or generate(self, prompts, **kw))
     target, drafter, _ = ckpts
     code, out, err = run(capsys, "--target", target, "--drafter", drafter, "--prompt", "x = ", "--max-new-tokens",
                          "24", "--compare-ar", "--budget", "8")  # budget auto: tests/test_adaptive_generate.py
@@ -55,7 +62,8 @@ def test_streaming_prints_text_and_stats(ckpts, capsys):
     assert out.startswith("x = ")
     assert "tok/s" in err and "acceptance length" in err and "ms/step" in err
     assert "identical to plain decoding: yes" in err
-    assert "[ar]" in err and "/ plain speed" in err
+    assert "[ar]" in err and "/ plain speed" in err and "timed like the ddtree run" in err
+    assert calls == [("ddtree", True, 4), ("ar", True, 4)], calls
 
 
 def test_compare_ar_with_sampling_checks_the_seeded_sample(ckpts, capsys):
