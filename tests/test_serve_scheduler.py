@@ -93,6 +93,26 @@ def test_buckets():
     assert prompt_buckets(64) == (16, 32, 64) and prompt_buckets(100) == (16, 32, 64, 100)
 
 
+def serve_watching_chunks(slots, requests, watch):
+    """The requests through a Scheduler over `slots` (stopped after): its results and the scheduler;
+    watch(n_active, report) sees every chunk."""
+    chunk = slots.advance
+
+    def advance(n, sent, steps=None):
+        report = chunk(n, sent, steps)
+        watch(n, report)
+        return report
+
+    slots.advance = advance
+    scheduler = Scheduler(slots, TOKENIZER, max_queue=16)
+    scheduler.start()
+    try:
+        return run(scheduler, requests), scheduler
+    finally:
+        scheduler.stop()
+        slots.advance = chunk
+
+
 def test_continuous_batching_equals_each_request_alone(slots):
     """More requests than slots, of different lengths, greedy and sampled: each greedy one is
     exactly its lone plain decoding; slots are reused (rows move to keep the active ones packed)
@@ -107,15 +127,7 @@ def test_continuous_batching_equals_each_request_alone(slots):
         requests.append(Request(prompt, max_new, sampling, seed=i, stop_ids=stop))
     refs = [ref if r.sampling.greedy else None for r, ref in zip(requests, alone(requests))]
     rows = []
-    chunk = slots.advance
-    slots.advance = lambda n, sent, steps=None: rows.append(slots.rows_for(n)) or chunk(n, sent, steps)
-    scheduler = Scheduler(slots, TOKENIZER, max_queue=16)
-    scheduler.start()
-    try:
-        results = run(scheduler, requests)
-    finally:
-        scheduler.stop()
-        slots.advance = chunk
+    results, scheduler = serve_watching_chunks(slots, requests, lambda n, report: rows.append(slots.rows_for(n)))
     for req, ref, (ids, text, fin) in zip(requests, refs, results):
         assert fin.completion_tokens == len(ids) and fin.prompt_tokens == len(req.prompt_ids)
         if ref is not None:
@@ -196,15 +208,7 @@ def test_auto_serves_each_request_as_alone(auto_slots):
                 for i in range(7)]
     refs = alone(requests)
     reports = []
-    chunk = auto_slots.advance
-    auto_slots.advance = lambda n, sent, steps=None: reports.append(chunk(n, sent, steps)) or reports[-1]
-    scheduler = Scheduler(auto_slots, TOKENIZER, max_queue=16)
-    scheduler.start()
-    try:
-        results = run(scheduler, requests)
-    finally:
-        scheduler.stop()
-        auto_slots.advance = chunk
+    results, _ = serve_watching_chunks(auto_slots, requests, lambda n, report: reports.append(report))
     for req, ref, (ids, _, fin) in zip(requests, refs, results):
         assert fin.reason in ("stop", "length")
         if req.sampling.greedy:
