@@ -109,54 +109,35 @@ def check_argv_text(text: str, what: str) -> str:
     return text
 
 
-def budget(text: str) -> int:
+def _checked(text: str, convert, ok, expected: str, show=str):
+    """convert(text) when it parses and ok(value) holds; else argparse's `expected ..., got ...`."""
     try:
-        value = int(text)
+        value = convert(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer in [1, {MAX_BUDGET}], got {text!r}") from None
-    if not 1 <= value <= MAX_BUDGET:
-        raise argparse.ArgumentTypeError(f"expected an integer in [1, {MAX_BUDGET}], got {value}")
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {show(value)}")
     return value
+
+
+def budget(text: str) -> int:
+    return _checked(text, int, lambda v: 1 <= v <= MAX_BUDGET, f"an integer in [1, {MAX_BUDGET}]")
 
 
 def non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
-    return value
+    return _checked(text, float, lambda v: v >= 0, "a number >= 0", show=lambda v: text)
 
 
 def probability_mass(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text}")
-    return value
+    return _checked(text, float, lambda v: 0 < v <= 1, "a number in (0, 1]", show=lambda v: text)
 
 
 def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
+    return _checked(text, int, lambda v: v >= 0, "an integer >= 0")
 
 
 def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+    return _checked(text, int, lambda v: v > 0, "a positive integer")
 
 
 def budget_arg(text: str) -> int | str:
@@ -179,6 +160,16 @@ def budget_list(text: str) -> tuple[int, ...]:
     if not values or any(not 1 <= v <= MAX_BUDGET for v in values) or list(values) != sorted(set(values)):
         raise argparse.ArgumentTypeError(f"budgets must be distinct, ascending and in [1, {MAX_BUDGET}], got {text!r}")
     return values
+
+
+def add_decoding_arguments(group, cost_table_help: str) -> None:
+    """--mode and --budget, and --budget auto's settings (add_auto_budget_arguments)."""
+    group.add_argument("--mode", choices=["ar", "dflash", "ddtree"], default=None,
+                       help="ar = plain decoding; dflash = linear drafts; ddtree = draft trees (default: ddtree with "
+                       "a drafter, ar without)")
+    group.add_argument("--budget", type=budget_arg, default="auto",
+                       help=f"DDTree nodes per step (1..{MAX_BUDGET}), or auto (default): chosen every step")
+    add_auto_budget_arguments(group, cost_table_help)
 
 
 def add_auto_budget_arguments(group, cost_table_help: str) -> None:

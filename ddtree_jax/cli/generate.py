@@ -6,12 +6,12 @@ import argparse
 import sys
 
 from ddtree_jax.cli import progress
-from ddtree_jax.cli.common import (EXIT_STATUS_HELP, add_auto_budget_arguments, add_autotune_cache_argument,
+from ddtree_jax.cli.common import (EXIT_STATUS_HELP, add_autotune_cache_argument, add_decoding_arguments,
                                    add_draft_vocab_argument, add_int8_drafter_argument, add_routes_arguments,
-                                   add_tokenizer_argument, budget_arg, check_argv_text, die, model_paths,
-                                   non_negative_float, non_negative_int, parse_ids, positive_int, probability_mass,
-                                   read_stdin_text, read_text_file, routes_from, run, tokenizer_source,
-                                   use_autotune_cache, use_tokenizer)
+                                   add_tokenizer_argument, check_argv_text, die, model_paths, non_negative_float,
+                                   non_negative_int, parse_ids, positive_int, probability_mass, read_stdin_text,
+                                   read_text_file, routes_from, run, tokenizer_source, use_autotune_cache,
+                                   use_tokenizer)
 
 PROG = "ddtree-generate"
 # The embedded demo pair's default temperature: its 15 MB model repeats itself when greedy; sampled,
@@ -66,12 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     inp.add_argument("--prompt-file", default=None, help="file with the prompt text ('-' for stdin)")
     inp.add_argument("--prompt-ids", default=None, type=parse_ids, help="prompt as token ids, e.g. 1,2,3")
     dec = p.add_argument_group("decoding")
-    dec.add_argument("--mode", choices=["ar", "dflash", "ddtree"], default=None,
-                     help="ar = plain decoding; dflash = linear drafts; ddtree = draft trees (default: ddtree with a "
-                     "drafter, ar without)")
-    dec.add_argument("--budget", type=budget_arg, default="auto",
-                     help="DDTree nodes per step (1..1024), or auto (default): chosen each step")
-    add_auto_budget_arguments(dec, "--budget auto: step times from this file (ddtree-bench --cost-table writes it "
+    add_decoding_arguments(dec, "--budget auto: step times from this file (ddtree-bench --cost-table writes it "
                               "for a model, GPU and batch) instead of measuring them at start-up")
     dec.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens to generate (default 128)")
     add_draft_vocab_argument(dec)

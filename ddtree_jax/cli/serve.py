@@ -7,9 +7,9 @@ import os
 import signal
 import sys
 
-from ddtree_jax.cli.common import (add_auto_budget_arguments, add_autotune_cache_argument, add_draft_vocab_argument,
-                                   add_int8_drafter_argument, add_routes_arguments, budget_arg, die, non_negative_int,
-                                   positive_int, routes_from, set_prog, use_autotune_cache)
+from ddtree_jax.cli.common import (add_autotune_cache_argument, add_decoding_arguments, add_draft_vocab_argument,
+                                   add_int8_drafter_argument, add_routes_arguments, die, non_negative_int, positive_int,
+                                   routes_from, set_prog, use_autotune_cache)
 
 EPILOG = """\
 examples:
@@ -50,12 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_routes_arguments(src)
     add_autotune_cache_argument(src)
     dec = p.add_argument_group("decoding")
-    dec.add_argument("--mode", choices=["ar", "dflash", "ddtree"], default=None,
-                     help="ar = plain decoding; dflash = linear drafts; ddtree = draft trees (default: ddtree with a "
-                     "drafter, ar without)")
-    dec.add_argument("--budget", type=budget_arg, default="auto",
-                     help="DDTree nodes per step (1..1024), or auto (default): chosen every step")
-    add_auto_budget_arguments(dec, "--budget auto: step times from this file, a table for every batch bucket "
+    add_decoding_arguments(dec, "--budget auto: step times from this file, a table for every batch bucket "
                               "(ddtree-bench --batch B --cost-table FILE writes them; default: measured at start-up)")
     add_draft_vocab_argument(dec)
     add_int8_drafter_argument(dec)
