@@ -5,6 +5,7 @@ every bad field of an OpenAI request is refused before anything is queued."""
 import asyncio
 import types
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -18,9 +19,10 @@ from ddtree_jax.routes import REFERENCE  # noqa: E402
 from ddtree_jax.serve import protocol  # noqa: E402
 from ddtree_jax.serve.chat import ChatTemplate  # noqa: E402
 from ddtree_jax.serve.scheduler import Closed, Delta, QueueFull, Request, Scheduler  # noqa: E402
-from ddtree_jax.serve.slots import SlotBatch, batch_buckets, prompt_buckets  # noqa: E402
+from ddtree_jax.serve.slots import PrefillRequest, SlotBatch, batch_buckets, prompt_buckets  # noqa: E402
 from ddtree_jax.serve.text import TextStream  # noqa: E402
 from ddtree_jax.speculative.cost_table import CostTable  # noqa: E402
+from ddtree_jax.speculative import generate as gen  # noqa: E402
 from ddtree_jax.speculative.generate import generate  # noqa: E402
 from ddtree_jax.speculative.sampling import Sampling  # noqa: E402
 from tests.cli_fixtures import char_tokenizer  # noqa: E402
@@ -140,6 +142,72 @@ def test_continuous_batching_equals_each_request_alone(slots):
     assert scheduler.active == 0 and bool(np.asarray(slots.state.done).all())
 
 
+def test_a_burst_is_prefilled_together(slots):
+    """Requests waiting together are prefilled in one call (prompts of different length buckets);
+    one that ends at its first token takes no slot, the next waiting one takes it; each greedy
+    request equals its lone decoding."""
+    requests = [Request(tuple(range(3, 23)), 1, Sampling(), 0),  # 20 tokens: prompt bucket 32; ends at once
+                Request((5, 6, 7), 12, Sampling(), 0),
+                Request((9, 10, 11, 12), 9, Sampling(), 0)]
+    calls = []
+    prefill_many = slots.prefill_many
+
+    def counting(reqs):
+        calls.append(len(reqs))
+        return prefill_many(reqs)
+
+    slots.prefill_many = counting
+    scheduler = Scheduler(slots, TOKENIZER, max_queue=8)  # started once all three wait
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        handles = [scheduler.submit(r, loop) for r in requests]
+        scheduler.start()
+        return await collect(handles)
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        scheduler.stop()
+        slots.prefill_many = prefill_many
+    assert calls == [2, 1], calls  # two free slots: the first two together, the third after a chunk
+    assert [ids for ids, _, _ in results] == alone(requests)
+    assert results[0][2].reason == "length" and results[0][2].steps == 0
+
+
+def test_prefilled_rows_go_only_where_they_are_put():
+    """prefill_many pads three requests to the prefill bucket of 4; insert puts row j into slots[j]
+    and nothing else anywhere (the padding row and a request done at its first token are dropped:
+    the other slots keep every field); the inserted rows then generate as they would alone."""
+    s = SlotBatch(engine(), mode="ddtree", budget=6, max_batch=4, max_context=64, max_top_k=8, max_stop_ids=2,
+                  chunk_steps=3, buckets=(4,))
+    assert s.prefill_buckets == (1, 2, 4)
+    requests = [Request((5, 6, 7), 10, Sampling(), 0), Request((8, 9), 1, Sampling(), 0),
+                Request(tuple(range(2, 22)), 8, Sampling(), 0)]
+    s.state = s.state._replace(n_out=jnp.arange(4, dtype=jnp.int32) + 100)  # tell the slots apart
+    marked = jax.tree.map(np.asarray, s.state)  # (insert donates the state)
+    pre = s.prefill_many([PrefillRequest(r.prompt_ids, r.sampling, r.seed, r.max_new) for r in requests])
+    assert pre.state.done.shape == (4,) and pre.done == (False, True, False)
+    s.insert(pre, [1, None, 0])
+    for slot, row in ((2, None), (3, None), (1, 0), (0, 2)):
+        got = gen.map_rows(lambda x, slot=slot: x[slot], s.state)
+        want = gen.map_rows(lambda x, slot=slot: x[slot], marked) if row is None else \
+            gen.map_rows(lambda x, row=row: x[row], pre.state)
+        for f in gen.ROW_FIELDS:
+            for g, w in zip(jax.tree.leaves(getattr(got, f)), jax.tree.leaves(getattr(want, f))):
+                if row is None or g.shape == w.shape:  # the prefill's caches are shorter: compared below
+                    np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=f"slot {slot} {f}")
+    sent, out = [1, 1], [[pre.first[2]], [pre.first[0]]]
+    while True:
+        report = s.advance(2, sent)
+        for r in range(2):
+            out[r] += report.tokens[r, : int(report.n_out[r]) - sent[r]].tolist()
+        sent = report.n_out.tolist()
+        if report.done.all():
+            break
+    assert out == [alone([requests[2]])[0], alone([requests[0]])[0]]
+
+
 @pytest.mark.parametrize("mode", ["ar", "dflash"])
 def test_the_other_modes_serve_the_same_tokens(mode):
     slots = SlotBatch(engine(), mode=mode, budget=6, max_batch=2, max_context=64, max_stop_ids=1, chunk_steps=3,
@@ -227,7 +295,7 @@ def test_a_reused_slot_starts_afresh(auto_slots):
     auto_slots._install_tables()
     first = [auto_slots.prefill((3 + i, 40, 41 + i), Sampling(), 0, 40) for i in range(2)]
     for slot, row in enumerate(first):
-        auto_slots.insert(row, slot)
+        auto_slots.insert(row, [slot])
     sent = [1, 1]
     for _ in range(4):
         r = auto_slots.advance(2, sent)
@@ -241,7 +309,7 @@ def test_a_reused_slot_starts_afresh(auto_slots):
     auto_slots.move(1, 0)  # request 0 leaves; request 1 moves into slot 0 with its own state
     a = auto_slots.state.adapt
     np.testing.assert_array_equal(np.asarray(a.row_e)[0], row_e[1])
-    auto_slots.insert(auto_slots.prefill((9, 10, 11), Sampling(), 0, 20), 1)  # a new request in slot 1
+    auto_slots.insert(auto_slots.prefill((9, 10, 11), Sampling(), 0, 20), [1])  # a new request in slot 1
     a = auto_slots.state.adapt
     np.testing.assert_array_equal(np.asarray(a.row_e)[1], pop_e)
     np.testing.assert_array_equal(np.asarray(a.row_e)[0], row_e[1])
@@ -411,3 +479,15 @@ def test_serve_without_its_extra_names_the_extra(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         cli.main(["--help"])
     assert "--max-batch" in capsys.readouterr().out
+
+
+def test_serve_refuses_a_prefill_larger_than_the_batch(monkeypatch, capsys):
+    import signal
+
+    from ddtree_jax.cli import serve as cli
+
+    monkeypatch.setattr(signal, "signal", lambda *a: None)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--max-batch", "4", "--max-prefill", "8"])
+    out = capsys.readouterr()
+    assert e.value.code == 2 and "--max-prefill (8) cannot exceed --max-batch (4)" in out.err and out.out == ""

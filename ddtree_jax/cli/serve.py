@@ -71,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--batch-buckets", type=_int_list, default=None, metavar="B1,B2,...",
                      help="batch sizes a chunk may run, one compilation each: the smallest holding the active "
                      "requests runs, so idle slots cost nothing (default: powers of two up to --max-batch)")
+    srv.add_argument("--max-prefill", type=positive_int, default=None, metavar="N",
+                     help="requests prefilled in one call (default: --max-batch): those waiting at a scheduling "
+                     "point are prefilled together, their count padded to a power of two up to N (one compilation "
+                     "per such count and prompt bucket)")
     srv.add_argument("--no-compact", action="store_true",
                      help="always run all --max-batch rows (one batch size, one compilation)")
     srv.add_argument("--no-warmup", action="store_true",
@@ -147,6 +151,8 @@ def main(argv=None) -> int:
         die(f"ddtree-serve needs {', '.join(missing)}: install the serve extra, pip install 'ddtree-jax[serve]'")
     if args.port > 65535:
         die(f"--port must be in [0, 65535], got {args.port}")
+    if args.max_prefill is not None and args.max_prefill > args.max_batch:
+        die(f"--max-prefill ({args.max_prefill}) cannot exceed --max-batch ({args.max_batch})")
     if args.budget != "auto" or args.mode in ("ar", "dflash"):
         given = [flag for flag, v in (("--auto-budgets", args.auto_budgets), ("--cost-table", args.cost_table)) if v]
         if given:
@@ -183,14 +189,15 @@ def main(argv=None) -> int:
         slots = SlotBatch(engine, mode=mode, budget=args.budget, max_batch=args.max_batch, max_context=max_context,
                           max_top_k=args.max_top_k, max_stop_ids=args.max_stop_ids, chunk_steps=args.chunk_steps,
                           buckets=(args.max_batch,) if args.no_compact else args.batch_buckets,
-                          auto_budgets=args.auto_budgets, cost_table=args.cost_table)
+                          max_prefill=args.max_prefill, auto_budgets=args.auto_budgets, cost_table=args.cost_table)
     except ValueError as e:  # a bad --cost-table among them: named before anything compiles or listens
         die(str(e))
     budget = describe_budget(slots)
     print(f"ddtree-serve: {name}, mode {mode}{budget}, {args.max_batch} slots of {max_context} tokens, "
           f"{'no' if template is None else 'a'} chat template", file=sys.stderr, flush=True)
     if not args.no_warmup:
-        print(f"ddtree-serve: compiling (prompt buckets {slots.prompt_buckets}, batch buckets {slots.buckets})"
+        print(f"ddtree-serve: compiling (prompt buckets {slots.prompt_buckets}, prefill batches "
+              f"{slots.prefill_buckets}, batch buckets {slots.buckets})"
               + (", then timing every choice per batch bucket" if slots.auto and len(slots.tables) < len(slots.buckets)
                  else ""), file=sys.stderr, flush=True)
         slots.warm_up(args.warmup_prompt_len)

@@ -43,8 +43,11 @@ class Metrics:
                                     buckets=LATENCY_BUCKETS, registry=r)
         self.batch_rows = Histogram("ddtree_chunk_batch_rows", "Batch rows a chunk ran (its bucket)",
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
-        self.prefill_time = Histogram("ddtree_prefill_seconds", "Wall time of a request's prefill",
+        self.prefill_time = Histogram("ddtree_prefill_seconds", "Wall time of a prefill (of the requests that "
+                                      "waited together), host read of their first tokens included",
                                       buckets=LATENCY_BUCKETS, registry=r)
+        self.prefill_rows = Histogram("ddtree_prefill_requests", "Requests a prefill took at once",
+                                      buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
         self.queue_time = Histogram("ddtree_queue_seconds", "Time from submission to prefill",
                                     buckets=LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram("ddtree_time_to_first_token_seconds", "Time from submission to the first token",
@@ -66,10 +69,13 @@ class Metrics:
                 counter.labels(choice=name)
 
     # ---- scheduler hooks -------------------------------------------------------------------
-    def on_prefill(self, seconds: float, prompt_tokens: int, waited: float) -> None:
+    def on_prefill(self, seconds: float, prompt_tokens: list[int], waited: list[float]) -> None:
+        """One prefill of len(prompt_tokens) requests; each one's time in the queue."""
         self.prefill_time.observe(seconds)
-        self.queue_time.observe(waited)
-        self.prompt_tokens.inc(prompt_tokens)
+        self.prefill_rows.observe(len(prompt_tokens))
+        for w in waited:
+            self.queue_time.observe(w)
+        self.prompt_tokens.inc(sum(prompt_tokens))
 
     def on_steps(self, steps: int, tokens: int) -> None:
         self.row_steps.inc(steps)

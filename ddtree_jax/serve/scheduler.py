@@ -1,9 +1,10 @@
 """The scheduler: one thread that owns the slots and moves requests through them.
 
-Its loop: admit waiting requests into free slots (prefill alone, first token streamed, jitted
-insert), run one chunk of device steps over the active slots, hand each request its new tokens
-(as text, with stop strings applied), and free the slots of finished or cancelled requests (the
-last active request moves into the hole, so the active ones stay packed at the front). Requests
+Its loop: admit the requests waiting for free slots (prefilled together, up to the slots'
+max_prefill at a time; first tokens streamed; one jitted insert), run one chunk of device steps
+over the active slots, hand each request its new tokens (as text, with stop strings applied), and
+free the slots of finished or cancelled requests (the last active request moves into the hole, so
+the active ones stay packed at the front). Requests
 wait in a bounded queue; `submit` refuses when it is full or the scheduler is closing.
 
 The thread talks to the HTTP side only through `Handle`s: events go out on an asyncio queue of
@@ -20,7 +21,7 @@ import threading
 import time
 from typing import Sequence
 
-from ddtree_jax.serve.slots import SlotBatch
+from ddtree_jax.serve.slots import PrefillRequest, SlotBatch
 from ddtree_jax.serve.text import TextStream
 from ddtree_jax.speculative.sampling import Sampling
 
@@ -214,30 +215,45 @@ class Scheduler:
             return self._queue.popleft() if self._queue else None
 
     def _admit(self) -> None:
-        while len(self._active) < self.slots.max_batch:
+        """Every request waiting now, up to the free slots: those that arrived during the last chunk
+        or prefill are prefilled together (a burst costs one prefill per max_prefill requests)."""
+        taken = []
+        while len(self._active) + len(taken) < self.slots.max_batch:
             handle = self._pop()
             if handle is None:
                 break
             req = handle.request
             if handle.cancelled:
                 self._emit_finish(handle, "cancelled", "the client went away")
-                continue
-            t0 = time.monotonic()
-            try:
-                row = self.slots.prefill(req.prompt_ids, req.sampling, req.seed, req.max_new, req.stop_ids)
-            except ValueError as e:  # a request the validation should have refused
-                self._emit_finish(handle, "error", str(e))
-                continue
-            if self.metrics:
-                self.metrics.on_prefill(time.monotonic() - t0, len(req.prompt_ids), t0 - handle.submitted)
-            a = _Active(handle, TextStream(self.tokenizer, req.stop), self._eos | frozenset(req.stop_ids), sent=1)
-            reason = self._consume(a, [row.first], row.done)
+            elif problem := self.slots.problem(len(req.prompt_ids), req.max_new):
+                self._emit_finish(handle, "error", problem)  # a request the validation should have refused
+            else:
+                taken.append(handle)
+        for k in range(0, len(taken), self.slots.max_prefill):
+            self._prefill(taken[k : k + self.slots.max_prefill])
+        self._gauges()
+
+    def _prefill(self, handles: list[Handle]) -> None:
+        """Prefill these requests together, stream their first tokens, and put those that go on in
+        the next free slots."""
+        t0 = time.monotonic()
+        pre = self.slots.prefill_many([PrefillRequest(h.request.prompt_ids, h.request.sampling, h.request.seed,
+                                                      h.request.max_new, h.request.stop_ids) for h in handles])
+        if self.metrics:
+            self.metrics.on_prefill(time.monotonic() - t0, [len(h.request.prompt_ids) for h in handles],
+                                    [t0 - h.submitted for h in handles])
+        slots = []
+        for h, first, done in zip(handles, pre.first, pre.done):
+            stops = self._eos | frozenset(h.request.stop_ids)
+            a = _Active(h, TextStream(self.tokenizer, h.request.stop), stops, sent=1)
+            reason = self._consume(a, [first], done)
             if reason:
                 self._finish(a, reason)
-                continue
-            self.slots.insert(row, len(self._active))
-            self._active.append(a)
-        self._gauges()
+                slots.append(None)
+            else:
+                slots.append(len(self._active))
+                self._active.append(a)
+        self.slots.insert(pre, slots)
 
     def _chunk(self) -> None:
         n = len(self._active)

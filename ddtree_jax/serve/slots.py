@@ -1,9 +1,12 @@
 """The device side of continuous batching: B slots of one running generation state.
 
-One `LoopState` of batch B lives on the device. A request is prefilled alone (batch 1, its prompt
-padded to a length bucket, caches the size of the bucket) and its row is copied into a free
-slot by a jitted insert that donates the running state (no copy of the other slots). Between
-insertions the state advances in chunks of device steps. Requests are kept packed in slots
+One `LoopState` of batch B lives on the device. The requests waiting at a scheduling point are
+prefilled together (their count padded to a prefill batch bucket, their prompts to the longest
+one's length bucket, caches the size of that bucket: one prefill program per pair of buckets) and
+their rows are scattered into free slots by one jitted insert that donates the running state (no
+copy of the other slots); a burst of arrivals costs one prefill, one host read of the first
+tokens and one insert, not one of each per request. Between insertions the state advances in
+chunks of device steps. Requests are kept packed in slots
 0 .. n-1 (a freed slot takes the last active row), so a chunk runs only the smallest batch
 bucket that holds every active request: idle slots cost no compute.
 
@@ -56,12 +59,23 @@ class ChunkReport(NamedTuple):
     choice_accepted: np.ndarray | None = None
 
 
-class RowStart(NamedTuple):
-    """A prefilled request, not yet in a slot."""
+class PrefillRequest(NamedTuple):
+    """What a prefill needs of one request."""
 
-    state: gen.LoopState  # batch 1
-    first: int  # the prefill's token
-    done: bool  # finished at its first token (a stop id, or max_new 1)
+    prompt_ids: Sequence[int]
+    sampling: Sampling
+    seed: int
+    max_new: int
+    stop_ids: Sequence[int] = ()
+
+
+class Prefilled(NamedTuple):
+    """Requests prefilled together, not yet in slots: rows 0 .. n-1 of `state` (its batch is the
+    prefill's bucket; the rows past n are padding that is never inserted)."""
+
+    state: gen.LoopState
+    first: tuple[int, ...]  # [n] each request's first token (the prefill's)
+    done: tuple[bool, ...]  # [n] finished at its first token (a stop id, or max_new 1)
 
 
 def _take(state: gen.LoopState, rows: int) -> gen.LoopState:
@@ -103,17 +117,20 @@ def _chunk(graphdef, params, dparams, state, eos, max_steps, sent, table, *, spe
     return _put(state, sub, rows), (sub.n_out, sub.done, sub.steps, tokens) + stats
 
 
-def _insert(state: gen.LoopState, row: gen.LoopState, slot) -> gen.LoopState:
-    """state with slot `slot` holding row's sequence (row: batch 1; its caches may be shorter).
-    Budget "auto": the slot's per-row policy state is a joining row's (choice.joining), never the
-    previous occupant's; the batch's calibration is state's own."""
+def _insert(state: gen.LoopState, rows: gen.LoopState, slots) -> gen.LoopState:
+    """state with slot slots[j] holding rows' row j, for every j with slots[j] < B (B or more: row j is
+    not inserted); rows' caches may be shorter than the slots' (a prefill's prompt bucket: the
+    slot's positions past them keep what they held, which no mask reads). One scatter per field.
+    Budget "auto": an inserted row's per-row policy state is a joining row's (choice.joining), never
+    the previous occupant's; the batch's calibration is state's own."""
     if state.adapt is not None:
-        row = row._replace(adapt=choice.joining(state.adapt, row.adapt))
+        rows = rows._replace(adapt=choice.joining(state.adapt, rows.adapt))
 
     def put(big, small):
-        return jax.lax.dynamic_update_slice(big, small.astype(big.dtype), (slot,) + (0,) * (big.ndim - 1))
+        window = tuple(slice(0, n) for n in small.shape[1:])
+        return big.at[(slots,) + window].set(small.astype(big.dtype), mode="drop")
 
-    return gen.map_rows(put, state, row)
+    return gen.map_rows(put, state, rows)
 
 
 def _move(state: gen.LoopState, src, dst) -> gen.LoopState:
@@ -163,7 +180,7 @@ class SlotBatch:
     def __init__(self, engine: Engine, *, mode: str = "ddtree", budget: int | str | AutoBudget = 64,
                  candidates: int | None = None, max_batch: int = 8, max_context: int = 2048, max_top_k: int = 64,
                  max_stop_ids: int = 8, chunk_steps: int = 4, buckets: Sequence[int] | None = None,
-                 auto_budgets: Sequence[int] | None = None,
+                 max_prefill: int | None = None, auto_budgets: Sequence[int] | None = None,
                  cost_table: str | os.PathLike | Mapping[int, costs.CostTable] | None = None):
         if mode != "ar" and engine.proposer is None:
             raise ValueError(f"mode {mode!r} needs a drafter (--drafter)")
@@ -172,6 +189,9 @@ class SlotBatch:
                 f"max_context must be in [2, {engine.max_context}] (the target's limit), got {max_context}")
         if max_batch < 1 or chunk_steps < 1 or max_top_k < 0 or max_stop_ids < 0:
             raise ValueError("max_batch and chunk_steps must be >= 1, max_top_k and max_stop_ids >= 0")
+        max_prefill = max_batch if max_prefill is None else max_prefill
+        if not 1 <= max_prefill <= max_batch:
+            raise ValueError(f"max_prefill must be in [1, max_batch={max_batch}], got {max_prefill}")
         self.engine = engine
         self.max_batch = max_batch
         self.max_context = max_context
@@ -202,6 +222,10 @@ class SlotBatch:
                 raise ValueError("a step-time table is for mode ddtree with budget 'auto' only")
             self.tables = self._load_tables(cost_table)
         self.prompt_buckets = prompt_buckets(max_context)
+        # requests prefilled at once: powers of two up to max_prefill (a prefill program per pair of
+        # a prefill bucket and a prompt bucket)
+        self.prefill_buckets = batch_buckets(max_prefill)
+        self.max_prefill = max_prefill
         self.window = chunk_steps * block + 1  # a chunk's tokens per row, plus the prefill's
         self.eos = jnp.asarray(sorted(set(engine.stop_ids)), jnp.int32)
         g = engine.graphdef
@@ -290,12 +314,12 @@ class SlotBatch:
                 raise ValueError(f"max_context {self.max_context} leaves no room to measure step times")
             prompt = np.random.default_rng(0).integers(0, self.engine.cfg.vocab_size, n).tolist()
             never = jnp.full(self.eos.shape, -1, jnp.int32)  # the real EOS set's shape: the same program
-            row = self._prefill(prompt, Sampling(), 0, self.max_context - n, (), never)
+            row = self._prefill([PrefillRequest(prompt, Sampling(), 0, self.max_context - n)], never)
             e = self.engine
             for rows in todo:
                 t0 = time.perf_counter()
                 for slot in range(rows):
-                    self.insert(row, slot)
+                    self.insert(row, [slot])
                 start = self.state._replace(i=jnp.zeros_like(self.state.i))
                 sent = jnp.zeros((rows,), jnp.int32)
                 hold = self._table(rows, placeholder=True)
@@ -354,27 +378,61 @@ class SlotBatch:
         return None if self.auto is None else costs.placeholder(self.auto)
 
     # ---- device work ---------------------------------------------------------------------
+    def problem(self, prompt_len: int, max_new: int) -> str | None:
+        """Why a request of this size cannot be prefilled, or None."""
+        if not 1 <= prompt_len or prompt_len + max_new > self.max_context:
+            return f"prompt of {prompt_len} tokens + {max_new} new exceeds the context {self.max_context}"
+        return None
+
     def prefill(self, prompt_ids: Sequence[int], sampling: Sampling, seed: int, max_new: int,
-                stop_ids: Sequence[int] = ()) -> RowStart:
-        """Prefill one request alone (its prompt padded to a length bucket) and choose its first token."""
-        return self._prefill(prompt_ids, sampling, seed, max_new, stop_ids, self.eos)
+                stop_ids: Sequence[int] = ()) -> Prefilled:
+        """Prefill one request (its prompt padded to a length bucket) and choose its first token."""
+        return self.prefill_many([PrefillRequest(prompt_ids, sampling, seed, max_new, stop_ids)])
 
-    def _prefill(self, prompt_ids, sampling, seed, max_new, stop_ids, eos) -> RowStart:
-        n = len(prompt_ids)
-        if not 1 <= n or n + max_new > self.max_context:
-            raise ValueError(f"prompt of {n} tokens + {max_new} new exceeds the context {self.max_context}")
-        t = self.prompt_bucket(n)
-        prompt = np.zeros((1, t), np.int32)
-        prompt[0, :n] = prompt_ids
-        rows = self.controls([sampling], [seed], [max_new], [stop_ids])
+    def prefill_many(self, requests: Sequence[PrefillRequest]) -> Prefilled:
+        """Prefill up to max_prefill requests in one call (their count padded to a prefill bucket,
+        their prompts to the longest one's length bucket) and choose each one's first token; one host
+        read of all of them."""
+        return self._prefill(requests, self.eos)
+
+    def _prefill(self, requests: Sequence[PrefillRequest], eos) -> Prefilled:
+        n = len(requests)
+        if not 1 <= n <= self.max_prefill:
+            raise ValueError(f"a prefill takes 1 to max_prefill={self.max_prefill} requests, got {n}")
+        problems = [p for r in requests if (p := self.problem(len(r.prompt_ids), r.max_new))]
+        if problems:
+            raise ValueError("; ".join(problems))
+        rows = next(b for b in self.prefill_buckets if b >= n)
+        t = self.prompt_bucket(max(len(r.prompt_ids) for r in requests))
+        prompt = np.zeros((rows, t), np.int32)
+        lens = np.ones((rows,), np.int32)  # padding rows: a 1-token prompt, never inserted
+        for j, r in enumerate(requests):
+            prompt[j, : len(r.prompt_ids)] = r.prompt_ids
+            lens[j] = len(r.prompt_ids)
+        pad = rows - n
+        controls = self.controls([r.sampling for r in requests] + [Sampling()] * pad,
+                                 [r.seed for r in requests] + [0] * pad, [r.max_new for r in requests] + [1] * pad,
+                                 [r.stop_ids for r in requests] + [()] * pad)
         e = self.engine
-        state = self._start(e.params, e.drafter_params, jnp.asarray(prompt), jnp.asarray([n], jnp.int32), eos,
-                            None, spec=self.spec, rows=rows, capacity=t, costs=self._row_costs())
-        first, done = jax.device_get((state.out[0, 0], state.done[0]))
-        return RowStart(state, int(first), bool(done))
+        state = self._start(e.params, e.drafter_params, jnp.asarray(prompt), jnp.asarray(lens), eos,
+                            None, spec=self.spec, rows=controls, capacity=t, costs=self._row_costs())
+        first, done = jax.device_get((state.out[:n, 0], state.done[:n]))
+        return Prefilled(state, tuple(int(x) for x in first), tuple(bool(x) for x in done))
 
-    def insert(self, row: RowStart, slot: int) -> None:
-        self.state = self._insert(self.state, row.state, jnp.int32(slot))
+    def insert(self, pre: Prefilled, slots: Sequence[int | None]) -> None:
+        """Put pre's request j into slot slots[j] (None: not inserted, e.g. it finished at its first
+        token); one jitted scatter for all of them."""
+        if len(slots) != len(pre.first):
+            raise ValueError(f"{len(pre.first)} prefilled requests, {len(slots)} slots given")
+        if not any(s is not None for s in slots):
+            return
+        dst = np.full((pre.state.done.shape[0],), self.max_batch, np.int32)  # max_batch: dropped
+        for j, slot in enumerate(slots):
+            if slot is not None:
+                if not 0 <= slot < self.max_batch:
+                    raise ValueError(f"slot {slot} is not in [0, {self.max_batch})")
+                dst[j] = slot
+        self.state = self._insert(self.state, pre.state, jnp.asarray(dst))
 
     def move(self, src: int, dst: int) -> None:
         """Slot src's request continues in slot dst; src is freed (src == dst: free it)."""
@@ -398,16 +456,20 @@ class SlotBatch:
         return ChunkReport(*jax.device_get(report))
 
     def warm_up(self, max_prompt: int | None = None) -> dict[int, float]:
-        """Compile and run once: the prefill of each prompt bucket (up to max_prompt tokens; default
-        all), the insert, the move, and a chunk of each batch bucket; budget "auto": the step-time
-        tables the buckets lack (measure_costs; its seconds per bucket are returned). The slots end
-        idle, the adaptive policy with nothing learned from the warm-up's requests."""
+        """Compile and run once: the prefill and the insert of each pair of a prefill bucket and a
+        prompt bucket (prompts up to max_prompt tokens; default all), the move, and a chunk of each
+        batch bucket; budget "auto": the step-time tables the buckets lack (measure_costs; its seconds
+        per bucket are returned). The slots end idle, the adaptive policy with nothing learned from
+        the warm-up's requests (they finish at their first token)."""
         limit = max_prompt or self.max_context
         for t in self.prompt_buckets[: 1 + sum(t < limit for t in self.prompt_buckets)]:
-            row = self.prefill([1] * min(t, self.max_context - 1), Sampling(), 0, 1)
+            for k in self.prefill_buckets:
+                pre = self.prefill_many([PrefillRequest([1] * min(t, self.max_context - 1), Sampling(), 0, 1)] * k)
+                self.insert(pre, list(range(k)))
+        row = self.prefill([1], Sampling(), 0, 1)
         for rows in self.buckets:
             for slot in range(rows):
-                self.insert(row, slot)
+                self.insert(row, [slot])
             self._run_chunk(rows, [0] * rows, 1, self._table(rows, placeholder=True))
             for slot in reversed(range(rows)):
                 self.move(slot, slot)
