@@ -95,24 +95,35 @@ def test_buckets():
     assert prompt_buckets(64) == (16, 32, 64) and prompt_buckets(100) == (16, 32, 64, 100)
 
 
-def serve_watching_chunks(slots, requests, watch):
+def serve_watching_chunks(slots, requests, watch, log=None):
     """The requests through a Scheduler over `slots` (stopped after): its results and the scheduler;
-    watch(n_active, report) sees every chunk."""
-    chunk = slots.advance
+    watch(n_active, report) sees every chunk's report; log (a list) gets "launch" and "report" as
+    chunks are dispatched and their reports read."""
+    launch = slots.launch
+    log = [] if log is None else log
 
-    def advance(n, sent, steps=None):
-        report = chunk(n, sent, steps)
-        watch(n, report)
-        return report
+    def watched(n, steps=None):
+        log.append("launch")
+        pending = launch(n, steps)
+        result = pending.result
 
-    slots.advance = advance
+        def report():
+            r = result()
+            log.append("report")
+            watch(n, r)
+            return r
+
+        pending.result = report
+        return pending
+
+    slots.launch = watched
     scheduler = Scheduler(slots, TOKENIZER, max_queue=16)
     scheduler.start()
     try:
         return run(scheduler, requests), scheduler
     finally:
         scheduler.stop()
-        slots.advance = chunk
+        slots.launch = launch
 
 
 def test_continuous_batching_equals_each_request_alone(slots):
@@ -140,6 +151,19 @@ def test_continuous_batching_equals_each_request_alone(slots):
         assert text == TOKENIZER.decode(ids[:-1] if last_stops else ids)
     assert set(rows) == {1, 2}, rows  # the last request alone runs batch 1
     assert scheduler.active == 0 and bool(np.asarray(slots.state.done).all())
+
+
+def test_the_next_chunk_runs_while_the_host_streams(slots):
+    """Chunk k + 1 is dispatched before chunk k's report is read (the device does not wait for the
+    host's streaming); the reports are read in order (the last chunk, which carries only ended
+    requests, may still be in flight when the scheduler stops); the output is unchanged."""
+    requests = [Request((3, 4, 5), 14, Sampling(), 0), Request((6, 7), 9, Sampling(), 0)]
+    log = []
+    results, _ = serve_watching_chunks(slots, requests, lambda n, report: None, log)
+    assert log[:3] == ["launch", "launch", "report"], log
+    assert log.count("launch") - log.count("report") in (0, 1) and all(
+        log[: i + 1].count("report") <= log[: i + 1].count("launch") for i in range(len(log)))
+    assert [ids for ids, _, _ in results] == alone(requests)
 
 
 def test_a_burst_is_prefilled_together(slots):
@@ -197,12 +221,11 @@ def test_prefilled_rows_go_only_where_they_are_put():
             for g, w in zip(jax.tree.leaves(getattr(got, f)), jax.tree.leaves(getattr(want, f))):
                 if row is None or g.shape == w.shape:  # the prefill's caches are shorter: compared below
                     np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=f"slot {slot} {f}")
-    sent, out = [1, 1], [[pre.first[2]], [pre.first[0]]]
+    out = [[pre.first[2]], [pre.first[0]]]
     while True:
-        report = s.advance(2, sent)
+        report = s.advance(2)
         for r in range(2):
-            out[r] += report.tokens[r, : int(report.n_out[r]) - sent[r]].tolist()
-        sent = report.n_out.tolist()
+            out[r] += report.tokens[r, : report.n_new[r]].tolist()
         if report.done.all():
             break
     assert out == [alone([requests[2]])[0], alone([requests[0]])[0]]
@@ -296,10 +319,8 @@ def test_a_reused_slot_starts_afresh(auto_slots):
     first = [auto_slots.prefill((3 + i, 40, 41 + i), Sampling(), 0, 40) for i in range(2)]
     for slot, row in enumerate(first):
         auto_slots.insert(row, [slot])
-    sent = [1, 1]
     for _ in range(4):
-        r = auto_slots.advance(2, sent)
-        sent = r.n_out.tolist()
+        auto_slots.advance(2)
     a = auto_slots.state.adapt
     assert bool(a.have_e) and np.asarray(a.pop_e)[1:].min() > 0  # a speculative step taught E
     row_e = np.asarray(a.row_e) + np.asarray([[7.0], [9.0]], np.float32)  # the rows' own values, told apart

@@ -1,10 +1,13 @@
 """The scheduler: one thread that owns the slots and moves requests through them.
 
 Its loop: admit the requests waiting for free slots (prefilled together, up to the slots'
-max_prefill at a time; first tokens streamed; one jitted insert), run one chunk of device steps
-over the active slots, hand each request its new tokens (as text, with stop strings applied), and
-free the slots of finished or cancelled requests (the last active request moves into the hole, so
-the active ones stay packed at the front). Requests
+max_prefill at a time; first tokens streamed; one jitted insert), dispatch one chunk of device
+steps over the active slots, and while it runs hand each request its tokens from the previous
+chunk (as text, with stop strings applied) and free the slots of finished or cancelled requests
+(the last active request moves into the hole, so the active ones stay packed at the front). One
+chunk is always in flight while requests are active, so the device does not wait for the host's
+streaming; a request that ended in chunk k has run (as a done row, or its extra tokens dropped)
+in chunk k + 1, and its slot is free from chunk k + 2. Requests
 wait in a bounded queue; `submit` refuses when it is full or the scheduler is closing.
 
 The thread talks to the HTTP side only through `Handle`s: events go out on an asyncio queue of
@@ -21,7 +24,7 @@ import threading
 import time
 from typing import Sequence
 
-from ddtree_jax.serve.slots import PrefillRequest, SlotBatch
+from ddtree_jax.serve.slots import PendingChunk, PrefillRequest, SlotBatch
 from ddtree_jax.serve.text import TextStream
 from ddtree_jax.speculative.sampling import Sampling
 
@@ -84,15 +87,24 @@ class Handle:
             pass
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # compared by identity
 class _Active:
     handle: Handle
     text: TextStream
     stop_set: frozenset
-    sent: int = 0  # tokens of out[] already consumed
     steps: int = 0
     tokens: int = 0  # completion tokens counted so far
     first_token_at: float | None = None
+    finished: bool = False  # its Finish was sent (a chunk in flight may still carry its row)
+
+
+@dataclasses.dataclass(frozen=True)
+class _InFlight:
+    """A dispatched chunk and the requests in slots 0 .. n-1 when it was dispatched."""
+
+    pending: PendingChunk
+    rows: tuple[_Active, ...]
+    dispatched: float
 
 
 class Scheduler:
@@ -109,6 +121,8 @@ class Scheduler:
         self._queue: collections.deque[Handle] = collections.deque()
         self._cond = threading.Condition()
         self._active: list[_Active] = []
+        self._in_flight: _InFlight | None = None
+        self._last_report = 0.0  # when the last chunk's report reached the host
         self._closing = False
         self._stopping = False
         self._deadline: float | None = None  # drain(): cancel what is left at this time
@@ -172,7 +186,7 @@ class Scheduler:
         try:
             while True:
                 with self._cond:
-                    while not self._stopping and not self._queue and not self._active:
+                    while not self._stopping and not self._queue and not self._active and self._in_flight is None:
                         self._cond.wait(0.5)
                     if self._stopping:
                         break
@@ -181,8 +195,10 @@ class Scheduler:
                     self._cancel_all("the server is shutting down")
                     continue
                 self._admit()
-                if self._active:
-                    self._chunk()
+                launched = self._launch() if self._active else None
+                if self._in_flight is not None:
+                    self._collect(self._in_flight)
+                self._in_flight = launched
         except BaseException as e:  # a device or internal failure: every request learns of it
             self.error = e
             log.exception("the scheduler stopped")
@@ -200,6 +216,7 @@ class Scheduler:
             self._gauges()
 
     def _cancel_all(self, message: str) -> None:
+        self._in_flight = None  # its tokens are not streamed: every request ends here
         with self._cond:
             left, self._queue = list(self._queue), collections.deque()
         for h in left:
@@ -245,7 +262,7 @@ class Scheduler:
         slots = []
         for h, first, done in zip(handles, pre.first, pre.done):
             stops = self._eos | frozenset(h.request.stop_ids)
-            a = _Active(h, TextStream(self.tokenizer, h.request.stop), stops, sent=1)
+            a = _Active(h, TextStream(self.tokenizer, h.request.stop), stops)
             reason = self._consume(a, [first], done)
             if reason:
                 self._finish(a, reason)
@@ -255,37 +272,47 @@ class Scheduler:
                 self._active.append(a)
         self.slots.insert(pre, slots)
 
-    def _chunk(self) -> None:
-        n = len(self._active)
-        t0 = time.monotonic()
-        report = self.slots.advance(n, [a.sent for a in self._active])
-        seconds = time.monotonic() - t0
-        finished = []
+    def _launch(self) -> _InFlight:
+        pending = self.slots.launch(len(self._active))
+        return _InFlight(pending, tuple(self._active), time.monotonic())
+
+    def _collect(self, chunk: _InFlight) -> None:
+        """Stream a finished chunk's tokens to its requests (slot r: chunk.rows[r]) and free the
+        slots of those that ended; a request that ended before (in the previous chunk) is skipped."""
+        report = chunk.pending.result()
+        now = time.monotonic()
+        seconds = now - max(chunk.dispatched, self._last_report)  # its device time, when chunks queue
+        self._last_report = now
+        ended = []
         steps_run = 0
-        for r, a in enumerate(self._active):
-            new = int(report.n_out[r]) - a.sent
+        for r, a in enumerate(chunk.rows):
+            new = int(report.n_new[r])
             if new > report.tokens.shape[1]:
                 raise RuntimeError(
                     f"slot {r} made {new} tokens in a chunk, more than the window {report.tokens.shape[1]}")
+            steps = int(report.steps[r]) - a.steps
+            steps_run = max(steps_run, steps)
+            a.steps += steps
+            if self.metrics:  # the steps a row ran after its request ended (its tokens dropped) count too
+                self.metrics.on_steps(steps, 0 if a.finished else new)
+            if a.finished:
+                continue
             tokens = report.tokens[r, :new].tolist()
-            a.sent += new
-            steps_run = max(steps_run, int(report.steps[r]) - a.steps)
-            if self.metrics:
-                self.metrics.on_steps(int(report.steps[r]) - a.steps, new)
-            a.steps = int(report.steps[r])
             if a.handle.cancelled:
-                finished.append((r, "cancelled"))
+                ended.append((a, "cancelled"))
                 continue
             reason = self._consume(a, tokens, bool(report.done[r]))
             if reason:
-                finished.append((r, reason))
+                ended.append((a, reason))
         if self.metrics:
-            self.metrics.on_chunk(seconds, steps_run, self.slots.rows_for(n), n)
+            self.metrics.on_chunk(seconds, steps_run, self.slots.rows_for(len(chunk.rows)), len(chunk.rows))
             if report.choice_steps is not None:  # budget "auto": what each step chose
                 self.metrics.on_choices(self.slots.choice_names, report.choice_steps, report.choice_rows,
                                         report.choice_predicted, report.choice_accepted)
-        for r, reason in sorted(finished, reverse=True):
-            self._finish(self._active[r], reason, "the client went away" if reason == "cancelled" else None)
+        for a, reason in ended:
+            self._finish(a, reason, "the client went away" if reason == "cancelled" else None)
+        slots = sorted((self._active.index(a) for a, _ in ended), reverse=True)
+        for r in slots:
             last = len(self._active) - 1
             self.slots.move(last, r)  # the last active request fills the hole (or frees it)
             self._active[r] = self._active[last]
@@ -315,6 +342,7 @@ class Scheduler:
         return reason
 
     def _finish(self, a: _Active, reason: str, message: str | None = None) -> None:
+        a.finished = True
         self._emit_finish(a.handle, reason, message, a.tokens, a.steps, a.first_token_at)
 
     def _emit_finish(self, handle: Handle, reason: str, message: str | None = None, tokens: int = 0, steps: int = 0,

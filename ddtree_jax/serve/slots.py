@@ -6,7 +6,8 @@ one's length bucket, caches the size of that bucket: one prefill program per pai
 their rows are scattered into free slots by one jitted insert that donates the running state (no
 copy of the other slots); a burst of arrivals costs one prefill, one host read of the first
 tokens and one insert, not one of each per request. Between insertions the state advances in
-chunks of device steps. Requests are kept packed in slots
+chunks of device steps, each dispatched without waiting (`launch`): the host streams one chunk's
+tokens while the next one runs, and each chunk reports the tokens it generated per row. Requests are kept packed in slots
 0 .. n-1 (a freed slot takes the last active row), so a chunk runs only the smallest batch
 bucket that holds every active request: idle slots cost no compute.
 
@@ -45,12 +46,13 @@ MEASURE_PROMPT = 64  # tokens of the start-up table's synthetic prompt (at most 
 
 
 class ChunkReport(NamedTuple):
-    """Host copy of what a chunk changed in the first `rows` slots."""
+    """Host copy of what a chunk changed in the first `rows` slots (as they were when it ran)."""
 
     n_out: np.ndarray  # [rows] tokens generated so far (the prefill's included)
+    n_new: np.ndarray  # [rows] tokens the chunk generated
     done: np.ndarray  # [rows] bool
     steps: np.ndarray  # [rows] steps taken while active
-    tokens: np.ndarray  # [rows, window] out[r, sent[r] :], -1 past the end
+    tokens: np.ndarray  # [rows, window] the chunk's tokens (tokens[r, :n_new[r]]), -1 past them
     # budget "auto", per choice (AutoBudget.names order), in this chunk: steps, row-steps (active rows
     # summed over those steps), predicted (calibrated) and realised accepted draft tokens; else None
     choice_steps: np.ndarray | None = None
@@ -92,8 +94,18 @@ def _put(state: gen.LoopState, sub: gen.LoopState, rows: int) -> gen.LoopState:
     return gen.map_rows(lambda big, small: big.at[:rows].set(small), state, sub, base=sub)
 
 
-def _chunk(graphdef, params, dparams, state, eos, max_steps, sent, table, *, spec, rows: int, window: int):
-    """Up to max_steps steps of the first `rows` slots, and their new tokens from sent [rows] on.
+class PendingChunk:
+    """A chunk dispatched to the device; result() waits for it and copies its report to the host."""
+
+    def __init__(self, report):
+        self._report = report
+
+    def result(self) -> ChunkReport:
+        return ChunkReport(*jax.device_get(self._report))
+
+
+def _chunk(graphdef, params, dparams, state, eos, max_steps, table, *, spec, rows: int, window: int):
+    """Up to max_steps steps of the first `rows` slots, and the tokens each generated.
 
     The batch's step counter, histogram and (budget "auto") statistics restart from zero in every
     chunk, so none of them grows with the server's lifetime (the step counter stays below
@@ -106,15 +118,16 @@ def _chunk(graphdef, params, dparams, state, eos, max_steps, sent, table, *, spe
     if spec.adaptive is not None:
         ms, ctx = table
         sub = sub._replace(adapt=choice.clear_statistics(sub.adapt)._replace(cost_ms=ms, cost_ctx=ctx))
+    start = sub.n_out
     sub = gen._advance(model, dparams, sub, eos, spec, max_steps)
-    pos = jnp.minimum(sent[:, None] + jnp.arange(window, dtype=jnp.int32)[None], sub.out.shape[1] - 1)
-    tokens = jnp.where(sent[:, None] + jnp.arange(window)[None] < sub.n_out[:, None],
-                       jnp.take_along_axis(sub.out, pos, axis=1), -1)
+    offsets = start[:, None] + jnp.arange(window, dtype=jnp.int32)[None]
+    tokens = jnp.where(offsets < sub.n_out[:, None],
+                       jnp.take_along_axis(sub.out, jnp.minimum(offsets, sub.out.shape[1] - 1), axis=1), -1)
     stats = (None,) * 4
     if spec.adaptive is not None:
         a = sub.adapt
         stats = (a.n_steps, a.n_rows, a.sum_cal, a.sum_real)
-    return _put(state, sub, rows), (sub.n_out, sub.done, sub.steps, tokens) + stats
+    return _put(state, sub, rows), (sub.n_out, sub.n_out - start, sub.done, sub.steps, tokens) + stats
 
 
 def _insert(state: gen.LoopState, rows: gen.LoopState, slots) -> gen.LoopState:
@@ -321,11 +334,10 @@ class SlotBatch:
                 for slot in range(rows):
                     self.insert(row, [slot])
                 start = self.state._replace(i=jnp.zeros_like(self.state.i))
-                sent = jnp.zeros((rows,), jnp.int32)
                 hold = self._table(rows, placeholder=True)
 
-                def advance(st, k, rows=rows, sent=sent, hold=hold):
-                    return self._chunk(e.params, e.drafter_params, st, never, jnp.int32(k), sent, hold, spec=self.spec,
+                def advance(st, k, rows=rows, hold=hold):
+                    return self._chunk(e.params, e.drafter_params, st, never, jnp.int32(k), hold, spec=self.spec,
                                        rows=rows, window=self.window)[0]
 
                 table = costs.measure(advance, start, self.auto, steps=steps, repeats=repeats, batch=rows,
@@ -438,22 +450,26 @@ class SlotBatch:
         """Slot src's request continues in slot dst; src is freed (src == dst: free it)."""
         self.state = self._move(self.state, jnp.int32(src), jnp.int32(dst))
 
-    def advance(self, n_active: int, sent: Sequence[int], steps: int | None = None) -> ChunkReport:
-        """One chunk of up to `steps` (default and at most chunk_steps) device steps of the slots
-        0 .. n_active-1 (in their batch bucket); one host sync."""
+    def launch(self, n_active: int, steps: int | None = None) -> PendingChunk:
+        """Dispatch one chunk of up to `steps` (default and at most chunk_steps) device steps of the
+        slots 0 .. n_active-1 (in their batch bucket) without waiting for it: the host may stream the
+        previous chunk's tokens and dispatch moves, inserts and the next chunk meanwhile (they run
+        after it, in order)."""
         steps = steps or self.chunk_steps
         if not 1 <= steps <= self.chunk_steps:
             raise ValueError(f"a chunk runs 1 to chunk_steps={self.chunk_steps} steps, got {steps}")
         rows = self.rows_for(n_active)
-        return self._run_chunk(rows, sent, steps, self._table(rows))
+        return self._launch(rows, steps, self._table(rows))
 
-    def _run_chunk(self, rows: int, sent: Sequence[int], steps: int, table) -> ChunkReport:
-        sent_arr = np.zeros((rows,), np.int32)
-        sent_arr[: len(sent)] = sent
+    def advance(self, n_active: int, steps: int | None = None) -> ChunkReport:
+        """launch() and wait for its report."""
+        return self.launch(n_active, steps).result()
+
+    def _launch(self, rows: int, steps: int, table) -> PendingChunk:
         e = self.engine
-        self.state, report = self._chunk(e.params, e.drafter_params, self.state, self.eos, jnp.int32(steps),
-                                         jnp.asarray(sent_arr), table, spec=self.spec, rows=rows, window=self.window)
-        return ChunkReport(*jax.device_get(report))
+        self.state, report = self._chunk(e.params, e.drafter_params, self.state, self.eos, jnp.int32(steps), table,
+                                         spec=self.spec, rows=rows, window=self.window)
+        return PendingChunk(report)
 
     def warm_up(self, max_prompt: int | None = None) -> dict[int, float]:
         """Compile and run once: the prefill and the insert of each pair of a prefill bucket and a
@@ -470,7 +486,7 @@ class SlotBatch:
         for rows in self.buckets:
             for slot in range(rows):
                 self.insert(row, [slot])
-            self._run_chunk(rows, [0] * rows, 1, self._table(rows, placeholder=True))
+            self._launch(rows, 1, self._table(rows, placeholder=True)).result()
             for slot in reversed(range(rows)):
                 self.move(slot, slot)
         seconds = self.measure_costs()  # budget "auto" (else nothing); resets the policy's state
