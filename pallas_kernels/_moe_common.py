@@ -1,0 +1,268 @@
+"""What every form of the routed-expert product shares (pallas_kernels/moe_experts.py is the entry
+point; its docstring states the contract and the rounding): the constants and tilings (GemmConfig,
+MoeConfig, DecodeConfig), the operand and kernel checks, the rounding and the activation as the XLA
+forms spell them, the weighted sum over the k choices, and the two XLA references the kernels are
+tested against (`reference`, the gathered form; `dense_reference`, every expert on every token).
+A module of its own so that the grouped path (_moe_grouped.py) and the decode path
+(_moe_decode.py) share one copy and neither imports the other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from pallas_kernels._common import dot_precision, is_pow2
+
+ACTS = ("silu_glu", "relu2")
+W_LAYOUTS = ("in_out", "out_in")  # [E, in, out] (the project's Linear layout) or [E, out, in] (HF's)
+GEMM_LAYOUTS = ("cols", "rows")
+DTYPES = ("bfloat16", "float16", "float32")
+MIN_BLOCK = 16  # Triton's tl.dot needs every block dimension >= 16
+TARGET_PROGRAMS = 256  # ~two programs per SM of the H200's 132, all resident at once: loads in flight
+COMBINES = ("kernel", "xla")
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    """Tiling of one of the kernel's two launches. block_n / block_k are upper bounds: a launch
+    uses the largest power of two <= them that divides its N / K (`fit`). split_k > 1 splits K
+    into that many slices (a power of two dividing K / block_k) whose float32 partial products
+    XLA adds (then rounds, and for the first launch applies the activation). layout "cols" puts
+    the weight columns on the MMA's M side (w^T x^T: the few rows of a tile are its N side),
+    "rows" is the plain x @ w."""
+
+    block_n: int = 64
+    block_k: int = 64
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+    layout: str = "cols"
+
+    def problems(self, name: str) -> list[str]:
+        bad = [f"{name}.{f} = {getattr(self, f)} (a power of two >= {MIN_BLOCK})" for f in ("block_n", "block_k")
+               if not (is_pow2(getattr(self, f)) and getattr(self, f) >= MIN_BLOCK)]
+        bad += [] if is_pow2(self.split_k) else [f"{name}.split_k = {self.split_k} (a power of two)"]
+        bad += [] if self.layout in GEMM_LAYOUTS else [f"{name}.layout = {self.layout!r} (one of {GEMM_LAYOUTS})"]
+        bad += [] if self.num_warps in (1, 2, 4, 8, 16) else [f"{name}.num_warps = {self.num_warps}"]
+        bad += [] if self.num_stages >= 1 else [f"{name}.num_stages = {self.num_stages}"]
+        return bad
+
+    def fit(self, n: int, k: int) -> GemmConfig:
+        """The blocks and split this launch uses for an [., k] x [k, n] product (n, k multiples of 16)."""
+        bn, bk = _fit_block(self.block_n, n), _fit_block(self.block_k, k)
+        split = self.split_k
+        while split > 1 and k % (split * bk):
+            split //= 2
+        return dataclasses.replace(self, block_n=bn, block_k=bk, split_k=split)
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeConfig:
+    """The kernel's tiling: block_m rows per tile (a power of two >= 16); `up` the first launch
+    (x @ w_in, activation), `down` the second (h @ w_out)."""
+
+    block_m: int = 16
+    up: GemmConfig = GemmConfig()
+    down: GemmConfig = GemmConfig()
+
+    def problems(self) -> list[str]:
+        bad = [] if is_pow2(self.block_m) and self.block_m >= MIN_BLOCK else [
+            f"block_m = {self.block_m} (a power of two >= {MIN_BLOCK})"]
+        return bad + self.up.problems("up") + self.down.problems("down")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """The decode path's tiling (no grouping; pallas_kernels/_moe_decode.py). `up`: launch (1) over (column
+    block, K slice, pair); its split_k > 1 writes float32 partials that launch (2) adds, rounds and
+    activates as it loads them. `down`: launch (2). combine "kernel": one program per (column
+    block, token) runs the token's k choices and writes y (down.split_k must be 1); "xla": one
+    program per (column block, K slice, pair) writes the pair's rounded output (or float32
+    partials), which XLA adds up, weights and sums over k (one more fusion). Each GemmConfig's
+    layout names the MMA form of the padded row ("cols": weight columns on the MMA's M side)."""
+
+    up: GemmConfig = GemmConfig(block_n=64, block_k=64, split_k=4)
+    down: GemmConfig = GemmConfig(block_n=64, block_k=64)
+    combine: str = "kernel"
+
+    def problems(self) -> list[str]:
+        bad = self.up.problems("up") + self.down.problems("down")
+        if self.combine not in COMBINES:
+            bad.append(f"combine = {self.combine!r} (one of {COMBINES})")
+        elif self.combine == "kernel" and self.down.split_k != 1:
+            bad.append(f"down.split_k = {self.down.split_k} with combine 'kernel' (its program sums whole rows: 1)")
+        return bad
+
+
+def _fit_block(block: int, dim: int) -> int:
+    """The largest power of two <= block dividing dim."""
+    return min(block, dim & -dim)
+
+
+def _filling_split(programs: int, k: int, bk: int) -> int:
+    """The power-of-two K split that brings a launch of `programs` programs to TARGET_PROGRAMS
+    (each slice at least 4 K blocks deep, dividing K)."""
+    split = 1
+    while programs * split < TARGET_PROGRAMS and k % (2 * split * bk) == 0 and k // (2 * split) >= 4 * bk:
+        split *= 2
+    return split
+
+
+# ----------------------------------------------------------------------------------------------
+# operand checks
+
+
+def _dims(w_in, w_out, w_layout: str):
+    """(E, H, N1, I, H_out) of the expert weights as stored."""
+    if w_layout == "in_out":
+        e, h, n1 = w_in.shape
+        _, i, h2 = w_out.shape
+    else:
+        e, n1, h = w_in.shape
+        _, h2, i = w_out.shape
+    return e, h, n1, i, h2
+
+
+def check_operands(x, expert_ids, weights, w_in, w_out, act: str, w_layout: str = "in_out") -> list[str]:
+    """Every problem with the operands (shapes, ranks, dtypes; ids in [0, E) where they are concrete)."""
+    bad = []
+    if act not in ACTS:
+        bad.append(f"act must be one of {ACTS}, got {act!r}")
+    if w_layout not in W_LAYOUTS:
+        bad.append(f"w_layout must be one of {W_LAYOUTS}, got {w_layout!r}")
+    for name, a, nd in (("x", x, 2), ("expert_ids", expert_ids, 2), ("weights", weights, 2), ("w_in", w_in, 3),
+                        ("w_out", w_out, 3)):
+        if a.ndim != nd:
+            bad.append(f"{name} must have rank {nd}, got shape {tuple(a.shape)}")
+    if bad:
+        return bad
+    t, h = x.shape
+    e, hw, n1, inter, h2 = _dims(w_in, w_out, w_layout)
+    store_in = "[E, H, N]" if w_layout == "in_out" else "[E, N, H]"
+    store_out = "[E, I, H]" if w_layout == "in_out" else "[E, H, I]"
+    if expert_ids.shape[0] != t or weights.shape != expert_ids.shape:
+        bad.append(f"expert_ids {tuple(expert_ids.shape)} and weights {tuple(weights.shape)} must both be "
+                   f"[{t}, k] for x {tuple(x.shape)}")
+    if not jnp.issubdtype(expert_ids.dtype, jnp.integer):
+        bad.append(f"expert_ids must be integers, got {expert_ids.dtype}")
+    if not jnp.issubdtype(weights.dtype, jnp.floating):
+        bad.append(f"weights must be floating point, got {weights.dtype}")
+    if hw != h or h2 != h:
+        bad.append(f"w_in {tuple(w_in.shape)} (stored {store_in}) and w_out {tuple(w_out.shape)} (stored "
+                   f"{store_out}) must have hidden size H = {h} (x's)")
+    if w_out.shape[0] != e:
+        bad.append(f"w_in has {e} experts but w_out {w_out.shape[0]}")
+    want_n1 = 2 * inter if act == "silu_glu" else inter
+    if act in ACTS and n1 != want_n1:
+        what = "gate | up: 2 I" if act == "silu_glu" else "up: I"
+        bad.append(f"act {act!r} needs w_in's N = {what} = {want_n1} (I = {inter} from w_out), got {n1}")
+    if not (x.dtype == w_in.dtype == w_out.dtype):
+        bad.append(f"x, w_in and w_out must share the model dtype, got {x.dtype}, {w_in.dtype}, {w_out.dtype}")
+    if expert_ids.ndim == 2 and expert_ids.shape[1] > e:
+        bad.append(f"top-k = {expert_ids.shape[1]} choices of distinct experts need k <= E = {e}")
+    ids = None
+    if not bad:
+        try:  # concrete ids are cheap to check; traced ones (under jit) are not
+            ids = np.asarray(expert_ids)
+        except jax.errors.TracerArrayConversionError:
+            pass
+    if ids is not None and ids.size and (ids.min() < 0 or ids.max() >= e):
+        bad.append(f"expert_ids must lie in [0, {e}), got values in [{ids.min()}, {ids.max()}]")
+    return bad
+
+
+def kernel_problems(hidden: int, inter: int, num_experts: int, top_k: int, dtype,
+                    config: MoeConfig | DecodeConfig | None = None) -> list[str]:
+    """Why the kernel cannot take this layer (empty: it can); callers route such a layer to
+    impl="xla" and say so."""
+    bad = []
+    for name, d in (("hidden size H", hidden), ("expert intermediate size I", inter)):
+        if d % MIN_BLOCK:
+            bad.append(f"{name} = {d} is not a multiple of {MIN_BLOCK} (the kernel's smallest block)")
+    if jnp.dtype(dtype).name not in DTYPES:
+        bad.append(f"dtype {jnp.dtype(dtype).name} (the kernel takes {', '.join(DTYPES)})")
+    if num_experts < 1 or top_k < 1:
+        bad.append(f"needs E >= 1 experts and k >= 1 choices, got E = {num_experts}, k = {top_k}")
+    if config is not None:
+        bad += config.problems()
+    return bad
+
+
+# ----------------------------------------------------------------------------------------------
+# rounding and the activation (shared by the XLA forms; the kernel spells the same steps)
+
+
+def _round(v, dtype):
+    """A float32 value -> dtype by round to nearest even. reduce_precision first: under jit XLA may drop a
+    bare f32 -> 16-bit -> f32 round trip (its excess precision), which would skip the rounding."""
+    dtype = jnp.dtype(dtype)
+    if dtype == jnp.float32:
+        return v.astype(jnp.float32)
+    info = jnp.finfo(dtype)
+    return lax.reduce_precision(v.astype(jnp.float32), info.nexp, info.nmant).astype(dtype)
+
+
+def activate(pre, act: str, dtype):
+    """pre [..., N1] (gate | up, or up), already rounded to dtype -> the activation in dtype, rounded
+    as pallas_kernels/moe_experts.py's docstring says (shared by every form)."""
+    f32 = jnp.float32
+    if act == "silu_glu":
+        n = pre.shape[-1] // 2
+        g, u = pre[..., :n].astype(f32), pre[..., n:].astype(f32)
+        s = _round(g * jax.nn.sigmoid(g), dtype).astype(f32)
+        return _round(s * u, dtype)
+    r = jax.nn.relu(pre.astype(f32))
+    return _round(r * r, dtype)
+
+
+def _mm(a, w, lhs: str, batch: str, out: str, w_layout: str):
+    """einsum of a (subscripts lhs, contracted over its last) with a weight stored [batch.., in, out]
+    (w_layout "out_in": [batch.., out, in]), rounded to a's dtype: XLA accumulates a 16-bit dot in
+    float32 and rounds its output once (a float32 output type is not asked for: XLA:CPU has no
+    bf16 x bf16 -> f32 dot); full precision for float32."""
+    i, o = lhs[-1], out[-1]
+    ws = batch + (i + o if w_layout == "in_out" else o + i)
+    y = jnp.einsum(f"{lhs},{ws}->{out}", a, w, precision=dot_precision(a.dtype))
+    return _round(y.astype(jnp.float32), a.dtype)
+
+
+def _valid(expert_ids, num_experts):
+    return (expert_ids >= 0) & (expert_ids < num_experts)
+
+
+def combine_choices(o, weights, valid, dtype):
+    """o [T, k, H] (dtype) weighted by weights [T, k] and summed over k in float32, rounded once;
+    choices of invalid ids add nothing."""
+    prod = o.astype(jnp.float32) * weights.astype(jnp.float32)[..., None]
+    return _round(jnp.sum(jnp.where(valid[..., None], prod, 0.0), axis=1), dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# the XLA references: the gathered form and the dense one
+
+
+def reference(x, expert_ids, weights, w_in, w_out, *, act: str, w_layout: str = "in_out"):
+    """The gathered form: each pair's expert weights gathered ([T, k, H, N1], [T, k, I, H])."""
+    e = w_in.shape[0]
+    ids = jnp.clip(expert_ids, 0, e - 1)
+    pre = _mm(x, w_in[ids], "th", "tk", "tkn", w_layout)
+    a = activate(pre, act, x.dtype)
+    o = _mm(a, w_out[ids], "tki", "tk", "tkh", w_layout)
+    return combine_choices(o, weights, _valid(expert_ids, e), x.dtype)
+
+
+def dense_reference(x, expert_ids, weights, w_in, w_out, *, act: str, w_layout: str = "in_out"):
+    """Every expert on every token ([T, E, ...]), combined with a [T, E] matrix zero off the chosen
+    experts (a one-hot sum: an id outside [0, E) selects nothing)."""
+    e = w_in.shape[0]
+    pre = _mm(x, w_in, "th", "e", "ten", w_layout)
+    a = activate(pre, act, x.dtype)
+    o = _mm(a, w_out, "tei", "e", "teh", w_layout)
+    combine = jnp.sum(jax.nn.one_hot(expert_ids, e, dtype=jnp.float32) * weights.astype(jnp.float32)[..., None],
+                      axis=1)  # [T, E]
+    return _round(jnp.sum(o.astype(jnp.float32) * combine[..., None], axis=1), x.dtype)

@@ -1,0 +1,251 @@
+"""The decode path of the routed-expert product (pallas_kernels/moe_experts.py: the API, the
+rounding, the route; impl "pallas" / "pallas_interpret" with a `DecodeConfig`, the kernel route's
+default while T k <= decode_max_pairs): no grouping at all. Each (token, choice) pair is its own
+row (its expert read from expert_ids in the kernel: no sort, no scatter, no XLA prep). Launch (1)
+over (column block, K slice, pair): the pair's token row of x times its expert's w_in columns, the
+activation applied (or float32 partials with a K split); launch (2) over (column block, K slice,
+pair) writing the pair's output row, or with combine "kernel" over (column block, token): the
+program runs the token's k experts one after another in one pipelined loop and writes y itself
+(weighted, summed in float32 in choice order, rounded once), so the layer is two launches and
+nothing else. A K split of launch (1) is added, rounded and activated in launch (2)'s loads. The
+row is padded to MIN_BLOCK with zero rows (tl.dot's smallest side): the MMA does wasted work, the
+memory system none. Reads T k expert matrices (one per pair, repeats included): what a decode step
+reads when its tokens' choices rarely coincide.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels._common import compiler_params, dot_precision, load, next_pow2, store
+from pallas_kernels._moe_common import (MIN_BLOCK, TARGET_PROGRAMS, DecodeConfig, GemmConfig, _dims, _filling_split,
+                                        _round, _valid, combine_choices, kernel_problems)
+
+
+def default_decode_config(tokens: int, top_k: int, num_experts: int, hidden: int, inter: int) -> DecodeConfig:
+    """The decode path's tiling for T tokens (a first guess until the H200 sweep of
+    scripts.bench.moe_experts sets it). Column blocks of 64 (128-byte rows of [E, in, out]
+    weights); launch (1) split in K until it has ~TARGET_PROGRAMS programs (T = 1, top-8, I = 512:
+    8 pairs x 8 blocks x split 4). Launch (2) combines in the kernel once T x H / 64 programs reach
+    half of that (T >= 4 at H = 2048), else one program per pair and XLA's combine."""
+    del num_experts
+    if hidden % MIN_BLOCK or inter % MIN_BLOCK:
+        return DecodeConfig()  # the kernel refuses the shape (kernel_problems)
+    pairs = tokens * top_k
+    up = GemmConfig(block_n=64, block_k=64).fit(inter, hidden)
+    up = dataclasses.replace(up, split_k=_filling_split(pairs * (inter // up.block_n), hidden, up.block_k))
+    down = GemmConfig(block_n=64, block_k=64).fit(hidden, inter)
+    if tokens * (hidden // down.block_n) >= TARGET_PROGRAMS // 2:
+        return DecodeConfig(up=up, down=down, combine="kernel")
+    down = dataclasses.replace(down, split_k=_filling_split(pairs * (hidden // down.block_n), inter, down.block_k))
+    return DecodeConfig(up=up, down=down, combine="xla")
+
+
+# ----------------------------------------------------------------------------------------------
+# the kernels
+
+
+def _padded_row(row):
+    """A [1, K] row -> [MIN_BLOCK, K]: the row, then zero rows (tl.dot's smallest side). The
+    product's other rows are then exact zeros, so a sum over them gives the row's product."""
+    rows = jnp.broadcast_to(row, (MIN_BLOCK, row.shape[1]))
+    first = lax.broadcasted_iota(jnp.int32, rows.shape, 0) == 0
+    return jnp.where(first, rows, jnp.zeros_like(rows))
+
+
+def _row_product(w, rows, w_t: bool, layout: str, precision):
+    """w's tile ([bk, bn], or [bn, bk] for weights stored [E, out, in]) against the padded rows
+    [MIN_BLOCK, bk], float32: [bn, MIN_BLOCK] ("cols": the weight columns on the MMA's M side) or
+    [MIN_BLOCK, bn] ("rows")."""
+    wk = 1 if w_t else 0  # the tile's contraction axis
+    if layout == "rows":
+        return lax.dot_general(rows, w, (((1,), (wk,)), ((), ())), precision=precision,
+                               preferred_element_type=jnp.float32)
+    return lax.dot_general(w, rows, (((wk,), (1,)), ((), ())), precision=precision,
+                           preferred_element_type=jnp.float32)
+
+
+def _the_row(acc, layout: str):
+    """The padded product's one real row as a [bn] vector (the other rows are zeros)."""
+    return jnp.sum(acc, axis=1 if layout == "cols" else 0)
+
+
+def _weight_tile(w_ref, e, k0, col, bk: int, bn: int, w_t: bool):
+    if w_t:  # stored [E, N, K]
+        return load(w_ref, (e, pl.ds(col, bn), pl.ds(k0, bk)))
+    return load(w_ref, (e, pl.ds(k0, bk), pl.ds(col, bn)))
+
+
+def _decode_up_kernel(ids_ref, x_ref, w_ref, o_ref, *, top_k, num_experts, cfg: GemmConfig, k_per_split,
+                      col_offsets, w_t, precision, act):
+    """Program (column block, K slice, pair): the pair's token row of x times its expert's w_in
+    columns (gate and up, or up). Without a K split: act(round(.)) into o_ref [P, I]; with one:
+    the float32 sums into o_ref [S, P, N1]. A pair with an id outside [0, E) writes nothing."""
+    bn, bk = cfg.block_n, cfg.block_k
+    col_block, split, pair = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    tok, choice = pair // top_k, pair % top_k
+    e = ids_ref[tok, choice]
+
+    @pl.when((e >= 0) & (e < num_experts))
+    def _():
+        col0 = col_block * bn
+        k_base = split * k_per_split
+
+        def step(i, accs):
+            k0 = k_base + i * bk
+            rows = _padded_row(load(x_ref, (pl.ds(tok, 1), pl.ds(k0, bk))))
+            return tuple(acc + _row_product(_weight_tile(w_ref, e, k0, off + col0, bk, bn, w_t), rows, w_t,
+                                            cfg.layout, precision)
+                         for off, acc in zip(col_offsets, accs))
+
+        shape = (bn, MIN_BLOCK) if cfg.layout == "cols" else (MIN_BLOCK, bn)
+        accs = lax.fori_loop(0, k_per_split // bk, step, tuple(jnp.zeros(shape, jnp.float32) for _ in col_offsets))
+        sums = [_the_row(a, cfg.layout) for a in accs]
+        if cfg.split_k > 1:
+            for off, v in zip(col_offsets, sums):
+                store(o_ref, (split, pair, pl.ds(off + col0, bn)), v)
+            return
+        store(o_ref, (pair, pl.ds(col0, bn)), _act_rounded(sums, act, o_ref.dtype))
+
+
+def _act_rounded(sums, act: str, dtype):
+    """act of the float32 sums [gate, up] (or [up]), each rounded to dtype first (moe_experts.py's docstring)."""
+    f32 = jnp.float32
+    if act == "silu_glu":
+        g = sums[0].astype(dtype).astype(f32)
+        u = sums[1].astype(dtype).astype(f32)
+        s = (g * jax.nn.sigmoid(g)).astype(dtype).astype(f32)
+        return (s * u).astype(dtype)
+    r = jnp.maximum(sums[0].astype(dtype).astype(f32), 0.0)
+    return (r * r).astype(dtype)
+
+
+def _decode_down_kernel(ids_ref, wts_ref, h_ref, w_ref, o_ref, *, top_k, kp, num_experts, cfg: GemmConfig,
+                        k_per_split, per_token, h_split, inter, w_t, precision, act):
+    """Launch (2). per_token: program (column block, 0, token) runs the token's k choices in one
+    loop of k x (I / bk) steps (the expert changes every I / bk steps, so the weight loads stay
+    pipelined across experts) and writes round(sum_j w_j round(o_j)) into o_ref [T, H]. Else
+    program (column block, K slice, pair) writes the pair's round(o) into o_ref [P, H] (float32
+    partials [S, P, H] with a K split). h_ref: the activation [P, I] (dtype), or launch (1)'s
+    float32 partials [h_split, P, N1], added, rounded and activated here as they are loaded."""
+    f32, i32 = jnp.float32, jnp.int32
+    bn, bk = cfg.block_n, cfg.block_k
+    col_block, split, row = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    col0 = col_block * bn
+    k_base = split * k_per_split
+    nk = k_per_split // bk
+
+    def activation(pair, k0):
+        if h_split == 0:
+            return load(h_ref, (pl.ds(pair, 1), pl.ds(k0, bk)))
+        parts = [jnp.sum(load(h_ref, (pl.ds(0, h_split), pair, pl.ds(off + k0, bk))), axis=0)
+                 for off in ((0, inter) if act == "silu_glu" else (0,))]
+        return _act_rounded(parts, act, w_ref.dtype)[None, :]
+
+    shape = (bn, MIN_BLOCK) if cfg.layout == "cols" else (MIN_BLOCK, bn)
+    if per_token:
+        jj = lax.broadcasted_iota(i32, (kp,), 0)
+        at = (jnp.zeros((kp,), i32) + row, jnp.minimum(jj, top_k - 1))  # the token's k choices (padded to kp)
+        ids = load(ids_ref, at)
+        valid = (jj < top_k) & (ids >= 0) & (ids < num_experts)
+        wts = jnp.where(valid, load(wts_ref, at).astype(f32), 0.0)
+
+        def step(i, carry):
+            acc, y = carry
+            j = i // nk
+            k0 = k_base + (i - j * nk) * bk
+            pick = jj == j
+            e = jnp.clip(jnp.sum(jnp.where(pick, ids, 0)), 0, num_experts - 1)
+            rows = _padded_row(activation(row * top_k + j, k0))
+            acc = acc + _row_product(_weight_tile(w_ref, e, k0, col0, bk, bn, w_t), rows, w_t, cfg.layout, precision)
+            last = i - j * nk == nk - 1
+            add = last & (jnp.sum(jnp.where(pick, valid.astype(i32), 0)) > 0)
+            o = acc.astype(o_ref.dtype).astype(f32)
+            y = jnp.where(add, y + jnp.sum(jnp.where(pick, wts, 0.0)) * o, y)
+            return jnp.where(last, jnp.zeros_like(acc), acc), y
+
+        zeros = jnp.zeros(shape, f32)
+        _, y = lax.fori_loop(0, top_k * nk, step, (zeros, zeros))
+        store(o_ref, (row, pl.ds(col0, bn)), _the_row(y, cfg.layout).astype(o_ref.dtype))
+        return
+
+    tok, choice = row // top_k, row % top_k
+    e = ids_ref[tok, choice]
+
+    @pl.when((e >= 0) & (e < num_experts))
+    def _():
+        def step(i, acc):
+            k0 = k_base + i * bk
+            rows = _padded_row(activation(row, k0))
+            return acc + _row_product(_weight_tile(w_ref, e, k0, col0, bk, bn, w_t), rows, w_t, cfg.layout,
+                                      precision)
+
+        v = _the_row(lax.fori_loop(0, nk, step, jnp.zeros(shape, f32)), cfg.layout)
+        if cfg.split_k > 1:
+            store(o_ref, (split, row, pl.ds(col0, bn)), v)
+        else:
+            store(o_ref, (row, pl.ds(col0, bn)), v.astype(o_ref.dtype))
+
+
+def _call(kernel, grid, operands, out_shape, cfg: GemmConfig, interpret: bool, name: str):
+    full = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * len(a.shape))
+    return pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=[full(a) for a in operands],
+        out_specs=full(out_shape),
+        out_shape=out_shape,
+        compiler_params=None if interpret else compiler_params(cfg.num_warps, cfg.num_stages),
+        interpret=interpret,
+        name=name,
+    )(*operands)
+
+
+def _decode(x, expert_ids, weights, w_in, w_out, *, act: str, w_layout: str, config: DecodeConfig, interpret: bool):
+    """The decode path (this module's docstring): two launches, plus XLA's combine with combine "xla"."""
+    t, k = expert_ids.shape
+    e, h, _, inter, _ = _dims(w_in, w_out, w_layout)
+    bad = kernel_problems(h, inter, e, k, x.dtype, config)
+    if bad:
+        raise ValueError("expert_mlp kernel: " + "; ".join(bad) + " (use impl='xla')")
+    up, down = config.up.fit(inter, h), config.down.fit(h, inter)
+    per_token = config.combine == "kernel"
+    if per_token:
+        down = dataclasses.replace(down, split_k=1)
+    ids = expert_ids.astype(jnp.int32)
+    wts = weights.astype(jnp.float32)
+    w_t = w_layout == "out_in"
+    p = t * k
+    offsets = (0, inter) if act == "silu_glu" else (0,)
+    precision = dot_precision(x.dtype)
+    f32 = jnp.float32
+    if up.split_k > 1:
+        hid_shape = jax.ShapeDtypeStruct((up.split_k, p, len(offsets) * inter), f32)
+    else:
+        hid_shape = jax.ShapeDtypeStruct((p, inter), x.dtype)
+    up_kernel = functools.partial(_decode_up_kernel, top_k=k, num_experts=e, cfg=up, k_per_split=h // up.split_k,
+                                  col_offsets=offsets, w_t=w_t, precision=precision, act=act)
+    hid = _call(up_kernel, (inter // up.block_n, up.split_k, p), (ids, x, w_in), hid_shape, up, interpret,
+                "moe_decode_up")
+    down_kernel = functools.partial(_decode_down_kernel, top_k=k, kp=next_pow2(k), num_experts=e, cfg=down,
+                                    k_per_split=inter // down.split_k, per_token=per_token,
+                                    h_split=up.split_k if up.split_k > 1 else 0, inter=inter, w_t=w_t,
+                                    precision=precision, act=act)
+    if per_token:
+        return _call(down_kernel, (h // down.block_n, 1, t), (ids, wts, hid, w_out),
+                     jax.ShapeDtypeStruct((t, h), x.dtype), down, interpret, "moe_decode_down")
+    if down.split_k > 1:
+        out_shape = jax.ShapeDtypeStruct((down.split_k, p, h), f32)
+    else:
+        out_shape = jax.ShapeDtypeStruct((p, h), x.dtype)
+    out = _call(down_kernel, (h // down.block_n, down.split_k, p), (ids, wts, hid, w_out), out_shape, down,
+                interpret, "moe_decode_down")
+    if down.split_k > 1:
+        out = _round(jnp.sum(out, axis=0), x.dtype)
+    return combine_choices(out.reshape(t, k, h), wts, _valid(ids, e), x.dtype)
