@@ -19,7 +19,7 @@ from ddtree_jax.models.gdn import GatedDeltaNet, RecurrentPending
 from tests.tree_harness import routes_for
 from pallas_kernels.gdn_commit import gdn_path_commit
 from pallas_kernels.gdn_tree import gdn_tree_verify
-from scripts.bench import kernels as bench
+from scripts.bench.kernels_gdn import gdn_args, gdn_problem, leaf_path
 
 B, HK, H, N, DK, DV, P = 3, 2, 4, 37, 16, 32, 8  # odd batch and node counts on purpose
 REP = H // HK
@@ -206,10 +206,10 @@ def test_the_kernel_writes_state_and_window_in_place():
 def test_native_at_the_27b_layer(gpu_impl, dtype, b):
     """The 27B GDN layer (16 k / 48 v heads of 128): the deepest path of a DDTree-like 64-node tree
     committed (P = 16), with and without the conv window, within 1e-5 of the reference."""
-    pb = bench.gdn_problem(9, b, 64)
-    lp = [bench.leaf_path(t, 16) for t in pb["trees"]]
+    pb = gdn_problem(9, b, 64)
+    lp = [leaf_path(t, 16) for t in pb["trees"]]
     path, count = jnp.asarray([x for x, _ in lp], jnp.int32), jnp.asarray([c for _, c in lp], jnp.int32)
-    _, k, v, g, beta, state, _ = bench.gdn_args(pb, dtype)
+    _, k, v, g, beta, state, _ = gdn_args(pb, dtype)
     args = (k, v, g, beta, state, path, count)
     assert_close(kernel(gpu_impl)(*args), ref_fn(*args), 1e-5)
     rng = np.random.default_rng(b)

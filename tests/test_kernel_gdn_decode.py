@@ -19,6 +19,7 @@ from ddtree_jax.models.mixer import Step
 from tests.tree_harness import INTERPRET
 from pallas_kernels.gdn_decode import gdn_decode, kernel_problems
 from scripts.bench import kernels as bench
+from scripts.bench.kernels_gdn import gdn_decode_problem
 from scripts.bench.common import max_rel_err
 from scripts.bench.shapes import GDN_27B
 from tests.tiny_models import HYBRID, make_target
@@ -151,7 +152,7 @@ def test_native_at_the_27b_layer(gpu_impl, batch):
     1e-5 of the reference in float32 (its a / b products at full precision), 3e-2 in bf16; idle
     rows (every 4th) keep their state."""
     for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)):
-        args = bench.gdn_decode_problem(batch, batch, **GDN_27B, dtype=dtype)
+        args = gdn_decode_problem(batch, batch, **GDN_27B, dtype=dtype)
         run = lambda impl: jax.jit(lambda *a: gdn_decode(*a, num_k_heads=GDN_27B["hk"], eps=1e-6, impl=impl))(*args)
         with jax.default_matmul_precision("highest"):
             want = run("xla")

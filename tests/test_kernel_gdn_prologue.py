@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from ddtree_jax.tree import geometry, make_tree
 from pallas_kernels.gdn_tree_prologue import gdn_tree_prologue, kernel_problems
 from scripts.bench import kernels as bench
+from scripts.bench.kernels_gdn import gdn_prologue_problem
 from scripts.bench.common import max_rel_err
 from scripts.bench.shapes import GDN_27B
 from scripts.offline_triton_compile import capture_ttir, compile_ttir
@@ -177,7 +178,7 @@ def test_native_at_the_27b_layer(gpu_impl, batch, nodes):
     shape = {k: GDN_27B[k] for k in ("hk", "hv", "dk", "dv", "taps")}
     kw = dict(num_k_heads=shape["hk"], head_k_dim=shape["dk"], head_v_dim=shape["dv"])
     for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)):
-        args = bench.gdn_prologue_problem(batch * 100 + nodes, batch, nodes, **shape, dtype=dtype)
+        args = gdn_prologue_problem(batch * 100 + nodes, batch, nodes, **shape, dtype=dtype)
         want = jax.jit(functools.partial(gdn_tree_prologue, impl="xla", **kw))(*args)
         got = jax.jit(functools.partial(gdn_tree_prologue, impl=gpu_impl, **kw))(*args)
         assert max_rel_err(want, got) <= tol, jnp.dtype(dtype).name

@@ -17,7 +17,7 @@ from hypothesis import given, settings, strategies as st
 
 from ddtree_jax.tree import ancestor_bits_from_parents, root_path
 from pallas_kernels.gdn_tree import gdn_tree_verify
-from scripts.bench import kernels as bench
+from scripts.bench.kernels_gdn import gdn_args, gdn_problem
 from tests.tolerance import by_impl
 
 B, HK, H = 2, 2, 4  # two value heads per key head
@@ -348,9 +348,9 @@ def test_native_at_the_27b_layer(gpu_impl, n, kind, b):
     """DDTree-like trees (depth <= 15, a different tree per sequence) and a 16-chain (linear DFlash),
     batch 1 and 8: bf16 q / k / v (TF32 products) within 1e-2 of the float32 reference, float32
     inputs (tf32x3 products) within 1e-5; the bf16 form also writes bf16 outputs."""
-    pb = bench.gdn_problem(1000 + n + b, b, n, kind)
+    pb = gdn_problem(1000 + n + b, b, n, kind)
     for dtype, tol in ((jnp.bfloat16, 1e-2), (jnp.float32, 1e-5)):
-        args = bench.gdn_args(pb, dtype)
+        args = gdn_args(pb, dtype)
         assert_close(kernel(gpu_impl)(*args), ref_fn()(*args), tol)
-    args = bench.gdn_args(pb, jnp.bfloat16)
+    args = gdn_args(pb, jnp.bfloat16)
     assert_close(kernel(gpu_impl, out_dtype=jnp.bfloat16)(*args), ref_fn()(*args), 2e-2)

@@ -15,6 +15,7 @@ from hypothesis import given, settings, strategies as st
 
 from pallas_kernels.row_top_k import ROW_TOP_K_MAX_K, ROW_TOP_K_MAX_LEN, row_top_k
 from scripts.bench import kernels as bench
+from scripts.bench.kernels_tree_build import row_top_k_problem
 from scripts.bench.shapes import DRAFT_DEPTHS
 from tests.build_harness import assert_gpu_build_equals_cpu
 
@@ -82,6 +83,6 @@ def test_bench_cpu_smoke(tmp_path):
 def test_native_at_the_draft_rows(gpu_impl, batch, n, k):
     """The draft's 15 rows per sequence of log-probabilities with exact ties and -inf: values and
     indices equal lax.top_k's."""
-    [x] = bench.row_top_k_problem(batch * 1000 + n + k, batch, DRAFT_DEPTHS, n, 1)
+    [x] = row_top_k_problem(batch * 1000 + n + k, batch, DRAFT_DEPTHS, n, 1)
     for got, want in zip(_top_k(x, k, gpu_impl), jax.jit(lambda v: jax.lax.top_k(v, k))(x)):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

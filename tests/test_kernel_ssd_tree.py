@@ -20,7 +20,7 @@ from hypothesis import given, settings, strategies as st
 
 from ddtree_jax.tree import make_tree
 from pallas_kernels.ssd_tree import ssd_path_commit, ssd_tree_verify
-from scripts.bench import kernels as bench
+from scripts.bench.kernels_ssd import ssd_problem
 from scripts.bench.shapes import SSD_NEMOTRON_H_8B
 from tests.tolerance import by_impl
 
@@ -162,7 +162,7 @@ def test_native_at_the_nemotron_h_layer(gpu_impl, n, kind):
     """The Nemotron-H 8B Mamba2 layer (128 heads x 64, 8 groups, state 128), batch 2, DDTree-like
     trees and chains: float32 outputs finite and within 1e-4 of the reference (of its magnitude,
     at least 1) with tf32x3 products, 2e-5 with IEEE float32 ones."""
-    inputs = bench.ssd_problem(np.random.default_rng(n), 2, n, **SSD_NEMOTRON_H_8B, kind=kind)
+    inputs = ssd_problem(np.random.default_rng(n), 2, n, **SSD_NEMOTRON_H_8B, kind=kind)
     want = np.asarray(ssd_tree_verify(*inputs, impl="xla"))
     scale = max(1.0, float(np.abs(want).max()))
     for precision, tol in (("tf32x3", 1e-4), ("ieee", 2e-5)):
@@ -175,7 +175,7 @@ def test_native_commit_at_the_nemotron_h_layer(gpu_impl):
     """A 16-node path committed (all, and half) at the Nemotron-H 8B layer: within 1e-5 of the
     reference (of its magnitude, at least 1)."""
     rng = np.random.default_rng(0)
-    x, dt, a, bm, _, _, s0, _ = bench.ssd_problem(rng, 2, 256, **SSD_NEMOTRON_H_8B)
+    x, dt, a, bm, _, _, s0, _ = ssd_problem(rng, 2, 256, **SSD_NEMOTRON_H_8B)
     path = jnp.asarray(np.sort(rng.integers(0, 256, (2, 16)), axis=1), jnp.int32)
     count = jnp.asarray([16, 8], jnp.int32)
     want = np.asarray(commit(x, dt, a, bm, s0, path, count, impl="xla"))

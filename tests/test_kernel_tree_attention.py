@@ -19,7 +19,7 @@ from hypothesis import given, settings, strategies as st
 from ddtree_jax.models.attention import attend
 from ddtree_jax.tree import ancestor_bits_from_parents, bits_to_dense
 from pallas_kernels.tree_attention import choose_config, tree_attention
-from scripts.bench import kernels as bench
+from scripts.bench.kernels_attention import attention_lengths, attention_problem
 from scripts.bench.shapes import ATTENTION_27B
 
 KINDS = ("chain", "star", "random", "padded", "forest")
@@ -224,6 +224,6 @@ def test_native_at_the_27b_layer(gpu_impl, b, n, cap, dtype, tol):
     node) and ragged cache lengths at batch 8: relative error against the float32 reference on the
     same inputs within 1e-5 for float32, 1e-2 for bf16."""
     dims = dict(nq=ATTENTION_27B["heads"], nkv=ATTENTION_27B["kv_heads"], hd=ATTENTION_27B["head_dim"])
-    [inputs] = bench.attention_problem(jax.random.PRNGKey(10 + n + b), b, n, cap, bench.attention_lengths(b, cap),
-                                       dtype, **dims)
+    [inputs] = attention_problem(jax.random.PRNGKey(10 + n + b), b, n, cap, attention_lengths(b, cap),
+                                 dtype, **dims)
     check(gpu_impl, inputs, tol)

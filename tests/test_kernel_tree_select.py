@@ -16,6 +16,7 @@ from hypothesis import given, settings, strategies as st
 
 from pallas_kernels.tree_select import SELECT_KERNEL_MAX_BUDGET, path_words, rank_place, select_nodes
 from scripts.bench import kernels as bench
+from scripts.bench.kernels_tree_build import tree_select_problem
 from scripts.bench.shapes import DRAFT_DEPTHS
 from tests.build_harness import assert_gpu_build_equals_cpu
 
@@ -122,5 +123,5 @@ def test_bench_cpu_smoke(tmp_path):
 def test_native_at_the_draft_depths(gpu_impl, batch, budget):
     """15 draft depths of `budget` candidates each, with ties and -inf: the kernel's arrays equal
     the XLA form's."""
-    [top_val] = bench.tree_select_problem(batch * 100 + budget, batch, DRAFT_DEPTHS, budget, 1)
+    [top_val] = tree_select_problem(batch * 100 + budget, batch, DRAFT_DEPTHS, budget, 1)
     assert_same(_select(top_val, budget, "xla"), _select(top_val, budget, gpu_impl))

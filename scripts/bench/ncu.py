@@ -15,8 +15,9 @@ Kernels: "gdn" (gdn_tree_verify: 16 k / 48 v heads of 128, bf16 q / k / v, 65 no
 "attention" (tree_attention: 24 q / 4 kv heads of 256, 4096 committed keys, 65 nodes, batch 1) and
 "gemm" (XLA's dot of 65 rows by a 27B weight, --weight down | out | qkvzba | gate_up: what the
 verify's cuBLAS / Triton GEMMs read, e.g. `--kernel-name regex:"nvjet|gemm"`). The inputs are
-scripts.bench.kernels' problems: random, never zeros. For "gdn", --tree star puts every node under
-the root (what the random-weight benchmark's drafter builds), deep a DDTree-like tree of depth <= 15;
+scripts.bench.kernels' problems (kernels_gdn.py, kernels_attention.py): random, never zeros. For
+"gdn", --tree star puts every node under the root (what the random-weight benchmark's drafter
+builds), deep a DDTree-like tree of depth <= 15;
 --launches calls in a row (default 4); --impl xla runs the references (the tool's check on a
 machine without a GPU).
 """
@@ -32,7 +33,8 @@ import jax.numpy as jnp
 
 from pallas_kernels.gdn_tree import gdn_tree_verify
 from pallas_kernels.tree_attention import tree_attention
-from scripts.bench.kernels import attention_problem, gdn_args, gdn_problem
+from scripts.bench.kernels_attention import attention_problem
+from scripts.bench.kernels_gdn import gdn_args, gdn_problem
 
 GEMM_WEIGHTS = {"down": (17408, 5120), "out": (6144, 5120), "qkvzba": (5120, 16480), "gate_up": (5120, 34816)}
 
