@@ -95,7 +95,7 @@ def test_buckets():
     assert prompt_buckets(64) == (16, 32, 64) and prompt_buckets(100) == (16, 32, 64, 100)
 
 
-def serve_watching_chunks(slots, requests, watch, log=None):
+def serve_watching_chunks(slots, requests, watch, log=None, overlap=True):
     """The requests through a Scheduler over `slots` (stopped after): its results and the scheduler;
     watch(n_active, report) sees every chunk's report; log (a list) gets "launch" and "report" as
     chunks are dispatched and their reports read."""
@@ -117,7 +117,7 @@ def serve_watching_chunks(slots, requests, watch, log=None):
         return pending
 
     slots.launch = watched
-    scheduler = Scheduler(slots, TOKENIZER, max_queue=16)
+    scheduler = Scheduler(slots, TOKENIZER, max_queue=16, overlap=overlap)
     scheduler.start()
     try:
         return run(scheduler, requests), scheduler
@@ -164,6 +164,10 @@ def test_the_next_chunk_runs_while_the_host_streams(slots):
     assert log.count("launch") - log.count("report") in (0, 1) and all(
         log[: i + 1].count("report") <= log[: i + 1].count("launch") for i in range(len(log)))
     assert [ids for ids, _, _ in results] == alone(requests)
+    log.clear()  # without overlap: each report is read before the next chunk is dispatched
+    results, _ = serve_watching_chunks(slots, requests, lambda n, report: None, log, overlap=False)
+    assert log == ["launch", "report"] * (len(log) // 2), log
+    assert [ids for ids, _, _ in results] == alone(requests)
 
 
 def test_a_burst_is_prefilled_together(slots):
@@ -197,6 +201,50 @@ def test_a_burst_is_prefilled_together(slots):
     assert calls == [2, 1], calls  # two free slots: the first two together, the third after a chunk
     assert [ids for ids, _, _ in results] == alone(requests)
     assert results[0][2].reason == "length" and results[0][2].steps == 0
+
+
+def test_prefill_groups_sort_by_length_within_the_token_budget():
+    """Waiting requests go to prefill calls by prompt length (short first), each call within
+    max_prefill requests and prefill_tokens padded tokens (rows bucket x prompt bucket); a request
+    over the budget alone gets a call of its own."""
+    lengths = [40, 3, 5, 20, 4, 17, 60]  # prompt buckets 16, 32, 64
+    s = SlotBatch(engine(), mode="ar", max_batch=8, max_context=64, prefill_tokens=64)
+    assert s.prefill_groups(lengths) == [[1, 4, 2], [5, 3], [0], [6]]  # 4 x 16, 2 x 32, 1 x 64, 1 x 64
+    s = SlotBatch(engine(), mode="ar", max_batch=8, max_context=64, max_prefill=2, prefill_tokens=64)
+    assert s.prefill_groups(lengths) == [[1, 4], [2, 5], [3], [0], [6]]
+    wide = SlotBatch(engine(), mode="ar", max_batch=8, max_context=64)  # 2048 tokens: one call
+    assert wide.prefill_groups(lengths) == [[1, 4, 2, 5, 3, 0, 6]]
+    one = SlotBatch(engine(), mode="ar", max_batch=8, max_context=64, max_prefill=1)
+    assert one.prefill_buckets == (1,) and one.prefill_groups(lengths) == [[1], [4], [2], [5], [3], [0], [6]]
+    with pytest.raises(ValueError, match="prefill_tokens must be >= 1"):
+        SlotBatch(engine(), mode="ar", max_batch=8, max_context=64, prefill_tokens=0)
+
+
+def test_a_failing_prefill_ends_every_request_it_took(slots):
+    """A device or internal failure in a prefill stops the loop, and every request learns of it:
+    those taken off the queue for the failed call as well as those still queued."""
+    prefill_many = slots.prefill_many
+
+    def failing(reqs):
+        raise RuntimeError("device lost")
+
+    slots.prefill_many = failing
+    scheduler = Scheduler(slots, TOKENIZER, max_queue=8)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        handles = [scheduler.submit(Request((3 + i, 4), 5, Sampling(), 0), loop) for i in range(3)]
+        scheduler.start()
+        return await collect(handles)
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        scheduler.stop()
+        slots.prefill_many = prefill_many
+    assert [fin.reason for _, _, fin in results] == ["error"] * 3
+    assert all("device lost" in fin.message for _, _, fin in results)
+    assert isinstance(scheduler.error, RuntimeError) and not scheduler.alive
 
 
 def test_prefilled_rows_go_only_where_they_are_put():

@@ -75,6 +75,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="requests prefilled in one call (default: --max-batch): those waiting at a scheduling "
                      "point are prefilled together, their count padded to a power of two up to N (one compilation "
                      "per such count and prompt bucket)")
+    srv.add_argument("--prefill-tokens", type=positive_int, default=None, metavar="N",
+                     help="padded prompt tokens (requests x prompt bucket) one prefill call may take (default 2048 "
+                     "on a GPU, 512 on a CPU): waiting requests are grouped by length into calls within it; "
+                     "smaller helps time to first token where prefill is compute-bound (large models, CPU)")
+    srv.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
+                     help="dispatch the next chunk before streaming the last one's tokens, so the device does not "
+                     "wait for the host (costs each request a chunk of slot time); auto: on for a GPU, off on a "
+                     "CPU, whose cores run both (default auto)")
     srv.add_argument("--no-compact", action="store_true",
                      help="always run all --max-batch rows (one batch size, one compilation)")
     srv.add_argument("--no-warmup", action="store_true",
@@ -189,11 +197,17 @@ def main(argv=None) -> int:
         slots = SlotBatch(engine, mode=mode, budget=args.budget, max_batch=args.max_batch, max_context=max_context,
                           max_top_k=args.max_top_k, max_stop_ids=args.max_stop_ids, chunk_steps=args.chunk_steps,
                           buckets=(args.max_batch,) if args.no_compact else args.batch_buckets,
-                          max_prefill=args.max_prefill, auto_budgets=args.auto_budgets, cost_table=args.cost_table)
+                          max_prefill=args.max_prefill, prefill_tokens=args.prefill_tokens,
+                          auto_budgets=args.auto_budgets, cost_table=args.cost_table)
     except ValueError as e:  # a bad --cost-table among them: named before anything compiles or listens
         die(str(e))
     budget = describe_budget(slots)
-    print(f"ddtree-serve: {name}, mode {mode}{budget}, {args.max_batch} slots of {max_context} tokens, "
+    import jax
+
+    overlap = args.overlap == "on" or (args.overlap == "auto" and jax.devices()[0].platform != "cpu")
+    print(f"ddtree-serve: {name}, mode {mode}{budget}, {args.max_batch} slots of {max_context} tokens, prefill "
+          f"calls of up to {slots.max_prefill} requests / {slots.prefill_tokens} tokens, chunks "
+          f"{'overlapped with' if overlap else 'then'} streaming, "
           f"{'no' if template is None else 'a'} chat template", file=sys.stderr, flush=True)
     if not args.no_warmup:
         print(f"ddtree-serve: compiling (prompt buckets {slots.prompt_buckets}, prefill batches "
@@ -208,12 +222,11 @@ def main(argv=None) -> int:
     for rows, table in sorted(slots.tables.items()):
         print(f"ddtree-serve: step times, batch {rows}: {describe_table(table)}", file=sys.stderr, flush=True)
     metrics = Metrics(args.max_batch, mode, slots.choice_names)
-    scheduler = Scheduler(slots, engine.tokenizer, max_queue=args.max_queue, metrics=metrics)
+    scheduler = Scheduler(slots, engine.tokenizer, max_queue=args.max_queue, metrics=metrics, overlap=overlap)
     limits = Limits(name, max_context, engine.cfg.vocab_size, args.max_top_k, args.max_stop_ids)
-    import jax
-
     info = {"model": name, "mode": mode, "budget": args.budget if mode == "ddtree" else None,
-            "slots": args.max_batch, "max_context": max_context, "device": jax.devices()[0].device_kind}
+            "slots": args.max_batch, "max_context": max_context, "device": jax.devices()[0].device_kind,
+            "overlap": overlap, "prefill_tokens": slots.prefill_tokens, "max_prefill": slots.max_prefill}
     if slots.auto is not None:
         info |= {"auto_budgets": list(slots.auto.budgets), "auto_objective": slots.auto.objective,
                  "cost_tables": {str(rows): t.source for rows, t in sorted(slots.tables.items())}}

@@ -4,10 +4,14 @@ Its loop: admit the requests waiting for free slots (prefilled together, up to t
 max_prefill at a time; first tokens streamed; one jitted insert), dispatch one chunk of device
 steps over the active slots, and while it runs hand each request its tokens from the previous
 chunk (as text, with stop strings applied) and free the slots of finished or cancelled requests
-(the last active request moves into the hole, so the active ones stay packed at the front). One
-chunk is always in flight while requests are active, so the device does not wait for the host's
-streaming; a request that ended in chunk k has run (as a done row, or its extra tokens dropped)
-in chunk k + 1, and its slot is free from chunk k + 2. Requests
+(the last active request moves into the hole, so the active ones stay packed at the front).
+With `overlap` one chunk is always in flight while requests are active, so the device does not
+wait for the host's streaming; the price is a chunk of slot time per request: one that ended in
+chunk k has run (as a done row, or its extra tokens dropped) in chunk k + 1, and its slot is free
+from chunk k + 2. Worth it where the device and the host work in parallel (a GPU) and the host's
+work per chunk is not small against the chunk; on a CPU, whose cores run both, it is not
+(docs/decisions/0044-serving-bursts-and-overlap.md). Without it each chunk's report is read
+before the next chunk is dispatched. Requests
 wait in a bounded queue; `submit` refuses when it is full or the scheduler is closing.
 
 The thread talks to the HTTP side only through `Handle`s: events go out on an asyncio queue of
@@ -73,6 +77,7 @@ class Handle:
         self.request = request
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = False
+        self.finished = False  # its Finish was emitted
         self.submitted = time.monotonic()
         self._loop = loop
 
@@ -111,10 +116,11 @@ class Scheduler:
     """Continuous batching over a SlotBatch. metrics: an object with the hooks of
     ddtree_jax.serve.metrics.Metrics, or None."""
 
-    def __init__(self, slots: SlotBatch, tokenizer, *, max_queue: int = 64, metrics=None):
+    def __init__(self, slots: SlotBatch, tokenizer, *, max_queue: int = 64, metrics=None, overlap: bool = True):
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         self.slots = slots
+        self.overlap = overlap
         self.tokenizer = tokenizer
         self.max_queue = max_queue
         self.metrics = metrics
@@ -196,6 +202,9 @@ class Scheduler:
                     continue
                 self._admit()
                 launched = self._launch() if self._active else None
+                if not self.overlap and launched is not None:
+                    self._collect(launched)
+                    launched = None
                 if self._in_flight is not None:
                     self._collect(self._in_flight)
                 self._in_flight = launched
@@ -233,7 +242,7 @@ class Scheduler:
 
     def _admit(self) -> None:
         """Every request waiting now, up to the free slots: those that arrived during the last chunk
-        or prefill are prefilled together (a burst costs one prefill per max_prefill requests)."""
+        or prefill are prefilled together, in the calls SlotBatch.prefill_groups makes of them."""
         taken = []
         while len(self._active) + len(taken) < self.slots.max_batch:
             handle = self._pop()
@@ -246,8 +255,15 @@ class Scheduler:
                 self._emit_finish(handle, "error", problem)  # a request the validation should have refused
             else:
                 taken.append(handle)
-        for k in range(0, len(taken), self.slots.max_prefill):
-            self._prefill(taken[k : k + self.slots.max_prefill])
+        try:
+            for group in self.slots.prefill_groups([len(h.request.prompt_ids) for h in taken]):
+                self._prefill([taken[i] for i in group])
+        except BaseException as e:  # the loop stops: the requests taken off the queue learn of it too
+            active = {id(a.handle) for a in self._active}  # (_run's exit ends these)
+            for h in taken:
+                if not h.finished and id(h) not in active:
+                    self._emit_finish(h, "error", f"internal error: {e}")
+            raise
         self._gauges()
 
     def _prefill(self, handles: list[Handle]) -> None:
@@ -347,6 +363,7 @@ class Scheduler:
 
     def _emit_finish(self, handle: Handle, reason: str, message: str | None = None, tokens: int = 0, steps: int = 0,
                      first_token_at: float | None = None) -> None:
+        handle.finished = True
         handle._emit(Finish(reason, len(handle.request.prompt_ids), tokens, steps, message))
         if self.metrics:
             ttft = None if first_token_at is None else first_token_at - handle.submitted

@@ -1,15 +1,16 @@
 """The device side of continuous batching: B slots of one running generation state.
 
 One `LoopState` of batch B lives on the device. The requests waiting at a scheduling point are
-prefilled together (their count padded to a prefill batch bucket, their prompts to the longest
-one's length bucket, caches the size of that bucket: one prefill program per pair of buckets) and
-their rows are scattered into free slots by one jitted insert that donates the running state (no
-copy of the other slots); a burst of arrivals costs one prefill, one host read of the first
-tokens and one insert, not one of each per request. Between insertions the state advances in
+prefilled together, in calls of similar prompt lengths within a budget of padded tokens
+(`prefill_groups`; each call's count padded to a prefill batch bucket, its prompts to the longest
+one's length bucket, caches the size of that bucket: one prefill program per pair of buckets),
+and each call's rows are scattered into free slots by one jitted insert that donates the running
+state (no copy of the other slots): a burst of arrivals costs a prefill, a host read of the first
+tokens and an insert per call, not per request. Between insertions the state advances in
 chunks of device steps, each dispatched without waiting (`launch`): the host streams one chunk's
-tokens while the next one runs, and each chunk reports the tokens it generated per row. Requests are kept packed in slots
-0 .. n-1 (a freed slot takes the last active row), so a chunk runs only the smallest batch
-bucket that holds every active request: idle slots cost no compute.
+tokens while the next one runs, and each chunk reports the tokens it generated per row. Requests
+are kept packed in slots 0 .. n-1 (a freed slot takes the last active row), so a chunk runs only
+the smallest batch bucket that holds every active request: idle slots cost no compute.
 
 Budget "auto" (choice.AutoBudget, objective "tokens"): each chunk runs with its batch bucket's
 step-time table (data in the loop state: one compilation per bucket still), from a file or
@@ -43,6 +44,9 @@ from ddtree_jax.speculative.sampling import RowSampling, Sampling, SamplingCode,
 MIN_PROMPT_BUCKET = 16
 MEASURE_STEPS = 8  # a start-up table times each choice for this many steps and twice as many
 MEASURE_PROMPT = 64  # tokens of the start-up table's synthetic prompt (at most a quarter of the context)
+# padded prompt tokens one prefill call may take, by default (decision 0044): on a CPU prefill is
+# compute-bound, and a call of 32 prompts made every first token wait for all of them
+PREFILL_TOKENS = {"cpu": 512, "accelerator": 2048}
 
 
 class ChunkReport(NamedTuple):
@@ -193,7 +197,8 @@ class SlotBatch:
     def __init__(self, engine: Engine, *, mode: str = "ddtree", budget: int | str | AutoBudget = 64,
                  candidates: int | None = None, max_batch: int = 8, max_context: int = 2048, max_top_k: int = 64,
                  max_stop_ids: int = 8, chunk_steps: int = 4, buckets: Sequence[int] | None = None,
-                 max_prefill: int | None = None, auto_budgets: Sequence[int] | None = None,
+                 max_prefill: int | None = None, prefill_tokens: int | None = None,
+                 auto_budgets: Sequence[int] | None = None,
                  cost_table: str | os.PathLike | Mapping[int, costs.CostTable] | None = None):
         if mode != "ar" and engine.proposer is None:
             raise ValueError(f"mode {mode!r} needs a drafter (--drafter)")
@@ -205,6 +210,10 @@ class SlotBatch:
         max_prefill = max_batch if max_prefill is None else max_prefill
         if not 1 <= max_prefill <= max_batch:
             raise ValueError(f"max_prefill must be in [1, max_batch={max_batch}], got {max_prefill}")
+        if prefill_tokens is None:
+            prefill_tokens = PREFILL_TOKENS["cpu" if jax.default_backend() == "cpu" else "accelerator"]
+        if prefill_tokens < 1:
+            raise ValueError(f"prefill_tokens must be >= 1, got {prefill_tokens}")
         self.engine = engine
         self.max_batch = max_batch
         self.max_context = max_context
@@ -239,6 +248,7 @@ class SlotBatch:
         # a prefill bucket and a prompt bucket)
         self.prefill_buckets = batch_buckets(max_prefill)
         self.max_prefill = max_prefill
+        self.prefill_tokens = prefill_tokens
         self.window = chunk_steps * block + 1  # a chunk's tokens per row, plus the prefill's
         self.eos = jnp.asarray(sorted(set(engine.stop_ids)), jnp.int32)
         g = engine.graphdef
@@ -396,6 +406,29 @@ class SlotBatch:
             return f"prompt of {prompt_len} tokens + {max_new} new exceeds the context {self.max_context}"
         return None
 
+    def prefill_shape(self, n: int, longest: int) -> tuple[int, int]:
+        """(rows, tokens per row) of the prefill of n requests whose longest prompt has `longest`
+        tokens: n padded to a prefill bucket, `longest` to a prompt bucket."""
+        return next(b for b in self.prefill_buckets if b >= n), self.prompt_bucket(longest)
+
+    def prefill_groups(self, lengths: Sequence[int]) -> list[list[int]]:
+        """The waiting requests (their prompt lengths) in prefill calls: indices by prompt length
+        (similar lengths share a call, so little padding; the short ones first), each call as many
+        as fit max_prefill and prefill_tokens padded tokens (rows x prompt bucket; a request longer
+        than that alone). Where prefill is compute-bound (a large model, a CPU) a small budget
+        keeps the first requests from waiting for everyone's prefill; where it is launch-bound (a
+        small model on a GPU) one call for a whole burst costs about what one request's does."""
+        groups: list[list[int]] = []
+        for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+            if groups and len(groups[-1]) < self.max_prefill:
+                trial = groups[-1] + [i]
+                rows, t = self.prefill_shape(len(trial), max(lengths[j] for j in trial))
+                if rows * t <= self.prefill_tokens:
+                    groups[-1] = trial
+                    continue
+            groups.append([i])
+        return groups
+
     def prefill(self, prompt_ids: Sequence[int], sampling: Sampling, seed: int, max_new: int,
                 stop_ids: Sequence[int] = ()) -> Prefilled:
         """Prefill one request (its prompt padded to a length bucket) and choose its first token."""
@@ -414,8 +447,7 @@ class SlotBatch:
         problems = [p for r in requests if (p := self.problem(len(r.prompt_ids), r.max_new))]
         if problems:
             raise ValueError("; ".join(problems))
-        rows = next(b for b in self.prefill_buckets if b >= n)
-        t = self.prompt_bucket(max(len(r.prompt_ids) for r in requests))
+        rows, t = self.prefill_shape(n, max(len(r.prompt_ids) for r in requests))
         prompt = np.zeros((rows, t), np.int32)
         lens = np.ones((rows,), np.int32)  # padding rows: a 1-token prompt, never inserted
         for j, r in enumerate(requests):
@@ -473,13 +505,16 @@ class SlotBatch:
 
     def warm_up(self, max_prompt: int | None = None) -> dict[int, float]:
         """Compile and run once: the prefill and the insert of each pair of a prefill bucket and a
-        prompt bucket (prompts up to max_prompt tokens; default all), the move, and a chunk of each
+        prompt bucket that prefill_groups may call (prompts up to max_prompt tokens; default all), the
+        move, and a chunk of each
         batch bucket; budget "auto": the step-time tables the buckets lack (measure_costs; its seconds
         per bucket are returned). The slots end idle, the adaptive policy with nothing learned from
         the warm-up's requests (they finish at their first token)."""
         limit = max_prompt or self.max_context
         for t in self.prompt_buckets[: 1 + sum(t < limit for t in self.prompt_buckets)]:
             for k in self.prefill_buckets:
+                if k > 1 and k * t > self.prefill_tokens:
+                    break  # prefill_groups never makes such a call
                 pre = self.prefill_many([PrefillRequest([1] * min(t, self.max_context - 1), Sampling(), 0, 1)] * k)
                 self.insert(pre, list(range(k)))
         row = self.prefill([1], Sampling(), 0, 1)
