@@ -1,10 +1,13 @@
 """scripts.bench.kernels: every registered kernel has its subcommand and a line in the docstring;
-without a GPU (and without --cpu-smoke) it says so; and (-m script) every kernel's run at its
---cpu-smoke size: the interpreter at tiny shapes, checks passed, every form timed. The kernels'
-own test files hold the smoke runs of gdn_decode, gdn_prologue, row_top_k, tree_select and
-add_rms_norm."""
+every command the docs give parses today; without a GPU (and without --cpu-smoke) it says so; and
+(-m script) every kernel's run at its --cpu-smoke size: the interpreter at tiny shapes, checks
+passed, every form timed. The kernels' own test files hold the smoke runs of gdn_decode,
+gdn_prologue, row_top_k, tree_select and add_rms_norm."""
 
 import json
+import re
+import shlex
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +23,25 @@ def test_every_kernel_has_a_subcommand_and_a_docstring_line():
     for name in bench.KERNELS:
         args = bench.parser().parse_args([name, "--quick"])
         assert args.name == name and args.quick and not args.cpu_smoke
+
+
+def test_every_documented_command_parses(capsys):
+    """Each `python -m scripts.bench.kernels NAME ...` in the benchmarks, the kernel docs and the
+    README names a kernel and options the tool has today ($OUT and "..." stand for paths)."""
+    root = Path(__file__).resolve().parent.parent
+    docs = [root / "README.md", root / "docs" / "benchmarks.md", *sorted((root / "docs").glob("kernels_*.md"))]
+    commands = []
+    for doc in docs:
+        for m in re.finditer(r"python -m scripts\.bench\.kernels ([^`\n#]*)", doc.read_text()):
+            args = shlex.split(m.group(1).replace("$OUT", "out").replace("...", "x"))
+            if args and args[0] != "NAME":
+                commands.append((doc.name, args))
+    assert len(commands) >= 15
+    for doc, args in commands:
+        try:
+            bench.parser().parse_args(args)
+        except SystemExit:
+            pytest.fail(f"{doc}: python -m scripts.bench.kernels {shlex.join(args)}: {capsys.readouterr().err}")
 
 
 def test_no_gpu_without_cpu_smoke_is_refused(capsys):
