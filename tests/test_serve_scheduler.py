@@ -361,7 +361,8 @@ def test_auto_serves_each_request_as_alone(auto_slots):
 
 def test_a_reused_slot_starts_afresh(auto_slots):
     """A request that takes a slot over starts with the population's expectation, not the evicted
-    request's moving average; a moved request keeps its own; the calibration persists."""
+    request's moving average, and the probe wait restarts; a moved request keeps its own; the
+    calibration persists."""
     auto_slots.tables = {1: table(1, 1.0, 2.2), 2: table(2, 1.0, 2.2)}
     auto_slots._install_tables()
     first = [auto_slots.prefill((3 + i, 40, 41 + i), Sampling(), 0, 40) for i in range(2)]
@@ -378,8 +379,10 @@ def test_a_reused_slot_starts_afresh(auto_slots):
     auto_slots.move(1, 0)  # request 0 leaves; request 1 moves into slot 0 with its own state
     a = auto_slots.state.adapt
     np.testing.assert_array_equal(np.asarray(a.row_e)[0], row_e[1])
+    auto_slots.state = auto_slots.state._replace(adapt=auto_slots.state.adapt._replace(gap=jnp.int32(64)))
     auto_slots.insert(auto_slots.prefill((9, 10, 11), Sampling(), 0, 20), [1])  # a new request in slot 1
     a = auto_slots.state.adapt
+    assert int(a.gap) == 1  # the probe wait restarts from the shortest for the new request
     np.testing.assert_array_equal(np.asarray(a.row_e)[1], pop_e)
     np.testing.assert_array_equal(np.asarray(a.row_e)[0], row_e[1])
     for before, after in zip(calibration, (a.real, a.pred, a.all_real, a.all_pred)):

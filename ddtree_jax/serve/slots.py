@@ -139,9 +139,13 @@ def _insert(state: gen.LoopState, rows: gen.LoopState, slots) -> gen.LoopState:
     not inserted); rows' caches may be shorter than the slots' (a prefill's prompt bucket: the
     slot's positions past them keep what they held, which no mask reads). One scatter per field.
     Budget "auto": an inserted row's per-row policy state is a joining row's (choice.joining), never
-    the previous occupant's; the batch's calibration is state's own."""
+    the previous occupant's; the batch's calibration is state's own, and its probe wait restarts
+    from the shortest (a new request is new evidence: after a long run of plain steps, whose
+    probes kept choosing plain steps and doubled the wait up to probe_wait's most, the policy
+    would otherwise not try a draft on it for up to that many steps)."""
     if state.adapt is not None:
         rows = rows._replace(adapt=choice.joining(state.adapt, rows.adapt))
+        state = state._replace(adapt=state.adapt._replace(gap=jnp.ones_like(state.adapt.gap)))
 
     def put(big, small):
         window = tuple(slice(0, n) for n in small.shape[1:])
