@@ -189,6 +189,8 @@ def test_models_health_and_completion(ready, engine):
     health = httpx.get(ready.url + "/health").json()
     assert health["status"] == "ok" and health["budget"] == "auto" and health["auto_objective"] == "tokens"
     assert health["auto_budgets"] == list(AUTO_BUDGETS) and health["cost_tables"][str(SLOTS)].startswith("loaded from")
+    # the CPU's defaults (decision 0044): no chunk overlap, prefill calls of up to 512 padded tokens
+    assert health["overlap"] is False and health["prefill_tokens"] == 512 and health["max_prefill"] == SLOTS
     r = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=12, temperature=0,
                                   extra_body={"return_token_ids": True})
     ids, text, finish = reference(engine, PROMPTS[0], 12)
