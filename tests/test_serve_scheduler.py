@@ -170,22 +170,14 @@ def test_the_next_chunk_runs_while_the_host_streams(slots):
     assert [ids for ids, _, _ in results] == alone(requests)
 
 
-def test_a_burst_is_prefilled_together(slots):
-    """Requests waiting together are prefilled in one call (prompts of different length buckets);
-    one that ends at its first token takes no slot, the next waiting one takes it; each greedy
-    request equals its lone decoding."""
-    requests = [Request(tuple(range(3, 23)), 1, Sampling(), 0),  # 20 tokens: prompt bucket 32; ends at once
-                Request((5, 6, 7), 12, Sampling(), 0),
-                Request((9, 10, 11, 12), 9, Sampling(), 0)]
-    calls = []
-    prefill_many = slots.prefill_many
-
-    def counting(reqs):
-        calls.append(len(reqs))
-        return prefill_many(reqs)
-
-    slots.prefill_many = counting
-    scheduler = Scheduler(slots, TOKENIZER, max_queue=8)  # started once all three wait
+def serve_all_queued(slots, requests, prefill_many=None):
+    """The requests queued before a Scheduler over `slots` starts (its first admission sees them
+    all), with slots.prefill_many replaced by prefill_many(the real one, requests) if given; the
+    scheduler is stopped after. Returns (results, scheduler)."""
+    real = slots.prefill_many
+    if prefill_many is not None:
+        slots.prefill_many = lambda reqs: prefill_many(real, reqs)
+    scheduler = Scheduler(slots, TOKENIZER, max_queue=8)
 
     async def main():
         loop = asyncio.get_running_loop()
@@ -194,10 +186,26 @@ def test_a_burst_is_prefilled_together(slots):
         return await collect(handles)
 
     try:
-        results = asyncio.run(main())
+        return asyncio.run(main()), scheduler
     finally:
         scheduler.stop()
-        slots.prefill_many = prefill_many
+        slots.prefill_many = real
+
+
+def test_a_burst_is_prefilled_together(slots):
+    """Requests waiting together are prefilled in one call (prompts of different length buckets);
+    one that ends at its first token takes no slot, the next waiting one takes it; each greedy
+    request equals its lone decoding."""
+    requests = [Request(tuple(range(3, 23)), 1, Sampling(), 0),  # 20 tokens: prompt bucket 32; ends at once
+                Request((5, 6, 7), 12, Sampling(), 0),
+                Request((9, 10, 11, 12), 9, Sampling(), 0)]
+    calls = []
+
+    def counting(real, reqs):
+        calls.append(len(reqs))
+        return real(reqs)
+
+    results, _ = serve_all_queued(slots, requests, counting)
     assert calls == [2, 1], calls  # two free slots: the first two together, the third after a chunk
     assert [ids for ids, _, _ in results] == alone(requests)
     assert results[0][2].reason == "length" and results[0][2].steps == 0
@@ -223,25 +231,12 @@ def test_prefill_groups_sort_by_length_within_the_token_budget():
 def test_a_failing_prefill_ends_every_request_it_took(slots):
     """A device or internal failure in a prefill stops the loop, and every request learns of it:
     those taken off the queue for the failed call as well as those still queued."""
-    prefill_many = slots.prefill_many
 
-    def failing(reqs):
+    def failing(real, reqs):
         raise RuntimeError("device lost")
 
-    slots.prefill_many = failing
-    scheduler = Scheduler(slots, TOKENIZER, max_queue=8)
-
-    async def main():
-        loop = asyncio.get_running_loop()
-        handles = [scheduler.submit(Request((3 + i, 4), 5, Sampling(), 0), loop) for i in range(3)]
-        scheduler.start()
-        return await collect(handles)
-
-    try:
-        results = asyncio.run(main())
-    finally:
-        scheduler.stop()
-        slots.prefill_many = prefill_many
+    requests = [Request((3 + i, 4), 5, Sampling(), 0) for i in range(3)]
+    results, scheduler = serve_all_queued(slots, requests, failing)
     assert [fin.reason for _, _, fin in results] == ["error"] * 3
     assert all("device lost" in fin.message for _, _, fin in results)
     assert isinstance(scheduler.error, RuntimeError) and not scheduler.alive
