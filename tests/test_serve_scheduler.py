@@ -95,7 +95,7 @@ def test_buckets():
     assert prompt_buckets(64) == (16, 32, 64) and prompt_buckets(100) == (16, 32, 64, 100)
 
 
-def serve_watching_chunks(slots, requests, watch, log=None, overlap=True):
+def serve_watching_chunks(slots, requests, watch, log=None, overlap=True, batching="continuous"):
     """The requests through a Scheduler over `slots` (stopped after): its results and the scheduler;
     watch(n_active, report) sees every chunk's report; log (a list) gets "launch" and "report" as
     chunks are dispatched and their reports read."""
@@ -117,7 +117,7 @@ def serve_watching_chunks(slots, requests, watch, log=None, overlap=True):
         return pending
 
     slots.launch = watched
-    scheduler = Scheduler(slots, TOKENIZER, max_queue=16, overlap=overlap)
+    scheduler = Scheduler(slots, TOKENIZER, max_queue=16, overlap=overlap, batching=batching)
     scheduler.start()
     try:
         return run(scheduler, requests), scheduler
@@ -209,6 +209,28 @@ def test_a_burst_is_prefilled_together(slots):
     assert calls == [2, 1], calls  # two free slots: the first two together, the third after a chunk
     assert [ids for ids, _, _ in results] == alone(requests)
     assert results[0][2].reason == "length" and results[0][2].steps == 0
+
+
+def test_static_batching_admits_only_into_an_empty_batch(slots):
+    """batching "static" (the baseline): with two slots and four waiting requests, the second
+    pair is prefilled only after both of the first have ended, though one ends much earlier; the
+    output is unchanged."""
+    requests = [Request((3, 4, 5), 3, Sampling(), 0), Request((6, 7), 20, Sampling(), 0),
+                Request((8, 9, 10), 6, Sampling(), 0), Request((11, 12), 5, Sampling(), 0)]
+    log = []
+    real = slots.prefill_many
+    slots.prefill_many = lambda reqs: (log.append(("prefill", len(reqs))), real(reqs))[1]
+    try:
+        results, _ = serve_watching_chunks(slots, requests, lambda n, report: log.append(("chunk", n)),
+                                           batching="static")
+    finally:
+        slots.prefill_many = real
+    assert [ids for ids, _, _ in results] == alone(requests)
+    second = log.index(("prefill", 2), 1)  # the second batch's prefill
+    # the short request ended early and the long one ran on alone: no request joined it
+    assert ("chunk", 1) in log[1:second] and log[second - 1] == ("chunk", 1), log
+    with pytest.raises(ValueError, match="batching must be one of"):
+        Scheduler(slots, TOKENIZER, batching="dynamic")
 
 
 def test_prefill_groups_sort_by_length_within_the_token_budget():

@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="dispatch the next chunk before streaming the last one's tokens, so the device does not "
                      "wait for the host (costs each request a chunk of slot time); auto: on for a GPU, off on a "
                      "CPU, whose cores run both (default auto)")
+    srv.add_argument("--batching", choices=("continuous", "static"), default="continuous",
+                     help="continuous (default): requests join free slots between chunks; static: the baseline - "
+                     "requests join only when every slot is free, each batch runs to its longest request")
     srv.add_argument("--no-compact", action="store_true",
                      help="always run all --max-batch rows (one batch size, one compilation)")
     srv.add_argument("--no-warmup", action="store_true",
@@ -207,7 +210,7 @@ def main(argv=None) -> int:
     overlap = args.overlap == "on" or (args.overlap == "auto" and jax.devices()[0].platform != "cpu")
     print(f"ddtree-serve: {name}, mode {mode}{budget}, {args.max_batch} slots of {max_context} tokens, prefill "
           f"calls of up to {slots.max_prefill} requests / {slots.prefill_tokens} tokens, chunks "
-          f"{'overlapped with' if overlap else 'then'} streaming, "
+          f"{'overlapped with' if overlap else 'then'} streaming, {args.batching} batching, "
           f"{'no' if template is None else 'a'} chat template", file=sys.stderr, flush=True)
     if not args.no_warmup:
         print(f"ddtree-serve: compiling (prompt buckets {slots.prompt_buckets}, prefill batches "
@@ -222,11 +225,13 @@ def main(argv=None) -> int:
     for rows, table in sorted(slots.tables.items()):
         print(f"ddtree-serve: step times, batch {rows}: {describe_table(table)}", file=sys.stderr, flush=True)
     metrics = Metrics(args.max_batch, mode, slots.choice_names)
-    scheduler = Scheduler(slots, engine.tokenizer, max_queue=args.max_queue, metrics=metrics, overlap=overlap)
+    scheduler = Scheduler(slots, engine.tokenizer, max_queue=args.max_queue, metrics=metrics, overlap=overlap,
+                          batching=args.batching)
     limits = Limits(name, max_context, engine.cfg.vocab_size, args.max_top_k, args.max_stop_ids)
     info = {"model": name, "mode": mode, "budget": args.budget if mode == "ddtree" else None,
             "slots": args.max_batch, "max_context": max_context, "device": jax.devices()[0].device_kind,
-            "overlap": overlap, "prefill_tokens": slots.prefill_tokens, "max_prefill": slots.max_prefill}
+            "batching": args.batching, "overlap": overlap, "prefill_tokens": slots.prefill_tokens,
+            "max_prefill": slots.max_prefill}
     if slots.auto is not None:
         info |= {"auto_budgets": list(slots.auto.budgets), "auto_objective": slots.auto.objective,
                  "cost_tables": {str(rows): t.source for rows, t in sorted(slots.tables.items())}}

@@ -33,6 +33,7 @@ from ddtree_jax.serve.text import TextStream
 from ddtree_jax.speculative.sampling import Sampling
 
 log = logging.getLogger("ddtree_jax.serve")
+BATCHINGS = ("continuous", "static")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,11 +117,18 @@ class Scheduler:
     """Continuous batching over a SlotBatch. metrics: an object with the hooks of
     ddtree_jax.serve.metrics.Metrics, or None."""
 
-    def __init__(self, slots: SlotBatch, tokenizer, *, max_queue: int = 64, metrics=None, overlap: bool = True):
+    def __init__(self, slots: SlotBatch, tokenizer, *, max_queue: int = 64, metrics=None, overlap: bool = True,
+                 batching: str = "continuous"):
+        """batching "static": the baseline continuous batching is measured against, through the same
+        HTTP stack and loop - waiting requests are admitted only when every slot is free, so a batch
+        runs until its longest request ends."""
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+        if batching not in BATCHINGS:
+            raise ValueError(f"batching must be one of {BATCHINGS}, got {batching!r}")
         self.slots = slots
         self.overlap = overlap
+        self.batching = batching
         self.tokenizer = tokenizer
         self.max_queue = max_queue
         self.metrics = metrics
@@ -244,6 +252,8 @@ class Scheduler:
         """Every request waiting now, up to the free slots: those that arrived during the last chunk
         or prefill are prefilled together, in the calls SlotBatch.prefill_groups makes of them."""
         taken = []
+        if self.batching == "static" and (self._active or self._in_flight is not None):
+            return  # the batch runs to its end first
         while len(self._active) + len(taken) < self.slots.max_batch:
             handle = self._pop()
             if handle is None:
