@@ -207,7 +207,8 @@ def main(argv=None) -> int:
     budget = describe_budget(slots)
     import jax
 
-    overlap = args.overlap == "on" or (args.overlap == "auto" and jax.devices()[0].platform != "cpu")
+    # auto: as SlotBatch resolves its CPU / accelerator defaults (prefill_tokens)
+    overlap = args.overlap == "on" or (args.overlap == "auto" and jax.default_backend() != "cpu")
     print(f"ddtree-serve: {name}, mode {mode}{budget}, {args.max_batch} slots of {max_context} tokens, prefill "
           f"calls of up to {slots.max_prefill} requests / {slots.prefill_tokens} tokens, chunks "
           f"{'overlapped with' if overlap else 'then'} streaming, {args.batching} batching, "

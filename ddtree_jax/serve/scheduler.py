@@ -78,7 +78,7 @@ class Handle:
         self.request = request
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = False
-        self.finished = False  # its Finish was emitted
+        self.finished = False  # its Finish was emitted (a chunk in flight may still carry its row)
         self.submitted = time.monotonic()
         self._loop = loop
 
@@ -101,7 +101,6 @@ class _Active:
     steps: int = 0
     tokens: int = 0  # completion tokens counted so far
     first_token_at: float | None = None
-    finished: bool = False  # its Finish was sent (a chunk in flight may still carry its row)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -320,8 +319,8 @@ class Scheduler:
             steps_run = max(steps_run, steps)
             a.steps += steps
             if self.metrics:  # the steps a row ran after its request ended (its tokens dropped) count too
-                self.metrics.on_steps(steps, 0 if a.finished else new)
-            if a.finished:
+                self.metrics.on_steps(steps, 0 if a.handle.finished else new)
+            if a.handle.finished:
                 continue
             tokens = report.tokens[r, :new].tolist()
             if a.handle.cancelled:
@@ -368,7 +367,6 @@ class Scheduler:
         return reason
 
     def _finish(self, a: _Active, reason: str, message: str | None = None) -> None:
-        a.finished = True
         self._emit_finish(a.handle, reason, message, a.tokens, a.steps, a.first_token_at)
 
     def _emit_finish(self, handle: Handle, reason: str, message: str | None = None, tokens: int = 0, steps: int = 0,
