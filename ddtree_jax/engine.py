@@ -157,15 +157,16 @@ class Engine:
 
     # ---- generation ----------------------------------------------------------------------
     def spec(self, mode: str, *, budget: int | str | AutoBudget, candidates: int | None, max_new_tokens: int,
-             sampling: Sampling, prompt_bucket: int, auto_budgets: Sequence[int] | None = None) -> gen.GenSpec:
+             sampling: Sampling, prompt_bucket: int, auto_budgets: Sequence[int] | None = None,
+             decide_every: int | None = None) -> gen.GenSpec:
         """The GenSpec of a generation; budget "auto" (mode ddtree): an AutoBudget over auto_budgets
-        (default AutoBudget's set); other modes ignore the budget."""
+        and decide_every (defaults AutoBudget's); other modes ignore the budget."""
         if mode != "ar" and self.proposer is None:
             raise ValueError(f"mode {mode!r} needs a drafter: load one with --drafter / Engine.load(drafter=...)")
         block = 1 if mode == "ar" else self.proposer.block_size
         need = gen.required_capacity(prompt_bucket, max_new_tokens, block)
-        spec = gen.GenSpec(mode, resolve_budget(mode, budget, auto_budgets), candidates, max_new_tokens, sampling,
-                           bucket(need, 64), None if mode == "ar" else self.proposer, self.routes)
+        spec = gen.GenSpec(mode, resolve_budget(mode, budget, auto_budgets, decide_every), candidates, max_new_tokens,
+                           sampling, bucket(need, 64), None if mode == "ar" else self.proposer, self.routes)
         spec.validate(self.cfg.vocab_size)
         return spec
 
@@ -186,14 +187,17 @@ class Engine:
 
     def measure_cost_table(self, spec: gen.GenSpec, prompt, lens, eos, rows, *, steps: int = 8,
                            repeats: int = 3) -> costs.CostTable:
-        """Time every choice of an auto spec on these prompts (cost_table.measure), in the compiled
-        auto program: rows run without EOS from their prefill, each choice forced."""
+        """Time every choice of an auto spec on these prompts (cost_table.measure), in the programs
+        the generation runs (each choice's own, or the auto program with the choice forced): rows
+        run without EOS from their prefill."""
         start, advance = gen.bind(self.graphdef)
         dparams = self.drafter_params
         never = jnp.full(eos.shape, -1, jnp.int32)  # the same shape as the real EOS set: no other program
         s0 = start(self.params, dparams, prompt, lens, never, None, spec=spec, rows=rows,
                    costs=costs.placeholder(spec.adaptive))
-        return costs.measure(lambda st, n: advance(self.params, dparams, st, never, jnp.int32(n), spec=spec), s0,
+        programs = gen.choice_programs(spec)
+        return costs.measure(lambda st, c, n: advance(self.params, dparams, st, never, jnp.int32(n),
+                                                      spec=programs.get(c, spec)), s0,
                              spec.adaptive, steps=steps, repeats=repeats, batch=int(prompt.shape[0]))
 
     def generate(self, prompts: Sequence[str | Sequence[int]], *, mode: str = "ddtree",
@@ -201,7 +205,7 @@ class Engine:
                  max_new_tokens: int | Sequence[int] = 128, sampling: Sampling | Sequence[Sampling] = Sampling(),
                  seed: int = 0, stop_token_ids: Sequence[int] = (),
                  stream: Callable[[int, list[int]], None] | None = None, stream_every: int = 4,
-                 auto_budgets: Sequence[int] | None = None,
+                 auto_budgets: Sequence[int] | None = None, decide_every: int | None = None,
                  cost_table: costs.CostTable | str | os.PathLike | None = None) -> list[Completion]:
         """Generate for a batch of prompts (text or token ids); one Completion per prompt.
 
@@ -209,7 +213,9 @@ class Engine:
         decoding, DFlash and the trees of auto_budgets (default 4, 8, 16, 32) for the most
         tokens per second, by a step-time table: cost_table (a CostTable or the path of a file
         `ddtree-bench --cost-table` wrote), else measured at start-up for each new batch and prompt
-        bucket (seconds; reported in stats.adaptive with the choices made).
+        bucket (seconds; reported in stats.adaptive with the choices made). decide_every: the
+        host picks the choice every this many steps and runs that choice's own program (default
+        16); 0: one program chooses on device at every step (AutoBudget.decide_every).
 
         max_new_tokens and sampling: one for every prompt, or one each (per-row settings share one
         compiled program). Prompt r samples with the seed `seed + r`. stream(row, new_token_ids) is
@@ -248,7 +254,8 @@ class Engine:
         # The output buffer's width in buckets too (rows stop at their own max_new), and the spec
         # holds the sampling code, not the values: fewer compilations.
         spec = self.spec(mode, budget=budget, candidates=candidates, max_new_tokens=bucket(max(max_news)),
-                         sampling=settings[0], prompt_bucket=t, auto_budgets=auto_budgets)
+                         sampling=settings[0], prompt_bucket=t, auto_budgets=auto_budgets,
+                         decide_every=decide_every)
         pad = b - len(ids)  # padding rows: greedy, done after their first token
         spec = dataclasses.replace(spec, sampling=SamplingCode.covering(settings))
         rows = gen.RowControls(
@@ -279,10 +286,14 @@ class Engine:
         if spec.adaptive is not None:
             table = cost_table or self._cost_tables.get(warm_key)
         step_costs = None if spec.adaptive is None else costs.placeholder(spec.adaptive)
+        # budget "auto" with decide_every > 0: one program per choice, the host picks each chunk's
+        programs = gen.choice_programs(spec)
         if warm_key not in self._warm:
             with self.on_first_run() if self.on_first_run else contextlib.nullcontext():
                 state = start(self.params, dparams, prompt, lens, eos, key, spec=spec, rows=rows, costs=step_costs)
-                jax.block_until_ready(advance(self.params, dparams, state, eos, jnp.int32(1), spec=spec))
+                for program in programs.values() or [spec]:
+                    state = advance(self.params, dparams, state, eos, jnp.int32(1), spec=program)
+                jax.block_until_ready(state)
             self._warm.add(warm_key)
         self._calibration_s = 0.0
         if spec.adaptive is not None:
@@ -297,9 +308,19 @@ class Engine:
         if stream:
             sent = [0] * n_rows
             self._stream(state, stream, sent, n_rows)
+        program = spec
+        if programs:
+            choice_, n = (int(x) for x in np.asarray(state.adapt.plan))
         while True:
-            state = advance(self.params, dparams, state, eos, steps, spec=spec)
-            done = bool(np.asarray(state.done).all())  # one host sync per chunk (numpy: no op to compile)
+            if programs:  # the policy's choice for this chunk, read with the last chunk's results
+                program = programs[choice_]
+                steps = jnp.int32(min(n, stream_every) if stream else n)
+            state = advance(self.params, dparams, state, eos, steps, spec=program)
+            # one host sync per chunk (device_get: no op to compile, both copies started at once)
+            done, plan = jax.device_get((state.done, state.adapt.plan if programs else None))
+            done = bool(done.all())
+            if programs:
+                choice_, n = (int(x) for x in plan)
             if stream:
                 self._stream(state, stream, sent, n_rows)
             if done:
@@ -358,9 +379,9 @@ def per_prompt(value, n: int, name: str) -> list:
     return [value] * n
 
 
-def resolve_budget(mode: str, budget, auto_budgets: Sequence[int] | None = None):
-    """GenSpec's budget: an int, or an AutoBudget for "auto" in mode ddtree (over auto_budgets when
-    given); other modes ignore the budget (1)."""
+def resolve_budget(mode: str, budget, auto_budgets: Sequence[int] | None = None, decide_every: int | None = None):
+    """GenSpec's budget: an int, or an AutoBudget for "auto" in mode ddtree (over auto_budgets and
+    with decide_every when given); other modes ignore the budget (1)."""
     if isinstance(budget, str) and budget != "auto":
         raise ValueError(f"budget must be a positive integer or 'auto', got {budget!r}")
     if mode != "ddtree":
@@ -368,9 +389,11 @@ def resolve_budget(mode: str, budget, auto_budgets: Sequence[int] | None = None)
     if isinstance(budget, AutoBudget):
         return budget
     if budget == "auto":
-        return AutoBudget(tuple(int(b) for b in auto_budgets)) if auto_budgets else AutoBudget()
+        settings = {} if decide_every is None else {"decide_every": decide_every}
+        if auto_budgets:
+            settings["budgets"] = tuple(int(b) for b in auto_budgets)
+        return AutoBudget(**settings)
     return budget
-
 
 def int8_scheme(choice) -> int8.Int8Scheme:
     """The int8 scheme an `int8_drafter` argument asks for: True / "w8a8", "weight-only", or a scheme."""

@@ -162,23 +162,29 @@ def budget_list(text: str) -> tuple[int, ...]:
     return values
 
 
-def add_decoding_arguments(group, cost_table_help: str) -> None:
+def add_decoding_arguments(group, cost_table_help: str, decide_every: bool = True) -> None:
     """--mode and --budget, and --budget auto's settings (add_auto_budget_arguments)."""
     group.add_argument("--mode", choices=["ar", "dflash", "ddtree"], default=None,
                        help="ar = plain decoding; dflash = linear drafts; ddtree = draft trees (default: ddtree with "
                        "a drafter, ar without)")
     group.add_argument("--budget", type=budget_arg, default="auto",
                        help=f"DDTree nodes per step (1..{MAX_BUDGET}), or auto (default): chosen every step")
-    add_auto_budget_arguments(group, cost_table_help)
+    add_auto_budget_arguments(group, cost_table_help, decide_every)
 
 
-def add_auto_budget_arguments(group, cost_table_help: str) -> None:
-    """--auto-budgets and --cost-table, the settings of --budget auto."""
+def add_auto_budget_arguments(group, cost_table_help: str, decide_every: bool = True) -> None:
+    """--auto-budgets, --cost-table and (decide_every) --decide-every, the settings of --budget auto."""
     group.add_argument("--auto-budgets", type=budget_list, default=None, metavar="B1,B2,...",
                        help="--budget auto: the DDTree budgets it may choose each step, besides plain decoding and "
                        "DFlash (default 4,8,16,32; each one is compiled, so fewer compile faster; every draft pays "
                        "the selection of the largest: add 64 for large models, whose steps dwarf it)")
     group.add_argument("--cost-table", default=None, metavar="FILE", help=cost_table_help)
+    if decide_every:
+        group.add_argument("--decide-every", type=non_negative_int, default=None, metavar="N",
+                           help="--budget auto: choose every N steps on the host and run that choice's own program "
+                           "(default 16); 0: choose every step on device in one program (its conditionals cost "
+                           "~2 launches' time a step where steps are launch-bound; decision 0045)")
+
 
 
 def parse_ids(text: str) -> tuple[int, ...]:

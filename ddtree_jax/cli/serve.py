@@ -51,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_autotune_cache_argument(src)
     dec = p.add_argument_group("decoding")
     add_decoding_arguments(dec, "--budget auto: step times from this file, a table for every batch bucket "
-                              "(ddtree-bench --batch B --cost-table FILE writes them; default: measured at start-up)")
+                              "(ddtree-bench --batch B --cost-table FILE writes them; default: measured at start-up)",
+                           decide_every=False)
     add_draft_vocab_argument(dec)
     add_int8_drafter_argument(dec)
     dec.add_argument("--max-top-k", type=non_negative_int, default=64,

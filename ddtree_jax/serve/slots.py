@@ -193,9 +193,11 @@ class SlotBatch:
 
     budget "auto" (mode ddtree): an AutoBudget over auto_budgets with the objective "tokens" (a
     server replaces finished rows, so the batch's tokens per second is what counts; an AutoBudget
-    passed in is used as it is). Its step times per batch bucket come from cost_table (the path of
-    a file `ddtree-bench --cost-table` wrote, with a table for every bucket, or {bucket: CostTable})
-    or from measure_costs() (warm_up calls it); `tables` holds them.
+    passed in keeps its objective), chosen on device every step (decide_every 0: the server's
+    chunks are a few steps and, with overlap, read a chunk late). Its step times per batch bucket
+    come from cost_table (the path of a file `ddtree-bench --cost-table` wrote, with a table for
+    every bucket, or {bucket: CostTable}) or from measure_costs() (warm_up calls it); `tables`
+    holds them.
     """
 
     def __init__(self, engine: Engine, *, mode: str = "ddtree", budget: int | str | AutoBudget = 64,
@@ -232,6 +234,8 @@ class SlotBatch:
         resolved = resolve_budget(mode, budget, auto_budgets)
         if isinstance(budget, str) and isinstance(resolved, AutoBudget):
             resolved = dataclasses.replace(resolved, objective="tokens")  # rows are replaced as they finish
+        if isinstance(resolved, AutoBudget):  # chunks of a few steps, read a chunk late: choose on device
+            resolved = dataclasses.replace(resolved, decide_every=0, run=-1)
         self.spec = gen.GenSpec(mode, resolved, candidates, max_context, code, self.capacity, proposer, engine.routes)
         self.spec.validate(engine.cfg.vocab_size)
         self.auto: AutoBudget | None = self.spec.adaptive
@@ -350,7 +354,7 @@ class SlotBatch:
                 start = self.state._replace(i=jnp.zeros_like(self.state.i))
                 hold = self._table(rows, placeholder=True)
 
-                def advance(st, k, rows=rows, hold=hold):
+                def advance(st, c, k, rows=rows, hold=hold):  # c: forced in st (adapt.force)
                     return self._chunk(e.params, e.drafter_params, st, never, jnp.int32(k), hold, spec=self.spec,
                                        rows=rows, window=self.window)[0]
 

@@ -96,7 +96,11 @@ def _spec_step(model, dparams, s, eos_ids, spec, phases: Phases, costs):
         index[FIRST_TREE + j] = len(branches)
         branches.append(run(_fixed(spec, budget=budget), lambda st, budget=budget: tree_from_candidates(
             cands, budget, st.bonus, st.cache.lengths, spec.routes, ids)))
-    new, n_new, accepted = jax.lax.switch(jnp.asarray(index, jnp.int32)[c], branches, s)
+    if auto.run >= 0:  # this program runs one choice: no switch (AutoBudget.decide_every)
+        c = jnp.int32(auto.run)
+        new, n_new, accepted = branches[index[auto.run]](s)
+    else:
+        new, n_new, accepted = jax.lax.switch(jnp.asarray(index, jnp.int32)[c], branches, s)
     adapt = choice.after_spec(auto, s.adapt, c, e_raw, e_cal, accepted, left, s.i, costs)
     return phases.count_step(s, new._replace(adapt=adapt), n_new, spec)
 
@@ -132,13 +136,23 @@ def _ar_burst(model, dparams, s, eos_ids, spec, phases: Phases, stop_at):
     return st._replace(dstate=dstate)
 
 
+def with_plan(s, spec):
+    """s with its adaptive state's plan for the next chunk (choice.plan), as an advance call ends."""
+    auto: AutoBudget = spec.adaptive
+    left = _left(s, spec)
+    costs = choice.step_costs(auto, s.adapt, choice.mean_context(s.cache.lengths, left))
+    return s._replace(adapt=s.adapt._replace(plan=choice.plan(auto, s.adapt, left, costs)))
+
+
 def step(model, dparams, s, eos_ids, spec, phases: Phases, stop_at):
     """One step of the adaptive loop (a speculative step, or a burst of plain steps)."""
     auto: AutoBudget = spec.adaptive
     left = _left(s, spec)
     costs = choice.step_costs(auto, s.adapt, choice.mean_context(s.cache.lengths, left))
     spec_step = lambda st: _spec_step(model, dparams, st, eos_ids, spec, phases, costs)
-    if not auto.ar:
+    if auto.run > choice.AR or not auto.ar:
         return spec_step(s)
+    if auto.run == choice.AR:
+        return _ar_burst(model, dparams, s, eos_ids, spec, phases, stop_at)
     return jax.lax.cond(choice.draft_next(auto, s.adapt, left, costs), spec_step,
                         lambda st: _ar_burst(model, dparams, st, eos_ids, spec, phases, stop_at), s)

@@ -69,6 +69,25 @@ class AutoBudget:
     # finish: continuous batching); "makespan" = progress of the row that would finish last (a
     # fixed batch that runs until every row is done). Equal at batch 1.
     objective: str = "makespan"
+    # where the choice is made. 0: every step, on device (lax.cond plain-or-draft, lax.switch over
+    # the drafts: one program, no host round trip). n > 0: the host reads the policy's next choice
+    # (`plan`) every n steps and runs that choice's own program (`run`) for the next chunk: no
+    # data-dependent conditional per step, whose predicate XLA's GPU runtime reads on the host
+    # (decision 0045); the calibration still learns every budget's E at every speculative step
+    decide_every: int = 16
+    # the choice a program runs at every step (-1: it chooses; c >= 0: `programs()` sets it)
+    run: int = -1
+
+    def program(self, c: int) -> "AutoBudget":
+        """The policy of the program that runs choice c every step (decide_every > 0): a plain chunk
+        is one burst, so the drafter catches up once a chunk."""
+        burst = max(self.ar_burst, self.decide_every) if c == AR else self.ar_burst
+        return dataclasses.replace(self, run=c, ar_burst=burst)
+
+    @property
+    def choices(self) -> tuple[int, ...]:
+        """The enabled choices' indices."""
+        return tuple(c for c, on in enumerate(self.enabled) if on)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -96,6 +115,11 @@ class AutoBudget:
                 or not self.ar_margin >= 0:
             out.append(f"need 0 <= decay < 1, 0 <= smooth < 1, prior > 0, global_prior > 0, ar_margin >= 0; got "
                        f"{self.decay}, {self.smooth}, {self.prior}, {self.global_prior}, {self.ar_margin}")
+        if not isinstance(self.decide_every, int) or self.decide_every < 0:
+            out.append(f"decide_every must be an integer >= 0 (0: every step on device), got {self.decide_every!r}")
+        if not isinstance(self.run, int) or not -1 <= self.run < self.size or (
+                self.run >= 0 and not self.enabled[self.run]):
+            out.append(f"run must be -1 or an enabled choice's index, got {self.run!r}")
         if self.objective not in OBJECTIVES:
             out.append(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
         lo, hi = self.probe_wait
@@ -131,6 +155,9 @@ class AdaptiveState(NamedTuple):
     sum_cal: jax.Array  # [C] float32
     sum_real: jax.Array  # [C] float32
     trace: jax.Array  # [T] int8 choice of step i (-1: no step)
+    # int32 [2]: the choice and the steps of the next chunk as the policy sees them at the end of the
+    # last advance call (decide_every > 0: the host reads it with the chunk's other results)
+    plan: jax.Array
 
 
 # The AdaptiveState fields with the batch on axis 0 (one row of them belongs to one sequence); the
@@ -173,7 +200,7 @@ def init_state(policy: AutoBudget, batch: int, steps: int, table: TableArrays) -
     pop_e = jnp.where(spec & (accepted >= 0), accepted, 0.0).astype(jnp.float32)
     return AdaptiveState(ms, ctx, jnp.int32(-1), real, pred, all_real, all_pred,
                          jnp.broadcast_to(pop_e, (batch, c)), known, pop_e, jnp.int32(0), jnp.int32(1), zc, zc, zf,
-                         zf, zf, jnp.full((steps,), -1, jnp.int8))
+                         zf, zf, jnp.full((steps,), -1, jnp.int8), jnp.zeros((2,), jnp.int32))
 
 
 def joining(a: AdaptiveState, row: AdaptiveState) -> AdaptiveState:
@@ -244,6 +271,21 @@ def draft_next(policy: AutoBudget, a: AdaptiveState, left: jax.Array, costs: jax
         return jnp.bool_(True)
     chosen = ~a.have_e | _probe_due(policy, a, costs) | _predicted_spec_wins(policy, a, left, costs)
     return jnp.where(a.force >= 0, a.force != AR, chosen)
+
+
+def plan(policy: AutoBudget, a: AdaptiveState, left: jax.Array, costs: jax.Array) -> jax.Array:
+    """int32 [choice, steps]: the next chunk's choice and length when the host chooses every
+    `decide_every` steps. Plain steps where draft_next says so; else the speculative choice of
+    the most predicted worth at the rows' averaged calibrated E. A probe, or a draft before any
+    speculative step has run, is one step: the host decides again on what it taught."""
+    drafts = draft_next(policy, a, left, costs)
+    e = jnp.where(jnp.arange(policy.size) == AR, 0.0, a.row_e)
+    v = _values(policy, e, left, costs).at[AR].set(-jnp.inf)
+    best = jnp.argmax(v).astype(jnp.int32)
+    c = jnp.where(a.force >= 0, a.force, jnp.where(drafts, best, AR))
+    learning = drafts & (~a.have_e | (_probe_due(policy, a, costs) & ~_predicted_spec_wins(policy, a, left, costs)))
+    n = jnp.where(learning & (a.force < 0), 1, policy.decide_every)
+    return jnp.stack([c, n]).astype(jnp.int32)
 
 
 def calibrated(policy: AutoBudget, a: AdaptiveState, e_raw: jax.Array) -> jax.Array:

@@ -1,11 +1,12 @@
 """Step-time tables of the adaptive budget: T(choice, context) for one model, device and batch.
 
-A table is measured in the compiled auto program itself: each choice is forced for n and 2n steps
-from a generation's start (LoopState.adapt.force), interleaved choice by choice, repeated, and its
-step time is the median over repeats of (T(2n) - T(n)) / (steps the second call ran more); the
-difference cancels the call's fixed cost (host dispatch, prefill is not in it: the calls start
-from a prefilled state). So a table costs no compilation beyond the auto program, and it times
-the branches as the loop runs them (the switch and the shared draft / selection included).
+A table is measured in the compiled programs the generation runs: each choice is run for n and 2n
+steps from a generation's start, interleaved choice by choice, repeated, and its step time is the
+median over repeats of (T(2n) - T(n)) / (steps the second call ran more); the difference cancels
+the call's fixed cost (host dispatch, prefill is not in it: the calls start from a prefilled
+state). With AutoBudget.decide_every > 0 each choice has its own program (AutoBudget.program);
+with 0 the one auto program runs the choice forced (LoopState.adapt.force), its switch and shared
+draft / selection included. Either way a table costs no compilation beyond the generation's.
 
 The Engine measures one at start-up for each new batch and prompt bucket, at the prompt's length;
 `ddtree-bench --cost-table FILE` writes its table into a JSON file (one entry per batch; other
@@ -108,9 +109,10 @@ def fingerprint(cfg, proposer, routes) -> dict:
 def measure(advance: Callable, start_state, auto: AutoBudget, *, steps: int = 8, repeats: int = 3,
             batch: int | None = None, context: float | None = None) -> CostTable:
     """Time every compiled choice of `auto` from start_state (a prefilled LoopState of the auto
-    program; never modified): advance(state, n) -> state runs up to n steps (it may donate its
-    input: each call gets a copy). Rows should not stop early (pass an EOS set nothing matches);
-    steps actually run are counted, so a generation that ends early still yields a time. The
+    program; never modified): advance(state, c, n) -> state runs up to n steps of choice c (its
+    state has adapt.force = c; it may donate its input: each call gets a copy). Rows should not
+    stop early (pass an EOS set nothing matches); steps actually run are counted, so a generation
+    that ends early still yields a time. The
     forced runs' acceptance per choice comes with the table (`ratios`: realised / predicted,
     `accepted`: per row and step; the generations' first calibration and expectation). context:
     the table's committed length (default the mean over start_state's rows; a server whose state
@@ -125,7 +127,7 @@ def measure(advance: Callable, start_state, auto: AutoBudget, *, steps: int = 8,
         st = jax.tree.map(jnp.copy, start_state._replace(adapt=start_state.adapt._replace(force=jnp.int32(c))))
         jax.block_until_ready(st)
         t0 = time.perf_counter()
-        out = advance(st, n)
+        out = advance(st, c, n)
         ran = int(out.i)  # blocks until the call is done
         seconds = time.perf_counter() - t0
         real[c] += float(out.adapt.sum_real[c])
@@ -143,7 +145,7 @@ def measure(advance: Callable, start_state, auto: AutoBudget, *, steps: int = 8,
             t2, n2 = run(c, 2 * steps)
             per[c].append(1000 * ((t2 - t1) / (n2 - n1) if n2 > n1 else t2 / max(n2, 1)))
     ms = {auto.names[c]: (max(statistics.median(v), 1e-6),) for c, v in per.items()}
-    how = (f"measured at start-up: each choice forced for {steps} and {2 * steps} steps from the prefilled state, "
+    how = (f"measured at start-up: each choice run for {steps} and {2 * steps} steps from the prefilled state, "
            f"median of {repeats} interleaved pairs")
     ratios = {auto.names[c]: real[c] / pred[c] for c in choices if pred[c] > 0}
     accepted = {auto.names[c]: real[c] / rows[c] for c in choices if c != AR and rows[c] > 0}

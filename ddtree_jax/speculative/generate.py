@@ -308,14 +308,16 @@ def _start(model, drafter_params, prompt, prompt_lens, eos_ids, key, spec: GenSp
                              jnp.ones((b,), jnp.int32), eos_ids, jnp.minimum(rows.max_new, spec.max_new_tokens),
                              rows.stop)
     adapt = None if spec.adaptive is None else adaptive.init(spec.adaptive, b, spec, costs)
-    return LoopState(cache, dstate, bonus, out, n_out, done, jnp.zeros((b,), jnp.int32),
-                     jnp.zeros((spec.block + 1,), jnp.int32), jnp.int32(0), rows, adapt)
+    s = LoopState(cache, dstate, bonus, out, n_out, done, jnp.zeros((b,), jnp.int32),
+                  jnp.zeros((spec.block + 1,), jnp.int32), jnp.int32(0), rows, adapt)
+    return s if spec.adaptive is None else adaptive.with_plan(s, spec)
 
 
 def _advance(model, drafter_params, s: LoopState, eos_ids, spec: GenSpec, max_steps) -> LoopState:
     stop_at = s.i + max_steps
     cond = lambda st: ~jnp.all(st.done) & (st.i < stop_at)
-    return jax.lax.while_loop(cond, lambda st: _step(model, drafter_params, st, eos_ids, spec, stop_at), s)
+    s = jax.lax.while_loop(cond, lambda st: _step(model, drafter_params, st, eos_ids, spec, stop_at), s)
+    return s if spec.adaptive is None else adaptive.with_plan(s, spec)
 
 
 def _eos(eos_ids):
@@ -336,6 +338,16 @@ def _advance_from(graphdef, params, drafter_params, state: LoopState, eos_ids, m
 
 start = jax.jit(_start_from, static_argnames=("graphdef", "spec", "capacity"))
 advance = jax.jit(_advance_from, static_argnames=("graphdef", "spec"), donate_argnames=("state",))
+
+
+def choice_programs(spec: GenSpec) -> dict[int, GenSpec]:
+    """Budget "auto" chosen by the host every decide_every steps: {choice index: the GenSpec of
+    the program that runs that choice every step (AutoBudget.program)}; {} otherwise (one program
+    chooses on device, or no adaptive budget)."""
+    auto = spec.adaptive
+    if auto is None or auto.decide_every == 0 or auto.run >= 0:
+        return {}
+    return {c: dataclasses.replace(spec, budget=auto.program(c)) for c in auto.choices}
 
 
 _BOUND: dict[int, tuple] = {}

@@ -1,0 +1,85 @@
+"""budget="auto" chosen by the host every decide_every steps (AutoBudget.decide_every > 0, the
+Engine's default): one program per choice, none with a data-dependent conditional per step; the
+policy's plan read between chunks; output equal to plain decoding whatever the plan; the choice
+following the cost table; the calibration still learning every budget's E."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ddtree_jax.speculative import generate as gen
+from ddtree_jax.speculative.choice import AR, DFLASH, FIRST_TREE, summary
+from ddtree_jax.speculative.sampling import Sampling
+from tests.test_adaptive_generate import AUTO, MIXED, NEW, check_features, costs, oracle, setup
+
+CHUNKED = dataclasses.replace(AUTO, decide_every=5)
+
+
+def run_planned(name, ms, auto=CHUNKED):
+    """A generation driven as the Engine drives it: read the plan, run its choice's program for
+    its steps. Returns (final state, [(choice, steps asked, steps run)] per chunk)."""
+    cfg, gd, params, prompt, lens, ref, table = setup(name)
+    proposer = oracle(cfg)
+    spec = gen.GenSpec("ddtree", auto, None, NEW, Sampling(), 0, proposer)
+    programs = gen.choice_programs(spec)
+    s = gen.start(gd, params, table, prompt, lens, None, jax.random.PRNGKey(0), spec, costs=costs(ms))
+    chunks = []
+    while not bool(np.asarray(s.done).all()):
+        c, n = (int(x) for x in np.asarray(s.adapt.plan))
+        i0 = int(s.i)
+        s = gen.advance(gd, params, table, s, None, jnp.int32(n), programs[c])
+        chunks.append((c, n, int(s.i) - i0))
+    return s, chunks
+
+
+def test_each_choice_has_its_own_program_without_conditionals():
+    """choice_programs: one GenSpec per enabled choice, each running that choice at every step: no
+    cond / switch in its advance (the per-step auto program has them); a plain chunk is one burst."""
+    cfg, gd, params, prompt, lens, ref, table = setup("qwen3_5")
+    proposer = oracle(cfg)
+    spec = gen.GenSpec("ddtree", CHUNKED, None, NEW, Sampling(), 0, proposer)
+    programs = gen.choice_programs(spec)
+    assert sorted(programs) == [AR, DFLASH, FIRST_TREE, FIRST_TREE + 1]
+    assert programs[AR].budget.ar_burst == CHUNKED.decide_every and programs[DFLASH].budget.ar_burst == AUTO.ar_burst
+    assert gen.choice_programs(dataclasses.replace(spec, budget=AUTO.program(AR))) == {}
+    s = gen.start(gd, params, table, prompt, lens, None, jax.random.PRNGKey(0), spec, costs=costs(MIXED))
+
+    def text(program):
+        return str(jax.make_jaxpr(lambda st: gen._advance_from(gd, params, table, st, None, jnp.int32(4),
+                                                                program))(s))
+
+    assert "cond[" in text(dataclasses.replace(spec, budget=dataclasses.replace(CHUNKED, decide_every=0)))
+    for c, program in programs.items():
+        assert "cond[" not in text(program), f"choice {c}"
+
+
+def test_planned_chunks_equal_plain_decoding():
+    """The oracle with errors under three tables: the tokens are plain greedy decoding's; the
+    chunks follow the table (cheap plain steps: plain chunks but for one-step probes; cheap big
+    trees: budget 8 throughout); the drafter's features stay in step."""
+    cfg, gd, params, prompt, lens, ref, table = setup("qwen3_5")
+    for ms in (MIXED, [0.2, 5, 5, 5], [9, 5, 5, 1]):
+        s, chunks = run_planned("qwen3_5", ms)
+        np.testing.assert_array_equal(np.asarray(s.out), ref, err_msg=str(ms))
+        check_features("qwen3_5", oracle(cfg), s, table)
+        st = summary(CHUNKED, s.adapt)
+        assert sum(st["choices"].values()) == int(s.steps.max())
+        assert all(n in (1, CHUNKED.decide_every) for _, n, _ in chunks)
+        if ms == [0.2, 5, 5, 5]:
+            assert st["choices"]["ar"] >= 0.8 * sum(st["choices"].values())
+            assert all(n == 1 for c, n, _ in chunks if c != AR)  # drafts here are one-step probes
+        if ms == [9, 5, 5, 1]:
+            assert set(st["choices"]) == {"8"}
+            # every budget's E learned while budget 8 ran: the rows' averaged E covers each choice
+            assert np.all(np.asarray(s.adapt.row_e)[:, DFLASH:] > 0)
+
+
+def test_engine_decides_per_chunk_by_default():
+    """Engine.generate(budget="auto") runs the per-choice programs (decide_every 16 by default)."""
+    from ddtree_jax.speculative.choice import AutoBudget
+
+    assert AutoBudget().decide_every == 16
+    spec = gen.GenSpec("ddtree", AutoBudget(), None, NEW, Sampling(), 0, None)
+    assert len(gen.choice_programs(spec)) == 2 + len(AutoBudget().budgets)
