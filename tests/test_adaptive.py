@@ -168,6 +168,14 @@ def test_probes_after_plain_steps_and_backs_off():
             a = after_ar(a, left, i)
             plain += 1
     assert waits[:6] == [0, 17, 34, 68, 128, 128]
+    # chosen on the host, a probe is an advance call of its own: its cost (here 3 plain steps) waits
+    # too, (0.5 + 3) / 0.03 -> 117; chosen on device it costs no call
+    host = AUTO if AUTO.decide_every else dataclasses.replace(AUTO, decide_every=16)
+    dev = dataclasses.replace(AUTO, decide_every=0)
+    calls = a._replace(call_ms=jnp.float32(3.0), have_e=jnp.bool_(True), gap=jnp.int32(1))
+    for policy, wait in ((host, 117), (dev, 17)):
+        assert not bool(choice._probe_due(policy, calls._replace(since=jnp.int32(wait - 1)), costs))
+        assert bool(choice._probe_due(policy, calls._replace(since=jnp.int32(wait)), costs))
     cpu_like = state([1, 9, 9, 9], batch=1)  # drafting costs 9 plain steps: a probe waits 267 (cap 128)
     assert not bool(draft_next(AUTO, cpu_like._replace(have_e=jnp.bool_(True), since=jnp.int32(127)), left,
                                choice.step_costs(AUTO, cpu_like, jnp.float32(0))))
@@ -277,14 +285,15 @@ def table(batch=1, **ms):
 def test_cost_table_file_round_trip_and_merge(tmp_path):
     path = tmp_path / "costs.json"
     one = dataclasses.replace(table(1, ar=0.3, dflash=0.5, **{"4": 0.6, "16": 0.7}), ratios={"dflash": 1.5},
-                              accepted={"dflash": 2.0, "16": 3.0})
+                              accepted={"dflash": 2.0, "16": 3.0}, call_ms=1.25)
     cost_table.save(path, one, device="dev", model=MODEL)
     cost_table.save(path, table(8, ar=0.4, dflash=1.0, **{"4": 1.1, "16": 1.5}), device="dev", model=MODEL)
     got = cost_table.load(path, 1, device="dev", model=MODEL)
     assert got.ms == one.ms and got.contexts == (128.0,) and str(path) in got.source
     assert set(json.loads(path.read_text())["tables"]) == {"1", "8"}
     assert got.ratios == one.ratios and got.accepted == one.accepted
-    ms, ctx, ratios, accepted = got.arrays(AUTO)
+    assert got.call_ms == 1.25 and float(got.arrays(AUTO).call_ms) == 1.25
+    ms, ctx, ratios, accepted, _ = got.arrays(AUTO)
     assert ms.shape == (4, cost_table.POINTS) and ctx.shape == (cost_table.POINTS,)
     np.testing.assert_allclose(ms[:, -1], [0.3, 0.5, 0.6, 0.7])
     np.testing.assert_allclose(ratios, [-1, 1.5, -1, -1])

@@ -35,6 +35,7 @@ import numpy as np
 from flax import nnx
 
 from ddtree_jax.engine import Engine, resolve_budget
+from ddtree_jax.flat_params import FlatParams
 from ddtree_jax.speculative import choice
 from ddtree_jax.speculative import cost_table as costs
 from ddtree_jax.speculative import generate as gen
@@ -261,8 +262,8 @@ class SlotBatch:
         self.eos = jnp.asarray(sorted(set(engine.stop_ids)), jnp.int32)
         g = engine.graphdef
         self._start, _ = gen.bind(g)
-        self._chunk = jax.jit(functools.partial(_chunk, g), static_argnames=("spec", "rows", "window"),
-                              donate_argnames=("state",))
+        self._chunk = FlatParams(functools.partial(_chunk, g), 2, static_argnames=("spec", "rows", "window"),
+                                 donate_argnums=(2,))
         self._insert = jax.jit(_insert, donate_argnames=("state",))
         self._move = jax.jit(_move, donate_argnames=("state",))
         self.state = self._empty()

@@ -23,7 +23,8 @@ with E the drafter's expected acceptance of the choice's draft (speculative/expe
   speculative step is forced (a probe) once the plain steps since the last speculative one reach
   a wait that keeps the probes' extra cost near `probe_budget` of the time: (T_spec / T_ar - 1) /
   probe_budget plain steps for the cheapest speculative choice, within `probe_wait`; it doubles
-  while probes keep choosing plain steps.
+  while probes keep choosing plain steps. Chosen by the host every `decide_every` steps, a probe
+  is a one-step chunk and its advance call's own cost (the table's call_ms) counts too.
 
 Under continuous batching (ddtree_jax/serve) rows join and leave a running state: the per-row
 fields (ROW_FIELDS) move with their request and start from the population's expectation when a
@@ -37,7 +38,7 @@ Pure functions of arrays: the generation loop (speculative/adaptive.py) and the 
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -158,6 +159,7 @@ class AdaptiveState(NamedTuple):
     # int32 [2]: the choice and the steps of the next chunk as the policy sees them at the end of the
     # last advance call (decide_every > 0: the host reads it with the chunk's other results)
     plan: jax.Array
+    call_ms: jax.Array  # float32 the table's cost of an advance call beyond its steps (a chunk's own)
 
 
 # The AdaptiveState fields with the batch on axis 0 (one row of them belongs to one sequence); the
@@ -172,6 +174,7 @@ class TableArrays(NamedTuple):
     contexts: jax.Array  # [K] committed lengths, ascending
     ratios: jax.Array  # [C] realised / predicted accepted tokens measured with the table (-1: unknown)
     accepted: jax.Array  # [C] accepted draft tokens per row and step measured with the table (-1: unknown)
+    call_ms: Any = 0.0  # what an advance call costs beyond its steps (dispatch, launch, the read ending it; 0: unknown)
 
 
 def init_state(policy: AutoBudget, batch: int, steps: int, table: TableArrays) -> AdaptiveState:
@@ -200,7 +203,8 @@ def init_state(policy: AutoBudget, batch: int, steps: int, table: TableArrays) -
     pop_e = jnp.where(spec & (accepted >= 0), accepted, 0.0).astype(jnp.float32)
     return AdaptiveState(ms, ctx, jnp.int32(-1), real, pred, all_real, all_pred,
                          jnp.broadcast_to(pop_e, (batch, c)), known, pop_e, jnp.int32(0), jnp.int32(1), zc, zc, zf,
-                         zf, zf, jnp.full((steps,), -1, jnp.int8), jnp.zeros((2,), jnp.int32))
+                         zf, zf, jnp.full((steps,), -1, jnp.int8), jnp.zeros((2,), jnp.int32),
+                         jnp.asarray(table.call_ms, jnp.float32))
 
 
 def joining(a: AdaptiveState, row: AdaptiveState) -> AdaptiveState:
@@ -257,9 +261,12 @@ def _predicted_spec_wins(policy: AutoBudget, a: AdaptiveState, left: jax.Array, 
 
 
 def _probe_due(policy: AutoBudget, a: AdaptiveState, costs: jax.Array) -> jax.Array:
-    """Whether the plain steps since the last speculative one reached the probe wait."""
+    """Whether the plain steps since the last speculative one reached the probe wait. Chosen by
+    the host (decide_every > 0), a probe is a chunk of its own and costs an advance call more."""
     lo, hi = policy.probe_wait
     ratio = jnp.min(costs[DFLASH:]) / costs[AR]
+    if policy.decide_every > 0:
+        ratio = ratio + a.call_ms / costs[AR]
     wait = jnp.clip(jnp.ceil((ratio - 1) / policy.probe_budget), lo, hi).astype(jnp.int32)
     return a.since >= jnp.minimum(a.gap * wait, hi)
 

@@ -21,7 +21,8 @@ its drafter, dtype and kernel routes; loading it elsewhere is an error. Format:
 ms[choice][k] is the step time at committed length contexts[k] (linear in between, flat beyond).
 "ratios", "accepted" (optional): realised / predicted accepted tokens and accepted tokens per row
 and step of each choice in the measurement's runs: a generation's first calibration and
-expectation (choice.init_state).
+expectation (choice.init_state). "call_ms" (optional, default 0): an advance call's cost beyond
+its steps, the timings' intercept, which a probe chosen on the host pays.
 """
 
 from __future__ import annotations
@@ -58,6 +59,9 @@ class CostTable:
     # and accepted draft tokens per row and step (a generation's first calibration and expectation)
     ratios: dict = dataclasses.field(default_factory=dict)
     accepted: dict = dataclasses.field(default_factory=dict)
+    # ms an advance call costs beyond its steps (the timing's intercept; 0: not measured): what a
+    # chunk chosen on the host pays once (choice.AutoBudget.decide_every)
+    call_ms: float = 0.0
 
     def __post_init__(self):
         if not 1 <= len(self.contexts) <= POINTS:
@@ -78,11 +82,12 @@ class CostTable:
         ratios = np.asarray([self.ratios.get(n, -1.0) for n in auto.names], np.float32)
         accepted = np.asarray([self.accepted.get(n, -1.0) for n in auto.names], np.float32)
         return TableArrays(np.pad(ms, ((0, 0), (0, pad)), mode="edge"), np.pad(ctx, (0, pad), mode="edge"), ratios,
-                           accepted)
+                           accepted, np.float32(self.call_ms))
 
     def as_dict(self) -> dict:
         return {"batch": self.batch, "contexts": list(self.contexts), "ms": {k: list(v) for k, v in self.ms.items()},
-                "ratios": dict(self.ratios), "accepted": dict(self.accepted), "source": self.source}
+                "ratios": dict(self.ratios), "accepted": dict(self.accepted), "call_ms": self.call_ms,
+                "source": self.source}
 
 
 def _order(name: str):
@@ -93,7 +98,8 @@ def placeholder(auto: AutoBudget):
     """Arrays of a table for a state whose choices are forced (the measurement itself)."""
     c = auto.size
     unknown = np.full((c,), -1.0, np.float32)
-    return TableArrays(np.ones((c, POINTS), np.float32), np.zeros((POINTS,), np.float32), unknown, unknown)
+    return TableArrays(np.ones((c, POINTS), np.float32), np.zeros((POINTS,), np.float32), unknown, unknown,
+                       np.float32(0))
 
 
 def fingerprint(cfg, proposer, routes) -> dict:
@@ -139,17 +145,21 @@ def measure(advance: Callable, start_state, auto: AutoBudget, *, steps: int = 8,
     for c in choices:  # warm-up: XLA's first run of each branch
         run(c, steps)
     per = {c: [] for c in choices}
+    intercepts = []  # a call's cost beyond its steps: T(n) - n x the step time
     for _ in range(repeats):
         for c in choices:  # interleaved, so drifts of the machine hit every choice alike
             t1, n1 = run(c, steps)
             t2, n2 = run(c, 2 * steps)
             per[c].append(1000 * ((t2 - t1) / (n2 - n1) if n2 > n1 else t2 / max(n2, 1)))
+            if n2 > n1:
+                intercepts.append(1000 * t1 - n1 * per[c][-1])
     ms = {auto.names[c]: (max(statistics.median(v), 1e-6),) for c, v in per.items()}
     how = (f"measured at start-up: each choice run for {steps} and {2 * steps} steps from the prefilled state, "
            f"median of {repeats} interleaved pairs")
     ratios = {auto.names[c]: real[c] / pred[c] for c in choices if pred[c] > 0}
     accepted = {auto.names[c]: real[c] / rows[c] for c in choices if c != AR and rows[c] > 0}
-    return CostTable(batch or int(start_state.bonus.shape[0]), (context,), ms, how, ratios, accepted)
+    call_ms = max(statistics.median(intercepts), 0.0) if intercepts else 0.0
+    return CostTable(batch or int(start_state.bonus.shape[0]), (context,), ms, how, ratios, accepted, call_ms)
 
 
 def load(path: str | os.PathLike, batch: int, *, device: str, model: dict) -> CostTable:
@@ -186,7 +196,8 @@ def load(path: str | os.PathLike, batch: int, *, device: str, model: dict) -> Co
                          f"positive time per context (bad: {bad})")
     ratios = {k: float(v) for k, v in (t.get("ratios") or {}).items()}
     accepted = {k: float(v) for k, v in (t.get("accepted") or {}).items()}
-    return CostTable(batch, contexts, ms, f"loaded from {path}", ratios, accepted)
+    call_ms = float(t.get("call_ms", 0.0))
+    return CostTable(batch, contexts, ms, f"loaded from {path}", ratios, accepted, call_ms)
 
 
 def save(path: str | os.PathLike, table: CostTable, *, device: str, model: dict, extra: dict | None = None) -> None:
@@ -204,7 +215,8 @@ def save(path: str | os.PathLike, table: CostTable, *, device: str, model: dict,
             and (doc.get("model") or {}).get("fingerprint") == model["fingerprint"]):
         doc = {"format": FORMAT, "device": device, "model": model, "tables": {}}
     entry = {"contexts": list(table.contexts), "ms": {k: list(v) for k, v in table.ms.items()},
-             "ratios": dict(table.ratios), "accepted": dict(table.accepted), "how": table.source,
+             "ratios": dict(table.ratios), "accepted": dict(table.accepted), "call_ms": table.call_ms,
+             "how": table.source,
              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     doc["tables"][str(table.batch)] = entry | (extra or {})
     atomic.write_json(path, doc)

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ddtree_jax.cache import TargetCache, init_target_cache
+from ddtree_jax.flat_params import FlatParams
 from ddtree_jax.routes import REFERENCE, Routes
 from ddtree_jax.speculative import adaptive, choice
 from ddtree_jax.speculative.build import build_chain, build_tree, validate_budget
@@ -360,13 +361,14 @@ def bind(graphdef: nnx.GraphDef):
     the 27B-shaped target's on this project's CPU machine; a 0-step advance of a 64-layer model
     7.5 ms static, 2.2 ms bound: docs/decisions/0003-bound-graphdef.md), paid per
     chunk of a streamed generation (the engine advances `stream_every` steps a call). Bound, a call
-    hashes only its GenSpec."""
+    hashes only its GenSpec; the parameters are flattened once per parameter object
+    (flat_params.FlatParams)."""
     hit = _BOUND.get(id(graphdef))
     if hit is None or hit[0] is not graphdef:
         hit = (graphdef,
-               jax.jit(functools.partial(_start_from, graphdef), static_argnames=("spec", "capacity")),
-               jax.jit(functools.partial(_advance_from, graphdef), static_argnames=("spec",),
-                       donate_argnames=("state",)))
+               FlatParams(functools.partial(_start_from, graphdef), 2, static_argnames=("spec", "capacity")),
+               FlatParams(functools.partial(_advance_from, graphdef), 2, static_argnames=("spec",),
+                          donate_argnums=(2,)))
         _BOUND[id(graphdef)] = hit
     return hit[1], hit[2]
 
