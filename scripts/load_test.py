@@ -34,6 +34,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.parse
 
@@ -194,11 +195,12 @@ class LaunchedServer:
             time.sleep(1)
         raise RuntimeError(f"ddtree-serve did not come up in {timeout} s (log: {self.log.name})")
 
-    def stop(self) -> int:
+    def stop(self, grace: float = 120.0) -> int:
+        """SIGTERM, then SIGKILL after `grace` seconds (in-flight requests finish meanwhile)."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(120)
+                self.proc.wait(grace)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
@@ -298,6 +300,9 @@ def server_arguments(mode: str, args, levels, max_prompt: int, max_tokens: int) 
 def main(argv=None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
+    if threading.current_thread() is threading.main_thread():
+        # SIGTERM (e.g. from `timeout`) unwinds like an exit, so the finally blocks stop the servers
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     modes = [m for m in args.modes.split(",") if m]
     levels = sorted({int(c) for c in args.clients.split(",")})
     lo_p, hi_p = (int(x) for x in args.prompt_len.split(","))
@@ -324,7 +329,11 @@ def main(argv=None) -> int:
         else:
             extra = server_arguments(mode, args, levels, hi_p, hi_t)
             server = LaunchedServer(mode, args.port, max(levels), extra, os.path.splitext(args.out)[0] + f"_{mode}.log")
-            server.wait_ready(args.start_timeout)
+            try:
+                server.wait_ready(args.start_timeout)
+            except BaseException:  # never leave a server behind (it holds the accelerator's memory)
+                server.stop(grace=5)
+                raise
             url = server.url
         try:
             httpx = _httpx()

@@ -424,9 +424,17 @@ def test_sampled_rows_depend_on_their_seed_only(slots):
     assert len({tuple(m[0]) for m in mixed}) > 1
 
 
-def test_warm_up_leaves_the_slots_idle(slots):
-    slots.warm_up(max_prompt=16)
+@pytest.mark.parametrize("workers", [1, 3])
+def test_warm_up_leaves_the_slots_idle(slots, workers):
+    """Sequential or with the programs compiled several at a time first: the slots end idle, and a
+    request afterwards compiles nothing more."""
+    slots.warm_up(max_prompt=16, workers=workers)
     assert bool(np.asarray(slots.state.done).all())
+    sizes = slots._chunk._cache_size(), slots._start._cache_size()
+    pre = slots.prefill_many([PrefillRequest([3, 4, 5], Sampling(), 0, 4)])
+    slots.insert(pre, [0])
+    slots.advance(1)
+    assert (slots._chunk._cache_size(), slots._start._cache_size()) == sizes
 
 
 def test_cancelled_and_overflowing_requests(slots):

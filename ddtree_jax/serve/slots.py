@@ -23,6 +23,7 @@ Nothing here knows HTTP, text or requests: ddtree_jax/serve/scheduler.py drives 
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import os
@@ -506,26 +507,49 @@ class SlotBatch:
         """launch() and wait for its report."""
         return self.launch(n_active, steps).result()
 
+    def _compile_ahead(self, prefills: list, workers: int) -> None:
+        """Run the given prefill calls and a 0-step chunk of every batch bucket (on copies of the
+        idle state), `workers` at a time: their compilations overlap. Nothing is kept."""
+        e = self.engine
+        self.prefill_many([PrefillRequest([1], Sampling(), 0, 1)])  # the shared wrappers, on this thread first
+
+        def chunk(rows):
+            state = jax.tree.map(jnp.copy, self.state)
+            return self._chunk(e.params, e.drafter_params, state, self.eos, jnp.int32(0),
+                               self._table(rows, placeholder=True), spec=self.spec, rows=rows, window=self.window)
+
+        jobs = [functools.partial(chunk, rows) for rows in self.buckets] + prefills
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            jax.block_until_ready([f.result() for f in [pool.submit(job) for job in jobs]])
+
     def _launch(self, rows: int, steps: int, table) -> PendingChunk:
         e = self.engine
         self.state, report = self._chunk(e.params, e.drafter_params, self.state, self.eos, jnp.int32(steps), table,
                                          spec=self.spec, rows=rows, window=self.window)
         return PendingChunk(report)
 
-    def warm_up(self, max_prompt: int | None = None) -> dict[int, float]:
+    def warm_up(self, max_prompt: int | None = None, workers: int | None = None) -> dict[int, float]:
         """Compile and run once: the prefill and the insert of each pair of a prefill bucket and a
         prompt bucket that prefill_groups may call (prompts up to max_prompt tokens; default all), the
-        move, and a chunk of each
-        batch bucket; budget "auto": the step-time tables the buckets lack (measure_costs; its seconds
-        per bucket are returned). The slots end idle, the adaptive policy with nothing learned from
-        the warm-up's requests (they finish at their first token)."""
+        move, and a chunk of each batch bucket; budget "auto": the step-time tables the buckets lack
+        (measure_costs; its seconds per bucket are returned). The slots end idle, the adaptive
+        policy with nothing learned from the warm-up's requests (they finish at their first token).
+
+        workers > 1 (default: half the host's cores, at most 8): the prefill and chunk programs are
+        first compiled `workers` at a time (each traced on its thread, compiled by XLA without the
+        GIL) on throwaway states, so the steps below find them compiled."""
         limit = max_prompt or self.max_context
-        for t in self.prompt_buckets[: 1 + sum(t < limit for t in self.prompt_buckets)]:
-            for k in self.prefill_buckets:
-                if k > 1 and k * t > self.prefill_tokens:
-                    break  # prefill_groups never makes such a call
-                pre = self.prefill_many([PrefillRequest([1] * min(t, self.max_context - 1), Sampling(), 0, 1)] * k)
-                self.insert(pre, list(range(k)))
+        pairs = [(t, k) for t in self.prompt_buckets[: 1 + sum(t < limit for t in self.prompt_buckets)]
+                 for k in self.prefill_buckets if k == 1 or k * t <= self.prefill_tokens]  # what prefill_groups calls
+        dummy = [PrefillRequest([1] * min(t, self.max_context - 1), Sampling(), 0, 1) for t, _ in pairs]
+        if workers is None:
+            workers = min(8, (os.cpu_count() or 1) // 2)
+        if workers > 1:
+            self._compile_ahead([functools.partial(self.prefill_many, [r] * k) for r, (_, k) in zip(dummy, pairs)],
+                                workers)
+        for r, (_, k) in zip(dummy, pairs):
+            pre = self.prefill_many([r] * k)
+            self.insert(pre, list(range(k)))
         row = self.prefill([1], Sampling(), 0, 1)
         for rows in self.buckets:
             for slot in range(rows):
