@@ -348,6 +348,8 @@ def main(argv=None) -> int:
     d.add_argument("--repeats", type=int, default=3)
     d.add_argument("--max-new-tokens", type=int, default=128)
     d.add_argument("--prompts", default=PROMPTS_16, help="default: the 8 held-out prompts and their first 96 tokens")
+    d.add_argument("--decide-every", type=int, default=None,
+                   help="auto's decide_every (default AutoBudget's; 0: one program choosing every step on device)")
     d.add_argument("--smoke", action="store_true", help="tiny: batches 1,2, budgets 4,8, 2 prompts, 16 tokens")
     d.add_argument("--out", required=True)
     t = sub.add_parser("trace", help="per-position E and acceptance of every choice (the demo pair by default)")
@@ -406,8 +408,9 @@ def main(argv=None) -> int:
                     f.write(json.dumps({"prompt_ids": p[:24]}) + "\n")
             report["demo"] = demo(args.out, [1, 2], "4,8", "4,8", 1, 16, short, ("--cost-repeats", "1"))
         else:
+            extra = () if args.decide_every is None else ("--decide-every", str(args.decide_every))
             report["demo"] = demo(args.out, [int(b) for b in args.batches.split(",")], args.budgets,
-                                  args.auto_budgets, args.repeats, args.max_new_tokens, args.prompts)
+                                  args.auto_budgets, args.repeats, args.max_new_tokens, args.prompts, extra)
         path = os.path.join(args.out, "summary.json")
         if os.path.isfile(path):  # batches run by earlier calls into the same --out stay
             with open(path) as f:

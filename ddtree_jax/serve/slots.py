@@ -543,7 +543,8 @@ class SlotBatch:
                  for k in self.prefill_buckets if k == 1 or k * t <= self.prefill_tokens]  # what prefill_groups calls
         dummy = [PrefillRequest([1] * min(t, self.max_context - 1), Sampling(), 0, 1) for t, _ in pairs]
         if workers is None:
-            workers = min(8, (os.cpu_count() or 1) // 2)
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+            workers = min(8, cores // 2)
         if workers > 1:
             self._compile_ahead([functools.partial(self.prefill_many, [r] * k) for r, (_, k) in zip(dummy, pairs)],
                                 workers)
