@@ -196,7 +196,7 @@ class Engine:
         s0 = start(self.params, dparams, prompt, lens, never, None, spec=spec, rows=rows,
                    costs=costs.placeholder(spec.adaptive))
         programs = gen.choice_programs(spec)
-        return costs.measure(lambda st, c, n: advance(self.params, dparams, st, never, jnp.int32(n),
+        return costs.measure(lambda st, c, n: advance(self.params, dparams, st, never, np.int32(n),
                                                       spec=programs.get(c, spec)), s0,
                              spec.adaptive, steps=steps, repeats=repeats, batch=int(prompt.shape[0]))
 
@@ -279,7 +279,9 @@ class Engine:
         # The first call of a bucket runs prefill and one step untimed on a throwaway state
         # (compilation, tracing, and XLA:CPU's kernels built on their first run: ~4.7 s for the demo
         # on a CPU), so the reported speed is generation only.
-        steps = jnp.int32(stream_every if stream else 2**30)
+        # step counts go in as numpy scalars: a jnp scalar is a device op of its own (~0.1 ms a call
+        # on this project's CPU, decision 0045)
+        steps = np.int32(stream_every if stream else 2**30)
         start, advance = gen.bind(self.graphdef)  # no GraphDef hash per call
         warm_key = (spec, prompt.shape, eos.shape)
         table = None
@@ -292,7 +294,7 @@ class Engine:
             with self.on_first_run() if self.on_first_run else contextlib.nullcontext():
                 state = start(self.params, dparams, prompt, lens, eos, key, spec=spec, rows=rows, costs=step_costs)
                 for program in programs.values() or [spec]:
-                    state = advance(self.params, dparams, state, eos, jnp.int32(1), spec=program)
+                    state = advance(self.params, dparams, state, eos, np.int32(1), spec=program)
                 jax.block_until_ready(state)
             self._warm.add(warm_key)
         self._calibration_s = 0.0
@@ -314,7 +316,7 @@ class Engine:
         while True:
             if programs:  # the policy's choice for this chunk, read with the last chunk's results
                 program = programs[choice_]
-                steps = jnp.int32(min(n, stream_every) if stream else n)
+                steps = np.int32(min(n, stream_every) if stream else n)
             state = advance(self.params, dparams, state, eos, steps, spec=program)
             # one host sync per chunk (device_get: no op to compile, both copies started at once)
             done, plan = jax.device_get((state.done, state.adapt.plan if programs else None))

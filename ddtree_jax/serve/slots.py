@@ -357,7 +357,7 @@ class SlotBatch:
                 hold = self._table(rows, placeholder=True)
 
                 def advance(st, c, k, rows=rows, hold=hold):  # c: forced in st (adapt.force)
-                    return self._chunk(e.params, e.drafter_params, st, never, jnp.int32(k), hold, spec=self.spec,
+                    return self._chunk(e.params, e.drafter_params, st, never, np.int32(k), hold, spec=self.spec,
                                        rows=rows, window=self.window)[0]
 
                 table = costs.measure(advance, start, self.auto, steps=steps, repeats=repeats, batch=rows,
@@ -490,7 +490,7 @@ class SlotBatch:
 
     def move(self, src: int, dst: int) -> None:
         """Slot src's request continues in slot dst; src is freed (src == dst: free it)."""
-        self.state = self._move(self.state, jnp.int32(src), jnp.int32(dst))
+        self.state = self._move(self.state, np.int32(src), np.int32(dst))
 
     def launch(self, n_active: int, steps: int | None = None) -> PendingChunk:
         """Dispatch one chunk of up to `steps` (default and at most chunk_steps) device steps of the
@@ -515,7 +515,7 @@ class SlotBatch:
 
         def chunk(rows):
             state = jax.tree.map(jnp.copy, self.state)
-            return self._chunk(e.params, e.drafter_params, state, self.eos, jnp.int32(0),
+            return self._chunk(e.params, e.drafter_params, state, self.eos, np.int32(0),
                                self._table(rows, placeholder=True), spec=self.spec, rows=rows, window=self.window)
 
         jobs = [functools.partial(chunk, rows) for rows in self.buckets] + prefills
@@ -524,7 +524,7 @@ class SlotBatch:
 
     def _launch(self, rows: int, steps: int, table) -> PendingChunk:
         e = self.engine
-        self.state, report = self._chunk(e.params, e.drafter_params, self.state, self.eos, jnp.int32(steps), table,
+        self.state, report = self._chunk(e.params, e.drafter_params, self.state, self.eos, np.int32(steps), table,
                                          spec=self.spec, rows=rows, window=self.window)
         return PendingChunk(report)
 
