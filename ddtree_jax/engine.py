@@ -213,9 +213,9 @@ class Engine:
         decoding, DFlash and the trees of auto_budgets (default 4, 8, 16, 32) for the most
         tokens per second, by a step-time table: cost_table (a CostTable or the path of a file
         `ddtree-bench --cost-table` wrote), else measured at start-up for each new batch and prompt
-        bucket (seconds; reported in stats.adaptive with the choices made). decide_every: the
-        host picks the choice every this many steps and runs that choice's own program (default
-        16); 0: one program chooses on device at every step (AutoBudget.decide_every).
+        bucket (seconds; reported in stats.adaptive with the choices made). decide_every: 0 (the
+        default) one program chooses on device at every step; n > 0 the host picks the choice
+        every n steps and runs that choice's own program (AutoBudget.decide_every).
 
         max_new_tokens and sampling: one for every prompt, or one each (per-row settings share one
         compiled program). Prompt r samples with the seed `seed + r`. stream(row, new_token_ids) is

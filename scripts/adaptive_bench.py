@@ -81,7 +81,7 @@ def _trace(graphdef, params, dparams, s, table, spec, auto: AutoBudget, n: int):
         post = [jnp.take_along_axis(table, jnp.minimum(t.positions + 1, table.shape[1] - 1), axis=1) for t in trees]
         acc = [accept(t, p, depth).count - 1 for t, p in zip(trees, post)]
         acc = jnp.stack([jnp.zeros((b,), jnp.int32)] + acc, axis=1)
-        new, _, feats = gen._ar_step(model, st, eos, spec, jax.random.PRNGKey(0), spec.proposer.hidden_ids)
+        new, _, feats = gen._ar_step(model, st, eos, spec, spec.proposer.hidden_ids)
         dstate = spec.proposer.extend(dparams, new.dstate, feats, (~st.done).astype(jnp.int32), routes=spec.routes)
         return new._replace(dstate=dstate), (e, acc)
 
@@ -271,10 +271,13 @@ def run_simulation(tr: dict, tables: dict, batches: list[int], context: float | 
 def latency(engine, prompt: list[int], max_new: int, auto_budgets, fixed_budget: int) -> dict:
     """Per mode, a fresh shape's first call and a second one: wall time, time to the first streamed
     token, auto's start-up table time. Modes run in this process one after the other, each with
-    a program of its own (nothing compiled for one serves another)."""
+    a program of its own (nothing compiled for one serves another); auto in both forms (per step
+    on device, the default: one program; per chunk of 16 on the host: one program per choice)."""
     out = {}
     for name, kw in (("ar", dict(mode="ar")), (f"ddtree-{fixed_budget}", dict(mode="ddtree", budget=fixed_budget)),
-                     ("auto", dict(mode="ddtree", budget="auto", auto_budgets=auto_budgets))):
+                     ("auto", dict(mode="ddtree", budget="auto", auto_budgets=auto_budgets)),
+                     ("auto-per-chunk",
+                      dict(mode="ddtree", budget="auto", auto_budgets=auto_budgets, decide_every=16))):
         row = {}
         for call in ("first", "second"):
             first_token = []

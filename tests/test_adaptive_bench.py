@@ -58,6 +58,7 @@ def test_tables_from_bench_e2e_reports_join_contexts(tmp_path):
 def test_smoke_runs_trace_simulation_and_latency(tmp_path):
     assert ab.main(["smoke", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "report.json").read_text())
-    assert set(report["simulation"]) == {"1", "2"} and set(report["latency"]) == {"ar", "ddtree-4", "auto"}
+    assert set(report["simulation"]) == {"1", "2"}
+    assert set(report["latency"]) == {"ar", "ddtree-4", "auto", "auto-per-chunk"}
     tr = json.loads((tmp_path / "trace.json").read_text())
     assert tr["choices"] == ["ar", "dflash", "4", "8"] and all(r["positions"] == 23 for r in tr["rows"])

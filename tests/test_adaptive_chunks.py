@@ -1,5 +1,5 @@
-"""budget="auto" chosen by the host every decide_every steps (AutoBudget.decide_every > 0, the
-Engine's default): one program per choice, none with a data-dependent conditional per step; the
+"""budget="auto" chosen by the host every decide_every steps (AutoBudget.decide_every > 0; the
+default 0 chooses on device every step): one program per choice, none with a data-dependent conditional per step; the
 policy's plan read between chunks; output equal to plain decoding whatever the plan; the choice
 following the cost table; the calibration still learning every budget's E."""
 
@@ -76,10 +76,15 @@ def test_planned_chunks_equal_plain_decoding():
             assert np.all(np.asarray(s.adapt.row_e)[:, DFLASH:] > 0)
 
 
-def test_engine_decides_per_chunk_by_default():
-    """Engine.generate(budget="auto") runs the per-choice programs (decide_every 16 by default)."""
+def test_choice_programs_only_when_the_host_decides():
+    """The default (decide_every 0) is one program choosing on device: no per-choice programs; with
+    decide_every > 0, one per enabled choice."""
     from ddtree_jax.speculative.choice import AutoBudget
 
-    assert AutoBudget().decide_every == 16
-    spec = gen.GenSpec("ddtree", AutoBudget(), None, NEW, Sampling(), 0, None)
+    assert AutoBudget().decide_every == 0
+    assert gen.choice_programs(gen.GenSpec("ddtree", AutoBudget(), None, NEW, Sampling(), 0, None)) == {}
+    spec = gen.GenSpec("ddtree", AutoBudget(decide_every=16), None, NEW, Sampling(), 0, None)
     assert len(gen.choice_programs(spec)) == 2 + len(AutoBudget().budgets)
+    no_ar = AutoBudget(decide_every=16, ar=False, dflash=False)
+    assert sorted(gen.choice_programs(gen.GenSpec("ddtree", no_ar, None, NEW, Sampling(), 0, None))) == [
+        FIRST_TREE + j for j in range(len(no_ar.budgets))]

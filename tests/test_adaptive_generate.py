@@ -221,6 +221,13 @@ def test_engine_measures_its_table_at_start_up(ckpts, tmp_path):
     [got] = engine.generate([[5, 6, 7, 8]], auto_budgets=(2, 4), max_new_tokens=12)
     a = got.stats.adaptive
     assert got.token_ids == ref.token_ids
+    # chosen by the host every 3 steps (one program per choice), streamed in chunks of 2: the same
+    # tokens, every step counted once
+    streamed = []
+    [chunked] = engine.generate([[5, 6, 7, 8]], auto_budgets=(2, 4), max_new_tokens=12, decide_every=3,
+                                stream=lambda r, ids: streamed.extend(ids), stream_every=2)
+    assert chunked.token_ids == ref.token_ids == streamed
+    assert sum(chunked.stats.adaptive["choices"].values()) == chunked.stats.steps
     assert a["cost_table"]["source"].startswith("measured at start-up") and a["budgets"] == [2, 4]
     assert set(a["cost_table"]["ms"]) == {"ar", "dflash", "2", "4"} and a["calibration_seconds"] > 0
     assert sum(a["choices"].values()) == got.stats.steps == len(a["trace"])
@@ -242,6 +249,12 @@ def test_cli_reads_a_table_file_and_names_a_missing_one(ckpts, tmp_path, capsys)
         cli.main(["--target", target, "--drafter", drafter, "--prompt", "x", "--cost-table", str(tmp_path / "no.json")])
     captured = capsys.readouterr()
     assert e.value.code == 2 and "no.json does not exist" in captured.err and captured.out == ""
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--target", target, "--drafter", drafter, "--prompt", "x", "--decide-every", "-1"])
+    assert e.value.code == 2 and "expected an integer >= 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--target", target, "--drafter", drafter, "--prompt", "x", "--budget", "8", "--decide-every", "4"])
+    assert e.value.code == 2 and "--decide-every applies to --mode ddtree --budget auto only" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -181,9 +181,9 @@ def add_auto_budget_arguments(group, cost_table_help: str, decide_every: bool = 
     group.add_argument("--cost-table", default=None, metavar="FILE", help=cost_table_help)
     if decide_every:
         group.add_argument("--decide-every", type=non_negative_int, default=None, metavar="N",
-                           help="--budget auto: choose every N steps on the host and run that choice's own program "
-                           "(default 16); 0: choose every step on device in one program (its conditionals cost "
-                           "~2 launches' time a step where steps are launch-bound; decision 0045)")
+                           help="--budget auto: 0 (default) chooses every step on device in one program; N > 0 "
+                           "chooses every N steps on the host and runs that choice's own program (no conditional a "
+                           "step, but an advance call a chunk and ~1.5x the compile time; decision 0045)")
 
 
 

@@ -73,9 +73,10 @@ class AutoBudget:
     # where the choice is made. 0: every step, on device (lax.cond plain-or-draft, lax.switch over
     # the drafts: one program, no host round trip). n > 0: the host reads the policy's next choice
     # (`plan`) every n steps and runs that choice's own program (`run`) for the next chunk: no
-    # data-dependent conditional per step, whose predicate XLA's GPU runtime reads on the host
-    # (decision 0045); the calibration still learns every budget's E at every speculative step
-    decide_every: int = 16
+    # data-dependent conditional per step, but an advance call per chunk and a program per choice
+    # (the calibration still learns every budget's E at every speculative step). On the H200 demo
+    # pair the two were equal end to end and n > 0 compiled ~1.5x longer (decision 0045): 0
+    decide_every: int = 0
     # the choice a program runs at every step (-1: it chooses; c >= 0: `programs()` sets it)
     run: int = -1
 

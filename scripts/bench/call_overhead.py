@@ -41,7 +41,7 @@ from ddtree_jax.speculative.sampling import Sampling
 def programs(engine, prompt_bucket: int, max_new: int, names: list[str]) -> dict:
     """name -> (GenSpec the state is started with, GenSpec the calls run, forced choice or -1)."""
     kw = dict(candidates=None, max_new_tokens=max_new, sampling=Sampling(), prompt_bucket=prompt_bucket)
-    auto = engine.spec("ddtree", budget="auto", auto_budgets=(4, 8, 16, 32), **kw)
+    auto = engine.spec("ddtree", budget="auto", auto_budgets=(4, 8, 16, 32), decide_every=16, **kw)
     own = gen.choice_programs(auto)
     per_step = dataclasses.replace(auto, budget=dataclasses.replace(auto.budget, decide_every=0))
     fixed = engine.spec("ddtree", budget=16, **kw)
