@@ -63,8 +63,8 @@ def test_profile_int8_drafter_with_a_draft_vocabulary(tmp_path):
     assert main(["--smoke", "--gemm-m", "", "--phases", "draft", "--verify-budgets", "", "--iters", "1",
                  "--inner", "1", "--int8-drafter", "--draft-vocab", "64", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert report["int8_drafter"] is True and report["draft_vocab"] == 64
-    assert report["int8_scheme"]["act_int8"] is True and report["int8_scheme"]["layout"] == "out_in"
+    assert report["int8_drafter"] == "w8a8" and report["draft_vocab"] == 64  # the flag alone: W8A8
+    assert report["int8_scheme"]["w8a8"] is True and report["int8_scheme"]["layout"] == "out_in"
     assert set(report["phases"]) == {"draft"}
 
 

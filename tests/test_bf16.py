@@ -29,8 +29,10 @@ ours-bf16 vs float32, with HF-bf16 vs float32 in brackets:
 
 In the mixture-of-experts specs a bf16 rounding that flips a token's router choice changes that
 token's experts, so their figures spread more between runs of the same precision (ours and HF's
-differ by which tokens flip; one MoE block alone: mean |bf16 - f32| / mean |f32| 0.0078 ours,
-0.0074 HF's, over 2000 tokens); their greedy agreement has its own bound.
+differ by which tokens flip; one MoE block alone: mean |bf16 - f32| / mean |f32| 0.0067 ours,
+0.0069 HF's, over 2000 tokens, guarded by test_qwen_moe.py::test_block_bf16_error_is_no_more_than_hf_bf16s);
+their greedy agreement and their ratio to HF's bf16 error have bounds of their own
+(q35moet_a's prefill: 0.067 against HF's 0.042, 1.6x).
 
 The max |d| / scale reaches 0.44 (qnext_a; HF-bf16: 0.48): these random hybrid models amplify
 bf16 rounding a lot, HF's identically, so the worst single logit is not a useful bound and the
@@ -57,6 +59,7 @@ STEP_AGREE = 0.85  # argmax(bf16) == f32 greedy token, teacher-forced    (measur
 MOE_STEP_AGREE = 0.80  # the same for mixture-of-experts specs           (measured >= 0.84; HF-bf16 >= 0.89)
 PREFILL_AGREE = 0.90  # argmax agreement over all prompt positions        (measured >= 0.94 of 180)
 VS_HF_BF16 = 1.5  # our mean error <= 1.5 x HF-bf16's mean error + 0.005  (measured ratio <= 1.25)
+VS_HF_BF16_MOE = 2.0  # the same for mixture-of-experts specs: router flips (measured ratio <= 1.64)
 
 DEFAULT = {"q35t_a", "q35_b", "qnext_a", "qwen3_a"}  # one per model type; the rest under -m slow
 BF16 = [pytest.param(n, id=n, marks=[] if n in DEFAULT else [pytest.mark.slow]) for n in SPECS]
@@ -125,7 +128,8 @@ def test_bf16_logits_and_greedy_tokens_track_float32(name):
 
 @pytest.mark.parametrize("name", BF16)
 def test_bf16_is_as_accurate_as_hf_bf16(name):
-    """Our bf16 error w.r.t. float32 is no worse than HF's own bf16 model's (up to 1.5x + 0.005)."""
+    """Our bf16 error w.r.t. float32 is no worse than HF's own bf16 model's (up to 1.5x + 0.005; 2x
+    for mixture-of-experts specs, whose per-block precision is bounded in test_qwen_moe.py)."""
     f32 = jax_run(name)
     ours = jax_run(name, "bfloat16", with_greedy=False)
     hf = hf_bf16_run(name)
@@ -134,4 +138,5 @@ def test_bf16_is_as_accurate_as_hf_bf16(name):
         ("steps", ours.step_logits, hf.step_logits, f32.step_logits),
     ):
         mine, theirs = mean_rel(a, r), mean_rel(h, r)
-        assert mine <= VS_HF_BF16 * theirs + 0.005, f"{what}: ours {mine:.4f} vs HF bf16 {theirs:.4f}"
+        bound = VS_HF_BF16_MOE if SPECS[name].kwargs.get("num_experts") else VS_HF_BF16
+        assert mine <= bound * theirs + 0.005, f"{what}: ours {mine:.4f} vs HF bf16 {theirs:.4f}"
