@@ -9,6 +9,7 @@ chunk of a streamed or adaptive generation and per server chunk. A list of array
 
 from __future__ import annotations
 
+import threading
 from typing import Callable
 
 import jax
@@ -20,15 +21,25 @@ class FlatParams:
     """fn(p_1, ..., p_n, *rest, **kw) called as fn's jit with p_1..p_n flattened once per object.
 
     A parameter object is recognised by identity: replace it (not its arrays in place) to change
-    it. jit_kwargs: jax.jit's (donate_argnums count the n parameter sets as one argument each)."""
+    it. jit_kwargs: jax.jit's (donate_argnums count the n parameter sets as one argument each).
+    Safe to call from several threads (a server's warm-up compiles programs concurrently): one
+    jitted function per parameter structure, so concurrent first calls share its compilations."""
 
     def __init__(self, fn: Callable, n: int, **jit_kwargs):
         self._fn, self._n, self._jit_kwargs = fn, n, jit_kwargs
         self._by_defs: dict = {}  # the parameters' treedefs -> jitted function
         self._hits: dict = {}  # ids of the parameter objects -> (objects, leaves, jitted)
+        self._lock = threading.Lock()
 
     def _bind(self, params: tuple):
         key = tuple(map(id, params))
+        hit = self._hits.get(key)
+        if hit is not None and all(a is b for a, b in zip(hit[0], params)):
+            return hit
+        with self._lock:
+            return self._bind_locked(key, params)
+
+    def _bind_locked(self, key: tuple, params: tuple):
         hit = self._hits.get(key)
         if hit is not None and all(a is b for a, b in zip(hit[0], params)):
             return hit

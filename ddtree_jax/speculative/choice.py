@@ -158,7 +158,8 @@ class AdaptiveState(NamedTuple):
     sum_real: jax.Array  # [C] float32
     trace: jax.Array  # [T] int8 choice of step i (-1: no step)
     # int32 [2]: the choice and the steps of the next chunk as the policy sees them at the end of the
-    # last advance call (decide_every > 0: the host reads it with the chunk's other results)
+    # last advance call (decide_every > 0 only: the host reads it with the chunk's other results;
+    # zeros otherwise)
     plan: jax.Array
     call_ms: jax.Array  # float32 the table's cost of an advance call beyond its steps (a chunk's own)
 

@@ -311,14 +311,20 @@ def _start(model, drafter_params, prompt, prompt_lens, eos_ids, key, spec: GenSp
     adapt = None if spec.adaptive is None else adaptive.init(spec.adaptive, b, spec, costs)
     s = LoopState(cache, dstate, bonus, out, n_out, done, jnp.zeros((b,), jnp.int32),
                   jnp.zeros((spec.block + 1,), jnp.int32), jnp.int32(0), rows, adapt)
-    return s if spec.adaptive is None else adaptive.with_plan(s, spec)
+    return adaptive.with_plan(s, spec) if _host_plans(spec) else s
+
+
+def _host_plans(spec: GenSpec) -> bool:
+    """Whether the host reads the adaptive plan after each call (decide_every > 0); otherwise the
+    plan is not computed (the per-step program and the server never read it)."""
+    return spec.adaptive is not None and spec.adaptive.decide_every > 0
 
 
 def _advance(model, drafter_params, s: LoopState, eos_ids, spec: GenSpec, max_steps) -> LoopState:
     stop_at = s.i + max_steps
     cond = lambda st: ~jnp.all(st.done) & (st.i < stop_at)
     s = jax.lax.while_loop(cond, lambda st: _step(model, drafter_params, st, eos_ids, spec, stop_at), s)
-    return s if spec.adaptive is None else adaptive.with_plan(s, spec)
+    return adaptive.with_plan(s, spec) if _host_plans(spec) else s
 
 
 def _eos(eos_ids):

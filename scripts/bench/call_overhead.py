@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax import atomic
+from ddtree_jax.engine import bucket
 from ddtree_jax.speculative import cost_table as costs
 from ddtree_jax.speculative import generate as gen
 from ddtree_jax.speculative.choice import AR, FIRST_TREE
@@ -155,7 +156,7 @@ def main(argv=None) -> int:
     names = ["fixed16", "auto_own_16"] if args.smoke else ["fixed16", "plain", "auto_own_16", "auto_own_plain",
                                                             "auto_per_step_forced_16"]
     calls, repeats, long = (2, 1, 4) if args.smoke else (args.calls, args.repeats, 16)
-    cases = programs(engine, gen_bucket(args.prompt_len), 512, names)
+    cases = programs(engine, bucket(args.prompt_len), 512, names)
     m = measure(engine, cases, args.prompt_len, calls, repeats, long)
     report = {"device": str(jax.devices()[0].device_kind), "xla_flags": os.environ.get("XLA_FLAGS", ""),
               "args": vars(args), "results": m["results"]}
@@ -165,12 +166,6 @@ def main(argv=None) -> int:
     atomic.write_json(args.out, report)
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
-
-
-def gen_bucket(n: int) -> int:
-    from ddtree_jax.engine import bucket
-
-    return bucket(n)
 
 
 if __name__ == "__main__":
