@@ -236,15 +236,16 @@ def phase_times_at(graphdef, params, dparams, s: gen.LoopState, spec: gen.GenSpe
 def run_mode(engine: Engine, prompts: Sequence[Sequence[int]], mode: str, budget: int | str | None, *,
              max_new_tokens: int, batch: int, sampling: Sampling = Sampling(), phase_repeats: int = 10,
              auto_budgets: Sequence[int] | None = None, cost_table: costs.CostTable | None = None,
-             decide_every: int | None = None) -> tuple[RunResult, list[list[int]]]:
+             decide_every: int | None = None, decide_on: str | None = None) -> tuple[RunResult, list[list[int]]]:
     """Generate for every prompt (in batches; the engine runs each new shape once untimed, so the
     reported time is generation only). phase_repeats 0 skips the per-phase timing (its
     compilations dominate short runs; budget "auto" has none: its steps differ). budget "auto":
-    the adaptive budget over auto_budgets and decide_every with cost_table (None: measured by the
+    the adaptive budget over auto_budgets, decide_every and decide_on with cost_table (None: measured by the
     engine)."""
     outputs, seconds, step_ms, accept, hist, adaptive = [], 0.0, [], [], None, []
     kwargs = dict(mode=mode, budget=budget or 1, max_new_tokens=max_new_tokens, sampling=sampling,
-                  auto_budgets=auto_budgets, decide_every=decide_every, cost_table=cost_table)
+                  auto_budgets=auto_budgets, decide_every=decide_every, decide_on=decide_on,
+                  cost_table=cost_table)
     for i in range(0, len(prompts), batch):
         chunk = [list(p) for p in prompts[i : i + batch]]
         res = engine.generate(chunk, **kwargs)
@@ -305,7 +306,7 @@ def auto_cost_table(engine: Engine, prompts: Sequence[Sequence[int]], args) -> c
     t = bucket(max(len(p) for p in first))
     spec = engine.spec("ddtree", budget="auto", candidates=None, max_new_tokens=args.max_new_tokens,
                        sampling=Sampling(), prompt_bucket=t, auto_budgets=args.auto_budgets,
-                       decide_every=args.decide_every)
+                       decide_every=args.decide_every, decide_on=args.decide_on)
     prompt = np.zeros((b, t), np.int32)
     lens = np.ones((b,), np.int32)
     for i, p in enumerate(first):

@@ -158,15 +158,16 @@ class Engine:
     # ---- generation ----------------------------------------------------------------------
     def spec(self, mode: str, *, budget: int | str | AutoBudget, candidates: int | None, max_new_tokens: int,
              sampling: Sampling, prompt_bucket: int, auto_budgets: Sequence[int] | None = None,
-             decide_every: int | None = None) -> gen.GenSpec:
-        """The GenSpec of a generation; budget "auto" (mode ddtree): an AutoBudget over auto_budgets
-        and decide_every (defaults AutoBudget's); other modes ignore the budget."""
+             decide_every: int | None = None, decide_on: str | None = None) -> gen.GenSpec:
+        """The GenSpec of a generation; budget "auto" (mode ddtree): an AutoBudget over auto_budgets,
+        decide_every and decide_on (defaults AutoBudget's); other modes ignore the budget."""
         if mode != "ar" and self.proposer is None:
             raise ValueError(f"mode {mode!r} needs a drafter: load one with --drafter / Engine.load(drafter=...)")
         block = 1 if mode == "ar" else self.proposer.block_size
         need = gen.required_capacity(prompt_bucket, max_new_tokens, block)
-        spec = gen.GenSpec(mode, resolve_budget(mode, budget, auto_budgets, decide_every), candidates, max_new_tokens,
-                           sampling, bucket(need, 64), None if mode == "ar" else self.proposer, self.routes)
+        spec = gen.GenSpec(mode, resolve_budget(mode, budget, auto_budgets, decide_every, decide_on), candidates,
+                           max_new_tokens, sampling, bucket(need, 64), None if mode == "ar" else self.proposer,
+                           self.routes)
         spec.validate(self.cfg.vocab_size)
         return spec
 
@@ -206,6 +207,7 @@ class Engine:
                  seed: int = 0, stop_token_ids: Sequence[int] = (),
                  stream: Callable[[int, list[int]], None] | None = None, stream_every: int = 4,
                  auto_budgets: Sequence[int] | None = None, decide_every: int | None = None,
+                 decide_on: str | None = None,
                  cost_table: costs.CostTable | str | os.PathLike | None = None) -> list[Completion]:
         """Generate for a batch of prompts (text or token ids); one Completion per prompt.
 
@@ -214,8 +216,9 @@ class Engine:
         tokens per second, by a step-time table: cost_table (a CostTable or the path of a file
         `ddtree-bench --cost-table` wrote), else measured at start-up for each new batch and prompt
         bucket (seconds; reported in stats.adaptive with the choices made). decide_every: 0 (the
-        default) one program chooses on device at every step; n > 0 the host picks the choice
-        every n steps and runs that choice's own program (AutoBudget.decide_every).
+        default) one program chooses on device at every step; n > 0 one choice per chunk of n
+        steps, made on device in one program (decide_on "device") or by the host, which runs that
+        choice's own program (decide_on "host"; AutoBudget.decide_every and decide_on).
 
         max_new_tokens and sampling: one for every prompt, or one each (per-row settings share one
         compiled program). Prompt r samples with the seed `seed + r`. stream(row, new_token_ids) is
@@ -255,7 +258,7 @@ class Engine:
         # holds the sampling code, not the values: fewer compilations.
         spec = self.spec(mode, budget=budget, candidates=candidates, max_new_tokens=bucket(max(max_news)),
                          sampling=settings[0], prompt_bucket=t, auto_budgets=auto_budgets,
-                         decide_every=decide_every)
+                         decide_every=decide_every, decide_on=decide_on)
         pad = b - len(ids)  # padding rows: greedy, done after their first token
         spec = dataclasses.replace(spec, sampling=SamplingCode.covering(settings))
         rows = gen.RowControls(
@@ -381,9 +384,10 @@ def per_prompt(value, n: int, name: str) -> list:
     return [value] * n
 
 
-def resolve_budget(mode: str, budget, auto_budgets: Sequence[int] | None = None, decide_every: int | None = None):
+def resolve_budget(mode: str, budget, auto_budgets: Sequence[int] | None = None, decide_every: int | None = None,
+                   decide_on: str | None = None):
     """GenSpec's budget: an int, or an AutoBudget for "auto" in mode ddtree (over auto_budgets and
-    with decide_every when given); other modes ignore the budget (1)."""
+    with decide_every and decide_on when given); other modes ignore the budget (1)."""
     if isinstance(budget, str) and budget != "auto":
         raise ValueError(f"budget must be a positive integer or 'auto', got {budget!r}")
     if mode != "ddtree":
@@ -391,7 +395,7 @@ def resolve_budget(mode: str, budget, auto_budgets: Sequence[int] | None = None,
     if isinstance(budget, AutoBudget):
         return budget
     if budget == "auto":
-        settings = {} if decide_every is None else {"decide_every": decide_every}
+        settings = {k: v for k, v in (("decide_every", decide_every), ("decide_on", decide_on)) if v is not None}
         if auto_budgets:
             settings["budgets"] = tuple(int(b) for b in auto_budgets)
         return AutoBudget(**settings)

@@ -131,6 +131,7 @@ def _decide(auto, a, left, ctx):
 _choose = jax.jit(choice.choose, static_argnums=0)
 _after_spec = jax.jit(choice.after_spec, static_argnums=0)
 _after_ar = jax.jit(choice.after_ar)
+_after_lean = jax.jit(choice.after_lean, static_argnums=1)
 
 
 def simulate(tr: dict, rows: list[dict], ms: dict, contexts: list[float], policy: str, auto: AutoBudget,
@@ -170,7 +171,7 @@ def simulate(tr: dict, rows: list[dict], ms: dict, contexts: list[float], policy
         if policy == "auto":
             draft, costs = _decide(auto, a, left, jnp.float32(np.mean((base + pos)[active])))
             if not bool(draft):  # a burst of plain steps, as the loop runs it
-                for _ in range(auto.ar_burst):
+                for _ in range(auto.burst):
                     active = pos < end
                     if not active.any():
                         break
@@ -184,6 +185,25 @@ def simulate(tr: dict, rows: list[dict], ms: dict, contexts: list[float], policy
             c, e_cal = _choose(auto, a, jnp.asarray(e_raw), left, costs)
             c = int(c)
             a = _after_spec(auto, a, c, jnp.asarray(e_raw), e_cal, jnp.asarray(acc_all[:, c]), left, i, costs)
+            if auto.device_chunks:  # the chunk's deciding step, then its choice's fixed-budget steps
+                total_ms += cost(c, active)
+                steps[names[c]] = steps.get(names[c], 0) + 1
+                pos = pos + np.where(active, 1 + acc_all[:, c], 0)
+                i += 1
+                left = jnp.asarray(np.maximum(end - pos, 0))
+                go_on = bool(_decide(auto, a, left, jnp.float32(np.mean((base + pos)[pos < end]) if np.any(pos < end)
+                                                                else 0.0))[0])
+                for _ in range(auto.decide_every - 1 if go_on else 0):
+                    active = pos < end
+                    if not active.any():
+                        break
+                    acc_all = at(pos)[1]
+                    a = _after_lean(a, c, i)
+                    total_ms += cost(c, active)
+                    steps[names[c]] = steps.get(names[c], 0) + 1
+                    pos = pos + np.where(active, 1 + acc_all[:, c], 0)
+                    i += 1
+                continue
         else:
             c = names.index(policy)
             acc_all = at(pos)[1]
@@ -237,7 +257,8 @@ def batches_of(rows: list[dict], b: int) -> list[list[dict]]:
 
 
 def run_simulation(tr: dict, tables: dict, batches: list[int], context: float | None,
-                   objective: str = AutoBudget.objective) -> dict:
+                   objective: str = AutoBudget.objective, decide_every: int = AutoBudget.decide_every,
+                   decide_on: str = AutoBudget.decide_on) -> dict:
     results = {}
     for b in batches:
         if b not in tables:
@@ -245,7 +266,8 @@ def run_simulation(tr: dict, tables: dict, batches: list[int], context: float | 
         contexts, ms, measured = tables[b]
         missing = [n for n in tr["choices"] if n not in ms]
         auto = AutoBudget(tuple(int(n) for n in tr["choices"][2:] if n in ms), ar="ar" in ms, dflash="dflash" in ms,
-                          ar_burst=tr["ar_burst"], objective=objective)
+                          ar_burst=tr["ar_burst"], objective=objective, decide_every=decide_every,
+                          decide_on=decide_on)
         policies = [n for n, on in zip(auto.names, auto.enabled) if on] + ["auto"]
         row = {"contexts": contexts, "ms": ms, "measured": measured, "missing_choices": missing, "policies": {}}
         for p in policies:
@@ -271,13 +293,15 @@ def run_simulation(tr: dict, tables: dict, batches: list[int], context: float | 
 def latency(engine, prompt: list[int], max_new: int, auto_budgets, fixed_budget: int) -> dict:
     """Per mode, a fresh shape's first call and a second one: wall time, time to the first streamed
     token, auto's start-up table time. Modes run in this process one after the other, each with
-    a program of its own (nothing compiled for one serves another); auto in both forms (per step
-    on device, the default: one program; per chunk of 16 on the host: one program per choice)."""
+    a program of its own (nothing compiled for one serves another); auto in its three forms (per
+    step on device: one program; per chunk of 32 on device: one program; per chunk of 16 on the
+    host: one program per choice)."""
     out = {}
+    auto = dict(mode="ddtree", budget="auto", auto_budgets=auto_budgets)
     for name, kw in (("ar", dict(mode="ar")), (f"ddtree-{fixed_budget}", dict(mode="ddtree", budget=fixed_budget)),
-                     ("auto", dict(mode="ddtree", budget="auto", auto_budgets=auto_budgets)),
-                     ("auto-per-chunk",
-                      dict(mode="ddtree", budget="auto", auto_budgets=auto_budgets, decide_every=16))):
+                     ("auto-per-step", auto | dict(decide_every=0)),
+                     ("auto-chunks-on-device", auto | dict(decide_every=32, decide_on="device")),
+                     ("auto-chunks-on-host", auto | dict(decide_every=16, decide_on="host"))):
         row = {}
         for call in ("first", "second"):
             first_token = []
@@ -353,6 +377,8 @@ def main(argv=None) -> int:
     d.add_argument("--prompts", default=PROMPTS_16, help="default: the 8 held-out prompts and their first 96 tokens")
     d.add_argument("--decide-every", type=int, default=None,
                    help="auto's decide_every (default AutoBudget's; 0: one program choosing every step on device)")
+    d.add_argument("--decide-on", choices=["device", "host"], default=None,
+                   help="where auto's chunks choose (decide_every > 0; default AutoBudget's)")
     d.add_argument("--smoke", action="store_true", help="tiny: batches 1,2, budgets 4,8, 2 prompts, 16 tokens")
     d.add_argument("--out", required=True)
     t = sub.add_parser("trace", help="per-position E and acceptance of every choice (the demo pair by default)")
@@ -375,6 +401,8 @@ def main(argv=None) -> int:
                    help="committed length at the first position (default: each prompt's own length)")
     s.add_argument("--objective", choices=["tokens", "makespan"], default=AutoBudget.objective,
                    help="auto's objective (choice.AutoBudget.objective)")
+    s.add_argument("--decide-every", type=int, default=AutoBudget.decide_every,
+                   help="auto's decide_every (device chunks are simulated: a deciding step, then lean steps)")
     s.add_argument("--out", required=True)
     la = sub.add_parser("latency", help="compile time of auto and the first token's latency")
     la.add_argument("--target", default=None)
@@ -396,9 +424,9 @@ def main(argv=None) -> int:
             tr = json.load(f)
         tables = tables_from_files(args.cost_table, args.e2e, args.ratios_from)
         report |= {"trace": args.trace, "cost_table": args.cost_table, "e2e": args.e2e, "context": args.context,
-                   "objective": args.objective,
+                   "objective": args.objective, "decide_every": args.decide_every,
                    "simulation": run_simulation(tr, tables, [int(b) for b in args.batches.split(",")], args.context,
-                                                args.objective)}
+                                                args.objective, args.decide_every, "device")}
         atomic.write_json(args.out, report)
         return 0
 
@@ -411,7 +439,8 @@ def main(argv=None) -> int:
                     f.write(json.dumps({"prompt_ids": p[:24]}) + "\n")
             report["demo"] = demo(args.out, [1, 2], "4,8", "4,8", 1, 16, short, ("--cost-repeats", "1"))
         else:
-            extra = () if args.decide_every is None else ("--decide-every", str(args.decide_every))
+            extra = tuple(x for flag, v in (("--decide-every", args.decide_every), ("--decide-on", args.decide_on))
+                          if v is not None for x in (flag, str(v)))
             report["demo"] = demo(args.out, [int(b) for b in args.batches.split(",")], args.budgets,
                                   args.auto_budgets, args.repeats, args.max_new_tokens, args.prompts, extra)
         path = os.path.join(args.out, "summary.json")

@@ -11,8 +11,10 @@ a plot (matplotlib, imported only to draw).
 
 --static-batch B: after the servers, the same request list of the level with B clients goes
 through Engine.generate in fixed batches of B (each batch runs to its longest request) in this
-process; its throughput beside the continuous batching one is the comparison the server exists
-for (docs/serving.md).
+process, all requests known in advance and no HTTP: the device's bound for static batches.
+--served-static adds, per mode, a server with `--batching static` (requests join only when every
+slot is free) run at B clients: static batching behind the same HTTP server and streaming, the
+like-for-like comparison the server exists for (docs/serving.md).
 
 --budget auto (the default) serves mode ddtree with the adaptive budget (its step-time tables
 measured at the server's start-up; --cost-table FILE loads them, for the ddtree server only) and runs
@@ -280,6 +282,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--server-args", default="", help="more ddtree-serve arguments, e.g. '--max-context 1024'")
     p.add_argument("--start-timeout", type=float, default=1800.0, help="seconds a server may take to compile")
     p.add_argument("--static-batch", type=int, default=0, help="also run the static-batch engine at this batch")
+    p.add_argument("--served-static", action="store_true",
+                   help="with --static-batch B: also serve each mode with --batching static (requests join only "
+                   "when every slot is free) and run its level of B clients: static batching behind the same HTTP "
+                   "server, the like-for-like comparison")
     p.add_argument("--target", default=None, help="the static engine's target (default: the demo pair)")
     p.add_argument("--drafter", default=None)
     p.add_argument("--out", default="load_test.json", help="JSON report; the plot goes beside it (.png)")
@@ -311,6 +317,8 @@ def main(argv=None) -> int:
         p.error("--cost-table applies to the ddtree server this tool starts, under --budget auto")
     if args.cost_table and not os.path.isfile(args.cost_table):
         p.error(f"--cost-table {args.cost_table}: no such file")
+    if args.served_static and (not args.static_batch or args.url):
+        p.error("--served-static needs --static-batch B (its client count) and servers this tool starts")
     if args.url:
         check_local(args.url)
         if len(modes) != 1:
@@ -322,13 +330,19 @@ def main(argv=None) -> int:
     def save():
         write_json(args.out, report)
 
-    for mode in modes:
+    runs = [(mode, "continuous", levels) for mode in modes]
+    if args.served_static:  # the like-for-like baseline: the same server, requests join only an empty batch
+        runs += [(mode, "static", [args.static_batch]) for mode in modes]
+    for mode, batching, run_levels in runs:
         server = None
+        key = mode if batching == "continuous" else f"{mode}/served-static"
         if args.url:
             url = args.url
         else:
-            extra = server_arguments(mode, args, levels, hi_p, hi_t)
-            server = LaunchedServer(mode, args.port, max(levels), extra, os.path.splitext(args.out)[0] + f"_{mode}.log")
+            extra = server_arguments(mode, args, levels, hi_p, hi_t) + (
+                ["--batching", "static"] if batching == "static" else [])
+            log = os.path.splitext(args.out)[0] + f"_{key.replace('/', '_')}.log"
+            server = LaunchedServer(mode, args.port, max(levels), extra, log)
             try:
                 server.wait_ready(args.start_timeout)
             except BaseException:  # never leave a server behind (it holds the accelerator's memory)
@@ -339,16 +353,20 @@ def main(argv=None) -> int:
             httpx = _httpx()
             model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
             report["device"] = httpx.get(url + "/health", timeout=10).json().get("device")
-            report["levels"][mode] = []
-            for c in levels:
+            report["levels"][key] = []
+            for c in run_levels:
                 before = auto_steps(url)
                 row = asyncio.run(run_level(url, model, lists[c], c, args.duration, args.temperature))
-                row["mode"] = mode
+                row["mode"], row["batching"] = mode, batching
                 after = auto_steps(url)
                 if after:  # budget auto: the steps of each choice at this level
                     row["auto_steps"] = {k: v - before.get(k, 0.0) for k, v in after.items()}
-                report["levels"][mode].append(row)
-                print(f"[load] {mode} {c:3d} clients: {row['throughput_tok_s']:.1f} tok/s, ttft p50 "
+                if batching == "static":
+                    cont = next((r for r in report["levels"].get(mode, []) if r["clients"] == c), None)
+                    if cont is not None:
+                        row["continuous_over_served_static"] = cont["throughput_tok_s"] / row["throughput_tok_s"]
+                report["levels"][key].append(row)
+                print(f"[load] {key} {c:3d} clients: {row['throughput_tok_s']:.1f} tok/s, ttft p50 "
                       f"{row['ttft_ms']['p50']:.1f} ms p99 {row['ttft_ms']['p99']:.1f}, itl p50 "
                       f"{row['itl_ms']['p50']:.2f} ms p99 {row['itl_ms']['p99']:.2f}, {row['error_count']} errors"
                       + (f", steps {row['auto_steps']}" if row.get("auto_steps") else ""), flush=True)
@@ -356,7 +374,7 @@ def main(argv=None) -> int:
         finally:
             if server is not None:
                 code = server.stop()
-                report.setdefault("server_exit", {})[mode] = code
+                report.setdefault("server_exit", {})[key] = code
     if args.static_batch:
         import jax
 

@@ -170,10 +170,11 @@ def test_probes_after_plain_steps_and_backs_off():
     assert waits[:6] == [0, 17, 34, 68, 128, 128]
     # chosen on the host, a probe is an advance call of its own: its cost (here 3 plain steps) waits
     # too, (0.5 + 3) / 0.03 -> 117; chosen on device it costs no call
-    host = AUTO if AUTO.decide_every else dataclasses.replace(AUTO, decide_every=16)
+    host = dataclasses.replace(AUTO, decide_every=16, decide_on="host")
     dev = dataclasses.replace(AUTO, decide_every=0)
+    chunks = dataclasses.replace(AUTO, decide_every=16, decide_on="device")
     calls = a._replace(call_ms=jnp.float32(3.0), have_e=jnp.bool_(True), gap=jnp.int32(1))
-    for policy, wait in ((host, 117), (dev, 17)):
+    for policy, wait in ((host, 117), (dev, 17), (chunks, 17)):
         assert not bool(choice._probe_due(policy, calls._replace(since=jnp.int32(wait - 1)), costs))
         assert bool(choice._probe_due(policy, calls._replace(since=jnp.int32(wait)), costs))
     cpu_like = state([1, 9, 9, 9], batch=1)  # drafting costs 9 plain steps: a probe waits 267 (cap 128)

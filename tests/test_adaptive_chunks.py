@@ -1,7 +1,10 @@
-"""budget="auto" chosen by the host every decide_every steps (AutoBudget.decide_every > 0; the
-default 0 chooses on device every step): one program per choice, none with a data-dependent conditional per step; the
-policy's plan read between chunks; output equal to plain decoding whatever the plan; the choice
-following the cost table; the calibration still learning every budget's E."""
+"""budget="auto" chosen once per chunk of decide_every steps (AutoBudget.decide_every > 0).
+
+On the host (decide_on "host"): one program per choice, none with a data-dependent conditional per
+step; the policy's plan read between chunks; output equal to plain decoding whatever the plan; the
+choice following the cost table; the calibration still learning every budget's E. On device
+(decide_on "device"): one program, a chunk's draft scored and chosen from, then the choice's
+fixed-budget loop; lossless, following the table, probes of one step."""
 
 import dataclasses
 
@@ -14,7 +17,7 @@ from ddtree_jax.speculative.choice import AR, DFLASH, FIRST_TREE, summary
 from ddtree_jax.speculative.sampling import Sampling
 from tests.test_adaptive_generate import AUTO, MIXED, NEW, check_features, costs, oracle, setup
 
-CHUNKED = dataclasses.replace(AUTO, decide_every=5)
+CHUNKED = dataclasses.replace(AUTO, decide_every=5, decide_on="host")
 
 
 def run_planned(name, ms, auto=CHUNKED):
@@ -77,14 +80,66 @@ def test_planned_chunks_equal_plain_decoding():
 
 
 def test_choice_programs_only_when_the_host_decides():
-    """The default (decide_every 0) is one program choosing on device: no per-choice programs; with
-    decide_every > 0, one per enabled choice."""
+    """Chosen on device (every step, or once a chunk: one program), no per-choice programs; chosen
+    by the host, one per enabled choice."""
     from ddtree_jax.speculative.choice import AutoBudget
 
-    assert AutoBudget().decide_every == 0
-    assert gen.choice_programs(gen.GenSpec("ddtree", AutoBudget(), None, NEW, Sampling(), 0, None)) == {}
-    spec = gen.GenSpec("ddtree", AutoBudget(decide_every=16), None, NEW, Sampling(), 0, None)
+    for device in (AutoBudget(decide_every=0), AutoBudget(decide_every=16, decide_on="device")):
+        assert gen.choice_programs(gen.GenSpec("ddtree", device, None, NEW, Sampling(), 0, None)) == {}
+    spec = gen.GenSpec("ddtree", AutoBudget(decide_every=16, decide_on="host"), None, NEW, Sampling(), 0, None)
     assert len(gen.choice_programs(spec)) == 2 + len(AutoBudget().budgets)
-    no_ar = AutoBudget(decide_every=16, ar=False, dflash=False)
+    no_ar = AutoBudget(decide_every=16, decide_on="host", ar=False, dflash=False)
     assert sorted(gen.choice_programs(gen.GenSpec("ddtree", no_ar, None, NEW, Sampling(), 0, None))) == [
         FIRST_TREE + j for j in range(len(no_ar.budgets))]
+
+
+DEVICE_CHUNKS = dataclasses.replace(AUTO, decide_every=5, decide_on="device")
+
+
+def test_device_chunks_equal_plain_decoding_and_follow_the_table():
+    """Chosen on device once per chunk of 5 (a deciding step, then the choice's fixed-budget steps):
+    greedy output is plain decoding's under the policy's own choices and with every choice forced;
+    the drafter's features stay in step; every step is counted once; under cheap big trees a chunk
+    decides (and learns) once; under cheap plain steps a probe that confirms them is one step, not
+    a chunk of drafts."""
+    from tests.test_adaptive_generate import CHOICES, run_auto
+
+    cfg, gd, params, prompt, lens, ref, table = setup("qwen3_5")
+    proposer = oracle(cfg)
+    for ms, force in [(MIXED, -1), ([0.2, 5, 5, 5], -1), ([9, 5, 5, 1], -1)] + [(MIXED, c) for c in CHOICES]:
+        res = run_auto(gd, params, prompt, lens, proposer, table, ms, force, auto=DEVICE_CHUNKS)
+        np.testing.assert_array_equal(np.asarray(res.out), ref, err_msg=f"{ms} force {force}")
+        check_features("qwen3_5", proposer, res, table)
+        st = summary(DEVICE_CHUNKS, res.adapt)
+        steps = int(res.steps.max())
+        assert sum(st["choices"].values()) == steps
+        if force >= 0:
+            assert set(st["choices"]) == {DEVICE_CHUNKS.names[force]}
+        if ms == [9, 5, 5, 1]:
+            assert set(st["choices"]) == {"8"}
+            # only a chunk's first step measures acceptance; the first chunk (nothing learned yet) is one step
+            deciding = st["acceptance"]["8"]["row_steps"]
+            assert deciding <= 2 * (1 + -(-(steps - 1) // DEVICE_CHUNKS.decide_every))
+            assert np.all(np.asarray(res.adapt.row_e)[:, DFLASH:] > 0)  # every budget's E learned
+        if ms == [0.2, 5, 5, 5]:
+            trace = st["trace"]
+            assert trace.count("ar") >= 0.8 * steps
+            runs = "".join("a" if c == "ar" else "s" for c in trace).split("a")
+            assert max(len(r) for r in runs[1:]) <= 1, trace  # after the first, drafts are lone probes
+
+
+def test_device_chunks_are_one_program_with_fixed_budget_steps():
+    """The device-chunk program: one advance for every choice (no per-choice programs), whose lean
+    loops run each speculative choice's fixed-budget step; it stops where the call's steps end."""
+    from tests.test_adaptive_generate import costs as table_costs
+
+    cfg, gd, params, prompt, lens, ref, table = setup("qwen3_5")
+    proposer = oracle(cfg)
+    spec = gen.GenSpec("ddtree", DEVICE_CHUNKS, None, NEW, Sampling(), 0, proposer)
+    assert gen.choice_programs(spec) == {}
+    s = gen.start(gd, params, table, prompt, lens, None, jax.random.PRNGKey(0), spec, costs=table_costs([9, 5, 5, 1]))
+    seen = []
+    for steps in (1, 3, 7):
+        s = gen.advance(gd, params, table, s, None, jnp.int32(steps), spec)
+        seen.append(int(s.i))
+    assert seen == [1, 4, 11]

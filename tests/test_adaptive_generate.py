@@ -221,13 +221,14 @@ def test_engine_measures_its_table_at_start_up(ckpts, tmp_path):
     [got] = engine.generate([[5, 6, 7, 8]], auto_budgets=(2, 4), max_new_tokens=12)
     a = got.stats.adaptive
     assert got.token_ids == ref.token_ids
-    # chosen by the host every 3 steps (one program per choice), streamed in chunks of 2: the same
-    # tokens, every step counted once
-    streamed = []
-    [chunked] = engine.generate([[5, 6, 7, 8]], auto_budgets=(2, 4), max_new_tokens=12, decide_every=3,
-                                stream=lambda r, ids: streamed.extend(ids), stream_every=2)
-    assert chunked.token_ids == ref.token_ids == streamed
-    assert sum(chunked.stats.adaptive["choices"].values()) == chunked.stats.steps
+    # chosen by the host every 3 steps (one program per choice), and on device once per chunk of 3,
+    # streamed in chunks of 2: the same tokens, every step counted once
+    for where in ("host", "device"):
+        streamed = []
+        [chunked] = engine.generate([[5, 6, 7, 8]], auto_budgets=(2, 4), max_new_tokens=12, decide_every=3,
+                                    decide_on=where, stream=lambda r, ids: streamed.extend(ids), stream_every=2)
+        assert chunked.token_ids == ref.token_ids == streamed, where
+        assert sum(chunked.stats.adaptive["choices"].values()) == chunked.stats.steps, where
     assert a["cost_table"]["source"].startswith("measured at start-up") and a["budgets"] == [2, 4]
     assert set(a["cost_table"]["ms"]) == {"ar", "dflash", "2", "4"} and a["calibration_seconds"] > 0
     assert sum(a["choices"].values()) == got.stats.steps == len(a["trace"])

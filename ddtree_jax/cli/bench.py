@@ -176,7 +176,8 @@ def bench_main(argv=None) -> int:
         die("give --cost-table FILE (write the table measured here) or --cost-table-in FILE (use one), not both")
     given = [flag for flag, v in (("--auto-budgets", args.auto_budgets), ("--cost-table", args.cost_table),
                                   ("--cost-table-in", args.cost_table_in),
-                                  ("--decide-every", args.decide_every is not None)) if v]
+                                  ("--decide-every", args.decide_every is not None),
+                                  ("--decide-on", args.decide_on is not None)) if v]
     if given and "auto" not in args.budgets:
         die(f"{' and '.join(given)} appl{'y' if len(given) > 1 else 'ies'} to --budgets auto only")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -241,7 +242,7 @@ def bench_main(argv=None) -> int:
             r, outs = bench.run_mode(engine, prompts, mode, budget, max_new_tokens=args.max_new_tokens,
                                      batch=args.batch, phase_repeats=args.phase_repeats if rep == 0 else 0,
                                      auto_budgets=args.auto_budgets, decide_every=args.decide_every,
-                                     cost_table=table)
+                                     decide_on=args.decide_on, cost_table=table)
             if rep == 0:
                 outputs[(mode, r.budget)] = outs
             elif outs != outputs[(mode, r.budget)] and f"{mode}/{r.budget}" not in unstable:

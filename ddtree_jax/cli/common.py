@@ -173,7 +173,8 @@ def add_decoding_arguments(group, cost_table_help: str, decide_every: bool = Tru
 
 
 def add_auto_budget_arguments(group, cost_table_help: str, decide_every: bool = True) -> None:
-    """--auto-budgets, --cost-table and (decide_every) --decide-every, the settings of --budget auto."""
+    """--auto-budgets, --cost-table and (decide_every) --decide-every / --decide-on, the settings of
+    --budget auto."""
     group.add_argument("--auto-budgets", type=budget_list, default=None, metavar="B1,B2,...",
                        help="--budget auto: the DDTree budgets it may choose each step, besides plain decoding and "
                        "DFlash (default 4,8,16,32; each one is compiled, so fewer compile faster; every draft pays "
@@ -182,8 +183,12 @@ def add_auto_budget_arguments(group, cost_table_help: str, decide_every: bool = 
     if decide_every:
         group.add_argument("--decide-every", type=non_negative_int, default=None, metavar="N",
                            help="--budget auto: 0 (default) chooses every step on device in one program; N > 0 "
-                           "chooses every N steps on the host and runs that choice's own program (no conditional a "
-                           "step, but an advance call a chunk and ~1.5x the compile time; decision 0045)")
+                           "chooses once per chunk of N steps (see --decide-on)")
+        group.add_argument("--decide-on", choices=["device", "host"], default=None,
+                           help="--budget auto with --decide-every N > 0: device (default) = one program whose chunk "
+                           "starts with a step that chooses and learns, the rest run the chosen draft's fixed-budget "
+                           "step; host = the host picks each chunk and runs that choice's own program (an advance "
+                           "call a chunk; decisions 0045, 0046)")
 
 
 

@@ -155,7 +155,8 @@ def generate_main(argv=None) -> int:
         die(str(e))
     if args.budget != "auto" or args.mode in ("ar", "dflash"):
         given = [flag for flag, v in (("--auto-budgets", args.auto_budgets), ("--cost-table", args.cost_table),
-                                      ("--decide-every", args.decide_every is not None)) if v]
+                                      ("--decide-every", args.decide_every is not None),
+                                      ("--decide-on", args.decide_on is not None)) if v]
         if given:
             die(f"{' and '.join(given)} appl{'y' if len(given) > 1 else 'ies'} to --mode ddtree --budget auto only")
 
@@ -209,7 +210,7 @@ def generate_main(argv=None) -> int:
                               sampling=sampling, seed=args.seed, stop_token_ids=args.stop_token_ids,
                               stream=with_bar(on_tokens if stream_text else None, bar), stream_every=every,
                               auto_budgets=args.auto_budgets, decide_every=args.decide_every,
-                              cost_table=args.cost_table)
+                              decide_on=args.decide_on, cost_table=args.cost_table)
         bar.close()
         same, line_ended = None, False
         if args.compare_ar and mode != "ar":

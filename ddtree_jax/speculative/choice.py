@@ -45,6 +45,7 @@ import jax.numpy as jnp
 
 AR, DFLASH, FIRST_TREE = 0, 1, 2
 OBJECTIVES = ("tokens", "makespan")
+DECIDE_ON = ("device", "host")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,21 +71,41 @@ class AutoBudget:
     # finish: continuous batching); "makespan" = progress of the row that would finish last (a
     # fixed batch that runs until every row is done). Equal at batch 1.
     objective: str = "makespan"
-    # where the choice is made. 0: every step, on device (lax.cond plain-or-draft, lax.switch over
-    # the drafts: one program, no host round trip). n > 0: the host reads the policy's next choice
-    # (`plan`) every n steps and runs that choice's own program (`run`) for the next chunk: no
-    # data-dependent conditional per step, but an advance call per chunk and a program per choice
-    # (the calibration still learns every budget's E at every speculative step). On the H200 demo
-    # pair the two were equal end to end and n > 0 compiled ~1.5x longer (decision 0045): 0
+    # how often the choice is made. 0: every step, on device (lax.cond plain-or-draft, lax.switch
+    # over the drafts: one program, no host round trip). n > 0: once per chunk of up to n steps,
+    # where `decide_on` says
     decide_every: int = 0
+    # where a chunk's choice is made (decide_every > 0). "device": one program; a chunk's first step
+    # is the per-step program's (it chooses, and learns every budget's E), the other n - 1 run the
+    # chosen draft's fixed-budget step (no conditional, no Bmax selection, no learning), or its plain
+    # burst is n steps long. "host": the host reads the policy's next choice (`plan`) after each
+    # advance call and runs that choice's own program (`run`) for the next chunk: no conditional a
+    # step, but an advance call a chunk and a program per choice (decision 0045)
+    decide_on: str = "device"
     # the choice a program runs at every step (-1: it chooses; c >= 0: `programs()` sets it)
     run: int = -1
 
     def program(self, c: int) -> "AutoBudget":
-        """The policy of the program that runs choice c every step (decide_every > 0): a plain chunk
+        """The policy of the program that runs choice c every step (the host decides): a plain chunk
         is one burst, so the drafter catches up once a chunk."""
         burst = max(self.ar_burst, self.decide_every) if c == AR else self.ar_burst
         return dataclasses.replace(self, run=c, ar_burst=burst)
+
+    @property
+    def host_decides(self) -> bool:
+        """The host picks each chunk's program (decide_every > 0, decide_on "host")."""
+        return self.decide_every > 0 and self.decide_on == "host"
+
+    @property
+    def device_chunks(self) -> bool:
+        """One program whose chunks of decide_every steps make one choice each on device."""
+        return self.decide_every > 1 and self.decide_on == "device" and self.run < 0
+
+    @property
+    def burst(self) -> int:
+        """Plain steps a plain choice runs before the drafter catches up: a whole chunk when chunks
+        make the choice (one catch-up a chunk)."""
+        return max(self.ar_burst, self.decide_every) if self.device_chunks else self.ar_burst
 
     @property
     def choices(self) -> tuple[int, ...]:
@@ -119,6 +140,8 @@ class AutoBudget:
                        f"{self.decay}, {self.smooth}, {self.prior}, {self.global_prior}, {self.ar_margin}")
         if not isinstance(self.decide_every, int) or self.decide_every < 0:
             out.append(f"decide_every must be an integer >= 0 (0: every step on device), got {self.decide_every!r}")
+        if self.decide_on not in DECIDE_ON:
+            out.append(f"decide_on must be one of {DECIDE_ON}, got {self.decide_on!r}")
         if not isinstance(self.run, int) or not -1 <= self.run < self.size or (
                 self.run >= 0 and not self.enabled[self.run]):
             out.append(f"run must be -1 or an enabled choice's index, got {self.run!r}")
@@ -158,7 +181,7 @@ class AdaptiveState(NamedTuple):
     sum_real: jax.Array  # [C] float32
     trace: jax.Array  # [T] int8 choice of step i (-1: no step)
     # int32 [2]: the choice and the steps of the next chunk as the policy sees them at the end of the
-    # last advance call (decide_every > 0 only: the host reads it with the chunk's other results;
+    # last advance call (the host decides only: it reads it with the chunk's other results;
     # zeros otherwise)
     plan: jax.Array
     call_ms: jax.Array  # float32 the table's cost of an advance call beyond its steps (a chunk's own)
@@ -264,10 +287,10 @@ def _predicted_spec_wins(policy: AutoBudget, a: AdaptiveState, left: jax.Array, 
 
 def _probe_due(policy: AutoBudget, a: AdaptiveState, costs: jax.Array) -> jax.Array:
     """Whether the plain steps since the last speculative one reached the probe wait. Chosen by
-    the host (decide_every > 0), a probe is a chunk of its own and costs an advance call more."""
+    the host (host_decides), a probe is a chunk of its own and costs an advance call more."""
     lo, hi = policy.probe_wait
     ratio = jnp.min(costs[DFLASH:]) / costs[AR]
-    if policy.decide_every > 0:
+    if policy.host_decides:
         ratio = ratio + a.call_ms / costs[AR]
     wait = jnp.clip(jnp.ceil((ratio - 1) / policy.probe_budget), lo, hi).astype(jnp.int32)
     return a.since >= jnp.minimum(a.gap * wait, hi)
@@ -282,6 +305,15 @@ def draft_next(policy: AutoBudget, a: AdaptiveState, left: jax.Array, costs: jax
     return jnp.where(a.force >= 0, a.force != AR, chosen)
 
 
+def learning_draft(policy: AutoBudget, a: AdaptiveState, left: jax.Array, costs: jax.Array) -> jax.Array:
+    """Whether a draft now would run to learn rather than for its predicted worth: before any
+    speculative step, or a probe among plain steps (those predicted better). A chunk that starts
+    with one is a single step, so the next choice sees what it taught."""
+    if not policy.ar:
+        return ~a.have_e
+    return ~a.have_e | (_probe_due(policy, a, costs) & ~_predicted_spec_wins(policy, a, left, costs))
+
+
 def plan(policy: AutoBudget, a: AdaptiveState, left: jax.Array, costs: jax.Array) -> jax.Array:
     """int32 [choice, steps]: the next chunk's choice and length when the host chooses every
     `decide_every` steps. Plain steps where draft_next says so; else the speculative choice of
@@ -292,8 +324,7 @@ def plan(policy: AutoBudget, a: AdaptiveState, left: jax.Array, costs: jax.Array
     v = _values(policy, e, left, costs).at[AR].set(-jnp.inf)
     best = jnp.argmax(v).astype(jnp.int32)
     c = jnp.where(a.force >= 0, a.force, jnp.where(drafts, best, AR))
-    learning = drafts & (~a.have_e | (_probe_due(policy, a, costs) & ~_predicted_spec_wins(policy, a, left, costs)))
-    n = jnp.where(learning & (a.force < 0), 1, policy.decide_every)
+    n = jnp.where(drafts & learning_draft(policy, a, left, costs) & (a.force < 0), 1, policy.decide_every)
     return jnp.stack([c, n]).astype(jnp.int32)
 
 
@@ -313,11 +344,13 @@ def choose(policy: AutoBudget, a: AdaptiveState, e_raw: jax.Array, left: jax.Arr
     return jnp.where(a.force >= 0, a.force, c), e
 
 
-def after_spec(policy: AutoBudget, a: AdaptiveState, c, e_raw, e_cal, accepted, left, step, costs) -> AdaptiveState:
+def after_spec(policy: AutoBudget, a: AdaptiveState, c, e_raw, e_cal, accepted, left, step, costs,
+               counted: bool = False) -> AdaptiveState:
     """Learn from a speculative step of choice c (e_cal: the calibrated E it was chosen by):
     accepted [B] draft tokens the verify accepted, left [B] as before the step. The rows' averaged
     E for the next decision before a draft takes this step's E under the calibration updated by
-    this step."""
+    this step. counted: the step is already in the step count and the trace (after_lean: a device
+    chunk's first step, learned from once its chunk has run)."""
     active = left > 0
     act = active.astype(jnp.float32)
     real = jnp.sum(accepted.astype(jnp.float32) * act)
@@ -328,9 +361,11 @@ def after_spec(policy: AutoBudget, a: AdaptiveState, c, e_raw, e_cal, accepted, 
     b = a._replace(
         real=jnp.where(onehot, d * a.real + real, a.real), pred=jnp.where(onehot, d * a.pred + pred, a.pred),
         all_real=d * a.all_real + real, all_pred=d * a.all_pred + pred, have_e=jnp.bool_(True),
-        n_steps=a.n_steps + onehot, n_rows=a.n_rows + onehot * n,
+        n_rows=a.n_rows + onehot * n,
         sum_pred=a.sum_pred + onehot * pred, sum_cal=a.sum_cal + onehot * jnp.sum(e_cal[:, c] * act),
-        sum_real=a.sum_real + onehot * real, trace=a.trace.at[step].set(c.astype(jnp.int8), mode="drop"))
+        sum_real=a.sum_real + onehot * real)
+    if not counted:
+        b = b._replace(n_steps=a.n_steps + onehot, trace=a.trace.at[step].set(c.astype(jnp.int8), mode="drop"))
     e_new = calibrated(policy, b, e_raw)
     row_e = jnp.where(a.have_e, policy.smooth * a.row_e + (1 - policy.smooth) * e_new, e_new)
     mean_e = jnp.sum(jnp.where(active[:, None], e_new, 0.0), axis=0) / jnp.maximum(n, 1).astype(jnp.float32)
@@ -341,6 +376,12 @@ def after_spec(policy: AutoBudget, a: AdaptiveState, c, e_raw, e_cal, accepted, 
     was_probe = _probe_due(policy, a, costs) & a.have_e & ~_predicted_spec_wins(policy, a, left, costs)
     again = was_probe & ~_predicted_spec_wins(policy, b, left, costs)
     return b._replace(since=jnp.int32(0), gap=jnp.where(again, jnp.minimum(2 * a.gap, policy.probe_wait[1]), 1))
+
+
+def after_lean(a: AdaptiveState, c: int, step) -> AdaptiveState:
+    """Count one step of a device chunk's fixed-budget program for choice c (it learns nothing: the
+    acceptance statistics and the calibration are the deciding steps')."""
+    return a._replace(n_steps=a.n_steps.at[c].add(1), trace=a.trace.at[step].set(jnp.int8(c), mode="drop"))
 
 
 def after_ar(a: AdaptiveState, left: jax.Array, step) -> AdaptiveState:

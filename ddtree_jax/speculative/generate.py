@@ -315,9 +315,9 @@ def _start(model, drafter_params, prompt, prompt_lens, eos_ids, key, spec: GenSp
 
 
 def _host_plans(spec: GenSpec) -> bool:
-    """Whether the host reads the adaptive plan after each call (decide_every > 0); otherwise the
-    plan is not computed (the per-step program and the server never read it)."""
-    return spec.adaptive is not None and spec.adaptive.decide_every > 0
+    """Whether the host reads the adaptive plan after each call (AutoBudget.host_decides);
+    otherwise the plan is not computed (the device's programs and the server never read it)."""
+    return spec.adaptive is not None and spec.adaptive.host_decides
 
 
 def _advance(model, drafter_params, s: LoopState, eos_ids, spec: GenSpec, max_steps) -> LoopState:
@@ -352,7 +352,7 @@ def choice_programs(spec: GenSpec) -> dict[int, GenSpec]:
     the program that runs that choice every step (AutoBudget.program)}; {} otherwise (one program
     chooses on device, or no adaptive budget)."""
     auto = spec.adaptive
-    if auto is None or auto.decide_every == 0 or auto.run >= 0:
+    if auto is None or not auto.host_decides or auto.run >= 0:
         return {}
     return {c: dataclasses.replace(spec, budget=auto.program(c)) for c in auto.choices}
 
