@@ -1,10 +1,11 @@
-"""What an advance call costs beyond its steps, per program, on the demo pair (decision 0045).
+"""What an advance call costs beyond its steps, per program, on the demo pair (decisions 0045, 0046).
 
 For each program (fixed budget 16, plain decoding, budget auto's own programs for 16 and for plain
-steps, auto's one program choosing every step with 16 forced) from the same prefilled state:
-calls of 1 and 16 steps, each followed by a read of `done` (as the engine's chunk loop does),
-`--calls` calls a sample, the median of `--repeats` interleaved samples; and `--calls` one-step
-calls queued before one read. step = (T(16) - T(1)) / 15; call = T(1) - step.
+steps, auto's one program choosing every step with 16 forced, auto's device chunks of 32 with 16
+forced) from the same prefilled state: calls of 1 and `--long` steps, each followed by a read of
+`done` (as the engine's chunk loop does), `--calls` calls a sample, the median of `--repeats`
+interleaved samples; and `--calls` one-step calls queued before one read.
+step = (T(long) - T(1)) / (long - 1); call = T(1) - step.
 
 `--profile` adds one jax.profiler trace of six one-step calls of the fixed program, summed by
 event name per host / GPU plane (where the call's host time goes), and the dispatch time alone
@@ -42,18 +43,20 @@ from ddtree_jax.speculative.sampling import Sampling
 def programs(engine, prompt_bucket: int, max_new: int, names: list[str]) -> dict:
     """name -> (GenSpec the state is started with, GenSpec the calls run, forced choice or -1)."""
     kw = dict(candidates=None, max_new_tokens=max_new, sampling=Sampling(), prompt_bucket=prompt_bucket)
-    auto = engine.spec("ddtree", budget="auto", auto_budgets=(4, 8, 16, 32), decide_every=16, **kw)
+    auto = engine.spec("ddtree", budget="auto", auto_budgets=(4, 8, 16, 32), decide_every=16, decide_on="host", **kw)
     own = gen.choice_programs(auto)
     per_step = dataclasses.replace(auto, budget=dataclasses.replace(auto.budget, decide_every=0))
     fixed = engine.spec("ddtree", budget=16, **kw)
     plain = engine.spec("ar", budget=1, **kw)
+    chunks = dataclasses.replace(auto, budget=dataclasses.replace(auto.budget, decide_every=32, decide_on="device"))
     sixteen = FIRST_TREE + auto.budget.budgets.index(16)
     table = {"fixed16": (fixed, fixed, -1), "plain": (plain, plain, -1), "auto_own_16": (auto, own[sixteen], -1),
-             "auto_own_plain": (auto, own[AR], -1), "auto_per_step_forced_16": (per_step, per_step, sixteen)}
+             "auto_own_plain": (auto, own[AR], -1), "auto_per_step_forced_16": (per_step, per_step, sixteen),
+             "auto_device_chunks_forced_16": (chunks, chunks, sixteen)}
     return {n: table[n] for n in names}
 
 
-def measure(engine, cases: dict, prompt_len: int, calls: int, repeats: int, long: int) -> dict:
+def measure(engine, cases: dict, prompt_len: int, calls: int, repeats: int, long: tuple[int, ...]) -> dict:
     start, advance = gen.bind(engine.graphdef)
     params, dparams = engine.params, engine.drafter_params
     prompt = jnp.asarray(np.random.default_rng(0).integers(0, engine.cfg.vocab_size, (1, prompt_len)), jnp.int32)
@@ -66,13 +69,13 @@ def measure(engine, cases: dict, prompt_len: int, calls: int, repeats: int, long
         s0 = start(params, dparams, prompt, lens, never, None, spec=first, rows=rows, **extra)
         if force >= 0:
             s0 = s0._replace(adapt=s0.adapt._replace(force=jnp.int32(force)))
-        for n in (1, long):  # compile and first runs
+        for n in (1, *long):  # compile and first runs
             jax.block_until_ready(advance(params, dparams, jax.tree.map(jnp.copy, s0), never, jnp.int32(n), spec=run))
         starts[name] = (s0, run)
     samples = {name: collections.defaultdict(list) for name in cases}
     for _ in range(repeats):
         for name, (s0, run) in starts.items():  # interleaved: drifts of the machine hit every program alike
-            for n in (1, long):
+            for n in (1, *long):
                 st = jax.tree.map(jnp.copy, s0)
                 jax.block_until_ready(st)
                 t0 = time.perf_counter()
@@ -90,7 +93,9 @@ def measure(engine, cases: dict, prompt_len: int, calls: int, repeats: int, long
     out = {}
     for name, r in samples.items():
         m = {k: statistics.median(v) for k, v in r.items()}
-        m["step_ms"] = (m[f"seq_{long}"] - m["seq_1"]) / (long - 1)
+        for n in long:
+            m[f"step_ms_{n}"] = (m[f"seq_{n}"] - m["seq_1"]) / (n - 1)
+        m["step_ms"] = m[f"step_ms_{long[0]}"]
         m["call_ms"] = m["seq_1"] - m["step_ms"]
         out[name] = m
         print(f"[calls] {name:26s} step {m['step_ms']:.3f} ms, call {m['call_ms']:.3f} ms, "
@@ -147,21 +152,26 @@ def main(argv=None) -> int:
     p.add_argument("--calls", type=int, default=8, help="calls a sample (default 8)")
     p.add_argument("--repeats", type=int, default=5, help="interleaved samples (default 5)")
     p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--profile", action="store_true", help="also trace one-step calls of the fixed program")
+    p.add_argument("--profile", action="store_true", help="also trace one-step calls of --profile-program")
+    p.add_argument("--profile-program", default="fixed16", help="the program --profile traces (default fixed16)")
+    p.add_argument("--programs", default="fixed16,plain,auto_own_16,auto_own_plain,auto_per_step_forced_16,"
+                   "auto_device_chunks_forced_16", help="the programs measured, by name")
+    p.add_argument("--long", default="16", help="steps of the long calls, comma-separated (default 16; step_ms "
+                   "from the first, step_ms_N for each: a chunked program's chunk starts show between them)")
     p.add_argument("--smoke", action="store_true", help="two programs, 2 calls, 1 repeat, 4-step calls")
     args = p.parse_args(argv)
     from ddtree_jax.cli.common import load_engine
 
     engine = load_engine(None, None)  # the demo pair
-    names = ["fixed16", "auto_own_16"] if args.smoke else ["fixed16", "plain", "auto_own_16", "auto_own_plain",
-                                                            "auto_per_step_forced_16"]
-    calls, repeats, long = (2, 1, 4) if args.smoke else (args.calls, args.repeats, 16)
+    names = ["fixed16", "auto_own_16", "auto_device_chunks_forced_16"] if args.smoke else args.programs.split(",")
+    calls, repeats, long = (2, 1, (4,)) if args.smoke else (args.calls, args.repeats,
+                                                            tuple(int(x) for x in args.long.split(",")))
     cases = programs(engine, bucket(args.prompt_len), 512, names)
     m = measure(engine, cases, args.prompt_len, calls, repeats, long)
     report = {"device": str(jax.devices()[0].device_kind), "xla_flags": os.environ.get("XLA_FLAGS", ""),
               "args": vars(args), "results": m["results"]}
     if args.profile or args.smoke:
-        s0, run = m["starts"]["fixed16"]
+        s0, run = m["starts"][args.profile_program if args.profile_program in m["starts"] else "fixed16"]
         report["profile"] = profile(engine, s0, run, m["never"], calls)
     atomic.write_json(args.out, report)
     print(f"wrote {args.out}", file=sys.stderr)
