@@ -393,7 +393,9 @@ def after_ar(a: AdaptiveState, left: jax.Array, step) -> AdaptiveState:
 
 def summary(policy: AutoBudget, a: AdaptiveState) -> dict:
     """Host-side statistics of a finished generation: steps per choice, predicted (raw and
-    calibrated) vs realised accepted tokens per row-step of each choice, the choice of each step."""
+    calibrated) vs realised accepted tokens per row-step of each choice, the choice of each step.
+    With device chunks only a chunk's first step is scored, so "row_steps" (and the acceptance
+    figures) cover those steps, while "steps" counts every step."""
     n_steps, n_rows = jax.device_get(a.n_steps).tolist(), jax.device_get(a.n_rows).tolist()
     sums = {k: jax.device_get(getattr(a, k)).tolist() for k in ("sum_pred", "sum_cal", "sum_real")}
     trace = jax.device_get(a.trace).tolist()
