@@ -13,7 +13,7 @@ def test_smoke(tmp_path):
     out = tmp_path / "co.json"
     assert call_overhead.main(["--smoke", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert set(report["results"]) == {"fixed16", "auto_own_16"}
+    assert set(report["results"]) == {"fixed16", "auto_own_16", "auto_device_chunks_forced_16"}
     for r in report["results"].values():
         assert r["step_ms"] > 0 and {"seq_1", "seq_4", "queued_1", "call_ms"} <= set(r)
     prof = report["profile"]
