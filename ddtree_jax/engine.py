@@ -291,7 +291,7 @@ class Engine:
         if spec.adaptive is not None:
             table = cost_table or self._cost_tables.get(warm_key)
         step_costs = None if spec.adaptive is None else costs.placeholder(spec.adaptive)
-        # budget "auto" with decide_every > 0: one program per choice, the host picks each chunk's
+        # budget "auto" chosen by the host (decide_on "host"): one program per choice, it picks each chunk's
         programs = gen.choice_programs(spec)
         if warm_key not in self._warm:
             with self.on_first_run() if self.on_first_run else contextlib.nullcontext():

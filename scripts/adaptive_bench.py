@@ -132,6 +132,7 @@ _choose = jax.jit(choice.choose, static_argnums=0)
 _after_spec = jax.jit(choice.after_spec, static_argnums=0)
 _after_ar = jax.jit(choice.after_ar)
 _after_lean = jax.jit(choice.after_lean, static_argnums=1)
+_learning = jax.jit(choice.learning_draft, static_argnums=0)
 
 
 def simulate(tr: dict, rows: list[dict], ms: dict, contexts: list[float], policy: str, auto: AutoBudget,
@@ -184,16 +185,16 @@ def simulate(tr: dict, rows: list[dict], ms: dict, contexts: list[float], policy
             e_raw, acc_all = at(pos)
             c, e_cal = _choose(auto, a, jnp.asarray(e_raw), left, costs)
             c = int(c)
+            # device chunks: a learning draft (choice.learning_draft) is a one-step chunk, any other
+            # runs decide_every steps of its choice; the policy learns from the chunk's first step
+            chunk = (1 if bool(_learning(auto, a, left, costs)) else auto.decide_every) if auto.device_chunks else 1
             a = _after_spec(auto, a, c, jnp.asarray(e_raw), e_cal, jnp.asarray(acc_all[:, c]), left, i, costs)
-            if auto.device_chunks:  # the chunk's deciding step, then its choice's fixed-budget steps
+            if auto.device_chunks:  # the chunk's first step, then the rest of its fixed-budget steps
                 total_ms += cost(c, active)
                 steps[names[c]] = steps.get(names[c], 0) + 1
                 pos = pos + np.where(active, 1 + acc_all[:, c], 0)
                 i += 1
-                left = jnp.asarray(np.maximum(end - pos, 0))
-                go_on = bool(_decide(auto, a, left, jnp.float32(np.mean((base + pos)[pos < end]) if np.any(pos < end)
-                                                                else 0.0))[0])
-                for _ in range(auto.decide_every - 1 if go_on else 0):
+                for _ in range(chunk - 1):
                     active = pos < end
                     if not active.any():
                         break

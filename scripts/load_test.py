@@ -319,6 +319,11 @@ def main(argv=None) -> int:
         p.error(f"--cost-table {args.cost_table}: no such file")
     if args.served_static and (not args.static_batch or args.url):
         p.error("--served-static needs --static-batch B (its client count) and servers this tool starts")
+    if args.served_static and args.static_batch not in {int(c) for c in args.clients.split(",")}:
+        p.error(f"--served-static: --static-batch {args.static_batch} must be one of --clients {args.clients} "
+                "(the continuous level it is compared with)")
+    if args.served_static and "--batching" in args.server_args.split():
+        p.error("--served-static sets --batching itself: leave it out of --server-args")
     if args.url:
         check_local(args.url)
         if len(modes) != 1:

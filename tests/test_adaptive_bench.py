@@ -30,6 +30,17 @@ def test_fixed_policies_count_steps_and_time_exactly():
     assert sum(res["auto"]["steps"].values()) >= 5
 
 
+def test_device_chunks_are_simulated_as_the_loop_runs_them():
+    """Device chunks of 4 on one row of 40 positions where budget 16 is cheapest and accepts 1 a
+    step: every step is 16's (20 steps, the first a one-step chunk with nothing learned), at
+    budget 16's own time: lean steps cost what the fixed choice costs."""
+    tr = trace([row(40, 1, 1.0)])
+    ms = {"ar": [9.0], "dflash": [9.0], "4": [9.0], "16": [1.0]}
+    res = ab.run_simulation(tr, {1: ([0.0], ms, {})}, [1], None, decide_every=4)["1"]["policies"]
+    assert res["auto"]["steps"] == {"16": 20}
+    assert res["auto"]["tokens_per_s"] == pytest.approx(res["16"]["tokens_per_s"])
+
+
 def test_batches_take_every_row_and_the_slowest_sets_the_time():
     """Batch 2 of a fast and a slow row: a fixed choice steps until the slow row is done."""
     tr = trace([row(10, 4, 3.0), row(10, 0, 0.1)])

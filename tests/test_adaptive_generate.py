@@ -256,6 +256,12 @@ def test_cli_reads_a_table_file_and_names_a_missing_one(ckpts, tmp_path, capsys)
     with pytest.raises(SystemExit) as e:
         cli.main(["--target", target, "--drafter", drafter, "--prompt", "x", "--budget", "8", "--decide-every", "4"])
     assert e.value.code == 2 and "--decide-every applies to --mode ddtree --budget auto only" in capsys.readouterr().err
+    for extra in ([], ["--decide-every", "1"]):  # no chunks to decide: a named error, not a silent per-step run
+        with pytest.raises(SystemExit) as e:
+            cli.main(["--target", target, "--drafter", drafter, "--prompt", "x", "--decide-on", "host", *extra])
+        captured = capsys.readouterr()
+        assert e.value.code == 2 and "--decide-on host needs --decide-every N with N > 1" in captured.err
+        assert captured.out == ""
 
 
 @pytest.mark.slow

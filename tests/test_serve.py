@@ -415,6 +415,11 @@ def test_load_test_script(ready, engine, tmp_path):
     assert row["ttft_ms"]["p50"] > 0 and row["itl_ms"]["p99"] >= row["itl_ms"]["p50"] >= 0
     static = load_test.static_batches(engine, requests, 1, MODE, BUDGET)
     assert load_test.build_parser().parse_args(["--budget", "auto"]).budget == "auto"
+    for bad in (["--served-static"], ["--served-static", "--static-batch", "4", "--clients", "1,8"],
+                ["--served-static", "--static-batch", "8", "--clients", "1,8", "--server-args", "--batching static"]):
+        with pytest.raises(SystemExit) as e:  # named before any server starts
+            load_test.main(bad + ["--out", str(tmp_path / "never.json")])
+        assert e.value.code == 2
     assert load_test.build_parser().parse_args([]).budget == "auto"
     assert static["completion_tokens"] == row["completion_tokens"]  # greedy: the same tokens either way
     load_test.plot({"device": "cpu", "levels": {MODE: [row]}, "static": [dict(static, mode=MODE)]},

@@ -14,8 +14,8 @@ from ddtree_jax import atomic
 from ddtree_jax.cli import progress
 from ddtree_jax.cli.common import (EXIT_STATUS_HELP, MAX_BUDGET, add_auto_budget_arguments,
                                    add_autotune_cache_argument, add_draft_vocab_argument, add_int8_drafter_argument,
-                                   add_routes_arguments,
-                                   add_tokenizer_argument, die, model_paths, non_negative_int, note, positive_int,
+                                   add_routes_arguments, add_tokenizer_argument, decide_on_problem, die,
+                                   model_paths, non_negative_int, note, positive_int,
                                    read_text_file, routes_from, run, tokenizer_source, use_autotune_cache,
                                    use_tokenizer)
 
@@ -180,6 +180,8 @@ def bench_main(argv=None) -> int:
                                   ("--decide-on", args.decide_on is not None)) if v]
     if given and "auto" not in args.budgets:
         die(f"{' and '.join(given)} appl{'y' if len(given) > 1 else 'ies'} to --budgets auto only")
+    if decide_on_problem(args):
+        die(decide_on_problem(args))
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in ("ar", "dflash", "ddtree")]
     if bad:

@@ -182,14 +182,23 @@ def add_auto_budget_arguments(group, cost_table_help: str, decide_every: bool = 
     group.add_argument("--cost-table", default=None, metavar="FILE", help=cost_table_help)
     if decide_every:
         group.add_argument("--decide-every", type=non_negative_int, default=None, metavar="N",
-                           help="--budget auto: 0 (default) chooses every step on device in one program; N > 0 "
-                           "chooses once per chunk of N steps (see --decide-on)")
+                           help="--budget auto: 0 (default) chooses every step on device in one program; N > 1 "
+                           "chooses once per chunk of N steps (see --decide-on; ~1.5x the compile time)")
         group.add_argument("--decide-on", choices=["device", "host"], default=None,
-                           help="--budget auto with --decide-every N > 0: device (default) = one program whose chunk "
-                           "starts with a step that chooses and learns, the rest run the chosen draft's fixed-budget "
-                           "step; host = the host picks each chunk and runs that choice's own program (an advance "
+                           help="--budget auto with --decide-every N: device (default) = one program; a chunk scores "
+                           "its draft and chooses, then runs up to N of the chosen draft's fixed-budget steps (the "
+                           "first verifies the scored draft and teaches the policy); a call's end (streaming) ends a "
+                           "chunk; host = the host picks each chunk and runs that choice's own program (an advance "
                            "call a chunk; decisions 0045, 0046)")
 
+
+
+def decide_on_problem(args) -> str | None:
+    """--decide-on without chunks to decide (--decide-every N > 1) is a mistake worth naming."""
+    if getattr(args, "decide_on", None) is not None and (args.decide_every or 0) < 2:
+        return (f"--decide-on {args.decide_on} needs --decide-every N with N > 1 (chunks to decide; 0 or 1 is the "
+                f"per-step program, chosen on device)")
+    return None
 
 
 def parse_ids(text: str) -> tuple[int, ...]:

@@ -8,7 +8,8 @@ import sys
 from ddtree_jax.cli import progress
 from ddtree_jax.cli.common import (EXIT_STATUS_HELP, add_autotune_cache_argument, add_decoding_arguments,
                                    add_draft_vocab_argument, add_int8_drafter_argument, add_routes_arguments,
-                                   add_tokenizer_argument, check_argv_text, die, model_paths, non_negative_float,
+                                   add_tokenizer_argument, check_argv_text, decide_on_problem, die, model_paths,
+                                   non_negative_float,
                                    non_negative_int, parse_ids, positive_int, probability_mass, read_stdin_text,
                                    read_text_file, routes_from, run, tokenizer_source, use_autotune_cache,
                                    use_tokenizer)
@@ -159,6 +160,8 @@ def generate_main(argv=None) -> int:
                                       ("--decide-on", args.decide_on is not None)) if v]
         if given:
             die(f"{' and '.join(given)} appl{'y' if len(given) > 1 else 'ies'} to --mode ddtree --budget auto only")
+    if decide_on_problem(args):
+        die(decide_on_problem(args))
 
     from ddtree_jax.cli.common import load_engine
 

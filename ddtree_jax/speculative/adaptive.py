@@ -153,8 +153,8 @@ def _spec_chunk(model, dparams, s, eos_ids, spec, phases: Phases, costs, stop_at
     steps: the chunk's draft is scored (the Bmax selection, E of every choice) and chosen from,
     then lax.switch runs the chosen draft's fixed-budget loop, whose first step verifies that
     same draft (the drafter is deterministic in the state), and the policy learns from that first
-    step. A chunk whose draft was forced (the first, or a probe among plain chunks) is one step:
-    the next decision then sees what it taught."""
+    step. A chunk whose draft runs to learn (choice.learning_draft: nothing learned yet, or a
+    probe among plain chunks) is one step: the next decision then sees what it taught."""
     auto: AutoBudget = spec.adaptive
     if not auto.device_chunks:
         return _spec_step(model, dparams, s, eos_ids, spec, phases, costs)[0]
@@ -178,8 +178,8 @@ def _spec_chunk(model, dparams, s, eos_ids, spec, phases: Phases, costs, stop_at
 
 
 def _ar_burst(model, dparams, s, eos_ids, spec, phases: Phases, stop_at):
-    """Up to ar_burst plain steps (fewer when every row stops or the advance call's step budget
-    ends), then the drafter's catch-up on their target features."""
+    """Up to AutoBudget.burst plain steps (fewer when every row stops or the advance call's step
+    budget ends), then the drafter's catch-up on their target features."""
     auto: AutoBudget = spec.adaptive
     hidden = spec.proposer.hidden_ids
     n = auto.burst

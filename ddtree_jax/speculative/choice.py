@@ -75,10 +75,12 @@ class AutoBudget:
     # over the drafts: one program, no host round trip). n > 0: once per chunk of up to n steps,
     # where `decide_on` says
     decide_every: int = 0
-    # where a chunk's choice is made (decide_every > 0). "device": one program; a chunk's first step
-    # is the per-step program's (it chooses, and learns every budget's E), the other n - 1 run the
-    # chosen draft's fixed-budget step (no conditional, no Bmax selection, no learning), or its plain
-    # burst is n steps long. "host": the host reads the policy's next choice (`plan`) after each
+    # where a chunk's choice is made (decide_every > 0). "device": one program; a chunk scores its
+    # draft (Bmax selection, E of every choice) and chooses, then runs up to n steps of the chosen
+    # draft's fixed-budget step (no conditional, no selection, no learning; the first verifies the
+    # scored draft and teaches the policy), or a plain burst of max(n, ar_burst) steps; an advance
+    # call's end ends a chunk (streaming every k steps makes chunks of k; n = 1 is the per-step
+    # program). "host": the host reads the policy's next choice (`plan`) after each
     # advance call and runs that choice's own program (`run`) for the next chunk: no conditional a
     # step, but an advance call a chunk and a program per choice (decision 0045)
     decide_on: str = "device"

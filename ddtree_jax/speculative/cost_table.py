@@ -4,9 +4,12 @@ A table is measured in the compiled programs the generation runs: each choice is
 steps from a generation's start, interleaved choice by choice, repeated, and its step time is the
 median over repeats of (T(2n) - T(n)) / (steps the second call ran more); the difference cancels
 the call's fixed cost (host dispatch, prefill is not in it: the calls start from a prefilled
-state). With AutoBudget.decide_every > 0 each choice has its own program (AutoBudget.program);
-with 0 the one auto program runs the choice forced (LoopState.adapt.force), its switch and shared
-draft / selection included. Either way a table costs no compilation beyond the generation's.
+state). Chosen by the host (AutoBudget.host_decides) each choice has its own program
+(AutoBudget.program); otherwise the one auto program runs the choice forced
+(LoopState.adapt.force): per step, its switch and shared draft / selection included; in device
+chunks of n >= 16 steps, the chosen draft's fixed-budget steps (a chunk's start, its scoring
+pass, lands in the intercept `call_ms`). Either way a table costs no compilation beyond the
+generation's.
 
 The Engine measures one at start-up for each new batch and prompt bucket, at the prompt's length;
 `ddtree-bench --cost-table FILE` writes its table into a JSON file (one entry per batch; other

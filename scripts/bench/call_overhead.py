@@ -83,6 +83,9 @@ def measure(engine, cases: dict, prompt_len: int, calls: int, repeats: int, long
                     st = advance(params, dparams, st, never, jnp.int32(n), spec=run)
                     jax.device_get(st.done)
                 samples[name][f"seq_{n}"].append(1000 * (time.perf_counter() - t0) / calls)
+                if int(st.i) - int(s0.i) < calls * n:  # the rows ran out of tokens: the sample is void
+                    raise SystemExit(f"{name}: {calls} calls of {n} steps ran only {int(st.i) - int(s0.i)} steps (rows "
+                                     f"stop at {run.max_new_tokens} tokens): use fewer --calls or a shorter --long")
             st = jax.tree.map(jnp.copy, s0)
             jax.block_until_ready(st)
             t0 = time.perf_counter()
@@ -164,6 +167,12 @@ def main(argv=None) -> int:
 
     engine = load_engine(None, None)  # the demo pair
     names = ["fixed16", "auto_own_16", "auto_device_chunks_forced_16"] if args.smoke else args.programs.split(",")
+    known = ("fixed16", "plain", "auto_own_16", "auto_own_plain", "auto_per_step_forced_16",
+             "auto_device_chunks_forced_16")
+    if [n for n in names if n not in known] or ((args.profile or args.smoke) and args.profile_program not in names):
+        p.error(f"--programs and --profile-program take names among {known} (the profiled one among --programs)")
+    if any(int(x) < 2 for x in args.long.split(",")):
+        p.error("--long: step counts of at least 2")
     calls, repeats, long = (2, 1, (4,)) if args.smoke else (args.calls, args.repeats,
                                                             tuple(int(x) for x in args.long.split(",")))
     cases = programs(engine, bucket(args.prompt_len), 512, names)
@@ -171,7 +180,7 @@ def main(argv=None) -> int:
     report = {"device": str(jax.devices()[0].device_kind), "xla_flags": os.environ.get("XLA_FLAGS", ""),
               "args": vars(args), "results": m["results"]}
     if args.profile or args.smoke:
-        s0, run = m["starts"][args.profile_program if args.profile_program in m["starts"] else "fixed16"]
+        s0, run = m["starts"][args.profile_program]
         report["profile"] = profile(engine, s0, run, m["never"], calls)
     atomic.write_json(args.out, report)
     print(f"wrote {args.out}", file=sys.stderr)
