@@ -179,11 +179,13 @@ class Engine:
         """What a step-time table depends on besides device and batch (cost_table.fingerprint)."""
         return costs.fingerprint(self.cfg, self.proposer, self.routes)
 
-    def load_cost_table(self, path, batch: int) -> costs.CostTable:
-        """The step-time table for `batch` from a file `ddtree-bench --cost-table` wrote."""
-        key = (os.path.abspath(os.fspath(path)), batch)
+    def load_cost_table(self, path, batch: int, program: str | None = None) -> costs.CostTable:
+        """The step-time table for `batch` from a file `ddtree-bench --cost-table` wrote; program:
+        the auto form it must be for (AutoBudget.form; None: any)."""
+        key = (os.path.abspath(os.fspath(path)), batch, program)
         if key not in self._cost_tables:
-            self._cost_tables[key] = costs.load(path, batch, device=self.device_kind, model=self.fingerprint())
+            self._cost_tables[key] = costs.load(path, batch, device=self.device_kind, model=self.fingerprint(),
+                                                program=program)
         return self._cost_tables[key]
 
     def measure_cost_table(self, spec: gen.GenSpec, prompt, lens, eos, rows, *, steps: int = 8,
@@ -268,7 +270,8 @@ class Engine:
         args = (jnp.asarray(prompt), jnp.asarray(lens), eos, rows)
         if spec.adaptive is not None and cost_table is not None:
             if not isinstance(cost_table, costs.CostTable):
-                cost_table = self.load_cost_table(cost_table, b)  # bad files fail before any compilation
+                # bad files fail before any compilation
+                cost_table = self.load_cost_table(cost_table, b, spec.adaptive.form)
             elif cost_table.batch != b:
                 raise ValueError(f"the step-time table is for batch {cost_table.batch}; these {len(ids)} prompts run "
                                  f"as batch {b}")

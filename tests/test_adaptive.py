@@ -323,3 +323,13 @@ def test_cost_table_mismatches_are_errors(tmp_path):
     (tmp_path / "bad.json").write_text("{")
     with pytest.raises(ValueError, match="not readable JSON"):
         cost_table.load(tmp_path / "bad.json", 1, device="dev", model=MODEL)
+    # a table records the auto program it timed: another form's program is refused, an unrecorded one taken
+    chunks = dataclasses.replace(AUTO, decide_every=32, decide_on="device")
+    assert (AUTO.form, chunks.form) == ("per step", "device chunks of 32")
+    assert dataclasses.replace(AUTO, decide_every=16, decide_on="host").form == "host chunks of 16"
+    cost_table.save(path, dataclasses.replace(table(1, ar=0.3), program=chunks.form), device="dev", model=MODEL)
+    assert cost_table.load(path, 1, device="dev", model=MODEL, program=chunks.form).program == chunks.form
+    with pytest.raises(ValueError, match="measured for auto device chunks of 32, this run is auto per step"):
+        cost_table.load(path, 1, device="dev", model=MODEL, program=AUTO.form)
+    cost_table.save(path, table(1, ar=0.3), device="dev", model=MODEL)
+    assert cost_table.load(path, 1, device="dev", model=MODEL, program=AUTO.form).program == ""

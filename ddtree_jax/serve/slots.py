@@ -288,7 +288,7 @@ class SlotBatch:
                         raise ValueError(f"no step-time table for batch {rows} (tables for {sorted(source)})")
                     table = source[rows]
                 else:
-                    table = self.engine.load_cost_table(source, rows)
+                    table = self.engine.load_cost_table(source, rows, self.auto.form)
                 table.arrays(self.auto)  # every compiled choice has a time
                 tables[rows] = table
             except ValueError as e:

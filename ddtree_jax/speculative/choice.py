@@ -104,6 +104,15 @@ class AutoBudget:
         return self.decide_every > 1 and self.decide_on == "device" and self.run < 0
 
     @property
+    def form(self) -> str:
+        """How the program chooses, as a step-time table records it (its times are that program's)."""
+        if self.device_chunks:
+            return f"device chunks of {self.decide_every}"
+        if self.host_decides:
+            return f"host chunks of {self.decide_every}"
+        return "per step"
+
+    @property
     def burst(self) -> int:
         """Plain steps a plain choice runs before the drafter catches up: a whole chunk when chunks
         make the choice (one catch-up a chunk)."""

@@ -65,6 +65,8 @@ class CostTable:
     # ms an advance call costs beyond its steps (the timing's intercept; 0: not measured): what a
     # chunk chosen on the host pays once (choice.AutoBudget.decide_every)
     call_ms: float = 0.0
+    # the auto program's form the times are of (AutoBudget.form; "": not recorded, an older file)
+    program: str = ""
 
     def __post_init__(self):
         if not 1 <= len(self.contexts) <= POINTS:
@@ -90,7 +92,7 @@ class CostTable:
     def as_dict(self) -> dict:
         return {"batch": self.batch, "contexts": list(self.contexts), "ms": {k: list(v) for k, v in self.ms.items()},
                 "ratios": dict(self.ratios), "accepted": dict(self.accepted), "call_ms": self.call_ms,
-                "source": self.source}
+                "program": self.program, "source": self.source}
 
 
 def _order(name: str):
@@ -162,11 +164,14 @@ def measure(advance: Callable, start_state, auto: AutoBudget, *, steps: int = 8,
     ratios = {auto.names[c]: real[c] / pred[c] for c in choices if pred[c] > 0}
     accepted = {auto.names[c]: real[c] / rows[c] for c in choices if c != AR and rows[c] > 0}
     call_ms = max(statistics.median(intercepts), 0.0) if intercepts else 0.0
-    return CostTable(batch or int(start_state.bonus.shape[0]), (context,), ms, how, ratios, accepted, call_ms)
+    return CostTable(batch or int(start_state.bonus.shape[0]), (context,), ms, how, ratios, accepted, call_ms,
+                     auto.form)
 
 
-def load(path: str | os.PathLike, batch: int, *, device: str, model: dict) -> CostTable:
-    """The table for `batch` in a file ddtree-bench wrote; every mismatch is a named error."""
+def load(path: str | os.PathLike, batch: int, *, device: str, model: dict, program: str | None = None) -> CostTable:
+    """The table for `batch` in a file ddtree-bench wrote; every mismatch is a named error. program:
+    the auto form it is for (AutoBudget.form): a table of another form's program is refused (a
+    per-step program's step costs more than a chunk's), one that records none is taken."""
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise ValueError(f"step-time table {path} does not exist (ddtree-bench --cost-table {path} writes one)")
@@ -185,6 +190,10 @@ def load(path: str | os.PathLike, batch: int, *, device: str, model: dict) -> Co
         problems.append(f"it was measured for another model / drafter / dtype / routes ({(doc.get('model') or {})}; "
                         f"this is {model})")
     tables = doc.get("tables") or {}
+    recorded = (tables.get(str(batch)) or {}).get("program")
+    if program and recorded and recorded != program:
+        problems.append(f"it was measured for auto {recorded}, this run is auto {program} (ddtree-bench with the same "
+                        f"--decide-every / --decide-on writes one)")
     if str(batch) not in tables:
         problems.append(f"it has no table for batch {batch} (batches: {sorted(int(b) for b in tables)}); "
                         f"ddtree-bench --batch {batch} --cost-table {path} adds one")
@@ -200,7 +209,7 @@ def load(path: str | os.PathLike, batch: int, *, device: str, model: dict) -> Co
     ratios = {k: float(v) for k, v in (t.get("ratios") or {}).items()}
     accepted = {k: float(v) for k, v in (t.get("accepted") or {}).items()}
     call_ms = float(t.get("call_ms", 0.0))
-    return CostTable(batch, contexts, ms, f"loaded from {path}", ratios, accepted, call_ms)
+    return CostTable(batch, contexts, ms, f"loaded from {path}", ratios, accepted, call_ms, t.get("program", ""))
 
 
 def save(path: str | os.PathLike, table: CostTable, *, device: str, model: dict, extra: dict | None = None) -> None:
@@ -219,7 +228,7 @@ def save(path: str | os.PathLike, table: CostTable, *, device: str, model: dict,
         doc = {"format": FORMAT, "device": device, "model": model, "tables": {}}
     entry = {"contexts": list(table.contexts), "ms": {k: list(v) for k, v in table.ms.items()},
              "ratios": dict(table.ratios), "accepted": dict(table.accepted), "call_ms": table.call_ms,
-             "how": table.source,
+             "program": table.program, "how": table.source,
              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     doc["tables"][str(table.batch)] = entry | (extra or {})
     atomic.write_json(path, doc)
