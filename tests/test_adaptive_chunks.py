@@ -143,3 +143,28 @@ def test_device_chunks_are_one_program_with_fixed_budget_steps():
         s = gen.advance(gd, params, table, s, None, jnp.int32(steps), spec)
         seen.append(int(s.i))
     assert seen == [1, 4, 11]
+
+
+def test_device_chunks_go_on_across_calls():
+    """A generation streamed in calls of 2 steps scores the same chunks as one call (a chunk the
+    call's end cuts short goes on unscored in the next: AdaptiveState.plan), with the same tokens,
+    choices and statistics; under cheap plain steps the plain bursts go on the same way."""
+    from tests.test_adaptive_generate import costs as table_costs
+
+    cfg, gd, params, prompt, lens, ref, table = setup("qwen3_5")
+    proposer = oracle(cfg)
+    spec = gen.GenSpec("ddtree", DEVICE_CHUNKS, None, NEW, Sampling(), 0, proposer)
+    for ms in ([9, 5, 5, 1], [0.2, 5, 5, 5]):
+        runs = {}
+        for per_call in (2**30, 2):
+            s = gen.start(gd, params, table, prompt, lens, None, jax.random.PRNGKey(0), spec, costs=table_costs(ms))
+            calls = 0
+            while not bool(np.asarray(s.done).all()):
+                s = gen.advance(gd, params, table, s, None, np.int32(per_call), spec)
+                calls += 1
+            runs[per_call] = (s, calls)
+        (one, _), (streamed, calls) = runs[2**30], runs[2]
+        assert calls > 5
+        np.testing.assert_array_equal(np.asarray(streamed.out), ref)
+        a, b = summary(DEVICE_CHUNKS, one.adapt), summary(DEVICE_CHUNKS, streamed.adapt)
+        assert a == b, ms

@@ -17,17 +17,20 @@ One loop step (generate._step hands over here when GenSpec.budget is a choice.Au
 With device chunks (AutoBudget.decide_every n > 1, decide_on "device") the choice is made once a
 chunk of up to n steps:
 
-    if choice.draft_next(...):
+    if the last call cut a chunk short: its choice and steps left (AdaptiveState.plan), unscored
+    elif choice.draft_next(...):
         logq = propose(...); Bmax selection; E of every choice; choose c      # scored, not verified
-        lax.switch over the speculative choices: up to n steps of c's fixed-budget step (the
-            first verifies the draft just scored: the drafter is deterministic in the state)
-        learn from the first step's accepted count (choice.after_spec)
     else:
-        a burst of up to max(n, ar_burst) plain steps
+        plain steps
+    lax.switch: a burst of up to max(n, ar_burst) plain steps, or up to n steps of c's
+        fixed-budget step (the first verifies the draft just scored: the drafter is
+        deterministic in the state)
+    learn from that first step's accepted count (choice.after_spec)
 
 so the conditionals, the Bmax selection and the learning are paid once a chunk (plus one drafter
 pass), and the other steps cost what `--budget b` costs. A chunk whose draft runs to learn (the
-first, or a probe among plain chunks) is one step.
+first, or a probe among plain chunks) is one step. A chunk goes on across advance calls, so a
+streamed generation (a call every few steps) keeps its chunks.
 
 Output is lossless whatever is chosen: every branch is a valid draft tree (greedy output equals
 plain decoding, sampling keeps the target's distribution; the choice depends only on the past and
@@ -149,37 +152,66 @@ def _lean_steps(model, dparams, s, eos_ids, spec, phases: Phases, c: int, steps,
 
 
 def _spec_chunk(model, dparams, s, eos_ids, spec, phases: Phases, costs, stop_at):
-    """A speculative step that chooses and learns, or with device chunks a chunk of speculative
-    steps: the chunk's draft is scored (the Bmax selection, E of every choice) and chosen from,
-    then lax.switch runs the chosen draft's fixed-budget loop, whose first step verifies that
-    same draft (the drafter is deterministic in the state), and the policy learns from that first
-    step. A chunk whose draft runs to learn (choice.learning_draft: nothing learned yet, or a
-    probe among plain chunks) is one step: the next decision then sees what it taught."""
+    """A speculative step that chooses and learns (the per-step program, or the host's)."""
+    return _spec_step(model, dparams, s, eos_ids, spec, phases, costs)[0]
+
+
+def _device_chunk(model, dparams, s, eos_ids, spec, phases: Phases, costs, stop_at):
+    """One device chunk (AutoBudget.device_chunks), or the rest of one an advance call's end cut
+    short (AdaptiveState.plan = [choice, steps left]: streaming calls continue it, unscored).
+
+    A fresh chunk scores its draft (the Bmax selection, E of every choice) and chooses, or, where
+    plain steps are predicted better (choice.draft_next), is a plain burst. One lax.switch then
+    runs the choice: a plain burst, or the chosen draft's fixed-budget loop, whose first step
+    verifies the scored draft (the drafter is deterministic in the state); the policy learns from
+    that first step. A chunk whose draft runs to learn (choice.learning_draft: nothing learned
+    yet, or a probe among plain chunks) is one step: the next decision then sees what it taught."""
     auto: AutoBudget = spec.adaptive
-    if not auto.device_chunks:
-        return _spec_step(model, dparams, s, eos_ids, spec, phases, costs)[0]
     left = _left(s, spec)
-    logq = phases.propose(model, dparams, s, spec)
-    cands = tree_candidates(logq, auto.budgets[-1], spec.candidates, spec.routes)
-    b = logq.shape[0]
-    e_raw = jnp.concatenate([jnp.zeros((b, 1), jnp.float32), chain_expectation(cands.best)[:, None],
-                             tree_expectations(cands, auto.budgets)], axis=1)  # [B, C]
-    c, e_cal = choice.choose(auto, s.adapt, e_raw, left, costs)
-    steps = jnp.where(choice.learning_draft(auto, s.adapt, left, costs) & (s.adapt.force < 0), 1, auto.decide_every)
-    spec_choices = [k for k in auto.choices if k != choice.AR]
-    index = [0] * auto.size
-    for j, k in enumerate(spec_choices):
-        index[k] = j
-    branches = [lambda st, k=k: _lean_steps(model, dparams, st, eos_ids, spec, phases, k, steps, stop_at)
-                for k in spec_choices]
+    b = s.bonus.shape[0]
+    none = jnp.zeros((b, auto.size), jnp.float32)
+
+    def resume(st):
+        return st.adapt.plan[0], st.adapt.plan[1], none, none, jnp.bool_(False)
+
+    def score(st):
+        logq = phases.propose(model, dparams, st, spec)
+        cands = tree_candidates(logq, auto.budgets[-1], spec.candidates, spec.routes)
+        e_raw = jnp.concatenate([jnp.zeros((b, 1), jnp.float32), chain_expectation(cands.best)[:, None],
+                                 tree_expectations(cands, auto.budgets)], axis=1)  # [B, C]
+        c, e_cal = choice.choose(auto, st.adapt, e_raw, left, costs)
+        learning = choice.learning_draft(auto, st.adapt, left, costs) & (st.adapt.force < 0)
+        steps = jnp.where(learning, 1, auto.decide_every).astype(jnp.int32)
+        return c.astype(jnp.int32), steps, e_raw, e_cal.astype(jnp.float32), jnp.bool_(True)
+
+    def plain(st):
+        return jnp.int32(choice.AR), jnp.int32(auto.burst), none, none, jnp.bool_(False)
+
+    def fresh(st):
+        if not auto.ar:
+            return score(st)
+        return jax.lax.cond(choice.draft_next(auto, st.adapt, left, costs), score, plain, st)
+
+    c, steps, e_raw, e_cal, learn = jax.lax.cond(s.adapt.plan[1] > 0, resume, fresh, s)
+    index, branches = [0] * auto.size, []
+    if auto.ar:
+        branches.append(lambda st: (_ar_burst(model, dparams, st, eos_ids, spec, phases, stop_at, steps),
+                                    jnp.zeros((b,), jnp.int32)))
+    for k in auto.choices:
+        if k != choice.AR:
+            index[k] = len(branches)
+            branches.append(lambda st, k=k: _lean_steps(model, dparams, st, eos_ids, spec, phases, k, steps, stop_at))
     new, first = jax.lax.switch(jnp.asarray(index, jnp.int32)[c], branches, s)
-    adapt = choice.after_spec(auto, new.adapt, c, e_raw, e_cal, first, left, s.i, costs, counted=True)
-    return new._replace(adapt=adapt)
+    learned = choice.after_spec(auto, new.adapt, c, e_raw, e_cal, first, left, s.i, costs, counted=True)
+    adapt = jax.tree.map(lambda x, y: jnp.where(learn, x, y), learned, new.adapt)
+    rest = jnp.where(jnp.all(new.done), 0, jnp.maximum(steps - (new.i - s.i), 0))
+    return new._replace(adapt=adapt._replace(plan=jnp.stack([c, rest]).astype(jnp.int32)))
 
 
-def _ar_burst(model, dparams, s, eos_ids, spec, phases: Phases, stop_at):
-    """Up to AutoBudget.burst plain steps (fewer when every row stops or the advance call's step
-    budget ends), then the drafter's catch-up on their target features."""
+def _ar_burst(model, dparams, s, eos_ids, spec, phases: Phases, stop_at, limit=None):
+    """Up to AutoBudget.burst plain steps (or `limit` <= that, traced: the rest of a device chunk;
+    fewer when every row stops or the advance call's step budget ends), then the drafter's
+    catch-up on their target features."""
     auto: AutoBudget = spec.adaptive
     hidden = spec.proposer.hidden_ids
     n = auto.burst
@@ -201,7 +233,7 @@ def _ar_burst(model, dparams, s, eos_ids, spec, phases: Phases, stop_at):
 
     def more(carry):
         st, _, j, _ = carry
-        return (j < n) & ~jnp.all(st.done) & (st.i < stop_at)
+        return (j < (n if limit is None else limit)) & ~jnp.all(st.done) & (st.i < stop_at)
 
     st, feats, _, committed = jax.lax.while_loop(more, body, (s, feats, jnp.int32(0), jnp.zeros((b,), jnp.int32)))
     dstate = spec.proposer.extend(dparams, st.dstate, feats, committed, routes=spec.routes)
@@ -222,6 +254,8 @@ def step(model, dparams, s, eos_ids, spec, phases: Phases, stop_at):
     auto: AutoBudget = spec.adaptive
     left = _left(s, spec)
     costs = choice.step_costs(auto, s.adapt, choice.mean_context(s.cache.lengths, left))
+    if auto.device_chunks:
+        return _device_chunk(model, dparams, s, eos_ids, spec, phases, costs, stop_at)
     spec_step = lambda st: _spec_chunk(model, dparams, st, eos_ids, spec, phases, costs, stop_at)
     if auto.run > choice.AR or not auto.ar:
         return spec_step(s)

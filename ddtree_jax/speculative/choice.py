@@ -78,11 +78,11 @@ class AutoBudget:
     # where a chunk's choice is made (decide_every > 0). "device": one program; a chunk scores its
     # draft (Bmax selection, E of every choice) and chooses, then runs up to n steps of the chosen
     # draft's fixed-budget step (no conditional, no selection, no learning; the first verifies the
-    # scored draft and teaches the policy), or a plain burst of max(n, ar_burst) steps; an advance
-    # call's end ends a chunk (streaming every k steps makes chunks of k; n = 1 is the per-step
-    # program). "host": the host reads the policy's next choice (`plan`) after each
-    # advance call and runs that choice's own program (`run`) for the next chunk: no conditional a
-    # step, but an advance call a chunk and a program per choice (decision 0045)
+    # scored draft and teaches the policy), or a plain burst of max(n, ar_burst) steps; a chunk
+    # goes on across advance calls (`plan`; n = 1 is the per-step program). "host": the host reads
+    # the policy's next choice (`plan`) after each advance call and runs that choice's own program
+    # (`run`) for the next chunk: no conditional a step, but an advance call a chunk and a program
+    # per choice (decision 0045)
     decide_on: str = "device"
     # the choice a program runs at every step (-1: it chooses; c >= 0: `programs()` sets it)
     run: int = -1
@@ -191,9 +191,10 @@ class AdaptiveState(NamedTuple):
     sum_cal: jax.Array  # [C] float32
     sum_real: jax.Array  # [C] float32
     trace: jax.Array  # [T] int8 choice of step i (-1: no step)
-    # int32 [2]: the choice and the steps of the next chunk as the policy sees them at the end of the
-    # last advance call (the host decides only: it reads it with the chunk's other results;
-    # zeros otherwise)
+    # int32 [2]: [choice, steps] of the next chunk. The host deciding: the policy's plan at the end of
+    # the last advance call (read with the chunk's other results). Device chunks: the choice and the
+    # steps left of the chunk the last call's end cut short (steps 0: a fresh chunk next). Zeros
+    # otherwise.
     plan: jax.Array
     call_ms: jax.Array  # float32 the table's cost of an advance call beyond its steps (a chunk's own)
 
