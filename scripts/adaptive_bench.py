@@ -199,7 +199,7 @@ def simulate(tr: dict, rows: list[dict], ms: dict, contexts: list[float], policy
                     if not active.any():
                         break
                     acc_all = at(pos)[1]
-                    a = _after_lean(a, c, i)
+                    a = _after_lean(a, c, i, jnp.asarray(acc_all[:, c]), jnp.asarray(np.maximum(end - pos, 0)))
                     total_ms += cost(c, active)
                     steps[names[c]] = steps.get(names[c], 0) + 1
                     pos = pos + np.where(active, 1 + acc_all[:, c], 0)

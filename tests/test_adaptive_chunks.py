@@ -117,8 +117,9 @@ def test_device_chunks_equal_plain_decoding_and_follow_the_table():
             assert set(st["choices"]) == {DEVICE_CHUNKS.names[force]}
         if ms == [9, 5, 5, 1]:
             assert set(st["choices"]) == {"8"}
-            # only a chunk's first step measures acceptance; the first chunk (nothing learned yet) is one step
-            deciding = st["acceptance"]["8"]["row_steps"]
+            # only a chunk's first step is scored; the first chunk (nothing learned yet) is one step
+            deciding = st["acceptance"]["8"]["scored_row_steps"]
+            assert st["acceptance"]["8"]["row_steps"] == int(np.sum(np.asarray(res.steps)))  # every row-step
             assert deciding <= 2 * (1 + -(-(steps - 1) // DEVICE_CHUNKS.decide_every))
             assert np.all(np.asarray(res.adapt.row_e)[:, DFLASH:] > 0)  # every budget's E learned
         if ms == [0.2, 5, 5, 5]:

@@ -376,6 +376,29 @@ def test_auto_serves_each_request_as_alone(auto_slots):
     assert auto_slots._chunk._cache_size() == 2  # the tables are data: nothing recompiled
 
 
+def test_auto_device_chunks_serve_each_request_as_alone():
+    """Budget auto in device chunks of 5 across the server's chunks of 2 steps: greedy requests are
+    token-identical to plain decoding alone while rows join and leave a running chunk; a chunk cut
+    by a server chunk's end goes on in the next (its plan carries over); every row-step counted."""
+    slots = SlotBatch(engine(), mode="ddtree", budget="auto", auto_budgets=(3, 6), max_batch=2, max_context=64,
+                      max_top_k=8, max_stop_ids=2, chunk_steps=2, decide_every=5,
+                      cost_table={1: table(1, 1.0, 1.5), 2: table(2, 1.0, 1.5)})
+    assert slots.auto.device_chunks and slots.auto.form == "device chunks of 5"
+    rng = np.random.default_rng(2)
+    requests = [Request(tuple(int(t) for t in rng.integers(2, VOCAB, rng.integers(3, 16))),
+                        int(rng.integers(4, MAX_NEW)), Sampling(), seed=i) for i in range(5)]
+    refs = alone(requests)
+    reports, plans = [], []
+    results, _ = serve_watching_chunks(slots, requests, lambda n, report: (
+        reports.append(report), plans.append(int(np.asarray(slots.state.adapt.plan)[1]))))
+    for req, ref, (ids, _, _) in zip(requests, refs, results):
+        assert ids == ref, req
+    assert max(plans) > 0  # some server chunk ended inside a device chunk, which went on
+    assert sum(fin.steps for _, _, fin in results) == int(sum(r.choice_rows for r in reports).sum())
+    with pytest.raises(ValueError, match="decide_every must be an integer >= 0"):
+        SlotBatch(engine(), mode="ddtree", budget="auto", max_batch=2, max_context=64, decide_every=-1)
+
+
 def test_a_reused_slot_starts_afresh(auto_slots):
     """A request that takes a slot over starts with the population's expectation, not the evicted
     request's moving average, and the probe wait restarts; a moved request keeps its own; the

@@ -53,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_decoding_arguments(dec, "--budget auto: step times from this file, a table for every batch bucket "
                               "(ddtree-bench --batch B --cost-table FILE writes them; default: measured at start-up)",
                            decide_every=False)
+    dec.add_argument("--decide-every", type=non_negative_int, default=0, metavar="N",
+                     help="--budget auto: 0 (default) chooses every step; N > 1 once per chunk of N steps on device "
+                     "(the chosen draft's steps then cost what a fixed budget's do; a chunk goes on across the "
+                     "server's chunks of --chunk-steps; decision 0046)")
     add_draft_vocab_argument(dec)
     add_int8_drafter_argument(dec)
     dec.add_argument("--max-top-k", type=non_negative_int, default=64,
@@ -110,7 +114,7 @@ def describe_budget(slots) -> str:
     if slots.auto is None:
         return f", budget {slots.spec.budget}"
     return (f", budget auto (plain, DFlash, budgets {','.join(map(str, slots.auto.budgets))}; objective "
-            f"{slots.auto.objective})")
+            f"{slots.auto.objective}; chosen {slots.auto.form.replace('per step', 'every step')})")
 
 
 def describe_table(table) -> str:
@@ -195,6 +199,8 @@ def main(argv=None) -> int:
     mode = args.mode or ("ddtree" if engine.proposer is not None else "ar")
     if args.cost_table and mode != "ddtree":
         die(f"--cost-table applies to --mode ddtree --budget auto only (the mode is {mode}: no drafter)")
+    if args.decide_every and (mode != "ddtree" or args.budget != "auto"):
+        die(f"--decide-every applies to --mode ddtree --budget auto only (here: mode {mode}, budget {args.budget})")
     max_context = args.max_context or min(engine.max_context, 4096)
     try:
         template = load_chat_template(target_dir)
@@ -202,7 +208,8 @@ def main(argv=None) -> int:
                           max_top_k=args.max_top_k, max_stop_ids=args.max_stop_ids, chunk_steps=args.chunk_steps,
                           buckets=(args.max_batch,) if args.no_compact else args.batch_buckets,
                           max_prefill=args.max_prefill, prefill_tokens=args.prefill_tokens,
-                          auto_budgets=args.auto_budgets, cost_table=args.cost_table)
+                          auto_budgets=args.auto_budgets, cost_table=args.cost_table,
+                          decide_every=args.decide_every)
     except ValueError as e:  # a bad --cost-table among them: named before anything compiles or listens
         die(str(e))
     budget = describe_budget(slots)

@@ -62,10 +62,14 @@ class Metrics:
         self.auto_accepted = Counter("ddtree_auto_accepted_tokens", "Draft tokens the target accepted in those "
                                      "steps (over row_steps: acceptance per request step)", ["choice"], registry=r)
         self.auto_predicted = Counter("ddtree_auto_predicted_tokens", "Accepted draft tokens the policy predicted "
-                                      "for those steps (calibrated; against accepted: the calibration's error)",
-                                      ["choice"], registry=r)
+                                      "for its scored steps (calibrated; over scored_row_steps, against accepted "
+                                      "over row_steps: the calibration's error)", ["choice"], registry=r)
+        self.auto_scored = Counter("ddtree_auto_scored_row_steps", "Row-steps whose draft the policy scored (all "
+                                   "speculative ones, but the fixed-budget steps of a device chunk)", ["choice"],
+                                   registry=r)
         for name in choices:
-            for counter in (self.auto_steps, self.auto_row_steps, self.auto_accepted, self.auto_predicted):
+            for counter in (self.auto_steps, self.auto_row_steps, self.auto_accepted, self.auto_predicted,
+                            self.auto_scored):
                 counter.labels(choice=name)
 
     # ---- scheduler hooks -------------------------------------------------------------------
@@ -87,7 +91,7 @@ class Metrics:
         if steps:
             self.step_time.observe(seconds / steps)
 
-    def on_choices(self, names, steps, row_steps, predicted, accepted) -> None:
+    def on_choices(self, names, steps, row_steps, predicted, accepted, scored) -> None:
         """A chunk's budget-auto statistics, per choice in `names` order."""
         for i, name in enumerate(names):
             if steps[i]:
@@ -95,6 +99,7 @@ class Metrics:
                 self.auto_row_steps.labels(choice=name).inc(int(row_steps[i]))
                 self.auto_accepted.labels(choice=name).inc(float(accepted[i]))
                 self.auto_predicted.labels(choice=name).inc(float(predicted[i]))
+                self.auto_scored.labels(choice=name).inc(int(scored[i]))
 
     def on_finish(self, reason: str, tokens: int, steps: int, ttft: float | None, seconds: float) -> None:
         self.finished.labels(reason=reason).inc()

@@ -333,7 +333,7 @@ class Scheduler:
             self.metrics.on_chunk(seconds, steps_run, self.slots.rows_for(len(chunk.rows)), len(chunk.rows))
             if report.choice_steps is not None:  # budget "auto": what each step chose
                 self.metrics.on_choices(self.slots.choice_names, report.choice_steps, report.choice_rows,
-                                        report.choice_predicted, report.choice_accepted)
+                                        report.choice_predicted, report.choice_accepted, report.choice_scored)
         for a, reason in ended:
             self._finish(a, reason, "the client went away" if reason == "cancelled" else None)
         slots = sorted((self._active.index(a) for a, _ in ended), reverse=True)

@@ -60,11 +60,13 @@ class ChunkReport(NamedTuple):
     steps: np.ndarray  # [rows] steps taken while active
     tokens: np.ndarray  # [rows, window] the chunk's tokens (tokens[r, :n_new[r]]), -1 past them
     # budget "auto", per choice (AutoBudget.names order), in this chunk: steps, row-steps (active rows
-    # summed over those steps), predicted (calibrated) and realised accepted draft tokens; else None
+    # summed over those steps), predicted (calibrated) and realised accepted draft tokens, and the
+    # row-steps the prediction covers (all speculative ones but device chunks' lean steps); else None
     choice_steps: np.ndarray | None = None
     choice_rows: np.ndarray | None = None
     choice_predicted: np.ndarray | None = None
     choice_accepted: np.ndarray | None = None
+    choice_scored: np.ndarray | None = None
 
 
 class PrefillRequest(NamedTuple):
@@ -129,10 +131,10 @@ def _chunk(graphdef, params, dparams, state, eos, max_steps, table, *, spec, row
     offsets = start[:, None] + jnp.arange(window, dtype=jnp.int32)[None]
     tokens = jnp.where(offsets < sub.n_out[:, None],
                        jnp.take_along_axis(sub.out, jnp.minimum(offsets, sub.out.shape[1] - 1), axis=1), -1)
-    stats = (None,) * 4
+    stats = (None,) * 5
     if spec.adaptive is not None:
         a = sub.adapt
-        stats = (a.n_steps, a.n_rows, a.sum_cal, a.sum_real)
+        stats = (a.n_steps, a.n_rows, a.sum_cal, a.sum_real, a.n_scored)
     return _put(state, sub, rows), (sub.n_out, sub.n_out - start, sub.done, sub.steps, tokens) + stats
 
 
@@ -195,8 +197,10 @@ class SlotBatch:
 
     budget "auto" (mode ddtree): an AutoBudget over auto_budgets with the objective "tokens" (a
     server replaces finished rows, so the batch's tokens per second is what counts; an AutoBudget
-    passed in keeps its objective), chosen on device every step (decide_every 0: the server's
-    chunks are a few steps and, with overlap, read a chunk late). Its step times per batch bucket
+    passed in keeps its objective), chosen on device: every step (decide_every 0, the default), or
+    once per device chunk of decide_every steps, which goes on across the server's chunks of
+    chunk_steps (AutoBudget.device_chunks; rows that join meanwhile take the running choice). The
+    host never chooses: its chunks are a few steps and, with overlap, read a chunk late. Its step times per batch bucket
     come from cost_table (the path of a file `ddtree-bench --cost-table` wrote, with a table for
     every bucket, or {bucket: CostTable}) or from measure_costs() (warm_up calls it); `tables`
     holds them.
@@ -207,7 +211,8 @@ class SlotBatch:
                  max_stop_ids: int = 8, chunk_steps: int = 4, buckets: Sequence[int] | None = None,
                  max_prefill: int | None = None, prefill_tokens: int | None = None,
                  auto_budgets: Sequence[int] | None = None,
-                 cost_table: str | os.PathLike | Mapping[int, costs.CostTable] | None = None):
+                 cost_table: str | os.PathLike | Mapping[int, costs.CostTable] | None = None,
+                 decide_every: int = 0):
         if mode != "ar" and engine.proposer is None:
             raise ValueError(f"mode {mode!r} needs a drafter (--drafter)")
         if not 2 <= max_context <= engine.max_context:
@@ -237,7 +242,9 @@ class SlotBatch:
         if isinstance(budget, str) and isinstance(resolved, AutoBudget):
             resolved = dataclasses.replace(resolved, objective="tokens")  # rows are replaced as they finish
         if isinstance(resolved, AutoBudget):  # chunks of a few steps, read a chunk late: choose on device
-            resolved = dataclasses.replace(resolved, decide_every=0, run=-1)
+            if not isinstance(decide_every, int) or decide_every < 0:
+                raise ValueError(f"decide_every must be an integer >= 0, got {decide_every!r}")
+            resolved = dataclasses.replace(resolved, decide_every=decide_every, decide_on="device", run=-1)
         self.spec = gen.GenSpec(mode, resolved, candidates, max_context, code, self.capacity, proposer, engine.routes)
         self.spec.validate(engine.cfg.vocab_size)
         self.auto: AutoBudget | None = self.spec.adaptive

@@ -145,7 +145,8 @@ def _lean_steps(model, dparams, s, eos_ids, spec, phases: Phases, c: int, steps,
         res = phases.verify(model, st, tree, fixed)
         new, n_new = phases.commit_and_emit(model, dparams, st, tree, res, eos_ids, fixed)
         first = jnp.where(st.i == s.i, res.count - 1, first)
-        return phases.count_step(st, new._replace(adapt=choice.after_lean(st.adapt, c, st.i)), n_new, fixed), first
+        adapt = choice.after_lean(st.adapt, c, st.i, res.count - 1, _left(st, spec))
+        return phases.count_step(st, new._replace(adapt=adapt), n_new, fixed), first
 
     more = lambda carry: ~jnp.all(carry[0].done) & (carry[0].i < end)
     return jax.lax.while_loop(more, body, (s, jnp.zeros(s.bonus.shape, jnp.int32)))

@@ -183,10 +183,12 @@ class AdaptiveState(NamedTuple):
     pop_e: jax.Array
     since: jax.Array  # int32 plain steps since the last speculative step
     gap: jax.Array  # int32 the probe wait's multiplier: doubles at each probe that chooses plain steps again
-    # statistics (whole generation): per choice steps, row-steps, and sums of raw / calibrated
-    # predicted and of realised accepted tokens; the choice of every step
+    # statistics (whole generation): per choice steps, row-steps, row-steps whose draft was scored
+    # (every speculative one but a device chunk's lean steps), sums of raw / calibrated predicted
+    # (over the scored row-steps) and of realised accepted tokens (over all); the choice of every step
     n_steps: jax.Array  # [C] int32
     n_rows: jax.Array  # [C] int32
+    n_scored: jax.Array  # [C] int32
     sum_pred: jax.Array  # [C] float32
     sum_cal: jax.Array  # [C] float32
     sum_real: jax.Array  # [C] float32
@@ -239,7 +241,7 @@ def init_state(policy: AutoBudget, batch: int, steps: int, table: TableArrays) -
     known = jnp.all(jnp.where(spec & jnp.asarray(policy.enabled), accepted >= 0, True))
     pop_e = jnp.where(spec & (accepted >= 0), accepted, 0.0).astype(jnp.float32)
     return AdaptiveState(ms, ctx, jnp.int32(-1), real, pred, all_real, all_pred,
-                         jnp.broadcast_to(pop_e, (batch, c)), known, pop_e, jnp.int32(0), jnp.int32(1), zc, zc, zf,
+                         jnp.broadcast_to(pop_e, (batch, c)), known, pop_e, jnp.int32(0), jnp.int32(1), zc, zc, zc, zf,
                          zf, zf, jnp.full((steps,), -1, jnp.int8), jnp.zeros((2,), jnp.int32),
                          jnp.asarray(table.call_ms, jnp.float32))
 
@@ -256,7 +258,8 @@ def clear_statistics(a: AdaptiveState) -> AdaptiveState:
     a server reads them per chunk of steps and starts the next chunk from zero, so no counter grows
     with the server's lifetime. The policy's state (calibration, population E, probes) is kept."""
     zc, zf = jnp.zeros_like(a.n_steps), jnp.zeros_like(a.sum_pred)
-    return a._replace(n_steps=zc, n_rows=zc, sum_pred=zf, sum_cal=zf, sum_real=zf, trace=jnp.full_like(a.trace, -1))
+    return a._replace(n_steps=zc, n_rows=zc, n_scored=zc, sum_pred=zf, sum_cal=zf, sum_real=zf,
+                      trace=jnp.full_like(a.trace, -1))
 
 
 def step_costs(policy: AutoBudget, a: AdaptiveState, context: jax.Array) -> jax.Array:
@@ -361,8 +364,8 @@ def after_spec(policy: AutoBudget, a: AdaptiveState, c, e_raw, e_cal, accepted, 
     """Learn from a speculative step of choice c (e_cal: the calibrated E it was chosen by):
     accepted [B] draft tokens the verify accepted, left [B] as before the step. The rows' averaged
     E for the next decision before a draft takes this step's E under the calibration updated by
-    this step. counted: the step is already in the step count and the trace (after_lean: a device
-    chunk's first step, learned from once its chunk has run)."""
+    this step. counted: the step is already in the step, row-step and realised counts and the trace
+    (after_lean: a device chunk's first step, learned from once its chunk has run)."""
     active = left > 0
     act = active.astype(jnp.float32)
     real = jnp.sum(accepted.astype(jnp.float32) * act)
@@ -373,11 +376,11 @@ def after_spec(policy: AutoBudget, a: AdaptiveState, c, e_raw, e_cal, accepted, 
     b = a._replace(
         real=jnp.where(onehot, d * a.real + real, a.real), pred=jnp.where(onehot, d * a.pred + pred, a.pred),
         all_real=d * a.all_real + real, all_pred=d * a.all_pred + pred, have_e=jnp.bool_(True),
-        n_rows=a.n_rows + onehot * n,
-        sum_pred=a.sum_pred + onehot * pred, sum_cal=a.sum_cal + onehot * jnp.sum(e_cal[:, c] * act),
-        sum_real=a.sum_real + onehot * real)
+        n_scored=a.n_scored + onehot * n,
+        sum_pred=a.sum_pred + onehot * pred, sum_cal=a.sum_cal + onehot * jnp.sum(e_cal[:, c] * act))
     if not counted:
-        b = b._replace(n_steps=a.n_steps + onehot, trace=a.trace.at[step].set(c.astype(jnp.int8), mode="drop"))
+        b = b._replace(n_steps=a.n_steps + onehot, n_rows=a.n_rows + onehot * n, sum_real=a.sum_real + onehot * real,
+                       trace=a.trace.at[step].set(c.astype(jnp.int8), mode="drop"))
     e_new = calibrated(policy, b, e_raw)
     row_e = jnp.where(a.have_e, policy.smooth * a.row_e + (1 - policy.smooth) * e_new, e_new)
     mean_e = jnp.sum(jnp.where(active[:, None], e_new, 0.0), axis=0) / jnp.maximum(n, 1).astype(jnp.float32)
@@ -390,10 +393,14 @@ def after_spec(policy: AutoBudget, a: AdaptiveState, c, e_raw, e_cal, accepted, 
     return b._replace(since=jnp.int32(0), gap=jnp.where(again, jnp.minimum(2 * a.gap, policy.probe_wait[1]), 1))
 
 
-def after_lean(a: AdaptiveState, c: int, step) -> AdaptiveState:
-    """Count one step of a device chunk's fixed-budget program for choice c (it learns nothing: the
-    acceptance statistics and the calibration are the deciding steps')."""
-    return a._replace(n_steps=a.n_steps.at[c].add(1), trace=a.trace.at[step].set(jnp.int8(c), mode="drop"))
+def after_lean(a: AdaptiveState, c: int, step, accepted: jax.Array, left: jax.Array) -> AdaptiveState:
+    """Count one step of a device chunk's fixed-budget program for choice c: accepted [B] draft
+    tokens, left [B] as before the step. It learns nothing (the calibration learns from a chunk's
+    scored first step) and predicts nothing (n_scored)."""
+    active = left > 0
+    return a._replace(n_steps=a.n_steps.at[c].add(1), n_rows=a.n_rows.at[c].add(jnp.sum(active).astype(jnp.int32)),
+                      sum_real=a.sum_real.at[c].add(jnp.sum(jnp.where(active, accepted, 0)).astype(jnp.float32)),
+                      trace=a.trace.at[step].set(jnp.int8(c), mode="drop"))
 
 
 def after_ar(a: AdaptiveState, left: jax.Array, step) -> AdaptiveState:
@@ -406,18 +413,19 @@ def after_ar(a: AdaptiveState, left: jax.Array, step) -> AdaptiveState:
 def summary(policy: AutoBudget, a: AdaptiveState) -> dict:
     """Host-side statistics of a finished generation: steps per choice, predicted (raw and
     calibrated) vs realised accepted tokens per row-step of each choice, the choice of each step.
-    With device chunks only a chunk's first step is scored, so "row_steps" (and the acceptance
-    figures) cover those steps, while "steps" counts every step."""
+    Realised is per row-step; predicted and calibrated per scored row-step ("scored_row_steps":
+    with device chunks only a chunk's first step is scored)."""
     n_steps, n_rows = jax.device_get(a.n_steps).tolist(), jax.device_get(a.n_rows).tolist()
+    n_scored = jax.device_get(a.n_scored).tolist()
     sums = {k: jax.device_get(getattr(a, k)).tolist() for k in ("sum_pred", "sum_cal", "sum_real")}
     trace = jax.device_get(a.trace).tolist()
     names = policy.names
     per = {}
     for i, name in enumerate(names):
         if n_steps[i]:
-            r = max(n_rows[i], 1)
-            per[name] = {"steps": n_steps[i], "row_steps": n_rows[i],
-                         "predicted": sums["sum_pred"][i] / r, "calibrated": sums["sum_cal"][i] / r,
+            r, q = max(n_rows[i], 1), max(n_scored[i], 1)
+            per[name] = {"steps": n_steps[i], "row_steps": n_rows[i], "scored_row_steps": n_scored[i],
+                         "predicted": sums["sum_pred"][i] / q, "calibrated": sums["sum_cal"][i] / q,
                          "realised": sums["sum_real"][i] / r}
     return {"choices": {n: s for n, s in zip(names, n_steps) if s}, "acceptance": per,
             "trace": [names[c] for c in trace if c >= 0]}

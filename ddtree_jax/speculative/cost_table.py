@@ -132,7 +132,7 @@ def measure(advance: Callable, start_state, auto: AutoBudget, *, steps: int = 8,
         context = float(np.mean(np.asarray(start_state.cache.lengths)))
     i0 = int(start_state.i)
 
-    real, pred, rows = np.zeros(auto.size), np.zeros(auto.size), np.zeros(auto.size)
+    real, pred, rows, scored = (np.zeros(auto.size) for _ in range(4))
 
     def run(c: int, n: int) -> tuple[float, int]:
         st = jax.tree.map(jnp.copy, start_state._replace(adapt=start_state.adapt._replace(force=jnp.int32(c))))
@@ -144,6 +144,7 @@ def measure(advance: Callable, start_state, auto: AutoBudget, *, steps: int = 8,
         real[c] += float(out.adapt.sum_real[c])
         pred[c] += float(out.adapt.sum_pred[c])
         rows[c] += float(out.adapt.n_rows[c])
+        scored[c] += float(out.adapt.n_scored[c])
         return seconds, ran - i0
 
     choices = [c for c, on in enumerate(auto.enabled) if on]
@@ -161,7 +162,8 @@ def measure(advance: Callable, start_state, auto: AutoBudget, *, steps: int = 8,
     ms = {auto.names[c]: (max(statistics.median(v), 1e-6),) for c, v in per.items()}
     how = (f"measured at start-up: each choice run for {steps} and {2 * steps} steps from the prefilled state, "
            f"median of {repeats} interleaved pairs")
-    ratios = {auto.names[c]: real[c] / pred[c] for c in choices if pred[c] > 0}
+    # per row-step realised over per scored row-step predicted (equal row counts but in device chunks)
+    ratios = {auto.names[c]: (real[c] / rows[c]) / (pred[c] / scored[c]) for c in choices if pred[c] > 0}
     accepted = {auto.names[c]: real[c] / rows[c] for c in choices if c != AR and rows[c] > 0}
     call_ms = max(statistics.median(intercepts), 0.0) if intercepts else 0.0
     return CostTable(batch or int(start_state.bonus.shape[0]), (context,), ms, how, ratios, accepted, call_ms,
