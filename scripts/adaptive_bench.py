@@ -258,7 +258,7 @@ def batches_of(rows: list[dict], b: int) -> list[list[dict]]:
 
 
 def run_simulation(tr: dict, tables: dict, batches: list[int], context: float | None,
-                   objective: str = AutoBudget.objective, decide_every: int = AutoBudget.decide_every,
+                   objective: str = AutoBudget.objective, decide_every: int = 0,
                    decide_on: str = AutoBudget.decide_on) -> dict:
     results = {}
     for b in batches:
@@ -402,8 +402,9 @@ def main(argv=None) -> int:
                    help="committed length at the first position (default: each prompt's own length)")
     s.add_argument("--objective", choices=["tokens", "makespan"], default=AutoBudget.objective,
                    help="auto's objective (choice.AutoBudget.objective)")
-    s.add_argument("--decide-every", type=int, default=AutoBudget.decide_every,
-                   help="auto's decide_every (device chunks are simulated: a deciding step, then lean steps)")
+    s.add_argument("--decide-every", type=int, default=0,
+                   help="auto's decide_every (default 0: the per-step policy; N > 1: device chunks, a scored step "
+                   "then the choice's fixed-budget steps)")
     s.add_argument("--out", required=True)
     la = sub.add_parser("latency", help="compile time of auto and the first token's latency")
     la.add_argument("--target", default=None)

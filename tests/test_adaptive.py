@@ -119,7 +119,7 @@ def test_fewer_real_prefixes_than_the_budget():
 
 
 # ---- the choice and the calibration (choice.py) ---------------------------------------------
-AUTO = AutoBudget(budgets=(4, 16), probe_wait=(16, 128))
+AUTO = AutoBudget(budgets=(4, 16), probe_wait=(16, 128), decide_every=0)
 draft_next = jax.jit(choice.draft_next, static_argnums=0)
 choose = jax.jit(choice.choose, static_argnums=0)
 after_spec = jax.jit(choice.after_spec, static_argnums=0)

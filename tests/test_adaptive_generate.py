@@ -22,7 +22,8 @@ from tests.scripted_proposers import RecordingProposer, ScriptedProposer
 from tests.tiny_models import ATTENTION_ONLY, HYBRID, make_target
 
 B, T, NEW, BLOCK = 2, 12, 128, 6
-AUTO = AutoBudget(budgets=(3, 8), ar_burst=3, probe_wait=(4, 8))
+# chosen every step (device chunks: tests/test_adaptive_chunks.py)
+AUTO = AutoBudget(budgets=(3, 8), ar_burst=3, probe_wait=(4, 8), decide_every=0)
 CHOICES = (AR, DFLASH, FIRST_TREE, FIRST_TREE + 1)
 MIXED = [1.0, 2.6, 2.7, 3.4]  # ms of ar, dflash, 3, 8: speculative steps win by a little
 MODELS = {
@@ -165,16 +166,18 @@ def test_one_device_loop_and_chunked_advance():
     np.testing.assert_array_equal(np.asarray(state.out), ref)
 
 
-def test_sampling_at_temperature_1_is_exact():
+@pytest.mark.parametrize("decide_every", [0, 2])
+def test_sampling_at_temperature_1_is_exact(decide_every):
     """Sampled sequences follow the target's exact distribution at temperature 1 (tests/
     test_sampling.py's chi-square machinery) when speculative and plain steps mix in a sequence
-    (cheap plain steps after the first draft) and when trees run every step."""
+    (cheap plain steps after the first draft) and when trees run every step; chosen every step
+    and in device chunks (scored steps and fixed-budget steps mixed)."""
     from tests.test_sampling import MODEL, NEW as S_NEW, PROMPT, SAMPLES, V, chi2, exact_distribution
 
     sampling = Sampling(temperature=1.0)
     exact = exact_distribution(sampling)
     cfg, gd, params = MODEL
-    auto = AutoBudget(budgets=(5,), ar_burst=2)
+    auto = AutoBudget(budgets=(5,), ar_burst=2, decide_every=decide_every)
     proposer = ScriptedProposer(3, V, error_rate=0.5, seed=1)
     prompt, lens = jnp.repeat(PROMPT, SAMPLES, axis=0), jnp.full((SAMPLES,), 4, jnp.int32)
     for seed, ms in ((1, [0.2, 5, 5]), (2, [9, 5, 1])):

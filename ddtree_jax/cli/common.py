@@ -182,8 +182,8 @@ def add_auto_budget_arguments(group, cost_table_help: str, decide_every: bool = 
     group.add_argument("--cost-table", default=None, metavar="FILE", help=cost_table_help)
     if decide_every:
         group.add_argument("--decide-every", type=non_negative_int, default=None, metavar="N",
-                           help="--budget auto: 0 (default) chooses every step on device in one program; N > 1 "
-                           "chooses once per chunk of N steps (see --decide-on; ~1.5x the compile time)")
+                           help="--budget auto: N > 1 chooses once per chunk of N steps (default 32; see --decide-on); "
+                           "0 chooses every step on device (each step then pays the choice's conditionals)")
         group.add_argument("--decide-on", choices=["device", "host"], default=None,
                            help="--budget auto with --decide-every N: device (default) = one program; a chunk scores "
                            "its draft and chooses, then runs up to N of the chosen draft's fixed-budget steps (the "

@@ -72,9 +72,10 @@ class AutoBudget:
     # fixed batch that runs until every row is done). Equal at batch 1.
     objective: str = "makespan"
     # how often the choice is made. 0: every step, on device (lax.cond plain-or-draft, lax.switch
-    # over the drafts: one program, no host round trip). n > 0: once per chunk of up to n steps,
-    # where `decide_on` says
-    decide_every: int = 0
+    # over the drafts: one program, no host round trip; the server's default). n > 0: once per chunk
+    # of up to n steps, where `decide_on` says. 32 on device: the chosen draft's steps cost what a
+    # fixed budget's do, and it compiles in the per-step program's time (decision 0046)
+    decide_every: int = 32
     # where a chunk's choice is made (decide_every > 0). "device": one program; a chunk scores its
     # draft (Bmax selection, E of every choice) and chooses, then runs up to n steps of the chosen
     # draft's fixed-budget step (no conditional, no selection, no learning; the first verifies the
