@@ -217,10 +217,11 @@ class Engine:
         decoding, DFlash and the trees of auto_budgets (default 4, 8, 16, 32) for the most
         tokens per second, by a step-time table: cost_table (a CostTable or the path of a file
         `ddtree-bench --cost-table` wrote), else measured at start-up for each new batch and prompt
-        bucket (seconds; reported in stats.adaptive with the choices made). decide_every: 0 (the
-        default) one program chooses on device at every step; n > 0 one choice per chunk of n
-        steps, made on device in one program (decide_on "device") or by the host, which runs that
-        choice's own program (decide_on "host"; AutoBudget.decide_every and decide_on).
+        bucket (seconds; reported in stats.adaptive with the choices made). decide_every: n > 1 (default
+        32) one choice per chunk of n steps, made on device in one program (decide_on "device", the
+        default; a chunk goes on across streamed calls) or by the host, which runs that choice's own
+        program (decide_on "host"); 0 one program chooses on device at every step
+        (AutoBudget.decide_every and decide_on).
 
         max_new_tokens and sampling: one for every prompt, or one each (per-row settings share one
         compiled program). Prompt r samples with the seed `seed + r`. stream(row, new_token_ids) is
@@ -294,7 +295,8 @@ class Engine:
         if spec.adaptive is not None:
             table = cost_table or self._cost_tables.get(warm_key)
         step_costs = None if spec.adaptive is None else costs.placeholder(spec.adaptive)
-        # budget "auto" chosen by the host (decide_on "host"): one program per choice, it picks each chunk's
+        # budget "auto" chosen by the host (decide_on "host"): one program per choice, the host picks
+        # each chunk's from the plan the last call ended with
         programs = gen.choice_programs(spec)
         if warm_key not in self._warm:
             with self.on_first_run() if self.on_first_run else contextlib.nullcontext():

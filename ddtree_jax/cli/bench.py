@@ -180,8 +180,9 @@ def bench_main(argv=None) -> int:
                                   ("--decide-on", args.decide_on is not None)) if v]
     if given and "auto" not in args.budgets:
         die(f"{' and '.join(given)} appl{'y' if len(given) > 1 else 'ies'} to --budgets auto only")
-    if decide_on_problem(args):
-        die(decide_on_problem(args))
+    problem = decide_on_problem(args)
+    if problem:
+        die(problem)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in ("ar", "dflash", "ddtree")]
     if bad:

@@ -187,10 +187,9 @@ def add_auto_budget_arguments(group, cost_table_help: str, decide_every: bool = 
         group.add_argument("--decide-on", choices=["device", "host"], default=None,
                            help="--budget auto with --decide-every N: device (default) = one program; a chunk scores "
                            "its draft and chooses, then runs up to N of the chosen draft's fixed-budget steps (the "
-                           "first verifies the scored draft and teaches the policy); a call's end (streaming) ends a "
-                           "chunk; host = the host picks each chunk and runs that choice's own program (an advance "
-                           "call a chunk; decisions 0045, 0046)")
-
+                           "first verifies the scored draft and teaches the policy), going on across streamed calls; "
+                           "host = the host picks each chunk and runs that choice's own program (an advance call a "
+                           "chunk; decisions 0045, 0046)")
 
 
 def decide_on_problem(args) -> str | None:

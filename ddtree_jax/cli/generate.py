@@ -160,8 +160,9 @@ def generate_main(argv=None) -> int:
                                       ("--decide-on", args.decide_on is not None)) if v]
         if given:
             die(f"{' and '.join(given)} appl{'y' if len(given) > 1 else 'ies'} to --mode ddtree --budget auto only")
-    if decide_on_problem(args):
-        die(decide_on_problem(args))
+    problem = decide_on_problem(args)
+    if problem:
+        die(problem)
 
     from ddtree_jax.cli.common import load_engine
 

@@ -200,8 +200,8 @@ class SlotBatch:
     passed in keeps its objective), chosen on device: every step (decide_every 0, the default), or
     once per device chunk of decide_every steps, which goes on across the server's chunks of
     chunk_steps (AutoBudget.device_chunks; rows that join meanwhile take the running choice). The
-    host never chooses: its chunks are a few steps and, with overlap, read a chunk late. Its step times per batch bucket
-    come from cost_table (the path of a file `ddtree-bench --cost-table` wrote, with a table for
+    host never chooses: its chunks are a few steps and, with overlap, read a chunk late. Its step
+    times per batch bucket come from cost_table (the path of a file `ddtree-bench --cost-table` wrote, with a table for
     every bucket, or {bucket: CostTable}) or from measure_costs() (warm_up calls it); `tables`
     holds them.
     """

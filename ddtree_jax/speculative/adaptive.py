@@ -86,16 +86,26 @@ def _left(s, spec):
     return jnp.where(s.done, 0, jnp.minimum(s.rows.max_new, spec.max_new_tokens) - s.n_out)
 
 
-def _spec_step(model, dparams, s, eos_ids, spec, phases: Phases, costs):
+def _score(model, dparams, s, spec, phases: Phases, left, costs):
+    """This step's draft scored: (the Bmax best prefixes, raw E [B, C] of every choice, the
+    policy's choice, calibrated E)."""
     auto: AutoBudget = spec.adaptive
-    left = _left(s, spec)
     logq = phases.propose(model, dparams, s, spec)
-    ids = phases.vocab_ids(spec, dparams)
     cands = tree_candidates(logq, auto.budgets[-1], spec.candidates, spec.routes)
     b = logq.shape[0]
     e_raw = jnp.concatenate([jnp.zeros((b, 1), jnp.float32), chain_expectation(cands.best)[:, None],
                              tree_expectations(cands, auto.budgets)], axis=1)  # [B, C]
     c, e_cal = choice.choose(auto, s.adapt, e_raw, left, costs)
+    return logq, cands, e_raw, c, e_cal
+
+
+def _spec_step(model, dparams, s, eos_ids, spec, phases: Phases, costs):
+    """A speculative step that scores its draft, chooses, verifies the choice and learns (the
+    per-step program; with `run`, the host's program of one choice). Returns (state, choice)."""
+    auto: AutoBudget = spec.adaptive
+    left = _left(s, spec)
+    logq, cands, e_raw, c, e_cal = _score(model, dparams, s, spec, phases, left, costs)
+    ids = phases.vocab_ids(spec, dparams)
 
     def run(fixed, tree_fn):
         def branch(st):
@@ -152,11 +162,6 @@ def _lean_steps(model, dparams, s, eos_ids, spec, phases: Phases, c: int, steps,
     return jax.lax.while_loop(more, body, (s, jnp.zeros(s.bonus.shape, jnp.int32)))
 
 
-def _spec_chunk(model, dparams, s, eos_ids, spec, phases: Phases, costs, stop_at):
-    """A speculative step that chooses and learns (the per-step program, or the host's)."""
-    return _spec_step(model, dparams, s, eos_ids, spec, phases, costs)[0]
-
-
 def _device_chunk(model, dparams, s, eos_ids, spec, phases: Phases, costs, stop_at):
     """One device chunk (AutoBudget.device_chunks), or the rest of one an advance call's end cut
     short (AdaptiveState.plan = [choice, steps left]: streaming calls continue it, unscored).
@@ -176,11 +181,7 @@ def _device_chunk(model, dparams, s, eos_ids, spec, phases: Phases, costs, stop_
         return st.adapt.plan[0], st.adapt.plan[1], none, none, jnp.bool_(False)
 
     def score(st):
-        logq = phases.propose(model, dparams, st, spec)
-        cands = tree_candidates(logq, auto.budgets[-1], spec.candidates, spec.routes)
-        e_raw = jnp.concatenate([jnp.zeros((b, 1), jnp.float32), chain_expectation(cands.best)[:, None],
-                                 tree_expectations(cands, auto.budgets)], axis=1)  # [B, C]
-        c, e_cal = choice.choose(auto, st.adapt, e_raw, left, costs)
+        _, _, e_raw, c, e_cal = _score(model, dparams, st, spec, phases, left, costs)
         learning = choice.learning_draft(auto, st.adapt, left, costs) & (st.adapt.force < 0)
         steps = jnp.where(learning, 1, auto.decide_every).astype(jnp.int32)
         return c.astype(jnp.int32), steps, e_raw, e_cal.astype(jnp.float32), jnp.bool_(True)
@@ -257,7 +258,7 @@ def step(model, dparams, s, eos_ids, spec, phases: Phases, stop_at):
     costs = choice.step_costs(auto, s.adapt, choice.mean_context(s.cache.lengths, left))
     if auto.device_chunks:
         return _device_chunk(model, dparams, s, eos_ids, spec, phases, costs, stop_at)
-    spec_step = lambda st: _spec_chunk(model, dparams, st, eos_ids, spec, phases, costs, stop_at)
+    spec_step = lambda st: _spec_step(model, dparams, st, eos_ids, spec, phases, costs)[0]
     if auto.run > choice.AR or not auto.ar:
         return spec_step(s)
     if auto.run == choice.AR:

@@ -23,8 +23,9 @@ with E the drafter's expected acceptance of the choice's draft (speculative/expe
   speculative step is forced (a probe) once the plain steps since the last speculative one reach
   a wait that keeps the probes' extra cost near `probe_budget` of the time: (T_spec / T_ar - 1) /
   probe_budget plain steps for the cheapest speculative choice, within `probe_wait`; it doubles
-  while probes keep choosing plain steps. Chosen by the host every `decide_every` steps, a probe
-  is a one-step chunk and its advance call's own cost (the table's call_ms) counts too.
+  while probes keep choosing plain steps. Chosen once a chunk (decide_every > 1), a probe is a
+  one-step chunk (learning_draft); chosen by the host, its advance call's own cost (the table's
+  call_ms) counts too.
 
 Under continuous batching (ddtree_jax/serve) rows join and leave a running state: the per-row
 fields (ROW_FIELDS) move with their request and start from the population's expectation when a
