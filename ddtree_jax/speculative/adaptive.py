@@ -189,12 +189,13 @@ def _device_chunk(model, dparams, s, eos_ids, spec, phases: Phases, costs, stop_
     def plain(st):
         return jnp.int32(choice.AR), jnp.int32(auto.burst), none, none, jnp.bool_(False)
 
-    def fresh(st):
-        if not auto.ar:
-            return score(st)
-        return jax.lax.cond(choice.draft_next(auto, st.adapt, left, costs), score, plain, st)
-
-    c, steps, e_raw, e_cal, learn = jax.lax.cond(s.adapt.plan[1] > 0, resume, fresh, s)
+    # one conditional picks the chunk's head (a host-read predicate each on a GPU, decision 0048)
+    resuming = s.adapt.plan[1] > 0
+    if auto.ar:
+        head = jnp.where(resuming, 0, jnp.where(choice.draft_next(auto, s.adapt, left, costs), 1, 2))
+        c, steps, e_raw, e_cal, learn = jax.lax.switch(head, [resume, score, plain], s)
+    else:
+        c, steps, e_raw, e_cal, learn = jax.lax.cond(resuming, resume, score, s)
     index, branches = [0] * auto.size, []
     if auto.ar:
         branches.append(lambda st: (_ar_burst(model, dparams, st, eos_ids, spec, phases, stop_at, steps),
