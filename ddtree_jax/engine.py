@@ -30,6 +30,7 @@ from converters.load import load_drafter, load_target
 from ddtree_jax.config import TargetConfig
 from ddtree_jax.models import int8
 from ddtree_jax.routes import Routes
+from ddtree_jax.speculative import choice
 from ddtree_jax.speculative import cost_table as costs
 from ddtree_jax.speculative import generate as gen
 from ddtree_jax.speculative.choice import AutoBudget, summary
@@ -121,6 +122,9 @@ class Engine:
                 self.drafter_params, nnx.merge(graphdef, params), int8_scheme(int8_drafter))
         self._warm: set = set()  # (spec, prompt shape) whose prefill and step loop ran once
         self._cost_tables: dict = {}  # budget "auto": (spec, prompt shape) or (file, batch) -> CostTable
+        # budget "auto": (spec, prompt shape) -> (real, pred, pop_e) the last generation ended with, the next
+        # one's start (choice.carried_over)
+        self._learned: dict = {}
 
     # ---- loading -------------------------------------------------------------------------
     @property
@@ -306,12 +310,16 @@ class Engine:
                 jax.block_until_ready(state)
             self._warm.add(warm_key)
         self._calibration_s = 0.0
+        self._carried = False
         if spec.adaptive is not None:
             if table is None:  # measured once per compiled program (batch, prompt bucket), at the prompts' length
                 t_cal = time.perf_counter()
                 table = self._cost_tables[warm_key] = self.measure_cost_table(spec, prompt, lens, eos, rows)
                 self._calibration_s = time.perf_counter() - t_cal
             step_costs = table.arrays(spec.adaptive)
+            self._carried = warm_key in self._learned
+            if self._carried:
+                step_costs = choice.carried_over(step_costs, *self._learned[warm_key])
         self._table = table
         t0 = time.perf_counter()
         state = start(self.params, dparams, prompt, lens, eos, key, spec=spec, rows=rows, costs=step_costs)
@@ -326,8 +334,11 @@ class Engine:
                 program = programs[choice_]
                 steps = np.int32(min(n, stream_every) if stream else n)
             state = advance(self.params, dparams, state, eos, steps, spec=program)
-            # one host sync per chunk (device_get: no op to compile, both copies started at once)
-            done, plan = jax.device_get((state.done, state.adapt.plan if programs else None))
+            # one host sync per chunk (device_get: no op to compile, the copies started at once); with
+            # auto, the calibration the next generation starts from comes with it
+            a = state.adapt
+            done, plan, learned = jax.device_get((state.done, a.plan if programs else None,
+                                                  None if a is None else (a.real, a.pred, a.pop_e)))
             done = bool(done.all())
             if programs:
                 choice_, n = (int(x) for x in plan)
@@ -337,6 +348,8 @@ class Engine:
                 break
         jax.block_until_ready(state.out)
         self._seconds = time.perf_counter() - t0
+        if learned is not None:
+            self._learned[warm_key] = learned
         return state
 
     @staticmethod
@@ -360,7 +373,8 @@ class Engine:
         if spec.adaptive is not None:
             adaptive = summary(spec.adaptive, state.adapt) | {
                 "budgets": list(spec.adaptive.budgets), "cost_table": self._table.as_dict(),
-                "calibration_seconds": self._calibration_s}
+                "calibration_seconds": self._calibration_s,
+                "calibration_from": "the last generation of this program" if self._carried else "the table"}
         res = []
         for r, p in enumerate(ids):
             toks = out[r, : n_out[r]].tolist()

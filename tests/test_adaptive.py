@@ -333,3 +333,17 @@ def test_cost_table_mismatches_are_errors(tmp_path):
         cost_table.load(path, 1, device="dev", model=MODEL, program=AUTO.form)
     cost_table.save(path, table(1, ar=0.3), device="dev", model=MODEL)
     assert cost_table.load(path, 1, device="dev", model=MODEL, program=AUTO.form).program == ""
+
+
+def test_carried_over_calibration_replaces_only_what_was_learned():
+    """choice.carried_over: a scored choice's ratio becomes its realised / predicted sums; a
+    speculative choice's accepted count becomes the population's E; plain steps and choices never
+    scored keep the table's values."""
+    from ddtree_jax.speculative.choice import TableArrays, carried_over
+
+    table = TableArrays(np.ones((4, 8), np.float32), np.zeros((8,), np.float32),
+                        np.asarray([-1, 1.2, 1.1, 1.3], np.float32), np.asarray([-1, 1.5, 1.7, 2.0], np.float32), 0.5)
+    out = carried_over(table, real=[0, 3.0, 0, 8.0], pred=[0, 2.0, 0, 4.0], pop_e=[0, 1.8, 0, 2.4])
+    np.testing.assert_allclose(out.ratios, [-1, 1.5, 1.1, 2.0])
+    np.testing.assert_allclose(out.accepted, [-1, 1.8, 1.7, 2.4])
+    assert out.ms is table.ms and out.call_ms == table.call_ms

@@ -43,6 +43,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 AR, DFLASH, FIRST_TREE = 0, 1, 2
 OBJECTIVES = ("tokens", "makespan")
@@ -246,6 +247,19 @@ def init_state(policy: AutoBudget, batch: int, steps: int, table: TableArrays) -
                          jnp.broadcast_to(pop_e, (batch, c)), known, pop_e, jnp.int32(0), jnp.int32(1), zc, zc, zc, zf,
                          zf, zf, jnp.full((steps,), -1, jnp.int8), jnp.zeros((2,), jnp.int32),
                          jnp.asarray(table.call_ms, jnp.float32))
+
+
+def carried_over(table: TableArrays, real, pred, pop_e) -> TableArrays:
+    """The table a generation starts from after another ran with the same program: its calibration
+    (real / pred of each choice that was scored) and population expectation (pop_e) replace the
+    measured ratios and accepted counts, so what one generation of a few chunks learned is not lost
+    at the next (the Engine carries them; a server's state persists by itself). Host arrays in and
+    out (numpy: read with the generation's last results, no device op)."""
+    real, pred, pop_e = (np.asarray(x, np.float32) for x in (real, pred, pop_e))
+    ratios = np.where(pred > 0, real / np.maximum(pred, 1e-9), np.asarray(table.ratios, np.float32))
+    spec = np.arange(pred.shape[0]) != AR
+    accepted = np.where(spec & (pop_e > 0), pop_e, np.asarray(table.accepted, np.float32))
+    return table._replace(ratios=ratios.astype(np.float32), accepted=accepted.astype(np.float32))
 
 
 def joining(a: AdaptiveState, row: AdaptiveState) -> AdaptiveState:

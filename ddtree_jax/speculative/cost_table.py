@@ -7,8 +7,8 @@ the call's fixed cost (host dispatch, prefill is not in it: the calls start from
 state). Chosen by the host (AutoBudget.host_decides) each choice has its own program
 (AutoBudget.program); otherwise the one auto program runs the choice forced
 (LoopState.adapt.force): per step, its switch and shared draft / selection included; in device
-chunks of n >= 16 steps, the chosen draft's fixed-budget steps (a chunk's start, its scoring
-pass, lands in the intercept `call_ms`). Either way a table costs no compilation beyond the
+chunks, the chosen draft's fixed-budget steps, each carrying 1/n of its chunk's start beyond the
+cheapest choice's (the per-choice intercepts, `starts`). Either way a table costs no compilation beyond the
 generation's.
 
 The Engine measures one at start-up for each new batch and prompt bucket, at the prompt's length;
@@ -25,7 +25,8 @@ ms[choice][k] is the step time at committed length contexts[k] (linear in betwee
 "ratios", "accepted" (optional): realised / predicted accepted tokens and accepted tokens per row
 and step of each choice in the measurement's runs: a generation's first calibration and
 expectation (choice.init_state). "call_ms" (optional, default 0): an advance call's cost beyond
-its steps, the timings' intercept, which a probe chosen on the host pays.
+its steps, the timings' intercept, which a probe chosen on the host pays; "starts" (optional):
+each choice's own intercept.
 """
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ class CostTable:
     call_ms: float = 0.0
     # the auto program's form the times are of (AutoBudget.form; "": not recorded, an older file)
     program: str = ""
+    # per choice name, ms a call of it costs beyond its steps (its own intercept: the call and, in
+    # device chunks, the chunk's start); empty: not recorded
+    starts: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         if not 1 <= len(self.contexts) <= POINTS:
@@ -92,7 +96,7 @@ class CostTable:
     def as_dict(self) -> dict:
         return {"batch": self.batch, "contexts": list(self.contexts), "ms": {k: list(v) for k, v in self.ms.items()},
                 "ratios": dict(self.ratios), "accepted": dict(self.accepted), "call_ms": self.call_ms,
-                "program": self.program, "source": self.source}
+                "starts": dict(self.starts), "program": self.program, "source": self.source}
 
 
 def _order(name: str):
@@ -151,23 +155,34 @@ def measure(advance: Callable, start_state, auto: AutoBudget, *, steps: int = 8,
     for c in choices:  # warm-up: XLA's first run of each branch
         run(c, steps)
     per = {c: [] for c in choices}
-    intercepts = []  # a call's cost beyond its steps: T(n) - n x the step time
+    intercepts = {c: [] for c in choices}  # a call's cost beyond its steps: T(n) - n x the step time
     for _ in range(repeats):
         for c in choices:  # interleaved, so drifts of the machine hit every choice alike
             t1, n1 = run(c, steps)
             t2, n2 = run(c, 2 * steps)
             per[c].append(1000 * ((t2 - t1) / (n2 - n1) if n2 > n1 else t2 / max(n2, 1)))
             if n2 > n1:
-                intercepts.append(1000 * t1 - n1 * per[c][-1])
-    ms = {auto.names[c]: (max(statistics.median(v), 1e-6),) for c, v in per.items()}
+                intercepts[c].append(1000 * t1 - n1 * per[c][-1])
+    ms = {auto.names[c]: max(statistics.median(v), 1e-6) for c, v in per.items()}
+    starts = {auto.names[c]: max(statistics.median(v), 0.0) for c, v in intercepts.items() if v}
     how = (f"measured at start-up: each choice run for {steps} and {2 * steps} steps from the prefilled state, "
            f"median of {repeats} interleaved pairs")
+    if auto.device_chunks and starts:
+        # Each call of n steps is one chunk, so a choice's intercept is the call's cost plus its chunk's
+        # start (a speculative chunk's scoring pass, a plain one's drafter catch-up). A generation pays a
+        # start per chunk and a call once whatever it chooses: each step carries its chunk start beyond
+        # the cheapest choice's, over the chunk's steps (decision 0048).
+        base = min(starts.values())
+        ms = {k: v + (starts.get(k, base) - base) / auto.decide_every for k, v in ms.items()}
+        how += f"; each step time holds 1/{auto.decide_every} of its chunk start beyond the cheapest's"
+    ms = {k: (v,) for k, v in ms.items()}
     # per row-step realised over per scored row-step predicted (equal row counts but in device chunks)
     ratios = {auto.names[c]: (real[c] / rows[c]) / (pred[c] / scored[c]) for c in choices if pred[c] > 0}
     accepted = {auto.names[c]: real[c] / rows[c] for c in choices if c != AR and rows[c] > 0}
-    call_ms = max(statistics.median(intercepts), 0.0) if intercepts else 0.0
+    every = [x for v in intercepts.values() for x in v]
+    call_ms = max(statistics.median(every), 0.0) if every else 0.0
     return CostTable(batch or int(start_state.bonus.shape[0]), (context,), ms, how, ratios, accepted, call_ms,
-                     auto.form)
+                     auto.form, starts)
 
 
 def load(path: str | os.PathLike, batch: int, *, device: str, model: dict, program: str | None = None) -> CostTable:
@@ -211,7 +226,9 @@ def load(path: str | os.PathLike, batch: int, *, device: str, model: dict, progr
     ratios = {k: float(v) for k, v in (t.get("ratios") or {}).items()}
     accepted = {k: float(v) for k, v in (t.get("accepted") or {}).items()}
     call_ms = float(t.get("call_ms", 0.0))
-    return CostTable(batch, contexts, ms, f"loaded from {path}", ratios, accepted, call_ms, t.get("program", ""))
+    starts = {k: float(v) for k, v in (t.get("starts") or {}).items()}
+    return CostTable(batch, contexts, ms, f"loaded from {path}", ratios, accepted, call_ms, t.get("program", ""),
+                     starts)
 
 
 def save(path: str | os.PathLike, table: CostTable, *, device: str, model: dict, extra: dict | None = None) -> None:
@@ -230,7 +247,7 @@ def save(path: str | os.PathLike, table: CostTable, *, device: str, model: dict,
         doc = {"format": FORMAT, "device": device, "model": model, "tables": {}}
     entry = {"contexts": list(table.contexts), "ms": {k: list(v) for k, v in table.ms.items()},
              "ratios": dict(table.ratios), "accepted": dict(table.accepted), "call_ms": table.call_ms,
-             "program": table.program, "how": table.source,
+             "starts": dict(table.starts), "program": table.program, "how": table.source,
              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     doc["tables"][str(table.batch)] = entry | (extra or {})
     atomic.write_json(path, doc)
