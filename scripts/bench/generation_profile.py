@@ -62,6 +62,7 @@ def _kind(name: str) -> str:
 def trace_summary(trace_dir: str) -> dict:
     """Host thunk kinds (count, ms), GPU kernels (count, ms) and the GPU span of a trace."""
     host = collections.defaultdict(lambda: [0, 0.0])
+    by_kernel = collections.defaultdict(lambda: [0, 0.0])
     kernels, kernel_ms, first, last = 0, 0.0, None, None
     for path in glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True):
         for plane in jax.profiler.ProfileData.from_file(path).planes:
@@ -73,6 +74,9 @@ def trace_summary(trace_dir: str) -> dict:
                             continue
                         kernels += 1
                         kernel_ms += ev.duration_ns / 1e6
+                        k = by_kernel[ev.name[:80]]
+                        k[0] += 1
+                        k[1] += ev.duration_ns / 1e6
                         first = ev.start_ns if first is None else min(first, ev.start_ns)
                         last = ev.end_ns if last is None else max(last, ev.end_ns)
                     else:
@@ -85,7 +89,16 @@ def trace_summary(trace_dir: str) -> dict:
     thunks = {k: {"count": c, "ms": ms} for k, (c, ms) in sorted(host.items(), key=lambda kv: -kv[1][1])
               if any(s in k for s in keep)}
     return {"gpu_kernels": kernels, "gpu_kernel_ms": kernel_ms, "gpu_span_ms": span,
-            "gpu_idle_in_span_ms": max(span - kernel_ms, 0.0), "host": thunks}
+            "gpu_idle_in_span_ms": max(span - kernel_ms, 0.0), "host": thunks,
+            "kernels": {k: {"count": c, "ms": ms} for k, (c, ms) in by_kernel.items()}}
+
+
+def kernel_difference(a: dict, b: dict, top: int = 40) -> list[dict]:
+    """Kernels by name whose total time differs most between two profiles' `kernels` (b - a)."""
+    names = set(a) | set(b)
+    rows = [{"kernel": n, "count": b.get(n, {}).get("count", 0) - a.get(n, {}).get("count", 0),
+             "ms": b.get(n, {}).get("ms", 0.0) - a.get(n, {}).get("ms", 0.0)} for n in names]
+    return sorted(rows, key=lambda r: -abs(r["ms"]))[:top]
 
 
 def main(argv=None) -> int:
@@ -147,13 +160,26 @@ def main(argv=None) -> int:
                 res = engine.generate(chunk, max_new_tokens=max_new, **kwargs[n])
                 wall = 1000 * (time.perf_counter() - t0)
             s = trace_summary(trace_dir)
-            s.update(wall_ms=wall, generation_ms=1000 * res[0].stats.seconds, steps=res[0].stats.steps)
+            s.update(wall_ms=wall, generation_ms=1000 * res[0].stats.seconds, steps=res[0].stats.steps,
+                     choices=(res[0].stats.adaptive or {}).get("choices"))
             report["programs"][n]["profile_first_batch"] = s
             print(f"[profile] {n:12s} generation {s['generation_ms']:.2f} ms ({s['steps']} steps): GPU kernels "
                   f"{s['gpu_kernel_ms']:.2f} ms in {s['gpu_kernels']}, span {s['gpu_span_ms']:.2f} ms, idle "
-                  f"{s['gpu_idle_in_span_ms']:.2f} ms; host: " + ", ".join(
+                  f"{s['gpu_idle_in_span_ms']:.2f} ms; choices {s['choices']}; host: " + ", ".join(
                       f"{k} {v['count']}x {v['ms']:.2f}" for k, v in list(s["host"].items())[:10]),
                   file=sys.stderr, flush=True)
+        if len(names) > 1:  # per kernel, each program against the first (its profiled generation)
+            base = report["programs"][names[0]]["profile_first_batch"]
+            for n in names[1:]:
+                prof = report["programs"][n]["profile_first_batch"]
+                diff = kernel_difference(base["kernels"], prof["kernels"])
+                prof[f"kernels_minus_{names[0]}"] = diff
+                print(f"[kernels] {n} - {names[0]}: " + ", ".join(
+                    f"{r['kernel'][:40]} {r['count']:+d}x {r['ms']:+.3f}" for r in diff[:14]),
+                    file=sys.stderr, flush=True)
+            for n in names:
+                prof = report["programs"][n]["profile_first_batch"]
+                prof["kernels"] = dict(sorted(prof["kernels"].items(), key=lambda kv: -kv[1]["ms"])[:80])
     atomic.write_json(args.out, report)
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
