@@ -192,11 +192,14 @@ class Engine:
                                                 program=program)
         return self._cost_tables[key]
 
-    def measure_cost_table(self, spec: gen.GenSpec, prompt, lens, eos, rows, *, steps: int = 8,
-                           repeats: int = 3) -> costs.CostTable:
+    def measure_cost_table(self, spec: gen.GenSpec, prompt, lens, eos, rows, *, steps: int | None = None,
+                           repeats: int | None = None) -> costs.CostTable:
         """Time every choice of an auto spec on these prompts (cost_table.measure), in the programs
         the generation runs (each choice's own, or the auto program with the choice forced): rows
-        run without EOS from their prefill."""
+        run without EOS from their prefill. steps / repeats (None: by device, costs.timing_defaults):
+        calls of `steps` and 2 x `steps` steps, `repeats` interleaved pairs."""
+        d_steps, d_repeats = costs.timing_defaults(jax.default_backend())
+        steps, repeats = steps or d_steps, repeats or d_repeats
         start, advance = gen.bind(self.graphdef)
         dparams = self.drafter_params
         never = jnp.full(eos.shape, -1, jnp.int32)  # the same shape as the real EOS set: no other program
