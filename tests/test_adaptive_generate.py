@@ -238,6 +238,8 @@ def test_engine_measures_its_table_at_start_up(ckpts, tmp_path):
     # device chunks (the default): each choice's own call intercept is recorded, and the step times
     # carry the chunk start beyond the cheapest choice's
     assert set(a["cost_table"]["starts"]) == {"ar", "dflash", "2", "4"} and "chunk start" in a["cost_table"]["source"]
+    # ... and no calibration ratio: each call scores the same one draft
+    assert a["cost_table"]["ratios"] == {} and set(a["cost_table"]["accepted"]) == {"dflash", "2", "4"}
     # the first generation of a program starts from the table, the next from what the last learned
     assert a["calibration_from"] == "the table"
     [again] = engine.generate([[5, 6, 7, 8]], auto_budgets=(2, 4), max_new_tokens=12)
