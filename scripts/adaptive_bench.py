@@ -136,12 +136,13 @@ _learning = jax.jit(choice.learning_draft, static_argnums=0)
 
 
 def simulate(tr: dict, rows: list[dict], ms: dict, contexts: list[float], policy: str, auto: AutoBudget,
-             context: float | None = None, measured: dict | None = None):
+             context: float | None = None, measured: dict | None = None, decision_ms: float = 0.0):
     """One generation of a batch of the trace's rows under `policy`: a choice name run at every
     step, or "auto" (the loop's policy over auto's choices, every one of which must be in the trace
     and in ms). Returns (tokens, ms, steps per choice). A step costs the table's time of its choice
     at the batch's mean committed length over active rows (context + position when `context` is
-    given, else each row's prompt length + position)."""
+    given, else each row's prompt length + position). decision_ms: what auto pays beyond the chosen
+    step's own time at each scored draft (the Bmax selection, E, the choice, the conditionals)."""
     names = list(auto.names)
     cols = [tr["choices"].index(n) for n in names]
     batch = len(rows)
@@ -185,6 +186,7 @@ def simulate(tr: dict, rows: list[dict], ms: dict, contexts: list[float], policy
             e_raw, acc_all = at(pos)
             c, e_cal = _choose(auto, a, jnp.asarray(e_raw), left, costs)
             c = int(c)
+            total_ms += decision_ms
             # device chunks: a learning draft (choice.learning_draft) is a one-step chunk, any other
             # runs decide_every steps of its choice; the policy learns from the chunk's first step
             chunk = (1 if bool(_learning(auto, a, left, costs)) else auto.decide_every) if auto.device_chunks else 1
@@ -259,7 +261,7 @@ def batches_of(rows: list[dict], b: int) -> list[list[dict]]:
 
 def run_simulation(tr: dict, tables: dict, batches: list[int], context: float | None,
                    objective: str = AutoBudget.objective, decide_every: int = 0,
-                   decide_on: str = AutoBudget.decide_on) -> dict:
+                   decide_on: str = AutoBudget.decide_on, decision_ms: float = 0.0) -> dict:
     results = {}
     for b in batches:
         if b not in tables:
@@ -274,7 +276,7 @@ def run_simulation(tr: dict, tables: dict, batches: list[int], context: float | 
         for p in policies:
             tokens, total, steps = 0, 0.0, {}
             for group in batches_of(tr["rows"], b):
-                n, t, st = simulate(tr, group, ms, contexts, p, auto, context, measured)
+                n, t, st = simulate(tr, group, ms, contexts, p, auto, context, measured, decision_ms)
                 tokens, total = tokens + n, total + t
                 for k, v in st.items():
                     steps[k] = steps.get(k, 0) + v
@@ -405,6 +407,9 @@ def main(argv=None) -> int:
     s.add_argument("--decide-every", type=int, default=0,
                    help="auto's decide_every (default 0: the per-step policy; N > 1: device chunks, a scored step "
                    "then the choice's fixed-budget steps)")
+    s.add_argument("--decision-ms", type=float, default=0.0,
+                   help="ms auto pays at each scored draft beyond the chosen step's time (default 0: left out; the "
+                   "H200 demo pair's per-step program paid 0.26 ms a step over a fixed budget's, decision 0045)")
     s.add_argument("--out", required=True)
     la = sub.add_parser("latency", help="compile time of auto and the first token's latency")
     la.add_argument("--target", default=None)
@@ -426,9 +431,9 @@ def main(argv=None) -> int:
             tr = json.load(f)
         tables = tables_from_files(args.cost_table, args.e2e, args.ratios_from)
         report |= {"trace": args.trace, "cost_table": args.cost_table, "e2e": args.e2e, "context": args.context,
-                   "objective": args.objective, "decide_every": args.decide_every,
+                   "objective": args.objective, "decide_every": args.decide_every, "decision_ms": args.decision_ms,
                    "simulation": run_simulation(tr, tables, [int(b) for b in args.batches.split(",")], args.context,
-                                                args.objective, args.decide_every, "device")}
+                                                args.objective, args.decide_every, "device", args.decision_ms)}
         atomic.write_json(args.out, report)
         return 0
 
