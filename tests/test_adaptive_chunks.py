@@ -106,7 +106,10 @@ def test_device_chunks_equal_plain_decoding_and_follow_the_table():
 
     cfg, gd, params, prompt, lens, ref, table = setup("qwen3_5")
     proposer = oracle(cfg)
-    for ms, force in [(MIXED, -1), ([0.2, 5, 5, 5], -1), ([9, 5, 5, 1], -1)] + [(MIXED, c) for c in CHOICES]:
+    # force size + c: choice c in one-step chunks (the step-time table's calibration pass)
+    calibrating = [(MIXED, DEVICE_CHUNKS.size + c) for c in (DFLASH, FIRST_TREE + 1)]
+    for ms, force in [(MIXED, -1), ([0.2, 5, 5, 5], -1), ([9, 5, 5, 1], -1)] + [(MIXED, c) for c in CHOICES] + \
+            calibrating:
         res = run_auto(gd, params, prompt, lens, proposer, table, ms, force, auto=DEVICE_CHUNKS)
         np.testing.assert_array_equal(np.asarray(res.out), ref, err_msg=f"{ms} force {force}")
         check_features("qwen3_5", proposer, res, table)
@@ -114,7 +117,13 @@ def test_device_chunks_equal_plain_decoding_and_follow_the_table():
         steps = int(res.steps.max())
         assert sum(st["choices"].values()) == steps
         if force >= 0:
-            assert set(st["choices"]) == {DEVICE_CHUNKS.names[force]}
+            name = DEVICE_CHUNKS.names[force % DEVICE_CHUNKS.size]
+            assert set(st["choices"]) == {name}
+            a = st["acceptance"][name]
+            if force >= DEVICE_CHUNKS.size:  # every draft scored
+                assert a["scored_row_steps"] == a["row_steps"] == int(np.sum(np.asarray(res.steps)))
+            else:
+                assert a["scored_row_steps"] < a["row_steps"]
         if ms == [9, 5, 5, 1]:
             assert set(st["choices"]) == {"8"}
             # only a chunk's first step is scored; the first chunk (nothing learned yet) is one step

@@ -182,7 +182,8 @@ def _device_chunk(model, dparams, s, eos_ids, spec, phases: Phases, costs, stop_
 
     def score(st):
         _, _, e_raw, c, e_cal = _score(model, dparams, st, spec, phases, left, costs)
-        learning = choice.learning_draft(auto, st.adapt, left, costs) & (st.adapt.force < 0)
+        learning = (choice.learning_draft(auto, st.adapt, left, costs) & (st.adapt.force < 0)) | (
+            st.adapt.force >= auto.size)  # a calibration pass: every draft scored
         steps = jnp.where(learning, 1, auto.decide_every).astype(jnp.int32)
         return c.astype(jnp.int32), steps, e_raw, e_cal.astype(jnp.float32), jnp.bool_(True)
 

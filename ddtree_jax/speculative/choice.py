@@ -174,7 +174,9 @@ class AdaptiveState(NamedTuple):
 
     cost_ms: jax.Array  # [C, K] float32 step time of each choice at each context (inf: not available)
     cost_ctx: jax.Array  # [K] float32 committed lengths of the table's columns, ascending
-    force: jax.Array  # int32: -1 = choose; c >= 0 = run choice c every step (timing the cost table)
+    # int32: -1 = choose; c >= 0 = run choice c every step (timing the cost table); size + c = choice c
+    # in one-step device chunks (the table's calibration pass: every draft scored)
+    force: jax.Array
     real: jax.Array  # [C] float32 decayed sums of realised accepted tokens (steps that ran the choice)
     pred: jax.Array  # [C] float32 ... and of predicted (raw E) accepted tokens
     all_real: jax.Array  # float32 decayed sums over all speculative steps
@@ -327,13 +329,20 @@ def _probe_due(policy: AutoBudget, a: AdaptiveState, costs: jax.Array) -> jax.Ar
     return a.since >= jnp.minimum(a.gap * wait, hi)
 
 
+def forced(policy: AutoBudget, a: AdaptiveState) -> jax.Array:
+    """The choice a measurement forces (int32; -1: none). `force` c < size forces c; size + c forces c
+    in one-step device chunks, every draft scored (the step-time table's calibration pass)."""
+    return jnp.where(a.force >= policy.size, a.force - policy.size, a.force)
+
+
 def draft_next(policy: AutoBudget, a: AdaptiveState, left: jax.Array, costs: jax.Array) -> jax.Array:
     """Whether the next step drafts (bool): forced, or no speculative step has run yet, or a probe is
     due, or some speculative choice's predicted worth beats the plain step's."""
     if not policy.ar:
         return jnp.bool_(True)
     chosen = ~a.have_e | _probe_due(policy, a, costs) | _predicted_spec_wins(policy, a, left, costs)
-    return jnp.where(a.force >= 0, a.force != AR, chosen)
+    f = forced(policy, a)
+    return jnp.where(f >= 0, f != AR, chosen)
 
 
 def learning_draft(policy: AutoBudget, a: AdaptiveState, left: jax.Array, costs: jax.Array) -> jax.Array:
@@ -354,7 +363,8 @@ def plan(policy: AutoBudget, a: AdaptiveState, left: jax.Array, costs: jax.Array
     e = jnp.where(jnp.arange(policy.size) == AR, 0.0, a.row_e)
     v = _values(policy, e, left, costs).at[AR].set(-jnp.inf)
     best = jnp.argmax(v).astype(jnp.int32)
-    c = jnp.where(a.force >= 0, a.force, jnp.where(drafts, best, AR))
+    f = forced(policy, a)
+    c = jnp.where(f >= 0, f, jnp.where(drafts, best, AR))
     n = jnp.where(drafts & learning_draft(policy, a, left, costs) & (a.force < 0), 1, policy.decide_every)
     return jnp.stack([c, n]).astype(jnp.int32)
 
@@ -372,7 +382,8 @@ def choose(policy: AutoBudget, a: AdaptiveState, e_raw: jax.Array, left: jax.Arr
     e = calibrated(policy, a, e_raw)
     v = _values(policy, e, left, costs).at[AR].set(-jnp.inf)
     c = jnp.argmax(v).astype(jnp.int32)
-    return jnp.where(a.force >= 0, a.force, c), e
+    f = forced(policy, a)
+    return jnp.where(f >= 0, f, c), e
 
 
 def after_spec(policy: AutoBudget, a: AdaptiveState, c, e_raw, e_cal, accepted, left, step, costs,

@@ -7,8 +7,9 @@ the call's fixed cost (host dispatch, prefill is not in it: the calls start from
 state). Chosen by the host (AutoBudget.host_decides) each choice has its own program
 (AutoBudget.program); otherwise the one auto program runs the choice forced
 (LoopState.adapt.force): per step, its switch and shared draft / selection included; in device
-chunks, the chosen draft's fixed-budget steps, each carrying 1/n of its chunk's start beyond the
-cheapest choice's (the per-choice intercepts, `starts`). Either way a table costs no compilation beyond the
+chunks, the chosen draft's fixed-budget steps (each choice's own intercept, its call and chunk
+start, is recorded in `starts`), then one call per draft choice in one-step chunks, every draft
+scored, for the calibration ratios. Either way a table costs no compilation beyond the
 generation's.
 
 The Engine measures one at start-up for each new batch and prompt bucket, at the prompt's length;
@@ -146,18 +147,24 @@ def measure(advance: Callable, start_state, auto: AutoBudget, *, steps: int = 8,
     i0 = int(start_state.i)
 
     real, pred, rows, scored = (np.zeros(auto.size) for _ in range(4))
+    cal_real, cal_pred = np.zeros(auto.size), np.zeros(auto.size)  # the calibration pass's (device chunks)
 
-    def run(c: int, n: int) -> tuple[float, int]:
-        st = jax.tree.map(jnp.copy, start_state._replace(adapt=start_state.adapt._replace(force=jnp.int32(c))))
+    def run(c: int, n: int, force: int | None = None) -> tuple[float, int]:
+        force = c if force is None else force
+        st = jax.tree.map(jnp.copy, start_state._replace(adapt=start_state.adapt._replace(force=jnp.int32(force))))
         jax.block_until_ready(st)
         t0 = time.perf_counter()
         out = advance(st, c, n)
         ran = int(out.i)  # blocks until the call is done
         seconds = time.perf_counter() - t0
-        real[c] += float(out.adapt.sum_real[c])
-        pred[c] += float(out.adapt.sum_pred[c])
-        rows[c] += float(out.adapt.n_rows[c])
-        scored[c] += float(out.adapt.n_scored[c])
+        if force != c:  # one-step chunks: every draft scored, each step a pair of E and accepted tokens
+            cal_real[c] += float(out.adapt.sum_real[c])
+            cal_pred[c] += float(out.adapt.sum_pred[c])
+        else:
+            real[c] += float(out.adapt.sum_real[c])
+            pred[c] += float(out.adapt.sum_pred[c])
+            rows[c] += float(out.adapt.n_rows[c])
+            scored[c] += float(out.adapt.n_scored[c])
         return seconds, ran - i0
 
     choices = [c for c, on in enumerate(auto.enabled) if on]
@@ -172,25 +179,25 @@ def measure(advance: Callable, start_state, auto: AutoBudget, *, steps: int = 8,
             per[c].append(1000 * ((t2 - t1) / (n2 - n1) if n2 > n1 else t2 / max(n2, 1)))
             if n2 > n1:
                 intercepts[c].append(1000 * t1 - n1 * per[c][-1])
-    ms = {auto.names[c]: max(statistics.median(v), 1e-6) for c, v in per.items()}
+    ms = {auto.names[c]: (max(statistics.median(v), 1e-6),) for c, v in per.items()}
+    # each choice's own intercept: the call and, in device chunks, its chunk's start. Recorded, not
+    # charged to the steps: on the H200 demo they spread by ~0.5 ms with no order among the choices
+    # (decision 0048), noise that 1/n of would move a plain step's time by several per cent
     starts = {auto.names[c]: max(statistics.median(v), 0.0) for c, v in intercepts.items() if v}
     how = (f"measured at start-up: each choice run for {steps} and {2 * steps} steps from the prefilled state, "
            f"median of {repeats} interleaved pairs")
-    if auto.device_chunks and starts:
-        # Each call of n steps is one chunk, so a choice's intercept is the call's cost plus its chunk's
-        # start (a speculative chunk's scoring pass, a plain one's drafter catch-up). A generation pays a
-        # start per chunk and a call once whatever it chooses: each step carries its chunk start beyond
-        # the cheapest choice's, over the chunk's steps (decision 0048).
-        base = min(starts.values())
-        ms = {k: v + (starts.get(k, base) - base) / auto.decide_every for k, v in ms.items()}
-        how += f"; each step time holds 1/{auto.decide_every} of its chunk start beyond the cheapest's"
-    ms = {k: (v,) for k, v in ms.items()}
-    # realised over predicted accepted tokens per row-step. In device chunks every call scores one
-    # draft, the same one (the calls start from one state): a ratio from it is one draft's luck (the
-    # H200 demo: 9.8 for DFlash, which then realised 1.6 tokens against 6.3 calibrated), so none is
-    # recorded and the generation learns its own (decision 0048)
-    ratios = {} if auto.device_chunks else {
-        auto.names[c]: (real[c] / rows[c]) / (pred[c] / scored[c]) for c in choices if pred[c] > 0}
+    if auto.device_chunks:
+        # Every timing call scores one draft, the same one (the calls start from one state): a ratio
+        # from it is that draft's luck (the H200 demo: 9.8 for DFlash, which then realised a quarter
+        # of its calibrated E). So each draft choice runs once more in one-step chunks, every draft
+        # scored, and the ratio is over those 2n drafts (decision 0048).
+        for c in choices:
+            if c != AR:
+                run(c, 2 * steps, force=auto.size + c)
+        ratios = {auto.names[c]: cal_real[c] / cal_pred[c] for c in choices if cal_pred[c] > 0}
+        how += f"; calibration ratios over {2 * steps} drafts each, in one-step chunks"
+    else:  # realised over predicted accepted tokens per row-step, every draft scored
+        ratios = {auto.names[c]: (real[c] / rows[c]) / (pred[c] / scored[c]) for c in choices if pred[c] > 0}
     accepted = {auto.names[c]: real[c] / rows[c] for c in choices if c != AR and rows[c] > 0}
     every = [x for v in intercepts.values() for x in v]
     call_ms = max(statistics.median(every), 0.0) if every else 0.0
