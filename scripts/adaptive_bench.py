@@ -32,6 +32,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import json
@@ -251,6 +252,18 @@ def tables_from_files(cost_table_path: str | None, e2e_paths: list[str], ratios_
     return out
 
 
+def _setting(text: str) -> tuple[str, float]:
+    """FIELD=VALUE of --policy: a numeric AutoBudget field."""
+    field, _, value = text.partition("=")
+    known = {f.name for f in dataclasses.fields(AutoBudget)}
+    if field not in known or not value:
+        raise SystemExit(f"--policy {text!r}: expected FIELD=VALUE with FIELD one of {sorted(known)}")
+    try:
+        return field, float(value)
+    except ValueError:
+        raise SystemExit(f"--policy {text!r}: {value!r} is not a number") from None
+
+
 def batches_of(rows: list[dict], b: int) -> list[list[dict]]:
     """The trace's rows as the benchmark runs its prompts: in batches of b, the rows cycled to fill
     the last batch (and a batch larger than the prompt set)."""
@@ -261,7 +274,8 @@ def batches_of(rows: list[dict], b: int) -> list[list[dict]]:
 
 def run_simulation(tr: dict, tables: dict, batches: list[int], context: float | None,
                    objective: str = AutoBudget.objective, decide_every: int = 0,
-                   decide_on: str = AutoBudget.decide_on, decision_ms: float = 0.0) -> dict:
+                   decide_on: str = AutoBudget.decide_on, decision_ms: float = 0.0,
+                   policy: dict | None = None) -> dict:
     results = {}
     for b in batches:
         if b not in tables:
@@ -270,7 +284,7 @@ def run_simulation(tr: dict, tables: dict, batches: list[int], context: float | 
         missing = [n for n in tr["choices"] if n not in ms]
         auto = AutoBudget(tuple(int(n) for n in tr["choices"][2:] if n in ms), ar="ar" in ms, dflash="dflash" in ms,
                           ar_burst=tr["ar_burst"], objective=objective, decide_every=decide_every,
-                          decide_on=decide_on)
+                          decide_on=decide_on, **(policy or {}))
         policies = [n for n, on in zip(auto.names, auto.enabled) if on] + ["auto"]
         row = {"contexts": contexts, "ms": ms, "measured": measured, "missing_choices": missing, "policies": {}}
         for p in policies:
@@ -410,6 +424,8 @@ def main(argv=None) -> int:
     s.add_argument("--decision-ms", type=float, default=0.0,
                    help="ms auto pays at each scored draft beyond the chosen step's time (default 0: left out; the "
                    "H200 demo pair's per-step program paid 0.26 ms a step over a fixed budget's, decision 0045)")
+    s.add_argument("--policy", action="append", default=[], metavar="FIELD=VALUE",
+                   help="an AutoBudget setting for auto (e.g. chunk_weight=0.5, ar_margin=0.1); repeatable")
     s.add_argument("--out", required=True)
     la = sub.add_parser("latency", help="compile time of auto and the first token's latency")
     la.add_argument("--target", default=None)
@@ -433,7 +449,8 @@ def main(argv=None) -> int:
         report |= {"trace": args.trace, "cost_table": args.cost_table, "e2e": args.e2e, "context": args.context,
                    "objective": args.objective, "decide_every": args.decide_every, "decision_ms": args.decision_ms,
                    "simulation": run_simulation(tr, tables, [int(b) for b in args.batches.split(",")], args.context,
-                                                args.objective, args.decide_every, "device", args.decision_ms)}
+                                                args.objective, args.decide_every, "device", args.decision_ms,
+                                                dict(_setting(x) for x in args.policy))}
         atomic.write_json(args.out, report)
         return 0
 

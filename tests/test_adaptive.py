@@ -149,6 +149,24 @@ def test_choice_follows_the_cost_table():
             assert int(c) == want and bool(draft_next(AUTO, a, left, costs))
 
 
+def test_device_chunk_choice_blends_the_draft_with_the_rows_average():
+    """In device chunks the choice values each draft at chunk_weight x its own calibrated E plus
+    the rest of the rows' moving average (row_e): a draft whose E disagrees with the history
+    steers a chunk less. The per-step policy values the draft alone; the returned E is the
+    draft's either way (what the policy learns from)."""
+    left = jnp.full((2,), 100, jnp.int32)
+    e_raw = jnp.asarray([[0, 0, 0.2, 3.0]] * 2, jnp.float32)  # this draft: only budget 16 looks good
+    history = jnp.asarray([[0, 0, 2.0, 0.5]] * 2, jnp.float32)  # the past: budget 4 accepted more
+    for weight, auto, want in ((1.0, AUTO, FIRST_TREE + 1),
+                               (0.25, dataclasses.replace(AUTO, decide_every=32, chunk_weight=0.25), FIRST_TREE),
+                               (1.0, dataclasses.replace(AUTO, decide_every=32, chunk_weight=1.0), FIRST_TREE + 1)):
+        a = state([9, 9, 1, 1])._replace(row_e=history, have_e=jnp.bool_(True))
+        costs = choice.step_costs(auto, a, jnp.float32(0))
+        c, e_cal = choose(auto, a, e_raw, left, costs)
+        assert int(c) == want, weight
+        np.testing.assert_allclose(e_cal, e_raw, rtol=1e-6)  # no calibration learned: ratio 1
+
+
 def test_probes_after_plain_steps_and_backs_off():
     """Plain steps run until the wait ends, then one speculative step probes; while probes keep
     finding plain steps better, the wait doubles up to its cap. The wait keeps the probes' extra

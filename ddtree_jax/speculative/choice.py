@@ -69,6 +69,11 @@ class AutoBudget:
     probe_budget: float = 0.03  # share of the time that probes may cost while plain steps run
     probe_wait: tuple[int, int] = (8, 1024)  # the fewest and most plain steps between probes
     ar_margin: float = 0.3  # how much better plain steps must be predicted to be than drafting
+    # device chunks: the weight of the scored draft's own E in the chunk's choice, the rest the rows'
+    # moving average of calibrated E (a chunk runs its choice for up to decide_every steps; a draft's
+    # E predicts its own acceptance, hardly the next steps'). 0.25 by simulation on the H200 demo
+    # tables (decision 0048)
+    chunk_weight: float = 0.25
     # what a step maximises: "tokens" = the batch's expected tokens per ms (rows replaced as they
     # finish: continuous batching); "makespan" = progress of the row that would finish last (a
     # fixed batch that runs until every row is done). Equal at batch 1.
@@ -152,6 +157,8 @@ class AutoBudget:
                 or not self.ar_margin >= 0:
             out.append(f"need 0 <= decay < 1, 0 <= smooth < 1, prior > 0, global_prior > 0, ar_margin >= 0; got "
                        f"{self.decay}, {self.smooth}, {self.prior}, {self.global_prior}, {self.ar_margin}")
+        if not 0 <= self.chunk_weight <= 1:
+            out.append(f"chunk_weight must be in [0, 1], got {self.chunk_weight}")
         if not isinstance(self.decide_every, int) or self.decide_every < 0:
             out.append(f"decide_every must be an integer >= 0 (0: every step on device), got {self.decide_every!r}")
         if self.decide_on not in DECIDE_ON:
@@ -380,10 +387,20 @@ def choose(policy: AutoBudget, a: AdaptiveState, e_raw: jax.Array, left: jax.Arr
     """The speculative choice for this draft: (choice int32 >= 1, calibrated E [B, C]). Ties go to
     the lower index (the cheaper draft). e_raw [B, C] (column AR unused)."""
     e = calibrated(policy, a, e_raw)
-    v = _values(policy, e, left, costs).at[AR].set(-jnp.inf)
+    v = _values(policy, _chunk_e(policy, a, e), left, costs).at[AR].set(-jnp.inf)
     c = jnp.argmax(v).astype(jnp.int32)
     f = forced(policy, a)
     return jnp.where(f >= 0, f, c), e
+
+
+def _chunk_e(policy: AutoBudget, a: AdaptiveState, e: jax.Array) -> jax.Array:
+    """The E a choice is valued at: this draft's calibrated E, or in device chunks (one choice for
+    up to decide_every steps) its blend with the rows' moving average, weight `chunk_weight` on the
+    draft (a draft's E predicts its own acceptance, hardly the next steps')."""
+    if not policy.device_chunks or policy.chunk_weight >= 1:
+        return e
+    w = policy.chunk_weight
+    return jnp.where(a.have_e, w * e + (1 - w) * a.row_e, e)
 
 
 def after_spec(policy: AutoBudget, a: AdaptiveState, c, e_raw, e_cal, accepted, left, step, costs,
