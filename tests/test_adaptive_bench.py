@@ -41,6 +41,23 @@ def test_device_chunks_are_simulated_as_the_loop_runs_them():
     assert res["auto"]["tokens_per_s"] == pytest.approx(res["16"]["tokens_per_s"])
 
 
+def test_decision_cost_and_policy_settings():
+    """--decision-ms charges each scored draft (here a chunk's first step: 5 chunks of 4 after the
+    one-step first); --policy sets a numeric AutoBudget field and names a wrong one."""
+    tr = trace([row(40, 1, 1.0)])
+    ms = {"ar": [9.0], "dflash": [9.0], "4": [9.0], "16": [1.0]}
+    free = ab.run_simulation(tr, {1: ([0.0], ms, {})}, [1], None, decide_every=4)["1"]["policies"]["auto"]
+    paid = ab.run_simulation(tr, {1: ([0.0], ms, {})}, [1], None, decide_every=4, decision_ms=0.5,
+                             policy={"chunk_weight": 0.5})["1"]["policies"]["auto"]
+    assert paid["steps"] == free["steps"] == {"16": 20}
+    scored = 1 + (20 - 1 + 3) // 4  # the first (learning) chunk of one step, then chunks of 4
+    assert 1000 * 41 / paid["tokens_per_s"] == pytest.approx(1000 * 41 / free["tokens_per_s"] + 0.5 * scored)
+    assert ab._setting("ar_margin=0.1") == ("ar_margin", 0.1)
+    for bad in ("margin=1", "ar_margin=", "ar_margin=x"):
+        with pytest.raises(SystemExit, match="--policy"):
+            ab._setting(bad)
+
+
 def test_batches_take_every_row_and_the_slowest_sets_the_time():
     """Batch 2 of a fast and a slow row: a fixed choice steps until the slow row is done."""
     tr = trace([row(10, 4, 3.0), row(10, 0, 0.1)])
