@@ -239,7 +239,7 @@ def test_engine_measures_its_table_at_start_up(ckpts, tmp_path):
     # choice's calibration ratio comes from a pass of one-step chunks (every draft scored)
     assert set(a["cost_table"]["starts"]) == {"ar", "dflash", "2", "4"}
     assert set(a["cost_table"]["ratios"]) == set(a["cost_table"]["accepted"]) == {"dflash", "2", "4"}
-    assert "calibration ratios over 16 drafts each" in a["cost_table"]["source"]
+    assert "calibration ratios over 8 drafts each" in a["cost_table"]["source"]
     # the first generation of a program starts from the table, the next from what the last learned
     assert a["calibration_from"] == "the table"
     [again] = engine.generate([[5, 6, 7, 8]], auto_budgets=(2, 4), max_new_tokens=12)

@@ -44,7 +44,10 @@ from ddtree_jax.speculative.choice import AutoBudget
 from ddtree_jax.speculative.sampling import RowSampling, Sampling, SamplingCode, seed_key
 
 MIN_PROMPT_BUCKET = 16
-MEASURE_STEPS = 8  # a start-up table times each choice for this many steps and twice as many
+def measure_steps() -> int:
+    """Steps of a start-up table's shorter timing call (twice as many in the longer): by device
+    (cost_table.timing_defaults)."""
+    return costs.timing_defaults(jax.default_backend())[0]
 MEASURE_PROMPT = 64  # tokens of the start-up table's synthetic prompt (at most a quarter of the context)
 # padded prompt tokens one prefill call may take, by default (decision 0044): on a CPU prefill is
 # compute-bound, and a call of 32 prompts made every first token wait for all of them
@@ -255,7 +258,7 @@ class SlotBatch:
         self.tables: dict[int, costs.CostTable] = {}
         self._table_arrays: dict[int, tuple] = {}
         # the trace of choices holds one chunk's steps (or a start-up measurement's longest call)
-        self.trace_len = max(chunk_steps, 2 * MEASURE_STEPS)
+        self.trace_len = max(chunk_steps, 2 * measure_steps())
         if cost_table is not None:
             if self.auto is None:
                 raise ValueError("a step-time table is for mode ddtree with budget 'auto' only")
@@ -332,16 +335,18 @@ class SlotBatch:
         arrays = costs.placeholder(self.auto)  # warm-up and measurement runs: their choices do not matter
         return jnp.asarray(arrays.ms), jnp.asarray(arrays.contexts)
 
-    def measure_costs(self, steps: int = MEASURE_STEPS, repeats: int = 3) -> dict[int, float]:
+    def measure_costs(self, steps: int | None = None, repeats: int | None = None) -> dict[int, float]:
         """Budget "auto": measure the step-time table of every batch bucket that has none, in the
         serving program itself (the bucket's chunk; the forced choice and the table are data, so
         nothing more compiles): the bucket's slots hold copies of one synthetic request, run without
         stop tokens, each choice forced (cost_table.measure). The acceptance such runs see says
         nothing of real requests and is not kept: the policy learns it from the traffic. Needs idle
         slots (before serving) and room for a copy of their state. The slots end idle. Returns the
-        seconds each bucket took."""
+        seconds each bucket took. steps / repeats: None, by device (cost_table.timing_defaults)."""
         if self.auto is None:
             return {}
+        d_steps, d_repeats = costs.timing_defaults(jax.default_backend())
+        steps, repeats = steps or d_steps, repeats or d_repeats
         if not bool(np.asarray(self.state.done).all()):
             raise RuntimeError("measure_costs needs idle slots: call it before serving")
         if 2 * steps > self.trace_len:
@@ -368,7 +373,7 @@ class SlotBatch:
                                        rows=rows, window=self.window)[0]
 
                 table = costs.measure(advance, start, self.auto, steps=steps, repeats=repeats, batch=rows,
-                                      context=float(n))
+                                      context=float(n), calibrate=False)
                 self.tables[rows] = dataclasses.replace(
                     table, ratios={}, accepted={},
                     source=f"measured at start-up in the serving program (batch {rows}, a synthetic {n}-token prompt; "

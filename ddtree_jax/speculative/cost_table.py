@@ -8,8 +8,8 @@ state). Chosen by the host (AutoBudget.host_decides) each choice has its own pro
 (AutoBudget.program); otherwise the one auto program runs the choice forced
 (LoopState.adapt.force): per step, its switch and shared draft / selection included; in device
 chunks, the chosen draft's fixed-budget steps (each choice's own intercept, its call and chunk
-start, is recorded in `starts`), then one call per draft choice in one-step chunks, every draft
-scored, for the calibration ratios. Either way a table costs no compilation beyond the
+start, is recorded in `starts`), then one call of n steps per draft choice in one-step chunks,
+every draft scored, for the calibration ratios. Either way a table costs no compilation beyond the
 generation's.
 
 The Engine measures one at start-up for each new batch and prompt bucket, at the prompt's length;
@@ -132,7 +132,7 @@ def fingerprint(cfg, proposer, routes) -> dict:
 
 
 def measure(advance: Callable, start_state, auto: AutoBudget, *, steps: int = 8, repeats: int = 3,
-            batch: int | None = None, context: float | None = None) -> CostTable:
+            batch: int | None = None, context: float | None = None, calibrate: bool = True) -> CostTable:
     """Time every compiled choice of `auto` from start_state (a prefilled LoopState of the auto
     program; never modified): advance(state, c, n) -> state runs up to n steps of choice c (its
     state has adapt.force = c; it may donate its input: each call gets a copy). Rows should not
@@ -141,7 +141,8 @@ def measure(advance: Callable, start_state, auto: AutoBudget, *, steps: int = 8,
     forced runs' acceptance per choice comes with the table (`ratios`: realised / predicted,
     `accepted`: per row and step; the generations' first calibration and expectation). context:
     the table's committed length (default the mean over start_state's rows; a server whose state
-    has idle slots gives its rows')."""
+    has idle slots gives its rows'). calibrate: False skips the calibration pass of device chunks (a
+    caller that keeps no acceptance)."""
     if context is None:
         context = float(np.mean(np.asarray(start_state.cache.lengths)))
     i0 = int(start_state.i)
@@ -186,16 +187,18 @@ def measure(advance: Callable, start_state, auto: AutoBudget, *, steps: int = 8,
     starts = {auto.names[c]: max(statistics.median(v), 0.0) for c, v in intercepts.items() if v}
     how = (f"measured at start-up: each choice run for {steps} and {2 * steps} steps from the prefilled state, "
            f"median of {repeats} interleaved pairs")
-    if auto.device_chunks:
+    if not calibrate:  # the caller keeps no acceptance (a server's synthetic request): no calibration pass
+        ratios = {}
+    elif auto.device_chunks:
         # Every timing call scores one draft, the same one (the calls start from one state): a ratio
         # from it is that draft's luck (the H200 demo: 9.8 for DFlash, which then realised a quarter
         # of its calibrated E). So each draft choice runs once more in one-step chunks, every draft
-        # scored, and the ratio is over those 2n drafts (decision 0048).
+        # scored, and the ratio is over those n drafts (decision 0048).
         for c in choices:
             if c != AR:
-                run(c, 2 * steps, force=auto.size + c)
+                run(c, steps, force=auto.size + c)
         ratios = {auto.names[c]: cal_real[c] / cal_pred[c] for c in choices if cal_pred[c] > 0}
-        how += f"; calibration ratios over {2 * steps} drafts each, in one-step chunks"
+        how += f"; calibration ratios over {steps} drafts each, in one-step chunks"
     else:  # realised over predicted accepted tokens per row-step, every draft scored
         ratios = {auto.names[c]: (real[c] / rows[c]) / (pred[c] / scored[c]) for c in choices if pred[c] > 0}
     accepted = {auto.names[c]: real[c] / rows[c] for c in choices if c != AR and rows[c] > 0}
