@@ -44,14 +44,16 @@ from ddtree_jax.speculative.choice import AutoBudget
 from ddtree_jax.speculative.sampling import RowSampling, Sampling, SamplingCode, seed_key
 
 MIN_PROMPT_BUCKET = 16
-def measure_steps() -> int:
-    """Steps of a start-up table's shorter timing call (twice as many in the longer): by device
-    (cost_table.timing_defaults)."""
-    return costs.timing_defaults(jax.default_backend())[0]
 MEASURE_PROMPT = 64  # tokens of the start-up table's synthetic prompt (at most a quarter of the context)
 # padded prompt tokens one prefill call may take, by default (decision 0044): on a CPU prefill is
 # compute-bound, and a call of 32 prompts made every first token wait for all of them
 PREFILL_TOKENS = {"cpu": 512, "accelerator": 2048}
+
+
+def measure_steps() -> int:
+    """Steps of a start-up table's shorter timing call (twice as many in the longer): by device
+    (cost_table.timing_defaults)."""
+    return costs.timing_defaults(jax.default_backend())[0]
 
 
 class ChunkReport(NamedTuple):
