@@ -198,8 +198,7 @@ class Engine:
         the generation runs (each choice's own, or the auto program with the choice forced): rows
         run without EOS from their prefill. steps / repeats (None: by device, costs.timing_defaults):
         calls of `steps` and 2 x `steps` steps, `repeats` interleaved pairs."""
-        d_steps, d_repeats = costs.timing_defaults(jax.default_backend())
-        steps, repeats = steps or d_steps, repeats or d_repeats
+        steps, repeats = costs.timing_defaults(steps, repeats)
         start, advance = gen.bind(self.graphdef)
         dparams = self.drafter_params
         never = jnp.full(eos.shape, -1, jnp.int32)  # the same shape as the real EOS set: no other program

@@ -53,7 +53,7 @@ PREFILL_TOKENS = {"cpu": 512, "accelerator": 2048}
 def measure_steps() -> int:
     """Steps of a start-up table's shorter timing call (twice as many in the longer): by device
     (cost_table.timing_defaults)."""
-    return costs.timing_defaults(jax.default_backend())[0]
+    return costs.timing_defaults()[0]
 
 
 class ChunkReport(NamedTuple):
@@ -347,8 +347,7 @@ class SlotBatch:
         seconds each bucket took. steps / repeats: None, by device (cost_table.timing_defaults)."""
         if self.auto is None:
             return {}
-        d_steps, d_repeats = costs.timing_defaults(jax.default_backend())
-        steps, repeats = steps or d_steps, repeats or d_repeats
+        steps, repeats = costs.timing_defaults(steps, repeats)
         if not bool(np.asarray(self.state.done).all()):
             raise RuntimeError("measure_costs needs idle slots: call it before serving")
         if 2 * steps > self.trace_len:

@@ -112,13 +112,14 @@ def placeholder(auto: AutoBudget):
                        np.float32(0))
 
 
-def timing_defaults(backend: str) -> tuple[int, int]:
-    """(steps, repeats) of a start-up measurement on this backend. On an accelerator a step of the
+def timing_defaults(steps: int | None = None, repeats: int | None = None) -> tuple[int, int]:
+    """(steps, repeats) of a start-up measurement: those given, else this backend's. On an accelerator a step of the
     demo pair is ~0.3 ms and a call's timing jitters by ~0.1 ms, so calls of 8 / 16 steps left the
     step times ~5 % apart at random (budget 16 timed cheaper than 8), enough to pick 32 where 16
     was 12 % cheaper a step (decision 0048): 16 / 32 steps and 7 pairs cost ~1 s there. A CPU step
     is ~50x longer: 8 / 16 steps and 3 pairs keep its start-up in seconds."""
-    return (8, 3) if backend == "cpu" else (16, 7)
+    d_steps, d_repeats = (8, 3) if jax.default_backend() == "cpu" else (16, 7)
+    return steps or d_steps, repeats or d_repeats
 
 
 def fingerprint(cfg, proposer, routes) -> dict:

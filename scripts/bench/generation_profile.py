@@ -160,6 +160,9 @@ def main(argv=None) -> int:
                 res = engine.generate(chunk, max_new_tokens=max_new, **kwargs[n])
                 wall = 1000 * (time.perf_counter() - t0)
             s = trace_summary(trace_dir)
+            if not s["gpu_kernels"]:
+                print(f"[profile] {n}: the trace has no GPU kernels (a {jax.default_backend()} run): its GPU figures "
+                      "are 0, only the host's events count", file=sys.stderr, flush=True)
             s.update(wall_ms=wall, generation_ms=1000 * res[0].stats.seconds, steps=res[0].stats.steps,
                      choices=(res[0].stats.adaptive or {}).get("choices"))
             report["programs"][n]["profile_first_batch"] = s
