@@ -19,6 +19,7 @@ and what the host did before the first kernel and after the last.
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import glob
 import json
@@ -64,6 +65,7 @@ def trace_summary(trace_dir: str) -> dict:
     host = collections.defaultdict(lambda: [0, 0.0])
     by_kernel = collections.defaultdict(lambda: [0, 0.0])
     kernels, kernel_ms, first, last = 0, 0.0, None, None
+    gpu_events, host_events = [], []  # (start, end, name): the GPU's kernels; the host's events
     for path in glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True):
         for plane in jax.profiler.ProfileData.from_file(path).planes:
             gpu = plane.name.startswith("/device:GPU")
@@ -79,10 +81,12 @@ def trace_summary(trace_dir: str) -> dict:
                         k[1] += ev.duration_ns / 1e6
                         first = ev.start_ns if first is None else min(first, ev.start_ns)
                         last = ev.end_ns if last is None else max(last, ev.end_ns)
+                        gpu_events.append((ev.start_ns, ev.end_ns, ev.name[:60]))
                     else:
                         k = host[_kind(ev.name)]
                         k[0] += 1
                         k[1] += ev.duration_ns / 1e6
+                        host_events.append((ev.start_ns, ev.end_ns, _kind(ev.name)[:60]))
     span = (last - first) / 1e6 if first is not None else 0.0
     keep = ("while.", "cond.", "command_buffer", "cuGraph", "MemcpyDH", "Thunks::", "jit_", "PjitFunction",
             "CommonPjRtLoadedExecutable::Execute", "conditional", "switch")
@@ -90,7 +94,39 @@ def trace_summary(trace_dir: str) -> dict:
               if any(s in k for s in keep)}
     return {"gpu_kernels": kernels, "gpu_kernel_ms": kernel_ms, "gpu_span_ms": span,
             "gpu_idle_in_span_ms": max(span - kernel_ms, 0.0), "host": thunks,
-            "kernels": {k: {"count": c, "ms": ms} for k, (c, ms) in by_kernel.items()}}
+            "kernels": {k: {"count": c, "ms": ms} for k, (c, ms) in by_kernel.items()},
+            "gaps": gap_causes(gpu_events, host_events)}
+
+
+def gap_causes(gpu_events: list, host_events: list, min_us: float = 5.0, top: int = 12) -> dict:
+    """Where the GPU idles between kernels: every gap of at least `min_us` between one kernel's end
+    and the next start, attributed to the innermost host event overlapping the gap's middle (the
+    shortest one: e.g. a while loop's predicate read, a conditional's branch read, a graph launch)
+    and to the kernel after it. Returns the gaps' count and total ms and the top causes by total ms."""
+    gpu_events = sorted(gpu_events)
+    host_events = sorted(host_events)
+    starts = [h[0] for h in host_events]
+    by_host = collections.defaultdict(lambda: [0, 0.0])
+    by_next = collections.defaultdict(lambda: [0, 0.0])
+    n, total, end = 0, 0.0, None
+    for start, stop, name in gpu_events:
+        if end is not None and start - end >= min_us * 1e3:
+            gap_ms, mid = (start - end) / 1e6, (start + end) // 2
+            inner = None
+            for h in host_events[:bisect.bisect_right(starts, mid)][-2000:]:  # recent host events only
+                if h[0] <= mid <= h[1] and (inner is None or h[1] - h[0] < inner[1] - inner[0]):
+                    inner = h
+            for table, key in ((by_host, inner[2] if inner else "(no host event)"), (by_next, name)):
+                table[key][0] += 1
+                table[key][1] += gap_ms
+            n, total = n + 1, total + gap_ms
+        end = stop if end is None else max(end, stop)
+
+    def rank(table):
+        rows = sorted(table.items(), key=lambda kv: -kv[1][1])[:top]
+        return [{"name": k, "count": c, "ms": ms} for k, (c, ms) in rows]
+
+    return {"min_us": min_us, "count": n, "ms": total, "by_host_event": rank(by_host), "by_next_kernel": rank(by_next)}
 
 
 def kernel_difference(a: dict, b: dict, top: int = 40) -> list[dict]:
@@ -171,6 +207,11 @@ def main(argv=None) -> int:
                   f"{s['gpu_idle_in_span_ms']:.2f} ms; choices {s['choices']}; host: " + ", ".join(
                       f"{k} {v['count']}x {v['ms']:.2f}" for k, v in list(s["host"].items())[:10]),
                   file=sys.stderr, flush=True)
+            g = s["gaps"]
+            print(f"[gaps] {n:12s} {g['count']} gaps >= {g['min_us']:.0f} us, {g['ms']:.2f} ms; during: " + ", ".join(
+                f"{r['name']} {r['count']}x {r['ms']:.2f}" for r in g["by_host_event"][:6]) + "; before: " + ", ".join(
+                f"{r['name'][:30]} {r['count']}x {r['ms']:.2f}" for r in g["by_next_kernel"][:6]),
+                file=sys.stderr, flush=True)
         if len(names) > 1:  # per kernel, each program against the first (its profiled generation)
             base = report["programs"][names[0]]["profile_first_batch"]
             for n in names[1:]:
