@@ -21,6 +21,13 @@ from pallas_kernels.moe_experts import DECODE_MAX_PAIRS
 
 IMPLS = ("xla", "pallas", "pallas_interpret")
 _NO_LIMIT = 1 << 20  # a threshold no tree reaches: the kernel is always taken where it can be
+# Weights that get the row pad on a GPU: every size below the 10,000,000 elements under which XLA
+# GPU's algebraic simplifier turns a dot with a vector operand into multiply + reduce
+# (GpuAlgebraicSimplifierVisitor::ShouldStrengthReduceDotToReduce with
+# IsMatrixMultiplicationTooSmallForRewriting: (M + N) * K < 10M, here the weight plus the row; a
+# one-row lhs is a vector once its unit dims are dropped). The window mirrors XLA's constant; its
+# H200 measurement is pending (docs/decisions/0049-single-row-products.md).
+ROW_PAD_WEIGHTS_GPU = (1, 9_999_999)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +49,12 @@ class Routes:
     add_norm_kernel: bool = True  # residual add + RMSNorm as one kernel
     split_k_parts: bool = True  # residual-stream products at verify rows return split-K partials
     split_k_rows: tuple[int, int] = (32, 128)  # row counts (inclusive) that return partials
+    # One-row Linear products (a decode step at batch 1) whose weight holds lo..hi elements
+    # (inclusive; (0, 0): never) pad the row with a zero row: XLA GPU strength-reduces a dot with a
+    # vector operand and fewer than 10M operand elements to a multiply over the whole weight and a
+    # reduce, far slower than its GEMM (issue #26; docs/decisions/0049-single-row-products.md).
+    # Kernels on only, like the fields around it; split-K partials take precedence where both apply.
+    row_pad_weights: tuple[int, int] = (0, 0)
     drafter_attention_kernel: bool = True  # the drafter's non-causal attention through the tree kernel
     ssd_kernel_max_nodes: int = 16  # Mamba2 tree verify: the SSD kernel up to this many nodes
     moe_experts_kernel: bool = True  # MoE expert products through the expert kernels
@@ -71,10 +84,19 @@ class Routes:
                 out.append(f"{f.name} must be true or false, got {v!r}")
             if f.type == "int" and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
                 out.append(f"{f.name} must be an integer >= 0, got {v!r}")
-        lo, hi = self.split_k_rows if len(self.split_k_rows) == 2 else (1, 0)
-        if len(self.split_k_rows) != 2 or not 1 <= lo <= hi:
+        lo, hi = self.split_k_rows if _int_pair(self.split_k_rows) else (1, 0)
+        if not _int_pair(self.split_k_rows) or not 1 <= lo <= hi:
             out.append(f"split_k_rows must be two row counts lo <= hi, got {self.split_k_rows!r}")
+        lo, hi = self.row_pad_weights if _int_pair(self.row_pad_weights) else (1, 0)
+        if not _int_pair(self.row_pad_weights) or not 0 <= lo <= hi:
+            out.append(f"row_pad_weights must be two element counts 0 <= lo <= hi, got {self.row_pad_weights!r}")
         return out
+
+    def pads_row(self, weight_elements: int) -> bool:
+        """Whether a one-row product with a weight of this many elements pads its row to two
+        (row_pad_weights; kernels on)."""
+        lo, hi = self.row_pad_weights
+        return self.kernels and hi > 0 and lo <= weight_elements <= hi
 
     @property
     def kernels(self) -> bool:
@@ -93,7 +115,8 @@ class Routes:
         impl = impl or ("pallas" if gpu else "xla")
         fields: dict[str, Any] = dict(impl=impl)
         if gpu:
-            fields.update(sort_top_k_max=16, staged_top_k=True, prefilter_top_k=True, rank_select_max=1024)
+            fields.update(sort_top_k_max=16, staged_top_k=True, prefilter_top_k=True, rank_select_max=1024,
+                          row_pad_weights=ROW_PAD_WEIGHTS_GPU)
         if impl == "pallas_interpret":
             fields.update(ssd_kernel_max_nodes=_NO_LIMIT)
         fields.update(overrides)
@@ -151,6 +174,11 @@ def _parse(kind: str, text: str):
         except ValueError:
             raise ValueError(f"expected integers like 32,128, got {text!r}") from None
     raise ValueError(f"cannot parse a {kind}")  # pragma: no cover
+
+
+def _int_pair(v) -> bool:
+    return (isinstance(v, tuple) and len(v) == 2
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in v))
 
 
 REFERENCE = Routes()  # the XLA forms: the default of every model and build entry point

@@ -54,6 +54,28 @@ def test_settings_parse_and_every_bad_one_is_named():
     assert set(IMPLS) == {"xla", "pallas", "pallas_interpret"}
 
 
+def test_row_pad_window_parses_resolves_and_names_bad_values():
+    """row_pad_weights: weight sizes lo..hi (inclusive) whose one-row products pad to two rows;
+    (0, 0), the reference, never; the GPU default mirrors XLA's 10M strength-reduction threshold."""
+    assert REFERENCE.row_pad_weights == (0, 0) and not REFERENCE.pads_row(1000)
+    r = REFERENCE.with_settings(["impl=pallas", "row_pad_weights=1,9999999"])
+    assert r.row_pad_weights == (1, 9_999_999) and r.as_dict()["row_pad_weights"] == [1, 9_999_999]
+    assert r.pads_row(1) and r.pads_row(9_999_999) and not r.pads_row(10_000_000)
+    assert not r.replace(impl="xla").pads_row(1000)  # kernels off: never
+    assert not r.replace(row_pad_weights=(0, 0)).pads_row(0)
+    assert Routes.resolve(platform="gpu").row_pad_weights == (1, 9_999_999)
+    assert Routes.resolve(platform="cpu").row_pad_weights == (0, 0)
+    assert Routes.resolve(platform="gpu", row_pad_weights=(0, 0)).row_pad_weights == (0, 0)
+    for bad in ["row_pad_weights=10,5", "row_pad_weights=-1,5", "row_pad_weights=1,2,3"]:
+        with pytest.raises(ValueError, match="row_pad_weights must be two element counts 0 <= lo <= hi"):
+            REFERENCE.with_settings([bad])
+    with pytest.raises(ValueError, match="expected integers like 32,128, got 'a,b'"):
+        REFERENCE.with_settings(["row_pad_weights=a,b"])
+    for bad in [(True, 5), (1.0, 5), [1, 5], 5]:
+        with pytest.raises(ValueError, match="row_pad_weights"):
+            Routes(row_pad_weights=bad)
+
+
 def test_changing_a_route_changes_the_compiled_program():
     """Routes travel in GenSpec, a static argument of the jitted generation: a generation with
     another route is another cache entry and another program (here the GDN decode kernel leaves

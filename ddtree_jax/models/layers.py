@@ -37,6 +37,17 @@ def split_k_count(rows: int, k: int, routes: Routes) -> int:
     return s
 
 
+def _padded_row_product(x: jax.Array, kernel: jax.Array) -> jax.Array:
+    """x @ kernel for x of one row ([..., K], every leading dim 1): the row and a zero row as a
+    [2, K] operand, row 0 of the product kept. XLA GPU turns a dot whose lhs is a vector (a single
+    row, once unit dims are dropped) and whose operands hold fewer than 10M elements into a multiply
+    over the whole weight and a reduce, slower than its GEMM; two rows are no vector
+    (routes.row_pad_weights; docs/decisions/0049-single-row-products.md)."""
+    k, n = kernel.shape
+    two = jnp.pad(x.reshape(1, k), ((0, 1), (0, 0)))
+    return jnp.einsum("ri,io->ro", two, kernel)[0].reshape(*x.shape[:-1], n)
+
+
 class SplitKParts(NamedTuple):
     """x @ kernel as float32 partial products over S slices of the contraction, parts [S, ..., N].
     pallas_kernels.add_rms_norm adds them (and rounds to the stream's dtype) in its own launch."""
@@ -59,7 +70,13 @@ class Linear(nnx.Module):
     the activations too (int8.product).
 
     `split_k_out` (set by the layer that owns it, where an add + RMSNorm kernel consumes the
-    output): at a verify's row counts, with kernels on, the product returns SplitKParts."""
+    output): at a verify's row counts, with kernels on, the product returns SplitKParts.
+
+    A product of one row (a decode step at batch 1) whose weight size is in routes.row_pad_weights
+    (kernels on) is made over the row and a zero row, so that XLA keeps it a GEMM rather than
+    strength-reducing the vector product to multiply + reduce (_padded_row_product); a weight of
+    one column is a vector itself and is left alone. Split-K partials, where they apply, come
+    first."""
 
     def __init__(self, d_in: int, d_out: int, *, bias: bool = False, dtype="float32", rngs: nnx.Rngs):
         self.kernel = nnx.Param(_init(rngs, (d_in, d_out), dtype, d_in**-0.5))
@@ -85,7 +102,10 @@ class Linear(nnx.Module):
                 x.reshape(*x.shape[:-1], s, k // s), kernel.reshape(s, k // s, n),
                 (((lead + 1,), (1,)), ((lead,), (0,))), preferred_element_type=jnp.float32)
             return SplitKParts(parts)
-        y = jnp.einsum("...i,io->...o", x, kernel)
+        if rows == 1 and kernel.shape[1] > 1 and routes.pads_row(kernel.size):
+            y = _padded_row_product(x, kernel)
+        else:
+            y = jnp.einsum("...i,io->...o", x, kernel)
         if self.bias is not None:
             y = y + self.bias[...]
         return y

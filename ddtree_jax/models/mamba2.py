@@ -86,11 +86,11 @@ class Mamba2Mixer(nnx.Module):
         self.out_proj = Linear(inter, hid, bias=bias, dtype=dtype, rngs=rngs)
 
     # ---- pieces shared by every entry point ------------------------------------------
-    def project(self, x: jax.Array):
+    def project(self, x: jax.Array, routes: Routes = REFERENCE):
         """Gate z [B,T,I], conv inputs xBC [B,T,conv_dim], dt [B,T,H] (float32, softplus'ed, clipped)."""
         cfg = self.cfg
         inter = cfg.mamba_intermediate
-        zxbcdt = self.in_proj(x)
+        zxbcdt = self.in_proj(x, routes)
         z, xbc, dt = zxbcdt[..., :inter], zxbcdt[..., inter:-cfg.mamba_num_heads], zxbcdt[..., -cfg.mamba_num_heads:]
         dt = jax.nn.softplus(dt.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
         lo, hi = cfg.mamba_dt_limit
@@ -113,10 +113,10 @@ class Mamba2Mixer(nnx.Module):
         a = -jnp.exp(self.A_log[...].astype(jnp.float32))
         return a, self.D[...].astype(jnp.float32)
 
-    def output(self, y: jax.Array, z: jax.Array, dtype) -> jax.Array:
+    def output(self, y: jax.Array, z: jax.Array, dtype, routes: Routes = REFERENCE) -> jax.Array:
         """y [B,T,H,P] float32 -> projected output [B,T,hidden]."""
         y = self.norm(y.reshape(*y.shape[:2], -1), z)
-        return self.out_proj(y.astype(dtype))
+        return self.out_proj(y.astype(dtype), routes)
 
     def _conv_bias(self):
         return None if self.conv_bias is None else self.conv_bias[...]
@@ -126,7 +126,7 @@ class Mamba2Mixer(nnx.Module):
                ) -> tuple[jax.Array, RecurrentCache]:
         """Consume the first step.n_valid[b] of T tokens; later (padding) tokens leave the state alone."""
         t, n_valid, chunked = x.shape[1], step.n_valid, step.chunked
-        z, xbc, dt = self.project(x)
+        z, xbc, dt = self.project(x, routes)
         conv = causal_conv(xbc, cache.conv, self.conv_weight[...], self._conv_bias())
         xs, bm, cm = self.ssm_inputs(conv, x.dtype)
         valid = jnp.arange(t)[None, :] < n_valid[:, None]
@@ -137,7 +137,7 @@ class Mamba2Mixer(nnx.Module):
         else:
             y, state = ssd.recurrent(xs, dt, a, bm, cm, d, cache.state)
         new_cache = RecurrentCache(conv=next_window(xbc, cache.conv, n_valid), state=state)
-        return self.output(y, z, x.dtype), new_cache
+        return self.output(y, z, x.dtype, routes), new_cache
 
     # ---- speculative entry points -------------------------------------------------------
     def tree(self, x, cache: RecurrentCache, geo: TreeGeometry, start=None, routes: Routes = REFERENCE
@@ -153,7 +153,7 @@ class Mamba2Mixer(nnx.Module):
         (docs/decisions/0027-ssd-kernel-max-nodes.md), announced by a warning when traced.
         """
         visible, conv_src, bits = geo.visible, geo.conv_src, geo.bits
-        z, xbc, dt = self.project(x)
+        z, xbc, dt = self.project(x, routes)
         w = self.conv_weight[...]
         if conv_src is None:
             conv = causal_conv(xbc, cache.conv, w, self._conv_bias())
@@ -173,7 +173,7 @@ class Mamba2Mixer(nnx.Module):
         else:
             acs = ssd.path_sums(dt, a, None if conv_src is None else visible)
             y = ssd.block(xs, dt, a, bm, cm, d, cache.state, visible, acs)
-        return self.output(y, z, x.dtype), Mamba2Pending(xbc, xs, bm, dt)
+        return self.output(y, z, x.dtype, routes), Mamba2Pending(xbc, xs, bm, dt)
 
     def commit(self, pending: Mamba2Pending, path, count, cache: RecurrentCache, start=None,
                routes: Routes = REFERENCE) -> RecurrentCache:

@@ -106,18 +106,18 @@ class SparseMoeBlock(StatelessMixer, nnx.Module):
         self.shared_expert = SwiGLU(h, cfg.moe_shared_intermediate_size, dtype=dtype, rngs=rngs)
         self.shared_expert_gate = Linear(h, 1, dtype=dtype, rngs=rngs)
 
-    def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def route(self, x: jax.Array, routes: Routes = REFERENCE) -> tuple[jax.Array, jax.Array]:
         """Chosen experts [..., k] and their combine weights [..., k] (float32 holding values of the
         params dtype: HF rounds the weights to it) of tokens x [..., H]."""
-        idx, weights = route_softmax_top_k(self.router(x), top_k=self.top_k, norm=self.norm_topk_prob)
+        idx, weights = route_softmax_top_k(self.router(x, routes), top_k=self.top_k, norm=self.norm_topk_prob)
         return idx, weights.astype(x.dtype).astype(jnp.float32)
 
     def __call__(self, x: jax.Array, routes: Routes = REFERENCE) -> jax.Array:
         flat = x.reshape(-1, x.shape[-1])
-        idx, weights = self.route(flat)
+        idx, weights = self.route(flat, routes)
         stack = self.experts
         routed = experts(flat, idx, weights, stack.gate_up_proj[...], stack.down_proj[...], act=SILU_GLU, routes=routes)
-        shared = jax.nn.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat, routes)
+        shared = jax.nn.sigmoid(self.shared_expert_gate(flat, routes)) * self.shared_expert(flat, routes)
         return (routed + shared).reshape(x.shape)
 
 
@@ -167,16 +167,16 @@ class NemotronMoE(StatelessMixer, nnx.Module):
             topk_group=cfg.moe_topk_group, norm=cfg.moe_norm_topk_prob, scale=cfg.moe_routed_scaling_factor,
         )
 
-    def expert_inputs(self, x: jax.Array) -> jax.Array:
+    def expert_inputs(self, x: jax.Array, routes: Routes = REFERENCE) -> jax.Array:
         """What the experts read: x, or its latent projection."""
-        return x if self.fc1_latent_proj is None else self.fc1_latent_proj(x)
+        return x if self.fc1_latent_proj is None else self.fc1_latent_proj(x, routes)
 
     def __call__(self, x: jax.Array, routes: Routes = REFERENCE) -> jax.Array:
         idx, weights = self.route(x)
-        xe = self.expert_inputs(x)
+        xe = self.expert_inputs(x, routes)
         k = idx.shape[-1]
         routed = experts(xe.reshape(-1, xe.shape[-1]), idx.reshape(-1, k), weights.reshape(-1, k),
                          self.up_proj[...], self.down_proj[...], act=RELU2, routes=routes).reshape(xe.shape)
         if self.fc2_latent_proj is not None:
-            routed = self.fc2_latent_proj(routed)
-        return routed + self.shared_experts(x)
+            routed = self.fc2_latent_proj(routed, routes)
+        return routed + self.shared_experts(x, routes)
