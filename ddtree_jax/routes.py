@@ -21,13 +21,15 @@ from pallas_kernels.moe_experts import DECODE_MAX_PAIRS
 
 IMPLS = ("xla", "pallas", "pallas_interpret")
 _NO_LIMIT = 1 << 20  # a threshold no tree reaches: the kernel is always taken where it can be
-# Weights that get the row pad on a GPU: every size below the 10,000,000 elements under which XLA
-# GPU's algebraic simplifier turns a dot with a vector operand into multiply + reduce
+# Weights that get the row pad on a GPU: 2^19 up to the 10,000,000 elements under which XLA GPU's
+# algebraic simplifier turns a dot with a vector operand into multiply + reduce
 # (GpuAlgebraicSimplifierVisitor::ShouldStrengthReduceDotToReduce with
-# IsMatrixMultiplicationTooSmallForRewriting: (M + N) * K < 10M, here the weight plus the row; a
-# one-row lhs is a vector once its unit dims are dropped). The window mirrors XLA's constant; its
-# H200 measurement is pending (docs/decisions/0049-single-row-products.md).
-ROW_PAD_WEIGHTS_GPU = (1, 9_999_999)
+# IsMatrixMultiplicationTooSmallForRewriting: (M + N) * K < 10M; a one-row lhs is a vector once its
+# unit dims are dropped). Measured on the H200 (docs/decisions/0049-single-row-products.md): at the
+# Qwen3.6-35B-A3B shape (weights of 0.5M-8.4M elements) the batch-1 decode step took 3.33 ms
+# padded against 4.65 ms; on the demo pair (weights of at most 0.3M) padding made it slower
+# (0.21 against 0.16 ms: the pad and slice launches outweigh a tiny product), hence the floor.
+ROW_PAD_WEIGHTS_GPU = (1 << 19, 9_999_999)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -63,7 +63,7 @@ def test_row_pad_window_parses_resolves_and_names_bad_values():
     assert r.pads_row(1) and r.pads_row(9_999_999) and not r.pads_row(10_000_000)
     assert not r.replace(impl="xla").pads_row(1000)  # kernels off: never
     assert not r.replace(row_pad_weights=(0, 0)).pads_row(0)
-    assert Routes.resolve(platform="gpu").row_pad_weights == (1, 9_999_999)
+    assert Routes.resolve(platform="gpu").row_pad_weights == (1 << 19, 9_999_999)
     assert Routes.resolve(platform="cpu").row_pad_weights == (0, 0)
     assert Routes.resolve(platform="gpu", row_pad_weights=(0, 0)).row_pad_weights == (0, 0)
     for bad in ["row_pad_weights=10,5", "row_pad_weights=-1,5", "row_pad_weights=1,2,3"]:

@@ -181,3 +181,18 @@ def test_a_padded_decode_step_gives_the_same_hidden_states():
     tokens = jnp.asarray([[7]], jnp.int32)
     a, b = step(params, tokens, routes=on), step(params, tokens, routes=on.replace(row_pad_weights=(0, 0)))
     assert_scaled_close(np.asarray(a), np.asarray(b), 1e-5, "decode step")
+
+
+def test_gpu_routes_pad_the_moe_shape_and_leave_the_demo_pair_alone():
+    """The GPU default window (decision 0049): a 35B-A3B router (2048 x 256 = 2^19 elements) and out
+    projection (4096 x 2048) pad; no Linear of the demo pair's batch-1 decode step does (its
+    weights hold at most 0.3M elements, where the pad measured slower)."""
+    gpu = Routes.resolve(platform="gpu", impl="pallas_interpret")
+    assert gpu.pads_row(2048 * 256) and gpu.pads_row(4096 * 2048) and not gpu.pads_row(2048 * 12352)
+    from ddtree_jax.demo import demo_paths
+    from ddtree_jax.engine import Engine
+
+    engine = Engine.load(*demo_paths())
+    found = _weight_products(engine.graphdef, engine.params, engine.cfg, gpu)
+    assert found and all(rows == 1 for rows, _ in found), found
+    assert max(w[0] * w[1] for _, w in found) < 1 << 19
