@@ -53,6 +53,7 @@ from jax import lax
 from ddtree_jax import bench as B
 from ddtree_jax.config import MOE
 from ddtree_jax.models import moe as moe_model
+from ddtree_jax.routes import REFERENCE
 from ddtree_jax.speculative import generate as gen
 from ddtree_jax.tree import root_path
 
@@ -74,7 +75,8 @@ def _moe_blocks(model) -> list:
 
 
 def _wrap_route(block, route) -> None:
-    """The block's routing replaced by `route(x) -> (ids, weights)` (this merged instance only)."""
+    """The block's routing replaced by `route(x, routes) -> (ids, weights)` (SparseMoeBlock.route's
+    signature; this merged instance only)."""
     object.__setattr__(block, "route", route)
 
 
@@ -85,8 +87,8 @@ def _probe(graphdef, params, dparams, s, spec, budgets):
     model = nnx.merge(graphdef, params)
     seen = []
     for block in _moe_blocks(model):
-        def recording(x, original=block.route):
-            ids, weights = original(x)
+        def recording(x, routes=REFERENCE, original=block.route):
+            ids, weights = original(x, routes)
             seen.append((x, ids, weights))
             return ids, weights
 
@@ -178,11 +180,11 @@ class StandIn:
         for layer, block in enumerate(_moe_blocks(model)):
             _wrap_route(block, functools.partial(self._route, block, self.seed + 1000 * layer))
 
-    def _route(self, block, seed: int, x):
+    def _route(self, block, seed: int, x, routes=REFERENCE):
         t = x.shape[0]
         e, k = block.router.kernel.shape[1], block.top_k
         table = jnp.asarray(correlated_ids(max(1, t // self.nodes), self.nodes, k, e, seed)[:t])
-        logits = block.router(x)
+        logits = block.router(x, routes)
         offset = jnp.argmax(logits[0]).astype(jnp.int32)  # traced: the table is not a constant
         ids = (table + offset) % e
         probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
