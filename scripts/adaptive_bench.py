@@ -123,6 +123,19 @@ def trace(engine, prompts: list[list[int]], max_new: int, auto: AutoBudget) -> d
 
 
 # ---- simulate -----------------------------------------------------------------------------------
+def truncated(tr: dict, max_new: int) -> dict:
+    """The trace as generations of max_new tokens would visit it: each row's first max_new - 1
+    positions (fewer where its generation ended sooner). A makespan is the slowest row's steps, and
+    its spread over rows shrinks with length, so a simulation compares with a run of the same length."""
+    if not 2 <= max_new <= tr["max_new_tokens"]:
+        raise ValueError(f"--max-new-tokens must be in [2, {tr['max_new_tokens']}] (the trace's length), got {max_new}")
+    rows = []
+    for r in tr["rows"]:
+        n = min(r["positions"], max_new - 1)
+        rows.append(r | {"positions": n, "e": r["e"][:n], "accepted": r["accepted"][:n]})
+    return tr | {"max_new_tokens": max_new, "rows": rows}
+
+
 @functools.partial(jax.jit, static_argnums=0)
 def _decide(auto, a, left, ctx):
     costs = choice.step_costs(auto, a, ctx)
@@ -424,6 +437,9 @@ def main(argv=None) -> int:
     s.add_argument("--decision-ms", type=float, default=0.0,
                    help="ms auto pays at each scored draft beyond the chosen step's time (default 0: left out; the "
                    "H200 demo pair's per-step program paid 0.26 ms a step over a fixed budget's, decision 0045)")
+    s.add_argument("--max-new-tokens", type=int, default=None,
+                   help="simulate generations of this many tokens: each row's first positions only (default: the "
+                   "trace's own length; the demo command generates 128)")
     s.add_argument("--policy", action="append", default=[], metavar="FIELD=VALUE",
                    help="an AutoBudget setting for auto (e.g. chunk_weight=0.5, ar_margin=0.1); repeatable")
     s.add_argument("--out", required=True)
@@ -445,6 +461,8 @@ def main(argv=None) -> int:
     if args.cmd == "simulate":
         with open(args.trace) as f:
             tr = json.load(f)
+        if args.max_new_tokens is not None:
+            tr = truncated(tr, args.max_new_tokens)
         tables = tables_from_files(args.cost_table, args.e2e, args.ratios_from)
         report |= {"trace": args.trace, "cost_table": args.cost_table, "e2e": args.e2e, "context": args.context,
                    "objective": args.objective, "decide_every": args.decide_every, "decision_ms": args.decision_ms,

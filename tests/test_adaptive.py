@@ -227,8 +227,9 @@ def test_calibration_converges_to_the_realised_acceptance(true_ratio):
 
 
 def test_objectives_differ_on_a_batch_with_a_slow_row():
-    """One confident row and one weak one: the batch's tokens per ms favour drafting, but the weak
-    row would finish last, so the makespan objective keeps plain steps (batch 1: the same)."""
+    """One confident row and one weak one: the batch's tokens per ms favour drafting (5.2 tokens for
+    2.5 ms against 2 for 1 ms), but the makespan (rows at their mean E, 1.6, plus the slower row's
+    spread) keeps plain steps (batch 1: the same)."""
     e = jnp.asarray([[0.0, 3.0, 3.0, 3.0], [0.0, 0.2, 0.2, 0.2]], jnp.float32)
     left = jnp.full((2,), 100, jnp.int32)
     for objective, drafts in (("tokens", True), ("makespan", False)):
@@ -238,6 +239,43 @@ def test_objectives_differ_on_a_batch_with_a_slow_row():
     one = AutoBudget(budgets=(4, 16), objective="makespan", ar_margin=0.0)
     a = state([1.0, 2.5, 2.5, 2.5], batch=1)._replace(row_e=e[:1], have_e=jnp.bool_(True))
     assert bool(draft_next(one, a, left[:1], choice.step_costs(one, a, jnp.float32(0))))
+
+
+def test_expected_max_normal_is_close_to_exact():
+    """Blom's approximation against the exact expected maxima of n standard normals."""
+    exact = {1: 0.0, 2: 0.5642, 4: 1.0294, 8: 1.4236, 16: 1.7660, 64: 2.3437}
+    for n, want in exact.items():
+        assert abs(float(choice.expected_max_normal(n)) - want) < 0.03, n
+    assert float(choice.expected_max_normal(0)) == 0.0
+
+
+def test_makespan_spread_keeps_plain_steps_at_a_large_batch():
+    """Drafts predicted 3 tokens a row for 2.9 ms against plain steps' 1 for 1 ms: 3 % better by the
+    mean rate, so batch 1 drafts; at batch 16 the slowest row needs ~z(16) = 1.77 spreads more
+    steps than the mean (decision 0050: on the H200 fixed DDTree-16 took 60 steps where the rows'
+    mean needed 40), so plain steps win; without the spread term (spread=0) it drafts."""
+    for batch, spread, drafts in ((1, 1.0, True), (16, 1.0, False), (16, 0.0, True)):
+        auto = AutoBudget(budgets=(4, 16), spread=spread)
+        e = jnp.broadcast_to(jnp.asarray([0.0, 2.0, 2.0, 2.0], jnp.float32), (batch, 4))
+        a = choice.init_state(auto, batch, 64, choice.TableArrays(
+            np.asarray([[1.0], [2.9], [2.9], [2.9]], np.float32), np.zeros(1), -np.ones(4), -np.ones(4)))
+        a = a._replace(row_e=e, have_e=jnp.bool_(True))
+        left = jnp.full((batch,), 128, jnp.int32)
+        got = bool(draft_next(auto, a, left, choice.step_costs(auto, a, jnp.float32(0))))
+        assert got == drafts, (batch, spread)
+
+
+def test_makespan_pools_the_rows_noisy_estimates():
+    """Seven rows predicted 2.5 tokens and one unlucky draft's 0.1 (a row's E comes from a draft or
+    two): the makespan values the batch at the rows' mean E, so it drafts (valued at the unlucky
+    row alone, plain steps would win: 128 / 1.1 x 2 ms > 128 x 1 ms)."""
+    auto = AutoBudget(budgets=(4, 16))
+    e = jnp.asarray([[0.0, 2.5, 2.5, 2.5]] * 7 + [[0.0, 0.1, 0.1, 0.1]], jnp.float32)
+    a = choice.init_state(auto, 8, 64, choice.TableArrays(
+        np.asarray([[1.0], [2.0], [2.0], [2.0]], np.float32), np.zeros(1), -np.ones(4), -np.ones(4)))
+    a = a._replace(row_e=e, have_e=jnp.bool_(True))
+    left = jnp.full((8,), 128, jnp.int32)
+    assert bool(draft_next(auto, a, left, choice.step_costs(auto, a, jnp.float32(0))))
 
 
 def test_forced_choice_overrides():
@@ -290,6 +328,7 @@ def test_population_expectation_and_joining_rows():
 def test_bad_settings_are_named():
     assert AutoBudget(budgets=(8, 4)).problems() and AutoBudget(budgets=()).problems()
     assert AutoBudget(ar_burst=0).problems() and AutoBudget(probe_wait=(4, 2)).problems()
+    assert any("spread" in p for p in AutoBudget(spread=-1.0).problems())
     assert not AutoBudget().problems()
 
 

@@ -30,6 +30,20 @@ def test_fixed_policies_count_steps_and_time_exactly():
     assert sum(res["auto"]["steps"].values()) >= 5
 
 
+def test_a_trace_truncated_to_shorter_generations():
+    """--max-new-tokens: each row's first max_new - 1 positions (a row that ended sooner keeps its
+    own), so plain decoding of 6 tokens takes 5 steps; a length the trace lacks is a named error."""
+    tr = ab.truncated(trace([row(10, 1, 1.0), row(3, 1, 1.0)]), 6)
+    assert tr["max_new_tokens"] == 6 and [r["positions"] for r in tr["rows"]] == [5, 3]
+    assert [len(r["e"]) for r in tr["rows"]] == [5, 3] and [len(r["accepted"]) for r in tr["rows"]] == [5, 3]
+    ms = {"ar": [1.0], "dflash": [2.0], "4": [2.0], "16": [3.0]}
+    res = ab.run_simulation(tr, {1: ([0.0], ms, {})}, [1], None)["1"]["policies"]
+    assert res["ar"]["steps"] == {"ar": 8}  # 5 + 3: the two rows one after the other at batch 1
+    for bad in (1, 12):
+        with pytest.raises(ValueError, match="max-new-tokens"):
+            ab.truncated(trace([row(10, 1, 1.0)]), bad)
+
+
 def test_device_chunks_are_simulated_as_the_loop_runs_them():
     """Device chunks of 4 on one row of 40 positions where budget 16 is cheapest and accepts 1 a
     step: every step is 16's (20 steps, the first a one-step chunk with nothing learned), at

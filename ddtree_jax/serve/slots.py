@@ -44,6 +44,7 @@ from ddtree_jax.speculative.choice import AutoBudget
 from ddtree_jax.speculative.sampling import RowSampling, Sampling, SamplingCode, seed_key
 
 MIN_PROMPT_BUCKET = 16
+SERVE_AR_MARGIN = 0.3  # budget "auto" served: plain steps must be predicted 30 % better than the best draft
 MEASURE_PROMPT = 64  # tokens of the start-up table's synthetic prompt (at most a quarter of the context)
 # padded prompt tokens one prefill call may take, by default (decision 0044): on a CPU prefill is
 # compute-bound, and a call of 32 prompts made every first token wait for all of them
@@ -245,7 +246,9 @@ class SlotBatch:
         code = SamplingCode(sample=True, top_k=max_top_k, top_p=True)
         resolved = resolve_budget(mode, budget, auto_budgets)
         if isinstance(budget, str) and isinstance(resolved, AutoBudget):
-            resolved = dataclasses.replace(resolved, objective="tokens")  # rows are replaced as they finish
+            # rows are replaced as they finish; the margin toward drafting the serving runs were measured
+            # with (decisions 0044, 0047) stays: the engine's makespan replaced it by its spread term
+            resolved = dataclasses.replace(resolved, objective="tokens", ar_margin=SERVE_AR_MARGIN)
         if isinstance(resolved, AutoBudget):  # chunks of a few steps, read a chunk late: choose on device
             if not isinstance(decide_every, int) or decide_every < 0:
                 raise ValueError(f"decide_every must be an integer >= 0, got {decide_every!r}")
