@@ -107,7 +107,7 @@ def test_device_chunks_equal_plain_decoding_and_follow_the_table():
     cfg, gd, params, prompt, lens, ref, table = setup("qwen3_5")
     proposer = oracle(cfg)
     # force size + c: choice c in one-step chunks (the step-time table's calibration pass)
-    calibrating = [(MIXED, DEVICE_CHUNKS.size + FIRST_TREE + 1)]
+    calibrating = [(MIXED, DEVICE_CHUNKS.size + c) for c in (DFLASH, FIRST_TREE + 1)]
     for ms, force in [(MIXED, -1), ([0.2, 5, 5, 5], -1), ([9, 5, 5, 1], -1)] + [(MIXED, c) for c in CHOICES] + \
             calibrating:
         res = run_auto(gd, params, prompt, lens, proposer, table, ms, force, auto=DEVICE_CHUNKS)

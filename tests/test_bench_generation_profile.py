@@ -26,6 +26,21 @@ def test_kernel_difference_sorts_by_the_largest_change():
     assert rows[0] == {"kernel": "k3", "count": 4, "ms": 2.0} and rows[1]["count"] == -1
 
 
+def test_gaps_go_to_the_innermost_host_event_and_the_next_kernel():
+    """Kernels at 0-10, 30-40, 41-50 and 100-110 us: gaps of 20 us (>= 5) and 50 us, 1 us left out.
+    The first gap's middle (20 us) lies in a while loop (0-120) and, inside it, a predicate read
+    (15-25): the read gets it; the second's (75) only in the loop."""
+    us = 1000
+    gpu = [(0, 10 * us, "a"), (30 * us, 40 * us, "b"), (41 * us, 50 * us, "c"), (100 * us, 110 * us, "b")]
+    host = [(0, 120 * us, "while."), (15 * us, 25 * us, "MemcpyDH")]
+    g = gp.gap_causes(gpu, host)
+    assert g["count"] == 2 and abs(g["ms"] - 0.07) < 1e-9
+    assert {r["name"]: (r["count"], round(r["ms"], 3)) for r in g["by_host_event"]} == {
+        "while.": (1, 0.05), "MemcpyDH": (1, 0.02)}
+    assert g["by_next_kernel"] == [{"name": "b", "count": 2, "ms": 0.07}]
+    assert gp.gap_causes(gpu, [])["by_host_event"][0]["name"] == "(no host event)"
+
+
 @pytest.mark.script  # ~65 s on this machine's CPU
 def test_smoke(tmp_path):
     out = tmp_path / "gp.json"

@@ -113,7 +113,8 @@ def gap_causes(gpu_events: list, host_events: list, min_us: float = 5.0, top: in
         if end is not None and start - end >= min_us * 1e3:
             gap_ms, mid = (start - end) / 1e6, (start + end) // 2
             inner = None
-            for h in host_events[:bisect.bisect_right(starts, mid)][-2000:]:  # recent host events only
+            k = bisect.bisect_right(starts, mid)
+            for h in host_events[max(k - 2000, 0):k]:  # the host events started last before the gap's middle
                 if h[0] <= mid <= h[1] and (inner is None or h[1] - h[0] < inner[1] - inner[0]):
                     inner = h
             for table, key in ((by_host, inner[2] if inner else "(no host event)"), (by_next, name)):
