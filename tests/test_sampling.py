@@ -98,6 +98,7 @@ def test_moe_target_sampled_at_temperature_1_follows_its_distribution(mode, moe_
     assert stat < critical, f"{mode} on the MoE target: chi2 {stat:.1f} >= critical {critical:.1f} at alpha=0.001"
 
 
+@pytest.mark.slow  # ~29 s: checks the statistical test's power, not the product (keeps .ci/run under 20 min)
 def test_the_test_rejects_a_wrong_distribution(exact):
     wrong = Sampling(temperature=1.4, top_k=5, top_p=0.95)
     stat, critical = chi2(sample("ddtree", wrong, seed=2), exact)
