@@ -22,7 +22,7 @@ from flax import nnx
 
 from ddtree_jax import decode
 from ddtree_jax.cache import init_target_cache
-from ddtree_jax.engine import Engine, bucket, resolve_budget
+from ddtree_jax.engine import Engine, bucket
 from ddtree_jax.speculative import cost_table as costs
 from ddtree_jax.speculative import generate as gen
 from ddtree_jax.speculative.sampling import Sampling
@@ -302,7 +302,7 @@ def auto_cost_table(engine: Engine, prompts: Sequence[Sequence[int]], args) -> c
     first = [list(p) for p in prompts[: args.batch]]
     b = bucket(len(first), 1)
     if args.cost_table_in:
-        form = resolve_budget("ddtree", "auto", args.auto_budgets, args.decide_every, args.decide_on).form
+        form = engine.auto_budget(args.auto_budgets, args.decide_every, args.decide_on).form
         return engine.load_cost_table(args.cost_table_in, b, form)
     t = bucket(max(len(p) for p in first))
     spec = engine.spec("ddtree", budget="auto", candidates=None, max_new_tokens=args.max_new_tokens,

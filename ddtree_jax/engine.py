@@ -33,12 +33,17 @@ from ddtree_jax.routes import Routes
 from ddtree_jax.speculative import choice
 from ddtree_jax.speculative import cost_table as costs
 from ddtree_jax.speculative import generate as gen
+from ddtree_jax.speculative import generation_choice
 from ddtree_jax.speculative.choice import AutoBudget, summary
 from ddtree_jax.speculative.dflash import DFlashProposer
 from ddtree_jax.speculative.draft_vocab import check_ids, load_ids
 from ddtree_jax.speculative.sampling import RowSampling, Sampling, SamplingCode, seed_key
 
 MIN_BUCKET = 16
+# budget "auto" chooses once a generation on the host below this many bytes of target weights (4 GiB
+# read in ~1 ms on an H200): there the device program's ~0.06 ms a step (the demo pair, decision 0051)
+# costs more than choosing within a generation gained in simulation (2.5 % at the 27B shape's 17 ms steps)
+GENERATION_FORM_MAX_BYTES = 4 << 30
 
 
 def bucket(n: int, minimum: int = MIN_BUCKET) -> int:
@@ -125,6 +130,9 @@ class Engine:
         # budget "auto": (spec, prompt shape) -> (real, pred, pop_e) the last generation ended with, the next
         # one's start (choice.carried_over)
         self._learned: dict = {}
+        # budget "auto" chosen once a generation: (spec, prompt shape, table source) -> GenerationPolicy
+        self._policies: dict = {}
+        self._generation_stats: dict | None = None
 
     # ---- loading -------------------------------------------------------------------------
     @property
@@ -169,11 +177,33 @@ class Engine:
             raise ValueError(f"mode {mode!r} needs a drafter: load one with --drafter / Engine.load(drafter=...)")
         block = 1 if mode == "ar" else self.proposer.block_size
         need = gen.required_capacity(prompt_bucket, max_new_tokens, block)
+        if mode == "ddtree" and budget == "auto":
+            budget = self.auto_budget(auto_budgets, decide_every, decide_on)
         spec = gen.GenSpec(mode, resolve_budget(mode, budget, auto_budgets, decide_every, decide_on), candidates,
                            max_new_tokens, sampling, bucket(need, 64), None if mode == "ar" else self.proposer,
                            self.routes)
         spec.validate(self.cfg.vocab_size)
         return spec
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the target's parameters."""
+        return int(sum(x.nbytes for x in jax.tree.leaves(self.params)))
+
+    @property
+    def default_decide_on(self) -> str | None:
+        """Where budget "auto" chooses when not told (decide_on None): on a GPU, once a generation on
+        the host for a target whose weights read in well under the device program's cost a step
+        (below GENERATION_FORM_MAX_BYTES: launch-bound steps, decision 0051); else AutoBudget's
+        default (device chunks). A CPU has no launches to save, and compiling every choice's program
+        (~4x the one auto program's time on this project's CPU) would slow the first run."""
+        small = self.weight_bytes < GENERATION_FORM_MAX_BYTES
+        return "generation" if small and jax.default_backend() == "gpu" else None
+
+    def auto_budget(self, auto_budgets: Sequence[int] | None = None, decide_every: int | None = None,
+                    decide_on: str | None = None) -> AutoBudget:
+        """budget "auto"'s AutoBudget for this engine (decide_on None: default_decide_on)."""
+        return resolve_budget("ddtree", "auto", auto_budgets, decide_every, decide_on or self.default_decide_on)
 
     @property
     def device_kind(self) -> str:
@@ -202,12 +232,36 @@ class Engine:
         start, advance = gen.bind(self.graphdef)
         dparams = self.drafter_params
         never = jnp.full(eos.shape, -1, jnp.int32)  # the same shape as the real EOS set: no other program
+        if spec.adaptive.per_generation:
+            return self._measure_programs(spec, prompt, lens, never, rows, steps, repeats)
         s0 = start(self.params, dparams, prompt, lens, never, None, spec=spec, rows=rows,
                    costs=costs.placeholder(spec.adaptive))
         programs = gen.choice_programs(spec)
         return costs.measure(lambda st, c, n: advance(self.params, dparams, st, never, np.int32(n),
                                                       spec=programs.get(c, spec)), s0,
                              spec.adaptive, steps=steps, repeats=repeats, batch=int(prompt.shape[0]))
+
+    def _measure_programs(self, spec, prompt, lens, never, rows, steps, repeats) -> costs.CostTable:
+        """The table of choosing once a generation: each choice's own fixed program timed from its
+        prefill, its acceptance counted (cost_table.measure_programs)."""
+        start, advance = gen.bind(self.graphdef)
+        dparams = self.drafter_params
+        programs = generation_choice.fixed_specs(spec)
+        s0 = {c: start(self.params, dparams, prompt, lens, never, None, spec=p, rows=rows) for c, p in programs.items()}
+
+        def run(c: int, n: int):
+            st = jax.tree.map(jnp.copy, s0[c])
+            jax.block_until_ready(st)
+            t0 = time.perf_counter()
+            out = advance(self.params, dparams, st, never, np.int32(n), spec=programs[c])
+            ran = int(out.i)  # blocks until the call is done
+            seconds = time.perf_counter() - t0
+            row_steps = np.asarray(out.steps) - np.asarray(s0[c].steps)
+            tokens = np.asarray(out.n_out) - np.asarray(s0[c].n_out)
+            return seconds, ran - int(s0[c].i), float(np.sum(tokens - row_steps)), float(np.sum(row_steps))
+
+        return costs.measure_programs(run, spec.adaptive, steps=steps, repeats=repeats, batch=int(prompt.shape[0]),
+                                      context=float(np.mean(np.asarray(lens))))
 
     def generate(self, prompts: Sequence[str | Sequence[int]], *, mode: str = "ddtree",
                  budget: int | str | AutoBudget = "auto", candidates: int | None = None,
@@ -286,6 +340,8 @@ class Engine:
         return self._completions(ids, state, spec, eos)
 
     def _run(self, spec, args, stream, stream_every, n_rows, cost_table=None):
+        if spec.adaptive is not None and spec.adaptive.per_generation:
+            return self._run_per_generation(spec, args, stream, stream_every, n_rows, cost_table)
         prompt, lens, eos, rows = args
         key = None
         dparams = self.drafter_params
@@ -354,6 +410,60 @@ class Engine:
             self._learned[warm_key] = learned
         return state
 
+    def _run_per_generation(self, spec, args, stream, stream_every, n_rows, cost_table=None):
+        """Budget "auto" chosen once a generation (AutoBudget.per_generation): the policy picks a
+        choice from the table and what earlier generations realised, the choice's own fixed
+        program runs the whole generation, and the policy learns what it accepted."""
+        prompt, lens, eos, rows = args
+        dparams = self.drafter_params
+        start, advance = gen.bind(self.graphdef)
+        programs = generation_choice.fixed_specs(spec)
+        warm_key = (spec, prompt.shape, eos.shape)
+        if warm_key not in self._warm:  # every choice's program compiled and run once
+            with self.on_first_run() if self.on_first_run else contextlib.nullcontext():
+                for program in programs.values():
+                    state = start(self.params, dparams, prompt, lens, eos, None, spec=program, rows=rows)
+                    jax.block_until_ready(advance(self.params, dparams, state, eos, np.int32(1), spec=program))
+            self._warm.add(warm_key)
+        self._calibration_s = 0.0
+        table = cost_table or self._cost_tables.get(warm_key)
+        if table is None:  # measured once per (spec, prompt bucket), at the prompts' length
+            t_cal = time.perf_counter()
+            table = self._cost_tables[warm_key] = self.measure_cost_table(spec, prompt, lens, eos, rows)
+            self._calibration_s = time.perf_counter() - t_cal
+        self._table = table
+        key = (warm_key, table.source)
+        self._carried = key in self._policies
+        if not self._carried:
+            self._policies[key] = generation_choice.GenerationPolicy.start(spec.adaptive, table)
+        policy = self._policies[key]
+        max_new = np.minimum(np.asarray(rows.max_new), spec.max_new_tokens)
+        left = np.where(np.arange(max_new.shape[0]) < n_rows, max_new - 1, 0)  # after the prefill's token
+        expected = policy.expected()
+        c, probe = policy.choose(left, float(np.mean(np.asarray(lens)[:n_rows])))
+        program = programs[c]
+        steps = np.int32(stream_every if stream else 2**30)
+        t0 = time.perf_counter()
+        state = start(self.params, dparams, prompt, lens, eos, None, spec=program, rows=rows)
+        sent = [0] * n_rows
+        while True:
+            if stream:
+                self._stream(state, stream, sent, n_rows)
+            state = advance(self.params, dparams, state, eos, steps, spec=program)
+            if bool(jax.device_get(state.done).all()):
+                break
+        if stream:
+            self._stream(state, stream, sent, n_rows)
+        jax.block_until_ready(state.out)
+        self._seconds = time.perf_counter() - t0
+        row_steps = np.asarray(state.steps)[:n_rows]
+        tokens = np.asarray(state.n_out)[:n_rows] - 1  # after the prefill's token
+        accepted = float(np.sum(tokens - row_steps))
+        policy.learn(c, accepted, float(np.sum(row_steps)))
+        self._generation_stats = policy.summary(c, int(row_steps.max(initial=0)), int(np.sum(row_steps)), accepted,
+                                                expected, probe)
+        return state
+
     @staticmethod
     def _stream(state, stream, sent, n_rows):
         out = np.asarray(state.out)
@@ -373,10 +483,12 @@ class Engine:
         total_steps = int(steps[: len(ids)].max()) if len(ids) else 0
         adaptive = None
         if spec.adaptive is not None:
-            adaptive = summary(spec.adaptive, state.adapt) | {
+            own = self._generation_stats if spec.adaptive.per_generation else summary(spec.adaptive, state.adapt)
+            adaptive = own | {
                 "budgets": list(spec.adaptive.budgets), "cost_table": self._table.as_dict(),
                 "calibration_seconds": self._calibration_s,
-                "calibration_from": "the last generation of this program" if self._carried else "the table"}
+                "calibration_from": ("the earlier generations of this program" if spec.adaptive.per_generation
+                                     else "the last generation of this program") if self._carried else "the table"}
         res = []
         for r, p in enumerate(ids):
             toks = out[r, : n_out[r]].tolist()

@@ -404,11 +404,12 @@ def main(argv=None) -> int:
     d.add_argument("--auto-budgets", default="4,8,16,32", help="auto's set")
     d.add_argument("--repeats", type=int, default=3)
     d.add_argument("--max-new-tokens", type=int, default=128)
-    d.add_argument("--prompts", default=PROMPTS_16, help="default: the 8 held-out prompts and their first 96 tokens")
+    d.add_argument("--prompts", default=PROMPTS_16,
+                   help="JSON lines with prompt_ids (default: the 16 held-out prompts)")
     d.add_argument("--decide-every", type=int, default=None,
                    help="auto's decide_every (default AutoBudget's; 0: one program choosing every step on device)")
-    d.add_argument("--decide-on", choices=["device", "host"], default=None,
-                   help="where auto's chunks choose (decide_every > 0; default AutoBudget's)")
+    d.add_argument("--decide-on", choices=["device", "host", "generation"], default=None,
+                   help="where auto chooses (default: the engine's, Engine.default_decide_on)")
     d.add_argument("--smoke", action="store_true", help="tiny: batches 1,2, budgets 4,8, 2 prompts, 16 tokens")
     d.add_argument("--out", required=True)
     t = sub.add_parser("trace", help="per-position E and acceptance of every choice (the demo pair by default)")

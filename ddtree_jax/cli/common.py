@@ -168,7 +168,8 @@ def add_decoding_arguments(group, cost_table_help: str, decide_every: bool = Tru
                        help="ar = plain decoding; dflash = linear drafts; ddtree = draft trees (default: ddtree with "
                        "a drafter, ar without)")
     group.add_argument("--budget", type=budget_arg, default="auto",
-                       help=f"DDTree nodes per step (1..{MAX_BUDGET}), or auto (default): chosen every step")
+                       help=f"DDTree nodes per step (1..{MAX_BUDGET}), or auto (default): chosen by cost "
+                       "(see --decide-on)")
     add_auto_budget_arguments(group, cost_table_help, decide_every)
 
 
@@ -184,17 +185,22 @@ def add_auto_budget_arguments(group, cost_table_help: str, decide_every: bool = 
         group.add_argument("--decide-every", type=non_negative_int, default=None, metavar="N",
                            help="--budget auto: N > 1 chooses once per chunk of N steps (default 32; see --decide-on); "
                            "0 chooses every step on device (each step then pays the choice's conditionals)")
-        group.add_argument("--decide-on", choices=["device", "host"], default=None,
-                           help="--budget auto with --decide-every N: device (default) = one program; a chunk scores "
-                           "its draft and chooses, then runs up to N of the chosen draft's fixed-budget steps (the "
-                           "first verifies the scored draft and teaches the policy), going on across streamed calls; "
-                           "host = the host picks each chunk and runs that choice's own program (an advance call a "
-                           "chunk; decisions 0045, 0046)")
+        group.add_argument("--decide-on", choices=["device", "host", "generation"], default=None,
+                           help="--budget auto: generation = the host picks one choice a generation and runs that "
+                           "choice's own fixed program, learning from what each generation accepted (the default "
+                           "for targets under 4 GiB of weights, whose steps are launch-bound; decision 0051); "
+                           "with --decide-every N: device (the default for larger targets) = one program; a chunk "
+                           "scores its draft and chooses, then runs up to N of the chosen draft's fixed-budget steps "
+                           "(the first verifies the scored draft and teaches the policy), going on across streamed "
+                           "calls; host = the host picks each chunk and runs that choice's own program (an advance "
+                           "call a chunk; decisions 0045, 0046)")
 
 
 def decide_on_problem(args) -> str | None:
     """--decide-on without chunks to decide (--decide-every N > 1) is a mistake worth naming."""
-    if getattr(args, "decide_on", None) is not None and (args.decide_every or 0) < 2:
+    if getattr(args, "decide_on", None) == "generation" and args.decide_every is not None:
+        return "--decide-every has no effect with --decide-on generation (one choice a whole generation)"
+    if getattr(args, "decide_on", None) not in (None, "generation") and (args.decide_every or 0) < 2:
         return (f"--decide-on {args.decide_on} needs --decide-every N with N > 1 (chunks to decide; 0 or 1 is the "
                 f"per-step program, chosen on device)")
     return None

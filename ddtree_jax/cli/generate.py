@@ -207,10 +207,8 @@ def generate_main(argv=None) -> int:
 
     try:
         if args.cost_table and mode == "ddtree" and args.budget == "auto":
-            from ddtree_jax.engine import resolve_budget
-
             # a bad table is named before anything is printed
-            form = resolve_budget("ddtree", "auto", args.auto_budgets, args.decide_every, args.decide_on).form
+            form = engine.auto_budget(args.auto_budgets, args.decide_every, args.decide_on).form
             engine.load_cost_table(args.cost_table, 1, form)
         bar = progress.TokenBar(args.max_new_tokens, streaming=stream_text)
         every = 4 if stream_text else 16  # a bar alone: a host sync per 16 steps

@@ -39,6 +39,7 @@ Pure functions of arrays: the generation loop (speculative/adaptive.py) and the 
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from typing import Any, NamedTuple
 
 import jax
@@ -48,7 +49,7 @@ from jax.scipy.special import ndtri
 
 AR, DFLASH, FIRST_TREE = 0, 1, 2
 OBJECTIVES = ("tokens", "makespan")
-DECIDE_ON = ("device", "host")
+DECIDE_ON = ("device", "host", "generation")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +101,10 @@ class AutoBudget:
     # goes on across advance calls (`plan`; n = 1 is the per-step program). "host": the host reads
     # the policy's next choice (`plan`) after each advance call and runs that choice's own program
     # (`run`) for the next chunk: no conditional a step, but an advance call a chunk and a program
-    # per choice (decision 0045)
+    # per choice (decision 0045). "generation": the host chooses once a generation and runs that
+    # choice's plain fixed-budget program (`--budget b`'s own), learning from what each generation
+    # realised (speculative/generation_choice.py): no cost a step at all, for a target whose steps
+    # are launch-bound (decision 0051); decide_every is then unused
     decide_on: str = "device"
     # the choice a program runs at every step (-1: it chooses; c >= 0: `programs()` sets it)
     run: int = -1
@@ -117,6 +121,12 @@ class AutoBudget:
         return self.decide_every > 0 and self.decide_on == "host"
 
     @property
+    def per_generation(self) -> bool:
+        """The host picks one choice a generation and runs its fixed-budget program (decide_on
+        "generation")."""
+        return self.decide_on == "generation"
+
+    @property
     def device_chunks(self) -> bool:
         """One program whose chunks of decide_every steps make one choice each on device."""
         return self.decide_every > 1 and self.decide_on == "device" and self.run < 0
@@ -124,6 +134,8 @@ class AutoBudget:
     @property
     def form(self) -> str:
         """How the program chooses, as a step-time table records it (its times are that program's)."""
+        if self.per_generation:
+            return "per generation"
         if self.device_chunks:
             return f"device chunks of {self.decide_every}"
         if self.host_decides:
@@ -313,28 +325,29 @@ def mean_context(lengths: jax.Array, left: jax.Array) -> jax.Array:
     return jnp.sum(jnp.where(active, lengths, 0)).astype(jnp.float32) / n.astype(jnp.float32)
 
 
-def _values(policy: AutoBudget, e: jax.Array, left: jax.Array, costs: jax.Array) -> jax.Array:
+def _values(policy: AutoBudget, e: jax.Array, left: jax.Array, costs: jax.Array, xp=jnp) -> jax.Array:
     """[C] worth of each choice for the batch (higher is better; -inf: not available). e [B, C]
     expected accepted tokens, left [B] tokens each row still generates (0: done).
     tokens: sum over active rows of (1 + e) / T; makespan: -T x the steps the slowest active row
     needs at this choice's rate: max over rows of left / (1 + e) + spread x z(n) x sqrt(left e) / (1 + e),
-    e the active rows' mean (AutoBudget.spread)."""
+    e the active rows' mean (AutoBudget.spread). xp: jax.numpy on device, numpy on the host (the
+    choice once a generation, speculative/generation_choice.py)."""
     active = (left > 0)[:, None]
     if policy.objective == "tokens":
-        value = jnp.sum(jnp.where(active, 1.0 + e, 0.0), axis=0) / costs
+        value = xp.sum(xp.where(active, 1.0 + e, 0.0), axis=0) / costs
     else:
         # every active row at the rows' mean E: a row's own E comes from a draft or two and is mostly
         # noise (the max over rows picked the unluckiest row's), while the spread term carries how far
         # the slowest row falls behind the mean
-        need = left[:, None].astype(jnp.float32)
-        n = jnp.maximum(jnp.sum(active), 1).astype(jnp.float32)
-        e = jnp.broadcast_to(jnp.sum(jnp.where(active, e, 0.0), axis=0) / n, e.shape)
+        need = left[:, None].astype(xp.float32)
+        n = xp.maximum(xp.sum(active), 1).astype(xp.float32)
+        e = xp.broadcast_to(xp.sum(xp.where(active, e, 0.0), axis=0) / n, e.shape)
         steps = need / (1.0 + e)
         if policy.spread > 0:
-            z = expected_max_normal(jnp.sum(active))
-            steps = steps + policy.spread * z * jnp.sqrt(need * jnp.maximum(e, 0.0)) / (1.0 + e)
-        value = -costs * jnp.max(jnp.where(active, steps, 0.0), axis=0)
-    return jnp.where(jnp.isfinite(costs), value, -jnp.inf)
+            z = expected_max_normal(xp.sum(active)) if xp is jnp else _expected_max_normal_host(int(xp.sum(active)))
+            steps = steps + policy.spread * z * xp.sqrt(need * xp.maximum(e, 0.0)) / (1.0 + e)
+        value = -costs * xp.max(xp.where(active, steps, 0.0), axis=0)
+    return xp.where(xp.isfinite(costs), value, -xp.inf)
 
 
 def expected_max_normal(n) -> jax.Array:
@@ -343,6 +356,12 @@ def expected_max_normal(n) -> jax.Array:
     1.424 at n = 8)."""
     n = jnp.maximum(jnp.asarray(n, jnp.float32), 1.0)
     return jnp.maximum(ndtri((n - 0.375) / (n + 0.25)), 0.0)
+
+
+def _expected_max_normal_host(n: int) -> float:
+    """expected_max_normal on the host (no device op)."""
+    n = max(n, 1)
+    return max(statistics.NormalDist().inv_cdf((n - 0.375) / (n + 0.25)), 0.0)
 
 
 def _predicted_spec_wins(policy: AutoBudget, a: AdaptiveState, left: jax.Array, costs: jax.Array) -> jax.Array:

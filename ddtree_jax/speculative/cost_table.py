@@ -169,23 +169,8 @@ def measure(advance: Callable, start_state, auto: AutoBudget, *, steps: int = 8,
             scored[c] += float(out.adapt.n_scored[c])
         return seconds, ran - i0
 
-    choices = [c for c, on in enumerate(auto.enabled) if on]
-    for c in choices:  # warm-up: XLA's first run of each branch
-        run(c, steps)
-    per = {c: [] for c in choices}
-    intercepts = {c: [] for c in choices}  # a call's cost beyond its steps: T(n) - n x the step time
-    for _ in range(repeats):
-        for c in choices:  # interleaved, so drifts of the machine hit every choice alike
-            t1, n1 = run(c, steps)
-            t2, n2 = run(c, 2 * steps)
-            per[c].append(1000 * ((t2 - t1) / (n2 - n1) if n2 > n1 else t2 / max(n2, 1)))
-            if n2 > n1:
-                intercepts[c].append(1000 * t1 - n1 * per[c][-1])
-    ms = {auto.names[c]: (max(statistics.median(v), 1e-6),) for c, v in per.items()}
-    # each choice's own intercept: the call and, in device chunks, its chunk's start. Recorded, not
-    # charged to the steps: on the H200 demo they spread by ~0.5 ms with no order among the choices
-    # (decision 0048), noise that 1/n of would move a plain step's time by several per cent
-    starts = {auto.names[c]: max(statistics.median(v), 0.0) for c, v in intercepts.items() if v}
+    choices = list(auto.choices)
+    ms, starts, call_ms = _time_choices(run, auto, steps, repeats)
     how = (f"measured at start-up: each choice run for {steps} and {2 * steps} steps from the prefilled state, "
            f"median of {repeats} interleaved pairs")
     if not calibrate:  # the caller keeps no acceptance (a server's synthetic request): no calibration pass
@@ -203,10 +188,53 @@ def measure(advance: Callable, start_state, auto: AutoBudget, *, steps: int = 8,
     else:  # realised over predicted accepted tokens per row-step, every draft scored
         ratios = {auto.names[c]: (real[c] / rows[c]) / (pred[c] / scored[c]) for c in choices if pred[c] > 0}
     accepted = {auto.names[c]: real[c] / rows[c] for c in choices if c != AR and rows[c] > 0}
-    every = [x for v in intercepts.values() for x in v]
-    call_ms = max(statistics.median(every), 0.0) if every else 0.0
     return CostTable(batch or int(start_state.bonus.shape[0]), (context,), ms, how, ratios, accepted, call_ms,
                      auto.form, starts)
+
+
+def _time_choices(run: Callable, auto: AutoBudget, steps: int, repeats: int) -> tuple[dict, dict, float]:
+    """(ms a step, each choice's intercept, the median intercept) of every compiled choice;
+    run(c, n) -> (seconds, steps run, ...) runs up to n steps of choice c from the same state."""
+    choices = list(auto.choices)
+    for c in choices:  # warm-up: XLA's first run of each program / branch
+        run(c, steps)
+    per = {c: [] for c in choices}
+    intercepts = {c: [] for c in choices}  # a call's cost beyond its steps: T(n) - n x the step time
+    for _ in range(repeats):
+        for c in choices:  # interleaved, so drifts of the machine hit every choice alike
+            t1, n1 = run(c, steps)[:2]
+            t2, n2 = run(c, 2 * steps)[:2]
+            per[c].append(1000 * ((t2 - t1) / (n2 - n1) if n2 > n1 else t2 / max(n2, 1)))
+            if n2 > n1:
+                intercepts[c].append(1000 * t1 - n1 * per[c][-1])
+    ms = {auto.names[c]: (max(statistics.median(v), 1e-6),) for c, v in per.items()}
+    # each choice's own intercept: the call and, in device chunks, its chunk's start. Recorded, not
+    # charged to the steps: on the H200 demo they spread by ~0.5 ms with no order among the choices
+    # (decision 0048), noise that 1/n of would move a plain step's time by several per cent
+    starts = {auto.names[c]: max(statistics.median(v), 0.0) for c, v in intercepts.items() if v}
+    every = [x for v in intercepts.values() for x in v]
+    return ms, starts, max(statistics.median(every), 0.0) if every else 0.0
+
+
+def measure_programs(run: Callable, auto: AutoBudget, *, steps: int = 8, repeats: int = 3, batch: int,
+                     context: float) -> CostTable:
+    """The table for choosing once a generation (AutoBudget.per_generation): every compiled choice
+    timed in its own fixed program. run(c, n) -> (seconds, steps run, accepted draft tokens, row-steps)
+    runs up to n steps of choice c's program from its prefilled state (a copy each call); the
+    acceptance per choice is over every timing run (`accepted`; no `ratios`: nothing is predicted)."""
+    real, rows = np.zeros(auto.size), np.zeros(auto.size)
+
+    def counted(c: int, n: int):
+        seconds, ran, accepted, row_steps = run(c, n)
+        real[c] += accepted
+        rows[c] += row_steps
+        return seconds, ran
+
+    ms, starts, call_ms = _time_choices(counted, auto, steps, repeats)
+    accepted = {auto.names[c]: real[c] / rows[c] for c in auto.choices if c != AR and rows[c] > 0}
+    how = (f"measured at start-up: each choice's own program run for {steps} and {2 * steps} steps from the "
+           f"prefilled state, median of {repeats} interleaved pairs; acceptance over those runs")
+    return CostTable(batch, (context,), ms, how, {}, accepted, call_ms, auto.form, starts)
 
 
 def load(path: str | os.PathLike, batch: int, *, device: str, model: dict, program: str | None = None) -> CostTable:
