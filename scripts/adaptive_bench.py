@@ -54,8 +54,9 @@ from ddtree_jax.speculative import generate as gen
 from ddtree_jax.speculative.accept import accept
 from ddtree_jax.speculative.build import build_chain, tree_candidates, tree_from_candidates
 from ddtree_jax.speculative.choice import AR, AutoBudget
-from ddtree_jax.speculative.cost_table import POINTS
+from ddtree_jax.speculative.cost_table import POINTS, CostTable
 from ddtree_jax.speculative.expected import chain_expectation, tree_expectations
+from ddtree_jax.speculative.generation_choice import GenerationPolicy
 from ddtree_jax.speculative.sampling import Sampling
 
 DEFAULT_PROMPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "demo_heldout_prompts.jsonl")
@@ -181,8 +182,10 @@ def simulate(tr: dict, rows: list[dict], ms: dict, contexts: list[float], policy
     def cost(c, active):
         return float(np.interp(np.mean((base + pos)[active]), contexts, table[c]))
 
+    row_steps = 0
     while np.any(pos < end):
         active = pos < end
+        row_steps += int(np.sum(active))
         left = jnp.asarray(np.maximum(end - pos, 0))  # tokens each row still generates
         if policy == "auto":
             draft, costs = _decide(auto, a, left, jnp.float32(np.mean((base + pos)[active])))
@@ -229,7 +232,31 @@ def simulate(tr: dict, rows: list[dict], ms: dict, contexts: list[float], policy
         pos = pos + np.where(active, 1 + acc_all[:, c], 0)
         i += 1
     tokens = int(np.sum(end + 1))  # each row: the prefill's token and one per position walked
-    return tokens, total_ms, steps
+    if policy == "auto":
+        return tokens, total_ms, steps
+    return tokens, total_ms, steps, row_steps
+
+
+def simulate_per_generation(tr: dict, groups: list[list[dict]], ms: dict, contexts: list[float], auto: AutoBudget,
+                            context: float | None, measured: dict) -> tuple[int, float, dict]:
+    """Auto chosen once a generation (AutoBudget.per_generation): each group of rows is one
+    generation of the choice generation_choice.GenerationPolicy picks from the table (its
+    `accepted` is the policy's starting value) and what the earlier groups realised; each
+    generation is the fixed choice's simulation. Returns (tokens, ms, steps per choice)."""
+    table = CostTable(len(groups[0]), tuple(contexts), {n: tuple(v) for n, v in ms.items()}, "simulation",
+                      accepted=dict(measured.get("accepted") or {}))
+    policy = GenerationPolicy.start(auto, table)
+    tokens, total, steps = 0, 0.0, {}
+    for group in groups:
+        left = np.asarray([r["positions"] for r in group])
+        ctx = context if context is not None else float(np.mean([r["prompt_len"] for r in group]))
+        c, _ = policy.choose(left, ctx)
+        n, t, st, row_steps = simulate(tr, group, ms, contexts, auto.names[c], auto, context, measured)
+        policy.learn(c, float(n - len(group) - row_steps), float(row_steps))
+        tokens, total = tokens + n, total + t
+        for k, v in st.items():
+            steps[k] = steps.get(k, 0) + v
+    return tokens, total, steps
 
 
 def tables_from_files(cost_table_path: str | None, e2e_paths: list[str], ratios_from: str | None = None) -> dict:
@@ -288,7 +315,10 @@ def batches_of(rows: list[dict], b: int) -> list[list[dict]]:
 def run_simulation(tr: dict, tables: dict, batches: list[int], context: float | None,
                    objective: str = AutoBudget.objective, decide_every: int = 0,
                    decide_on: str = AutoBudget.decide_on, decision_ms: float = 0.0,
-                   policy: dict | None = None) -> dict:
+                   policy: dict | None = None, passes: int = 1) -> dict:
+    """Every fixed choice and auto over the trace's rows in batches of each size. passes: auto
+    chosen once a generation runs the batches this many times in a row (the benchmark's repeated
+    passes: what the policy learns carries over), its time the mean pass's."""
     results = {}
     for b in batches:
         if b not in tables:
@@ -302,8 +332,12 @@ def run_simulation(tr: dict, tables: dict, batches: list[int], context: float | 
         row = {"contexts": contexts, "ms": ms, "measured": measured, "missing_choices": missing, "policies": {}}
         for p in policies:
             tokens, total, steps = 0, 0.0, {}
-            for group in batches_of(tr["rows"], b):
-                n, t, st = simulate(tr, group, ms, contexts, p, auto, context, measured, decision_ms)
+            if p == "auto" and auto.per_generation:
+                tokens, total, steps = simulate_per_generation(tr, batches_of(tr["rows"], b) * passes, ms, contexts,
+                                                               auto, context, measured)
+                tokens, total = tokens / passes, total / passes
+            for group in batches_of(tr["rows"], b) if not (p == "auto" and auto.per_generation) else ():
+                n, t, st = simulate(tr, group, ms, contexts, p, auto, context, measured, decision_ms)[:3]
                 tokens, total = tokens + n, total + t
                 for k, v in st.items():
                     steps[k] = steps.get(k, 0) + v
@@ -435,6 +469,12 @@ def main(argv=None) -> int:
     s.add_argument("--decide-every", type=int, default=0,
                    help="auto's decide_every (default 0: the per-step policy; N > 1: device chunks, a scored step "
                    "then the choice's fixed-budget steps)")
+    s.add_argument("--decide-on", choices=["device", "generation"], default="device",
+                   help="device (default): the loop's policy at every step or chunk; generation: one choice a "
+                   "generation, by generation_choice.GenerationPolicy (--decide-every unused)")
+    s.add_argument("--passes", type=int, default=1,
+                   help="with --decide-on generation: the batches run this many times in a row, as the benchmark's "
+                   "repeated passes (what the policy learned carries over); the mean pass is reported")
     s.add_argument("--decision-ms", type=float, default=0.0,
                    help="ms auto pays at each scored draft beyond the chosen step's time (default 0: left out; the "
                    "H200 demo pair's per-step program paid 0.26 ms a step over a fixed budget's, decision 0045)")
@@ -467,9 +507,10 @@ def main(argv=None) -> int:
         tables = tables_from_files(args.cost_table, args.e2e, args.ratios_from)
         report |= {"trace": args.trace, "cost_table": args.cost_table, "e2e": args.e2e, "context": args.context,
                    "objective": args.objective, "decide_every": args.decide_every, "decision_ms": args.decision_ms,
+                   "decide_on": args.decide_on, "passes": args.passes,
                    "simulation": run_simulation(tr, tables, [int(b) for b in args.batches.split(",")], args.context,
-                                                args.objective, args.decide_every, "device", args.decision_ms,
-                                                dict(_setting(x) for x in args.policy))}
+                                                args.objective, args.decide_every, args.decide_on, args.decision_ms,
+                                                dict(_setting(x) for x in args.policy), args.passes)}
         atomic.write_json(args.out, report)
         return 0
 

@@ -30,6 +30,23 @@ def test_fixed_policies_count_steps_and_time_exactly():
     assert sum(res["auto"]["steps"].values()) >= 5
 
 
+def test_auto_chosen_once_a_generation_learns_what_the_table_understated():
+    """--decide-on generation: each batch is one generation of one choice. The table says budget 16
+    accepts 0.2 a step, so the first generations are plain; after probe_wait's 8 the ninth probes 16,
+    which realises 1 a step, and every later generation runs 16 (the trace's best)."""
+    tr = trace([row(10, 1, 1.0)])
+    ms = {"ar": [1.0], "dflash": [9.0], "4": [9.0], "16": [1.5]}
+    measured = {"accepted": {"dflash": 0.0, "4": 0.1, "16": 0.2}}
+    res = ab.run_simulation(tr, {1: ([0.0], ms, measured)}, [1], None, decide_on="generation",
+                            policy={"probe_budget": 1.0}, passes=9)["1"]
+    assert res["best_fixed"] == "16"
+    steps = res["policies"]["auto"]["steps"]
+    assert steps["ar"] == 10 * 8 and steps["16"] == 5  # 8 plain generations (probe_wait 8), then the probe
+    longer = ab.run_simulation(tr, {1: ([0.0], ms, measured)}, [1], None, decide_on="generation",
+                               policy={"probe_budget": 1.0}, passes=20)["1"]["policies"]["auto"]["steps"]
+    assert longer == {"ar": 80, "16": 5 * 12}
+
+
 def test_a_trace_truncated_to_shorter_generations():
     """--max-new-tokens: each row's first max_new - 1 positions (a row that ended sooner keeps its
     own), so plain decoding of 6 tokens takes 5 steps; a length the trace lacks is a named error."""
