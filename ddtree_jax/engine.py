@@ -13,8 +13,10 @@ chunk of steps, never per step.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import time
@@ -185,9 +187,9 @@ class Engine:
         spec.validate(self.cfg.vocab_size)
         return spec
 
-    @property
+    @functools.cached_property
     def weight_bytes(self) -> int:
-        """Bytes of the target's parameters."""
+        """Bytes of the target's parameters (read once: generate asks at every call)."""
         return int(sum(x.nbytes for x in jax.tree.leaves(self.params)))
 
     @property
@@ -420,10 +422,16 @@ class Engine:
         programs = generation_choice.fixed_specs(spec)
         warm_key = (spec, prompt.shape, eos.shape)
         if warm_key not in self._warm:  # every choice's program compiled and run once
+            def warm(program):
+                state = start(self.params, dparams, prompt, lens, eos, None, spec=program, rows=rows)
+                return advance(self.params, dparams, state, eos, np.int32(1), spec=program)
+
+            # several at once (each traced on its thread, compiled by XLA without the GIL), as the
+            # server's warm-up does; on a GPU, compiles run together autotune side by side
+            workers = min(len(programs), max(1, (os.cpu_count() or 2) // 2), 8)
             with self.on_first_run() if self.on_first_run else contextlib.nullcontext():
-                for program in programs.values():
-                    state = start(self.params, dparams, prompt, lens, eos, None, spec=program, rows=rows)
-                    jax.block_until_ready(advance(self.params, dparams, state, eos, np.int32(1), spec=program))
+                with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+                    jax.block_until_ready([f.result() for f in [pool.submit(warm, p) for p in programs.values()]])
             self._warm.add(warm_key)
         self._calibration_s = 0.0
         table = cost_table or self._cost_tables.get(warm_key)

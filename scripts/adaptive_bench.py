@@ -357,15 +357,16 @@ def run_simulation(tr: dict, tables: dict, batches: list[int], context: float | 
 def latency(engine, prompt: list[int], max_new: int, auto_budgets, fixed_budget: int) -> dict:
     """Per mode, a fresh shape's first call and a second one: wall time, time to the first streamed
     token, auto's start-up table time. Modes run in this process one after the other, each with
-    a program of its own (nothing compiled for one serves another); auto in its three forms (per
+    a program of its own (nothing compiled for one serves another); auto in its four forms (per
     step on device: one program; per chunk of 32 on device: one program; per chunk of 16 on the
-    host: one program per choice)."""
+    host: one program per choice; once a generation: each choice's fixed program)."""
     out = {}
     auto = dict(mode="ddtree", budget="auto", auto_budgets=auto_budgets)
     for name, kw in (("ar", dict(mode="ar")), (f"ddtree-{fixed_budget}", dict(mode="ddtree", budget=fixed_budget)),
                      ("auto-per-step", auto | dict(decide_every=0)),
                      ("auto-chunks-on-device", auto | dict(decide_every=32, decide_on="device")),
-                     ("auto-chunks-on-host", auto | dict(decide_every=16, decide_on="host"))):
+                     ("auto-chunks-on-host", auto | dict(decide_every=16, decide_on="host")),
+                     ("auto-per-generation", auto | dict(decide_on="generation"))):
         row = {}
         for call in ("first", "second"):
             first_token = []

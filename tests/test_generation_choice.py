@@ -97,11 +97,15 @@ def engine(tmp_path_factory):
     return Engine.load(write_target(str(root / "target")), write_drafter(str(root / "drafter")))
 
 
-def test_engine_runs_the_chosen_program_and_learns(engine):
-    """Engine.generate(decide_on="generation"): the start-up table times each choice's own
-    program; the output equals plain decoding, streamed or not; the statistics name the form, the
-    one choice and its steps; the next generation starts from what this one learned; with a
-    table that makes a tree cheap the tree runs, still equal to plain decoding."""
+def test_engine_runs_the_chosen_program_and_learns(engine, monkeypatch):
+    """Engine.generate(decide_on="generation"): the choices' programs compile on worker threads
+    (as a host of 8 cores does); the start-up table times each choice's own program; the output
+    equals plain decoding, streamed or not; the statistics name the form, the one choice and its
+    steps; the next generation starts from what this one learned; with a table that makes a tree
+    cheap the tree runs, still equal to plain decoding."""
+    import ddtree_jax.engine as eng
+
+    monkeypatch.setattr(eng.os, "cpu_count", lambda: 8)
     prompt = [[5, 6, 7, 8], [9, 10, 11]]
     ref = engine.generate(prompt, mode="ar", max_new_tokens=12)
     got = engine.generate(prompt, auto_budgets=(2, 4), max_new_tokens=12, decide_on="generation")
