@@ -108,23 +108,22 @@ def test_engine_runs_the_chosen_program_and_learns(engine, monkeypatch):
     monkeypatch.setattr(eng.os, "cpu_count", lambda: 8)
     prompt = [[5, 6, 7, 8], [9, 10, 11]]
     ref = engine.generate(prompt, mode="ar", max_new_tokens=12)
-    got = engine.generate(prompt, auto_budgets=(2, 4), max_new_tokens=12, decide_on="generation")
+    got = engine.generate(prompt, auto_budgets=(2,), max_new_tokens=12, decide_on="generation")
     assert [c.token_ids for c in got] == [c.token_ids for c in ref]
     a = got[0].stats.adaptive
     assert a["form"] == "per generation" and a["cost_table"]["program"] == "per generation"
     assert "each choice's own program" in a["cost_table"]["source"] and a["calibration_seconds"] > 0
-    assert set(a["cost_table"]["accepted"]) == {"dflash", "2", "4"} and a["cost_table"]["ratios"] == {}
+    assert set(a["cost_table"]["accepted"]) == {"dflash", "2"} and a["cost_table"]["ratios"] == {}
     [(name, steps)] = a["choices"].items()
     assert steps == got[0].stats.steps == len(a["trace"]) and a["calibration_from"] == "the table"
     streamed = {0: [], 1: []}
-    again = engine.generate(prompt, auto_budgets=(2, 4), max_new_tokens=12, decide_on="generation",
+    again = engine.generate(prompt, auto_budgets=(2,), max_new_tokens=12, decide_on="generation",
                             stream=lambda r, ids: streamed[r].extend(ids), stream_every=2)
     assert [c.token_ids for c in again] == [c.token_ids for c in ref] == [streamed[0], streamed[1]]
     assert again[0].stats.adaptive["calibration_from"] == "the earlier generations of this program"
-    tree_wins = table([50.0, 9.0, 1.0, 9.0], [0.1, 0.5, 0.5], batch=2)
-    tree_wins = CostTable(2, tree_wins.contexts, {"ar": (50.0,), "dflash": (9.0,), "2": (1.0,), "4": (9.0,)},
-                          "synthetic", accepted={"dflash": 0.1, "2": 0.5, "4": 0.5}, program="per generation")
-    tree = engine.generate(prompt, auto_budgets=(2, 4), max_new_tokens=12, decide_on="generation",
+    tree_wins = CostTable(2, (64.0,), {"ar": (50.0,), "dflash": (9.0,), "2": (1.0,)}, "synthetic",
+                          accepted={"dflash": 0.1, "2": 0.5}, program="per generation")
+    tree = engine.generate(prompt, auto_budgets=(2,), max_new_tokens=12, decide_on="generation",
                            cost_table=tree_wins)
     assert [c.token_ids for c in tree] == [c.token_ids for c in ref]
     t = tree[0].stats.adaptive
