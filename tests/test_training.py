@@ -245,11 +245,15 @@ def test_training_forward_equals_inference_path():
     batched = batched_fn(tp, dp, anchors)  # [B, N, 15, V]
     assert batched.shape == (2, 4, 15, 96)
     for n in range(anchors.shape[1]):
-        single = inference_fn(tp, dp, anchors[:, n])
-        np.testing.assert_allclose(np.asarray(batched[:, n]), np.asarray(single), rtol=0, atol=2e-5)
+        single = np.asarray(inference_fn(tp, dp, anchors[:, n]))
+        # fp32 logits up to ~60: the two programs sum in other orders, a few ulps of the largest
+        # (2.3e-5 at 62.3 was seen), so the tolerance scales with the logits' magnitude
+        tol = 2e-6 * max(1.0, float(np.abs(single).max()))
+        np.testing.assert_allclose(np.asarray(batched[:, n]), single, rtol=0, atol=tol)
     # One block alone gives the same as inside the batch (other blocks are invisible).
-    alone = batched_fn(tp, dp, anchors[:, 2:3])
-    np.testing.assert_allclose(np.asarray(alone[:, 0]), np.asarray(batched[:, 2]), rtol=0, atol=2e-5)
+    alone = np.asarray(batched_fn(tp, dp, anchors[:, 2:3]))
+    tol = 2e-6 * max(1.0, float(np.abs(alone).max()))
+    np.testing.assert_allclose(alone[:, 0], np.asarray(batched[:, 2]), rtol=0, atol=tol)
 
 
 def test_anchors_and_weights():
