@@ -166,7 +166,7 @@ def test_one_device_loop_and_chunked_advance():
     np.testing.assert_array_equal(np.asarray(state.out), ref)
 
 
-@pytest.mark.parametrize("decide_every", [0, 2])
+@pytest.mark.parametrize("decide_every", [0, pytest.param(2, marks=pytest.mark.slow)])  # 2: ~25 s more
 def test_sampling_at_temperature_1_is_exact(decide_every):
     """Sampled sequences follow the target's exact distribution at temperature 1 (tests/
     test_sampling.py's chi-square machinery) when speculative and plain steps mix in a sequence
@@ -211,6 +211,7 @@ def ckpts(tmp_path_factory):
     return write_target(str(root / "target")), write_drafter(str(root / "drafter"))
 
 
+@pytest.mark.slow  # ~70 s; the default run keeps the per-generation engine test and the chunk programs' own
 def test_engine_measures_its_table_at_start_up(ckpts, tmp_path):
     """Engine.generate(budget="auto") measures its step-time table at start-up, reports the choices
     in Completion.stats.adaptive and equals plain decoding; the table saved to a file loads back

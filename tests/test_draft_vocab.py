@@ -75,6 +75,7 @@ def test_generation_with_a_draft_vocabulary_is_lossless(mode):
     np.testing.assert_array_equal(np.asarray(res.drafter_state.lengths), np.asarray(res.cache.lengths))
 
 
+@pytest.mark.slow  # ~28 s; the draft vocabulary's lossless generation stays in the default run
 def test_engine_takes_a_draft_vocabulary(tmp_path):
     from ddtree_jax.engine import Engine
 

@@ -160,6 +160,7 @@ def test_generation_with_an_int8_drafter_is_lossless(mode, order):
     np.testing.assert_array_equal(np.asarray(res.drafter_state.lengths), np.asarray(res.cache.lengths))
 
 
+@pytest.mark.slow  # ~18 s; the int8 drafter's lossless generation stays in the default run
 def test_engine_and_cli_take_an_int8_drafter(capsys):
     from ddtree_jax.cli import generate as cli
     from ddtree_jax.engine import Engine

@@ -373,6 +373,7 @@ def test_auto_serves_each_request_as_alone(auto_slots):
     assert auto_slots._chunk._cache_size() == 2  # the tables are data: nothing recompiled
 
 
+@pytest.mark.slow  # ~32 s; continuous batching equal to each request alone stays in the default run
 def test_auto_device_chunks_serve_each_request_as_alone():
     """Budget auto in device chunks of 5 across the server's chunks of 2 steps: greedy requests are
     token-identical to plain decoding alone while rows join and leave a running chunk; a chunk cut

@@ -36,6 +36,7 @@ from scripts import build_demo_pair
 from tests.tiny_models import random_params
 from tests.tolerance import assert_scaled_close
 
+@pytest.mark.slow  # ~35 s: trains and converts the toy pair end to end
 def test_toy_pipeline_end_to_end(tmp_path):
     """scripts/build_demo_pair.py --toy: outputs, decreasing losses, lossless generation with the
     exported pair. One test (not a shared fixture), so pytest-xdist never runs the pipeline twice."""
