@@ -2,7 +2,7 @@
 every command the docs give parses today; without a GPU (and without --cpu-smoke) it says so; and
 (-m script) every kernel's run at its --cpu-smoke size: the interpreter at tiny shapes, checks
 passed, every form timed. The kernels' own test files hold the smoke runs of gdn_decode,
-gdn_prologue, row_top_k, tree_select and add_rms_norm."""
+gdn_prologue, row_top_k, tree_select, add_rms_norm and softmax_top_k."""
 
 import json
 import re
@@ -17,7 +17,7 @@ from scripts.bench import kernels as bench
 def test_every_kernel_has_a_subcommand_and_a_docstring_line():
     assert set(bench.KERNELS) == {"gdn_tree", "gdn_commit", "gdn_decode", "gdn_prologue", "tree_attention",
                                   "ancestor_bits", "ssd_tree", "ssd_commit", "row_top_k", "tree_select",
-                                  "add_rms_norm"}
+                                  "add_rms_norm", "softmax_top_k"}
     doc_names = {line.split()[0] for line in bench.__doc__.splitlines() if line.startswith("  ") and line.split()}
     assert set(bench.KERNELS) <= doc_names
     for name in bench.KERNELS:

@@ -45,6 +45,7 @@ from ddtree_jax.models.layers import Linear, Relu2MLP, SwiGLU, _init
 from ddtree_jax.models.mixer import StatelessMixer
 from ddtree_jax.routes import REFERENCE, Routes
 from pallas_kernels import moe_experts
+from pallas_kernels.softmax_top_k import SOFTMAX_TOP_K_MAX_K, SOFTMAX_TOP_K_MAX_LEN, softmax_top_k
 
 HIGHEST = jax.lax.Precision.HIGHEST
 SILU_GLU, RELU2 = moe_experts.ACTS
@@ -73,14 +74,23 @@ def experts(x, expert_ids, weights, w_in, w_out, *, act: str, routes: Routes = R
 
 
 # ---- Qwen3.5-MoE / Qwen3-Next ---------------------------------------------------------------------
-def route_softmax_top_k(logits, *, top_k: int, norm: bool) -> tuple[jax.Array, jax.Array]:
+def route_softmax_top_k(logits, *, top_k: int, norm: bool, weights_dtype=jnp.float32,
+                        routes: Routes = REFERENCE) -> tuple[jax.Array, jax.Array]:
     """Router logits [..., E] -> chosen experts [..., k] (int32, by descending probability, equal
-    probabilities: lower index first) and their float32 weights (renormalised to sum 1 if norm)."""
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    top, idx = jax.lax.top_k(probs, top_k)
-    if norm:
-        top = top / jnp.sum(top, axis=-1, keepdims=True)
-    return idx.astype(jnp.int32), top
+    probabilities: lower index first) and their float32 weights (renormalised to sum 1 if norm,
+    rounded to weights_dtype), through pallas_kernels/softmax_top_k.py: one kernel launch with
+    kernels on (routes.moe_router_kernel; announced when a router is too wide), else its XLA
+    reference. Every path (prefill, decode, tree verify) takes the same form, so a token's experts
+    do not depend on how many tokens share the call."""
+    impl = "xla"
+    if routes.kernels and routes.moe_router_kernel:
+        e = logits.shape[-1]
+        if e <= SOFTMAX_TOP_K_MAX_LEN and top_k <= SOFTMAX_TOP_K_MAX_K:
+            impl = routes.impl
+        else:
+            warnings.warn(f"the MoE router's top-{top_k} of {e} experts uses XLA: the softmax top-k kernel takes up "
+                          f"to {SOFTMAX_TOP_K_MAX_LEN} experts and k up to {SOFTMAX_TOP_K_MAX_K}", stacklevel=3)
+    return softmax_top_k(logits, top_k, norm=norm, weights_dtype=weights_dtype, impl=impl)
 
 
 class StackedExperts(nnx.Module):
@@ -109,8 +119,8 @@ class SparseMoeBlock(StatelessMixer, nnx.Module):
     def route(self, x: jax.Array, routes: Routes = REFERENCE) -> tuple[jax.Array, jax.Array]:
         """Chosen experts [..., k] and their combine weights [..., k] (float32 holding values of the
         params dtype: HF rounds the weights to it) of tokens x [..., H]."""
-        idx, weights = route_softmax_top_k(self.router(x, routes), top_k=self.top_k, norm=self.norm_topk_prob)
-        return idx, weights.astype(x.dtype).astype(jnp.float32)
+        return route_softmax_top_k(self.router(x, routes), top_k=self.top_k, norm=self.norm_topk_prob,
+                                   weights_dtype=x.dtype, routes=routes)
 
     def __call__(self, x: jax.Array, routes: Routes = REFERENCE) -> jax.Array:
         flat = x.reshape(-1, x.shape[-1])

@@ -28,6 +28,8 @@ NAME (one registry entry each; `python -m scripts.bench.kernels NAME --help` lis
   tree_select     DDTree node selection in one launch (tree_select.py) against the XLA form
   add_rms_norm    residual add + RMSNorm taking split-K partial sums (add_rms_norm.py) against XLA's
                   reduce + the plain kernel, per tiling; GPU kernel time from a profiler trace
+  softmax_top_k   an MoE softmax router's softmax + top-k + renormalisation in one launch
+                  (softmax_top_k.py) against XLA's launches, per num_warps; kernel time from a trace
 
 Each row holds the XLA form's and every kernel variant's time (`<variant>_us`), the kernel's
 error against the reference on the same inputs (a check of what was timed: the strict checks at

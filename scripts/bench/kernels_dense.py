@@ -1,6 +1,7 @@
-"""The dense-layer run of scripts.bench.kernels (add_rms_norm): residual add + RMSNorm over split-K
-partial sums against XLA's reduce + the plain kernel, per tiling, GPU kernel time from a profiler
-trace."""
+"""The per-layer runs of scripts.bench.kernels that are not attention, GDN or the tree build, GPU
+kernel time from a profiler trace: add_rms_norm (residual add + RMSNorm over split-K partial sums
+against XLA's reduce + the plain kernel, per tiling) and softmax_top_k (an MoE softmax router's
+softmax + top-k + renormalisation in one launch against XLA's launches, per num_warps)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import add_rms_norm as arn
+from pallas_kernels import softmax_top_k as stk
 from pallas_kernels._common import summed_partials
 from scripts.bench.common import err_str, trace_kernel_us
 from scripts.bench.kernels_harness import Kernel, Run, ints, registrar
@@ -58,3 +60,43 @@ def run_add_rms_norm(run: Run) -> None:
                 row[name + "_error"] = err_str(e)
         row["ok"] = all(v for k, v in row.items() if k.endswith("_ok"))
         run.record(row)
+
+
+def softmax_top_k_options(ap):
+    ap.add_argument("--rows", default="1,8,65", help="tokens (a batch-1 / batch-8 decode step, a DDTree-64 verify)")
+    ap.add_argument("--experts", default="256,512", help="router widths (Qwen3.6-35B-A3B: 256, Qwen3-Next: 512)")
+    ap.add_argument("--ks", default="8,10", help="top-k (paired with --experts)")
+    ap.add_argument("--warps", default="1,2,4,8", help="num_warps of the kernel variants")
+
+
+@kernel("softmax_top_k", [("rows", "rows", 5, None), ("experts", "E", 4, None), ("k", "k", 3, None)],
+        "MoE softmax router (softmax + top-k + renormalisation) in one launch against XLA's launches",
+        softmax_top_k_options)
+def run_softmax_top_k(run: Run) -> None:
+    a = run.args
+    pairs = [(40, 4)] if run.smoke else list(zip(ints(a.experts), ints(a.ks)))
+    for rows in [3] if run.smoke else ints(a.rows):
+        for e, k in pairs:
+            row = {"rows": rows, "experts": e, "k": k}
+            key = jax.random.PRNGKey(rows * 1000 + e)
+            sets = [(jax.random.normal(jax.random.fold_in(key, r), (rows, e), jnp.float32) * 2).astype(jnp.bfloat16)
+                    for r in range(8 if run.gpu else 1)]
+            route = lambda x, impl, warps=None: stk.softmax_top_k(x, k, norm=True, weights_dtype=jnp.bfloat16,
+                                                                  impl=impl, num_warps=warps)
+            want = jax.jit(lambda x: route(x, "xla"))(sets[0])
+            forms = {"xla": lambda x: route(x, "xla")}
+            for warps in [4] if run.smoke else ints(a.warps):
+                forms[f"kernel_w{warps}"] = (lambda w: lambda x: route(x, run.impl, w))(warps)
+            for name, f in forms.items():
+                try:
+                    got = jax.jit(f)(sets[0])
+                    ids_ok = bool(np.array_equal(np.asarray(got[0]), np.asarray(want[0])))
+                    err = float(np.max(np.abs(np.asarray(got[1]) - np.asarray(want[1]))))
+                    row[name + "_ok"] = ids_ok and err <= 2**-8
+                    us = trace_kernel_us(f, sets, run.gpu)
+                    if us is not None:
+                        row[name + "_us"] = us
+                except Exception as e:
+                    row[name + "_error"] = err_str(e)
+            row["ok"] = all(v for k, v in row.items() if k.endswith("_ok"))
+            run.record(row)

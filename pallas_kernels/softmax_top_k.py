@@ -1,0 +1,120 @@
+"""Softmax, top-k and renormalisation of short rows in one kernel launch (a softmax router's choice
+of experts per token), next to its reference.
+
+    ids, weights = softmax_top_k(logits, k, norm=True, weights_dtype=jnp.bfloat16,
+                                 impl="xla" | "pallas" | "pallas_interpret")
+
+logits [T, n] -> ids [T, k] int32: the k largest of p = softmax(float32(logits)) in descending
+order, equal probabilities to the lower index (lax.top_k's rule); weights [T, k] float32: those
+probabilities, divided by their sum if `norm`, rounded to `weights_dtype` (float32 holding values
+of that dtype: what a router that rounds its weights to the params dtype hands the experts).
+
+Why a kernel: on a GPU XLA makes a softmax router's choice of one decode token in ~4 launches (the
+softmax, a sort for the top-k, the renormalisation, the rounding): 6.6 us a layer of the
+Qwen3.6-35B-A3B-shape decode step on the H200, a fifth of the step's small launches
+(docs/results/2026-12-02_profile_35b_a3b_decode_row_pad.json: sort 3.9 us, the two softmax-like
+fusions 1.6 + 1.1 us). Here one program per row holds the row in registers: max, exp, sum, then
+the k largest one at a time (a max, the lowest index holding it, that entry masked out), the
+renormalisation and the rounding. Rows up to SOFTMAX_TOP_K_MAX_LEN entries, k up to
+SOFTMAX_TOP_K_MAX_K.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels._common import check_impl, compiler_params, load, next_pow2, store
+
+SOFTMAX_TOP_K_MAX_LEN = 4096  # the row in registers (512 experts is the largest router in use)
+SOFTMAX_TOP_K_MAX_K = 32
+DEFAULT_WARPS = 1  # fastest at every measured shape: docs/decisions/0052-moe-router-kernel.md
+
+
+def _rounded(x, dtype, interpret: bool):
+    """x (float32) rounded to dtype, kept in float32. Interpret mode runs the kernel through XLA,
+    whose CPU backend may drop a bare f32 -> 16-bit -> f32 round trip (excess precision), so it
+    rounds with reduce_precision; the Triton lowering has no reduce_precision and keeps casts."""
+    if jnp.dtype(dtype) == jnp.float32:
+        return x
+    if interpret:
+        info = jnp.finfo(dtype)
+        return lax.reduce_precision(x, info.nexp, info.nmant)
+    return x.astype(dtype).astype(jnp.float32)
+
+
+def _kernel(x_ref, ids_ref, w_ref, *, n, k, n_pad, kp, norm, dtype, interpret):
+    f32, i32 = jnp.float32, jnp.int32
+    idx = lax.broadcasted_iota(i32, (n_pad,), 0)
+    real = idx < n
+    x = load(x_ref, (pl.ds(0, n_pad),), mask=real, other=0.0).astype(f32)
+    x = jnp.where(real, x, -jnp.inf)
+    e = jnp.exp(x - jnp.max(x))
+    p = e / jnp.sum(e)  # jax.nn.softmax's formula
+    key = jnp.where(real, p, -1.0)  # below every probability
+    lane = lax.broadcasted_iota(i32, (kp,), 0)
+
+    def take(j, carry):
+        key, vals, picks = carry
+        top = jnp.max(key)
+        at = jnp.min(jnp.where(key == top, idx, n_pad))  # ties: the lower index first
+        vals = jnp.where(lane == j, top, vals)
+        picks = jnp.where(lane == j, at, picks)
+        return jnp.where(idx == at, -2.0, key), vals, picks
+
+    _, vals, picks = lax.fori_loop(0, k, take, (key, jnp.zeros((kp,), f32), jnp.zeros((kp,), i32)))
+    if norm:
+        vals = vals / jnp.sum(vals)  # lanes past k hold zeros
+    keep = lane < k
+    store(ids_ref, (pl.ds(0, kp),), picks, mask=keep)
+    store(w_ref, (pl.ds(0, kp),), _rounded(vals, dtype, interpret), mask=keep)
+
+
+def _pallas(logits, k: int, *, norm: bool, weights_dtype, interpret: bool, num_warps: int | None):
+    t, n = logits.shape
+    problems = []
+    if n > SOFTMAX_TOP_K_MAX_LEN:
+        problems.append(f"rows up to {SOFTMAX_TOP_K_MAX_LEN} entries, got {n}")
+    if not 1 <= k <= min(n, SOFTMAX_TOP_K_MAX_K):
+        problems.append(f"k in [1, min(n, {SOFTMAX_TOP_K_MAX_K})], got k = {k} for n = {n}")
+    if problems:
+        raise ValueError("the softmax top-k kernel takes " + "; ".join(problems) + ": use impl='xla'")
+    n_pad, kp = max(16, next_pow2(n)), max(16, next_pow2(k))
+    kernel = functools.partial(_kernel, n=n, k=k, n_pad=n_pad, kp=kp, norm=norm, dtype=jnp.dtype(weights_dtype),
+                               interpret=interpret)
+    out_spec = pl.BlockSpec((None, k), lambda i: (i, 0))
+    return pl.pallas_call(
+        kernel,
+        grid=(t,),
+        in_specs=[pl.BlockSpec((None, n), lambda i: (i, 0))],
+        out_specs=[out_spec, out_spec],
+        out_shape=[jax.ShapeDtypeStruct((t, k), jnp.int32), jax.ShapeDtypeStruct((t, k), jnp.float32)],
+        compiler_params=None if interpret else compiler_params(num_warps or DEFAULT_WARPS, 1),
+        interpret=interpret,
+        name="softmax_top_k",
+    )(logits)
+
+
+def softmax_top_k(logits: jax.Array, k: int, *, norm: bool, weights_dtype=jnp.float32, impl: str = "xla",
+                  num_warps: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """[..., n] -> (ids int32, weights float32) [..., k] (module docstring)."""
+    check_impl(impl)
+    if impl == "xla":
+        return reference(logits, k, norm=norm, weights_dtype=weights_dtype)
+    *lead, n = logits.shape
+    ids, weights = _pallas(logits.reshape(-1, n), k, norm=norm, weights_dtype=weights_dtype,
+                           interpret=impl == "pallas_interpret", num_warps=num_warps)
+    return ids.reshape(*lead, k), weights.reshape(*lead, k)
+
+
+def reference(logits: jax.Array, k: int, *, norm: bool, weights_dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
+    """The kernel's reference: jax.nn.softmax in float32, lax.top_k, the renormalisation, the rounding."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    top, ids = lax.top_k(probs, k)
+    if norm:
+        top = top / jnp.sum(top, axis=-1, keepdims=True)
+    return ids.astype(jnp.int32), _rounded(top, weights_dtype, interpret=True)
