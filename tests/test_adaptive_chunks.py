@@ -11,6 +11,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from ddtree_jax.speculative import generate as gen
 from ddtree_jax.speculative.choice import AR, DFLASH, FIRST_TREE, summary
@@ -58,6 +59,7 @@ def test_each_choice_has_its_own_program_without_conditionals():
         assert "cond[" not in text(program), f"choice {c}"
 
 
+@pytest.mark.slow  # ~31 s: host-planned chunks (decide_on "host", not a default); device chunks are checked below
 def test_planned_chunks_equal_plain_decoding():
     """The oracle with errors under three tables: the tokens are plain greedy decoding's; the
     chunks follow the table (cheap plain steps: plain chunks but for one-step probes; cheap big
@@ -138,6 +140,7 @@ def test_device_chunks_equal_plain_decoding_and_follow_the_table():
             assert max(len(r) for r in runs[1:]) <= 1, trace  # after the first, drafts are lone probes
 
 
+@pytest.mark.slow  # ~25 s; the default run keeps test_each_choice_has_its_own_program_without_conditionals
 def test_device_chunks_are_one_program_with_fixed_budget_steps():
     """The device-chunk program: one advance for every choice (no per-choice programs), whose lean
     loops run each speculative choice's fixed-budget step; it stops where the call's steps end."""

@@ -87,6 +87,8 @@ def test_lowers_for_sm90_at_the_27b_layer(t):
     assert res["regs"] <= 255 and res["stack_bytes"] == 0, res
 
 
+@pytest.mark.slow  # interpreted ~20-36 s (natively under -m gpu); the default run keeps the kernel's own tests and
+# tests/test_kernels_in_model.py's generation with every kernel on, equal to plain greedy decoding
 def test_model_route_gives_the_xla_forms_outputs(impl):
     """routes.attention_prologue_kernel on: a tiny hybrid target's decode step and tree verify +
     commit through the kernels give the XLA prologue's logits and caches, one kernel per attention

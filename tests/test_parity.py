@@ -56,6 +56,7 @@ from hf_models import (
     split_features,
     target_config,
 )
+from tests.tolerance import assert_scaled_close
 
 TOL = 1e-4
 
@@ -217,9 +218,13 @@ def test_ragged_batch_rows_equal_single_prompt_runs(name):
         for k, i in enumerate(ids):
             assert_close(feats[k][r, :n], ref.hidden[i][0], f"row {r} hidden_states[{i}]")
             assert_close(last_feats[k][r], ref.hidden[i][0, -1], f"row {r} last-token hidden_states[{i}]")
-    # The prefill caches of both entry points are the same.
+    # The prefill caches of both entry points are the same: lengths exactly, floats within 1e-5 of
+    # their magnitude (two compiled programs, whose float32 sums XLA may round differently)
     for x, y in zip(jax_leaves(out.cache), jax_leaves(last.cache)):
-        np.testing.assert_array_equal(x, y)
+        if np.issubdtype(x.dtype, np.floating):
+            assert_scaled_close(x, y, 1e-5, "the two prefills' caches")
+        else:
+            np.testing.assert_array_equal(x, y)
     cache = out.cache
     for j in range(RAGGED_STEPS):
         feed = np.asarray([ref.step_inputs[0, j] for ref in singles], np.int32)

@@ -233,6 +233,8 @@ def test_streaming_completion_and_chat(ready, engine):
     assert all(c.object == "chat.completion.chunk" for c in chat)
 
 
+@pytest.mark.slow  # ~35 s; the default run keeps test_load_test_script's concurrent requests and serve-core's
+# test_continuous_batching_equals_each_request_alone
 def test_sixteen_concurrent_requests(ready, engine):
     """Different prompts, lengths and temperatures in 4 slots; every greedy one is token-identical
     to the request decoded alone (up to near ties); a seeded sampled one does not depend on its
