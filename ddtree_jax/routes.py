@@ -61,6 +61,7 @@ class Routes:
     ssd_kernel_max_nodes: int = 16  # Mamba2 tree verify: the SSD kernel up to this many nodes
     moe_experts_kernel: bool = True  # MoE expert products through the expert kernels
     moe_router_kernel: bool = True  # a softmax router's softmax + top-k + renormalisation in one launch
+    moe_shared_in_decode_kernel: bool = True  # the shared expert as T more pairs of the experts' decode path
     moe_decode_max_pairs: int = DECODE_MAX_PAIRS  # ... their decode path (no grouping) up to T * top_k pairs
     # ---- tree build kernels (impl != "xla") ----
     bits_kernel_max_nodes: int = 64  # ancestor bitsets: the kernel up to this many nodes

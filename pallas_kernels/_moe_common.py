@@ -10,6 +10,7 @@ A module of its own so that the grouped path (_moe_grouped.py) and the decode pa
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -128,9 +129,31 @@ def _dims(w_in, w_out, w_layout: str):
     return e, h, n1, i, h2
 
 
-def check_operands(x, expert_ids, weights, w_in, w_out, act: str, w_layout: str = "in_out") -> list[str]:
+class Shared(NamedTuple):
+    """A shared expert added to every token as one more weighted choice (Qwen-MoE's shared expert
+    scaled by its sigmoid gate): w_in [1, ...] and w_out [1, ...], one expert stored like the routed
+    ones (same layout and sizes), and weight [T] float32, its combine weight per token. The forms
+    that take it (`reference`, the decode path) sum it with the routed choices in float32 and round
+    once: y[t] = round(sum_j w[t, j] o_j + weight[t] o_shared)."""
+
+    w_in: jax.Array
+    w_out: jax.Array
+    weight: jax.Array
+
+
+def check_operands(x, expert_ids, weights, w_in, w_out, act: str, w_layout: str = "in_out",
+                   shared: Shared | None = None) -> list[str]:
     """Every problem with the operands (shapes, ranks, dtypes; ids in [0, E) where they are concrete)."""
     bad = []
+    if shared is not None and w_in.ndim == 3 and w_out.ndim == 3 and x.ndim == 2:
+        for name, a, like in (("w_in", shared.w_in, w_in), ("w_out", shared.w_out, w_out)):
+            want = (1, *like.shape[1:])
+            if tuple(a.shape) != want or a.dtype != like.dtype:
+                bad.append(f"shared {name} must be one expert stored like the routed ones, {want} {like.dtype}, "
+                           f"got {tuple(a.shape)} {a.dtype}")
+        if tuple(shared.weight.shape) != (x.shape[0],) or not jnp.issubdtype(shared.weight.dtype, jnp.floating):
+            bad.append(f"shared weight must be [{x.shape[0]}] floating point (one per token), got "
+                       f"{tuple(shared.weight.shape)} {shared.weight.dtype}")
     if act not in ACTS:
         bad.append(f"act must be one of {ACTS}, got {act!r}")
     if w_layout not in W_LAYOUTS:
@@ -246,14 +269,22 @@ def combine_choices(o, weights, valid, dtype):
 # the XLA references: the gathered form and the dense one
 
 
-def reference(x, expert_ids, weights, w_in, w_out, *, act: str, w_layout: str = "in_out"):
-    """The gathered form: each pair's expert weights gathered ([T, k, H, N1], [T, k, I, H])."""
+def reference(x, expert_ids, weights, w_in, w_out, *, act: str, w_layout: str = "in_out",
+              shared: Shared | None = None):
+    """The gathered form: each pair's expert weights gathered ([T, k, H, N1], [T, k, I, H]); a
+    `shared` expert is one more choice of every token."""
     e = w_in.shape[0]
     ids = jnp.clip(expert_ids, 0, e - 1)
+    valid = _valid(expert_ids, e)
+    if shared is not None:  # the shared expert as expert E of a weight table of E + 1
+        w_in, w_out = jnp.concatenate([w_in, shared.w_in]), jnp.concatenate([w_out, shared.w_out])
+        ids = jnp.concatenate([ids, jnp.full((x.shape[0], 1), e, ids.dtype)], axis=1)
+        weights = jnp.concatenate([weights.astype(jnp.float32), shared.weight.astype(jnp.float32)[:, None]], axis=1)
+        valid = jnp.concatenate([valid, jnp.ones((x.shape[0], 1), bool)], axis=1)
     pre = _mm(x, w_in[ids], "th", "tk", "tkn", w_layout)
     a = activate(pre, act, x.dtype)
     o = _mm(a, w_out[ids], "tki", "tk", "tkh", w_layout)
-    return combine_choices(o, weights, _valid(expert_ids, e), x.dtype)
+    return combine_choices(o, weights, valid, x.dtype)
 
 
 def dense_reference(x, expert_ids, weights, w_in, w_out, *, act: str, w_layout: str = "in_out"):

@@ -24,8 +24,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import compiler_params, dot_precision, load, next_pow2, store
-from pallas_kernels._moe_common import (MIN_BLOCK, TARGET_PROGRAMS, DecodeConfig, GemmConfig, _dims, _filling_split,
-                                        _round, _valid, combine_choices, kernel_problems)
+from pallas_kernels._moe_common import (MIN_BLOCK, TARGET_PROGRAMS, DecodeConfig, GemmConfig, Shared, _dims,
+                                        _filling_split, _round, _valid, combine_choices, kernel_problems)
 
 
 def default_decode_config(tokens: int, top_k: int, num_experts: int, hidden: int, inter: int) -> DecodeConfig:
@@ -82,36 +82,54 @@ def _weight_tile(w_ref, e, k0, col, bk: int, bn: int, w_t: bool):
     return load(w_ref, (e, pl.ds(k0, bk), pl.ds(col, bn)))
 
 
-def _decode_up_kernel(ids_ref, x_ref, w_ref, o_ref, *, top_k, num_experts, cfg: GemmConfig, k_per_split,
+def _pair_expert(ids_ref, pair, *, top_k, pairs, num_experts):
+    """(token, expert, whether a routed pair with a valid id) of pair < pairs; pairs from `pairs` on
+    are the shared expert's, one per token (their id read is clamped into the table)."""
+    p = jnp.minimum(pair, pairs - 1)
+    tok, choice = p // top_k, p % top_k
+    e = ids_ref[tok, choice]
+    return tok, e, (pair < pairs) & (e >= 0) & (e < num_experts)
+
+
+def _decode_up_kernel(ids_ref, x_ref, w_ref, *refs, top_k, pairs, num_experts, cfg: GemmConfig, k_per_split,
                       col_offsets, w_t, precision, act):
     """Program (column block, K slice, pair): the pair's token row of x times its expert's w_in
     columns (gate and up, or up). Without a K split: act(round(.)) into o_ref [P, I]; with one:
-    the float32 sums into o_ref [S, P, N1]. A pair with an id outside [0, E) writes nothing."""
-    bn, bk = cfg.block_n, cfg.block_k
+    the float32 sums into o_ref [S, P, N1]. A pair with an id outside [0, E) writes nothing. With a
+    shared expert (refs: its w_in [1, ...], then o_ref) rows P .. P + T - 1 are its pairs, one per
+    token."""
+    o_ref = refs[-1]
     col_block, split, pair = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    tok, choice = pair // top_k, pair % top_k
-    e = ids_ref[tok, choice]
+    tok, e, routed = _pair_expert(ids_ref, pair, top_k=top_k, pairs=pairs, num_experts=num_experts)
+    run = functools.partial(_up_pair, x_ref, col_block=col_block, split=split, o_ref=o_ref, pair=pair, cfg=cfg,
+                            k_per_split=k_per_split, col_offsets=col_offsets, w_t=w_t, precision=precision, act=act)
+    if len(refs) == 2:
+        pl.when(pair >= pairs)(lambda: run(w_ref=refs[0], tok=pair - pairs, e=jnp.int32(0)))
+    pl.when(routed)(lambda: run(w_ref=w_ref, tok=tok, e=e))
 
-    @pl.when((e >= 0) & (e < num_experts))
-    def _():
-        col0 = col_block * bn
-        k_base = split * k_per_split
 
-        def step(i, accs):
-            k0 = k_base + i * bk
-            rows = _padded_row(load(x_ref, (pl.ds(tok, 1), pl.ds(k0, bk))))
-            return tuple(acc + _row_product(_weight_tile(w_ref, e, k0, off + col0, bk, bn, w_t), rows, w_t,
-                                            cfg.layout, precision)
-                         for off, acc in zip(col_offsets, accs))
+def _up_pair(x_ref, *, w_ref, o_ref, pair, tok, e, col_block, split, cfg: GemmConfig, k_per_split, col_offsets, w_t,
+             precision, act):
+    """One program of launch (1) for a pair of token `tok` and expert `e` of w_ref."""
+    bn, bk = cfg.block_n, cfg.block_k
+    col0 = col_block * bn
+    k_base = split * k_per_split
 
-        shape = (bn, MIN_BLOCK) if cfg.layout == "cols" else (MIN_BLOCK, bn)
-        accs = lax.fori_loop(0, k_per_split // bk, step, tuple(jnp.zeros(shape, jnp.float32) for _ in col_offsets))
-        sums = [_the_row(a, cfg.layout) for a in accs]
-        if cfg.split_k > 1:
-            for off, v in zip(col_offsets, sums):
-                store(o_ref, (split, pair, pl.ds(off + col0, bn)), v)
-            return
-        store(o_ref, (pair, pl.ds(col0, bn)), _act_rounded(sums, act, o_ref.dtype))
+    def step(i, accs):
+        k0 = k_base + i * bk
+        rows = _padded_row(load(x_ref, (pl.ds(tok, 1), pl.ds(k0, bk))))
+        return tuple(acc + _row_product(_weight_tile(w_ref, e, k0, off + col0, bk, bn, w_t), rows, w_t,
+                                        cfg.layout, precision)
+                     for off, acc in zip(col_offsets, accs))
+
+    shape = (bn, MIN_BLOCK) if cfg.layout == "cols" else (MIN_BLOCK, bn)
+    accs = lax.fori_loop(0, k_per_split // bk, step, tuple(jnp.zeros(shape, jnp.float32) for _ in col_offsets))
+    sums = [_the_row(a, cfg.layout) for a in accs]
+    if cfg.split_k > 1:
+        for off, v in zip(col_offsets, sums):
+            store(o_ref, (split, pair, pl.ds(off + col0, bn)), v)
+        return
+    store(o_ref, (pair, pl.ds(col0, bn)), _act_rounded(sums, act, o_ref.dtype))
 
 
 def _act_rounded(sums, act: str, dtype):
@@ -126,14 +144,17 @@ def _act_rounded(sums, act: str, dtype):
     return (r * r).astype(dtype)
 
 
-def _decode_down_kernel(ids_ref, wts_ref, h_ref, w_ref, o_ref, *, top_k, kp, num_experts, cfg: GemmConfig,
+def _decode_down_kernel(ids_ref, wts_ref, h_ref, w_ref, *refs, top_k, pairs, kp, num_experts, cfg: GemmConfig,
                         k_per_split, per_token, h_split, inter, w_t, precision, act):
     """Launch (2). per_token: program (column block, 0, token) runs the token's k choices in one
     loop of k x (I / bk) steps (the expert changes every I / bk steps, so the weight loads stay
     pipelined across experts) and writes round(sum_j w_j round(o_j)) into o_ref [T, H]. Else
     program (column block, K slice, pair) writes the pair's round(o) into o_ref [P, H] (float32
     partials [S, P, H] with a K split). h_ref: the activation [P, I] (dtype), or launch (1)'s
-    float32 partials [h_split, P, N1], added, rounded and activated here as they are loaded."""
+    float32 partials [h_split, P, N1], added, rounded and activated here as they are loaded. With a
+    shared expert (refs: its w_out [1, ...], then o_ref; per pair only) rows P .. P + T - 1 are its
+    pairs."""
+    o_ref = refs[-1]
     f32, i32 = jnp.float32, jnp.int32
     bn, bk = cfg.block_n, cfg.block_k
     col_block, split, row = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -175,22 +196,22 @@ def _decode_down_kernel(ids_ref, wts_ref, h_ref, w_ref, o_ref, *, top_k, kp, num
         store(o_ref, (row, pl.ds(col0, bn)), _the_row(y, cfg.layout).astype(o_ref.dtype))
         return
 
-    tok, choice = row // top_k, row % top_k
-    e = ids_ref[tok, choice]
-
-    @pl.when((e >= 0) & (e < num_experts))
-    def _():
+    def one(w, e):
         def step(i, acc):
             k0 = k_base + i * bk
             rows = _padded_row(activation(row, k0))
-            return acc + _row_product(_weight_tile(w_ref, e, k0, col0, bk, bn, w_t), rows, w_t, cfg.layout,
-                                      precision)
+            return acc + _row_product(_weight_tile(w, e, k0, col0, bk, bn, w_t), rows, w_t, cfg.layout, precision)
 
         v = _the_row(lax.fori_loop(0, nk, step, jnp.zeros(shape, f32)), cfg.layout)
         if cfg.split_k > 1:
             store(o_ref, (split, row, pl.ds(col0, bn)), v)
         else:
             store(o_ref, (row, pl.ds(col0, bn)), v.astype(o_ref.dtype))
+
+    _, e, routed = _pair_expert(ids_ref, row, top_k=top_k, pairs=pairs, num_experts=num_experts)
+    if len(refs) == 2:
+        pl.when(row >= pairs)(lambda: one(refs[0], jnp.int32(0)))
+    pl.when(routed)(lambda: one(w_ref, e))
 
 
 def _call(kernel, grid, operands, out_shape, cfg: GemmConfig, interpret: bool, name: str):
@@ -207,11 +228,15 @@ def _call(kernel, grid, operands, out_shape, cfg: GemmConfig, interpret: bool, n
     )(*operands)
 
 
-def _decode(x, expert_ids, weights, w_in, w_out, *, act: str, w_layout: str, config: DecodeConfig, interpret: bool):
-    """The decode path (this module's docstring): two launches, plus XLA's combine with combine "xla"."""
+def _decode(x, expert_ids, weights, w_in, w_out, *, act: str, w_layout: str, config: DecodeConfig, interpret: bool,
+            shared: Shared | None = None):
+    """The decode path (this module's docstring): two launches, plus XLA's combine with combine "xla".
+    A shared expert runs as T more pairs of both launches (combine "xla" only)."""
     t, k = expert_ids.shape
     e, h, _, inter, _ = _dims(w_in, w_out, w_layout)
     bad = kernel_problems(h, inter, e, k, x.dtype, config)
+    if shared is not None and config.combine != "xla":
+        bad.append("a shared expert needs combine 'xla' (the per-token combine sums the routed choices only)")
     if bad:
         raise ValueError("expert_mlp kernel: " + "; ".join(bad) + " (use impl='xla')")
     up, down = config.up.fit(inter, h), config.down.fit(h, inter)
@@ -222,18 +247,21 @@ def _decode(x, expert_ids, weights, w_in, w_out, *, act: str, w_layout: str, con
     wts = weights.astype(jnp.float32)
     w_t = w_layout == "out_in"
     p = t * k
+    rows = p + (t if shared is not None else 0)  # the routed pairs, then the shared expert's
     offsets = (0, inter) if act == "silu_glu" else (0,)
     precision = dot_precision(x.dtype)
     f32 = jnp.float32
     if up.split_k > 1:
-        hid_shape = jax.ShapeDtypeStruct((up.split_k, p, len(offsets) * inter), f32)
+        hid_shape = jax.ShapeDtypeStruct((up.split_k, rows, len(offsets) * inter), f32)
     else:
-        hid_shape = jax.ShapeDtypeStruct((p, inter), x.dtype)
-    up_kernel = functools.partial(_decode_up_kernel, top_k=k, num_experts=e, cfg=up, k_per_split=h // up.split_k,
-                                  col_offsets=offsets, w_t=w_t, precision=precision, act=act)
-    hid = _call(up_kernel, (inter // up.block_n, up.split_k, p), (ids, x, w_in), hid_shape, up, interpret,
-                "moe_decode_up")
-    down_kernel = functools.partial(_decode_down_kernel, top_k=k, kp=next_pow2(k), num_experts=e, cfg=down,
+        hid_shape = jax.ShapeDtypeStruct((rows, inter), x.dtype)
+    up_kernel = functools.partial(_decode_up_kernel, top_k=k, pairs=p, num_experts=e, cfg=up,
+                                  k_per_split=h // up.split_k, col_offsets=offsets, w_t=w_t, precision=precision,
+                                  act=act)
+    extra_in = () if shared is None else (shared.w_in,)
+    hid = _call(up_kernel, (inter // up.block_n, up.split_k, rows), (ids, x, w_in, *extra_in), hid_shape, up,
+                interpret, "moe_decode_up")
+    down_kernel = functools.partial(_decode_down_kernel, top_k=k, pairs=p, kp=next_pow2(k), num_experts=e, cfg=down,
                                     k_per_split=inter // down.split_k, per_token=per_token,
                                     h_split=up.split_k if up.split_k > 1 else 0, inter=inter, w_t=w_t,
                                     precision=precision, act=act)
@@ -241,11 +269,18 @@ def _decode(x, expert_ids, weights, w_in, w_out, *, act: str, w_layout: str, con
         return _call(down_kernel, (h // down.block_n, 1, t), (ids, wts, hid, w_out),
                      jax.ShapeDtypeStruct((t, h), x.dtype), down, interpret, "moe_decode_down")
     if down.split_k > 1:
-        out_shape = jax.ShapeDtypeStruct((down.split_k, p, h), f32)
+        out_shape = jax.ShapeDtypeStruct((down.split_k, rows, h), f32)
     else:
-        out_shape = jax.ShapeDtypeStruct((p, h), x.dtype)
-    out = _call(down_kernel, (h // down.block_n, down.split_k, p), (ids, wts, hid, w_out), out_shape, down,
-                interpret, "moe_decode_down")
+        out_shape = jax.ShapeDtypeStruct((rows, h), x.dtype)
+    extra_out = () if shared is None else (shared.w_out,)
+    out = _call(down_kernel, (h // down.block_n, down.split_k, rows), (ids, wts, hid, w_out, *extra_out), out_shape,
+                down, interpret, "moe_decode_down")
     if down.split_k > 1:
         out = _round(jnp.sum(out, axis=0), x.dtype)
-    return combine_choices(out.reshape(t, k, h), wts, _valid(ids, e), x.dtype)
+    if shared is None:
+        return combine_choices(out.reshape(t, k, h), wts, _valid(ids, e), x.dtype)
+    # the shared expert as each token's last choice, added to the routed sum in float32 (no
+    # concatenation: XLA makes the whole combine one fusion)
+    prod = out[:p].reshape(t, k, h).astype(f32) * wts[..., None]
+    routed = jnp.sum(jnp.where(_valid(ids, e)[..., None], prod, 0.0), axis=1)
+    return _round(routed + shared.weight.astype(f32)[:, None] * out[p:].astype(f32), x.dtype)

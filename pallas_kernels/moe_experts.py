@@ -21,6 +21,9 @@ identity for float32):
     relu2:    a = round(relu(u) * relu(u))      (HF: square(relu(up)))
     o = round(a @ w_out[e])                     float32 accumulation, rounded
     y = round(sum_j float32(weights[t, j]) * float32(o_j))   weighted and summed in float32, rounded once
+A `Shared` expert (w_in [1, ...], w_out [1, ...], a weight per token: Qwen-MoE's shared expert and
+its sigmoid gate) is one more choice of every token in that sum, where the form takes it
+(`takes_shared`: the gathered reference and the decode path, whose launches run it as T more pairs).
 HF's bf16 module multiplies o by the (bf16) weight and adds the k products into a bf16 buffer one
 by one; the float32 sum here rounds once instead (it differs from HF's by bf16 rounding steps).
 Float32 matmuls run at full precision (IEEE, no TF32) in every form. An expert id outside
@@ -63,7 +66,7 @@ from __future__ import annotations
 from pallas_kernels._common import check_impl
 from pallas_kernels._moe_common import (  # noqa: F401 (re-exported: callers import them from here)
     ACTS, COMBINES, DTYPES, GEMM_LAYOUTS, MIN_BLOCK, TARGET_PROGRAMS, W_LAYOUTS, DecodeConfig, GemmConfig, MoeConfig,
-    _dims, activate, check_operands, combine_choices, dense_reference, kernel_problems, reference)
+    Shared, _dims, activate, check_operands, combine_choices, dense_reference, kernel_problems, reference)
 from pallas_kernels._moe_decode import _decode, default_decode_config
 from pallas_kernels._moe_grouped import (  # noqa: F401 (re-exported: callers import them from here)
     RANK_BY_COUNT_MAX_PAIRS, PairGroups, _pallas, default_config, group_pairs, grouped_xla, max_tiles)
@@ -87,26 +90,47 @@ def xla_form(tokens: int, top_k: int, num_experts: int) -> str:
     return "reference" if tokens * top_k < num_experts else "grouped_xla"
 
 
+def takes_shared(tokens: int, top_k: int, num_experts: int, hidden: int, inter: int, *, impl: str,
+                 decode_max_pairs: int = DECODE_MAX_PAIRS) -> bool:
+    """Whether expert_mlp's form for this call takes a `Shared` expert: the gathered reference
+    (impl "xla" while T k < E) and the decode path with XLA's combine (kernels); the grouped forms
+    do not."""
+    if impl == "xla":
+        return xla_form(tokens, top_k, num_experts) == "reference"
+    config = kernel_config(tokens, top_k, num_experts, hidden, inter, decode_max_pairs)
+    return isinstance(config, DecodeConfig) and config.combine == "xla"
+
+
 def expert_mlp(x, expert_ids, weights, w_in, w_out, *, act: str, impl: str = "xla",
                config: MoeConfig | DecodeConfig | None = None, w_layout: str = "in_out",
-               decode_max_pairs: int = DECODE_MAX_PAIRS):
+               decode_max_pairs: int = DECODE_MAX_PAIRS, shared: Shared | None = None):
     """y [T, H] = sum_j weights[t, j] * down_e(act(x[t] @ w_in[e])), e = expert_ids[t, j], rounded
     as the module docstring says. impl "xla": `xla_form`'s choice of reference / grouped_xla;
     "pallas" / "pallas_interpret": the decode path (config a DecodeConfig) or the grouped kernel
     (a MoeConfig); default `kernel_config`: the decode path while T k <= decode_max_pairs. A layer
     the kernels cannot take (`kernel_problems`) raises. Pure and jit-compatible (config, act, impl,
-    w_layout and decode_max_pairs static)."""
+    w_layout and decode_max_pairs static). A `shared` expert (one more weighted choice of every
+    token, summed before the one rounding) is taken by the forms `takes_shared` names; another
+    form raises."""
     check_impl(impl)
-    bad = check_operands(x, expert_ids, weights, w_in, w_out, act, w_layout)
+    bad = check_operands(x, expert_ids, weights, w_in, w_out, act, w_layout, shared)
     if bad:
         raise ValueError("expert_mlp: " + "; ".join(bad))
-    if impl == "xla":
-        t, k = expert_ids.shape
-        form = reference if xla_form(t, k, w_in.shape[0]) == "reference" else grouped_xla
-        return form(x, expert_ids, weights, w_in, w_out, act=act, w_layout=w_layout)
     t, k = expert_ids.shape
+    if impl == "xla":
+        gathered = xla_form(t, k, w_in.shape[0]) == "reference"
+        if shared is not None and not gathered:
+            raise ValueError(f"expert_mlp: a shared expert is not taken by grouped_xla (T k = {t * k} >= E)")
+        if gathered:
+            return reference(x, expert_ids, weights, w_in, w_out, act=act, w_layout=w_layout, shared=shared)
+        return grouped_xla(x, expert_ids, weights, w_in, w_out, act=act, w_layout=w_layout)
     e, h, _, inter, _ = _dims(w_in, w_out, w_layout)
     config = config or kernel_config(t, k, e, h, inter, decode_max_pairs)
-    run = _decode if isinstance(config, DecodeConfig) else _pallas
-    return run(x, expert_ids, weights, w_in, w_out, act=act, w_layout=w_layout, config=config,
-               interpret=impl == "pallas_interpret")
+    interpret = impl == "pallas_interpret"
+    if isinstance(config, DecodeConfig):
+        return _decode(x, expert_ids, weights, w_in, w_out, act=act, w_layout=w_layout, config=config,
+                       interpret=interpret, shared=shared)
+    if shared is not None:
+        raise ValueError("expert_mlp: a shared expert is not taken by the grouped kernel (the decode path takes it)")
+    return _pallas(x, expert_ids, weights, w_in, w_out, act=act, w_layout=w_layout, config=config,
+                   interpret=interpret)

@@ -75,7 +75,11 @@ def _assert_close(got, want, dtype, what):
         assert err <= 1e-5 * scale, f"{what}: max error {err:.3g} of {scale:.3g}"
     else:  # the same roundings, only the float32 accumulation order may flip an intermediate step
         assert err <= 1e-2 * scale, f"{what}: max error {err:.3g} of {scale:.3g}"
-        assert np.mean(got == want) >= 0.9, f"{what}: only {np.mean(got == want):.2f} of the outputs bit-equal"
+        # On a GPU XLA's own dots (cuBLAS, split K) and the kernels sum in orders unlike the dense
+        # form's, and at the native sizes 0.2-0.4 of the outputs were bit-equal (H200, within the
+        # bound above): the share is a check of the CPU forms, whose sums run in one order.
+        if jax.default_backend() == "cpu":
+            assert np.mean(got == want) >= 0.9, f"{what}: only {np.mean(got == want):.2f} of the outputs bit-equal"
 
 
 # (T, k, E, H, I, act, dtype, routing, w_layout, config)
@@ -259,3 +263,73 @@ def test_bench_script_smoke(tmp_path):
         assert {"decode", "decode_out_in", "decode_combine_kernel", "default"} <= set(r["tilings"])
         errs = {key: v for key, v in r.items() if key.endswith("_err")}
         assert len(errs) == 10 and all(v < 2e-2 for v in errs.values()), errs
+
+
+# ---- a shared expert in the decode path ------------------------------------------------------
+def _shared(seed, t, h, inter, act, dtype, w_layout):
+    """A shared expert stored like one routed expert, and a combine weight per token in (0, 1)."""
+    _, _, _, w_in, w_out = _problem(seed, 1, 1, 1, h, inter, act, dtype, "random", w_layout)
+    weight = jnp.asarray(np.random.default_rng(seed).uniform(0.05, 1.0, size=(t,)), jnp.float32)
+    return moe.Shared(w_in, w_out, weight)
+
+
+@functools.partial(jax.jit, static_argnames=("act", "impl", "config", "w_layout"))
+def _run_shared(x, ids, w, w_in, w_out, shared, *, act, impl, config=None, w_layout="in_out"):
+    if impl == "reference":
+        return moe.reference(x, ids, w, w_in, w_out, act=act, w_layout=w_layout, shared=shared)
+    return moe.expert_mlp(x, ids, w, w_in, w_out, act=act, impl=impl, config=config, w_layout=w_layout,
+                          shared=shared)
+
+
+# (T, k, E, H, I, act, dtype, w_layout, decode config with XLA's combine)
+SHARED_CASES = {
+    "one_token_top4": (1, 4, 8, 32, 16, "silu_glu", "bfloat16", "in_out",
+                       DecodeConfig(up=GemmConfig(block_n=16, block_k=16, split_k=2),
+                                    down=GemmConfig(block_n=16, block_k=16), combine="xla")),
+    "three_tokens_split_rows_f32": (3, 2, 4, 48, 32, "silu_glu", "float32", "in_out", CONFIGS["decode_split_xla"]),
+    "two_tokens_out_in_relu2": (2, 3, 5, 32, 32, "relu2", "bfloat16", "out_in",
+                                DecodeConfig(up=GemmConfig(block_n=16, block_k=16),
+                                             down=GemmConfig(block_n=16, block_k=16, split_k=2), combine="xla")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SHARED_CASES))
+def test_shared_expert_is_one_more_choice(case, impl):
+    """The gathered reference with a shared expert equals the routed sum plus the shared expert's
+    weighted output (float32: one more term of the same sum); the decode path with the shared
+    expert as T more pairs equals that reference."""
+    t, k, e, h, inter, act, dtype, w_layout, config = SHARED_CASES[case]
+    if impl == "pallas":
+        h, inter = 8 * h, 8 * inter
+    x, ids, w, w_in, w_out = _problem(len(case), t, k, e, h, inter, act, dtype, "hot", w_layout)
+    shared = _shared(len(case) + 1, t, h, inter, act, dtype, w_layout)
+    want = _run_shared(x, ids, w, w_in, w_out, shared, act=act, impl="reference", w_layout=w_layout)
+    f32 = jnp.float32
+    routed = _run(*(a.astype(f32) if a.dtype == dtype else a for a in (x, ids, w, w_in, w_out)), form="reference",
+                  act=act, w_layout=w_layout)
+    alone = _run(x.astype(f32), jnp.zeros((t, 1), jnp.int32), jnp.ones((t, 1), f32), shared.w_in.astype(f32),
+                 shared.w_out.astype(f32), form="reference", act=act, w_layout=w_layout)
+    expect = np.asarray(routed + shared.weight[:, None] * alone)
+    tol = 1e-5 if dtype == "float32" else 2e-2  # bf16: the float32 recomputation skips its roundings
+    assert np.abs(np.asarray(want, np.float32) - expect).max() <= tol * np.abs(expect).max()
+    got = _run_shared(x, ids, w, w_in, w_out, shared, act=act, impl=impl, config=config, w_layout=w_layout)
+    _assert_close(got, want, dtype, "decode path with the shared expert")
+
+
+def test_forms_that_do_not_take_a_shared_expert_say_so():
+    x, ids, w, w_in, w_out = _problem(0, 5, 2, 4, 32, 16, "silu_glu", "float32", "random", "in_out")
+    shared = _shared(1, 5, 32, 16, "silu_glu", "float32", "in_out")
+    with pytest.raises(ValueError, match="not taken by grouped_xla"):
+        moe.expert_mlp(x, ids, w, w_in, w_out, act="silu_glu", shared=shared)
+    with pytest.raises(ValueError, match="not taken by the grouped kernel"):
+        moe.expert_mlp(x, ids, w, w_in, w_out, act="silu_glu", impl="pallas_interpret", config=CONFIGS["small"],
+                       shared=shared)
+    with pytest.raises(ValueError, match="needs combine 'xla'"):
+        moe.expert_mlp(x[:1], ids[:1], w[:1], w_in, w_out, act="silu_glu", impl="pallas_interpret",
+                       config=CONFIGS["decode_kernel"], shared=moe.Shared(shared.w_in, shared.w_out, shared.weight[:1]))
+    bad = moe.Shared(shared.w_in[:, :, :16], shared.w_out, shared.weight[:2])
+    with pytest.raises(ValueError, match=r"shared w_in must be one expert.*shared weight must be \[5\]"):
+        moe.expert_mlp(x, ids, w, w_in, w_out, act="silu_glu", shared=bad)
+    assert moe.takes_shared(1, 8, 256, 2048, 512, impl="pallas")  # the 35B-A3B decode step
+    assert not moe.takes_shared(2, 8, 256, 2048, 512, impl="pallas")  # 16 pairs: the grouped kernel
+    assert moe.takes_shared(3, 2, 8, 32, 16, impl="xla") and not moe.takes_shared(4, 2, 8, 32, 16, impl="xla")

@@ -420,3 +420,36 @@ def test_moe_ffn_in_the_fused_residual_stream_matches_xla():
     ref = np.asarray(verify(params, cache, nodes, REFERENCE))
     got = np.asarray(verify(params, cache, nodes, INTERPRET))
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * float(np.abs(ref).max()))
+
+
+def test_shared_expert_runs_in_the_decode_kernels_at_one_token():
+    """With kernels on, a one-token call (a batch-1 decode step) runs the shared expert as one more
+    pair of the experts' decode launches (no product of its own); its output is the separate
+    shared expert's within bf16 rounding; more tokens (the grouped kernel) keep it separate."""
+    from ddtree_jax.routes import Routes
+
+    cfg, gd, params = _block({"num_experts": 8, "num_experts_per_tok": 4, "moe_intermediate_size": 32,
+                              "shared_expert_intermediate_size": 32}, dtype=jnp.bfloat16)  # the kernel's sizes
+    fused, apart = Routes(impl="pallas_interpret"), Routes(impl="pallas_interpret", moe_shared_in_decode_kernel=False)
+    run = jax.jit(lambda p, x, routes: nnx.merge(gd, p)(x, routes), static_argnums=2)
+    closed = lambda x, routes: jax.make_jaxpr(lambda p, x: nnx.merge(gd, p)(x, routes))(params, x)
+    jaxpr = lambda x, routes: str(closed(x, routes))
+
+    def xla_dots(jaxpr) -> int:  # dot_general equations outside the kernels
+        n = 0
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                continue
+            n += eqn.primitive.name == "dot_general"
+            for v in eqn.params.values():
+                n += xla_dots(v.jaxpr) if hasattr(v, "consts") else xla_dots(v) if hasattr(v, "eqns") else 0
+        return n
+
+    rng = np.random.default_rng(5)
+    one = jnp.asarray(rng.normal(size=(1, cfg.hidden_size)), jnp.bfloat16)
+    # the shared expert's two products are gone (router and gate remain)
+    assert xla_dots(closed(one, fused).jaxpr) == xla_dots(closed(one, apart).jaxpr) - 2
+    got, want = np.asarray(run(params, one, fused), np.float32), np.asarray(run(params, one, apart), np.float32)
+    assert np.abs(got - want).max() <= 2e-2 * np.abs(want).max()
+    many = jnp.asarray(rng.normal(size=(5, cfg.hidden_size)), jnp.bfloat16)
+    assert jaxpr(many, fused) == jaxpr(many, apart)

@@ -52,14 +52,16 @@ SILU_GLU, RELU2 = moe_experts.ACTS
 
 
 # ---- expert products --------------------------------------------------------------------------
-def experts(x, expert_ids, weights, w_in, w_out, *, act: str, routes: Routes = REFERENCE) -> jax.Array:
+def experts(x, expert_ids, weights, w_in, w_out, *, act: str, routes: Routes = REFERENCE,
+            shared: moe_experts.Shared | None = None) -> jax.Array:
     """The expert products y [T, H] (module docstring) through pallas_kernels/moe_experts.py: with
     kernels on (routes.moe_experts_kernel) the kernels: their decode path (one row per (token,
     choice), no grouping) while T * k <= routes.moe_decode_max_pairs, else the grouped kernel,
     which reads each touched expert's weights once per tile of its tokens; otherwise the kernel
     module's XLA form (each (token, choice)'s weights gathered while T * k < E, else tokens grouped
     by expert). A layer the kernels cannot take is announced by a warning when traced and runs the
-    XLA form."""
+    XLA form. `shared`: a shared expert summed as one more choice (callers pass it where
+    `fuses_shared` says the form takes it)."""
     impl = "xla"
     if routes.kernels and routes.moe_experts_kernel:
         problems = moe_experts.kernel_problems(w_in.shape[1], w_out.shape[1], w_in.shape[0], expert_ids.shape[-1],
@@ -70,7 +72,19 @@ def experts(x, expert_ids, weights, w_in, w_out, *, act: str, routes: Routes = R
         else:
             impl = routes.impl
     return moe_experts.expert_mlp(x, expert_ids, weights, w_in, w_out, act=act, impl=impl,
-                                  decode_max_pairs=routes.moe_decode_max_pairs)
+                                  decode_max_pairs=routes.moe_decode_max_pairs, shared=shared)
+
+
+def fuses_shared(tokens: int, top_k: int, w_in, w_out, shared_inter: int, dtype, routes: Routes) -> bool:
+    """Whether a shared expert of intermediate size shared_inter runs inside the expert kernels'
+    decode path as T more pairs (routes.moe_shared_in_decode_kernel, kernels on, the decode path
+    with XLA's combine, the routed experts' sizes): one launch pair for routed and shared experts
+    instead of the shared expert's own products, pads, gate and sum."""
+    e, h, inter = w_in.shape[0], w_in.shape[1], w_out.shape[1]
+    return (routes.kernels and routes.moe_experts_kernel and routes.moe_shared_in_decode_kernel
+            and shared_inter == inter and not moe_experts.kernel_problems(h, inter, e, top_k, dtype)
+            and moe_experts.takes_shared(tokens, top_k, e, h, inter, impl=routes.impl,
+                                         decode_max_pairs=routes.moe_decode_max_pairs))
 
 
 # ---- Qwen3.5-MoE / Qwen3-Next ---------------------------------------------------------------------
@@ -125,10 +139,17 @@ class SparseMoeBlock(StatelessMixer, nnx.Module):
     def __call__(self, x: jax.Array, routes: Routes = REFERENCE) -> jax.Array:
         flat = x.reshape(-1, x.shape[-1])
         idx, weights = self.route(flat, routes)
-        stack = self.experts
-        routed = experts(flat, idx, weights, stack.gate_up_proj[...], stack.down_proj[...], act=SILU_GLU, routes=routes)
-        shared = jax.nn.sigmoid(self.shared_expert_gate(flat, routes)) * self.shared_expert(flat, routes)
-        return (routed + shared).reshape(x.shape)
+        w_in, w_out = self.experts.gate_up_proj[...], self.experts.down_proj[...]
+        gate = jax.nn.sigmoid(self.shared_expert_gate(flat, routes))  # [T, 1]
+        mlp = self.shared_expert
+        if mlp.gate_up_proj.scale is None and mlp.gate_up_proj.bias is None and fuses_shared(
+                flat.shape[0], self.top_k, w_in, w_out, mlp.down_proj.kernel.shape[0], flat.dtype, routes):
+            shared = moe_experts.Shared(mlp.gate_up_proj.kernel[...][None], mlp.down_proj.kernel[...][None],
+                                        gate[:, 0].astype(jnp.float32))
+            y = experts(flat, idx, weights, w_in, w_out, act=SILU_GLU, routes=routes, shared=shared)
+        else:
+            y = experts(flat, idx, weights, w_in, w_out, act=SILU_GLU, routes=routes) + gate * mlp(flat, routes)
+        return y.reshape(x.shape)
 
 
 # ---- NemotronH ------------------------------------------------------------------------------------
