@@ -445,7 +445,8 @@ def main(argv=None) -> int:
                    help="auto's decide_every (default AutoBudget's; 0: one program choosing every step on device)")
     d.add_argument("--decide-on", choices=["device", "host", "generation"], default=None,
                    help="where auto chooses (default: the engine's, Engine.default_decide_on)")
-    d.add_argument("--smoke", action="store_true", help="tiny: batches 1,2, budgets 4,8, 2 prompts, 16 tokens")
+    d.add_argument("--smoke", action="store_true",
+                   help="tiny: batches 1,2, budgets 4,8, 2 prompts, 16 tokens (--decide-every / --decide-on apply)")
     d.add_argument("--out", required=True)
     t = sub.add_parser("trace", help="per-position E and acceptance of every choice (the demo pair by default)")
     t.add_argument("--target", default=None)
@@ -516,16 +517,17 @@ def main(argv=None) -> int:
         return 0
 
     if args.cmd == "demo":
+        # where auto chooses, as given (the smoke run too: it checks the form a GPU run will use)
+        extra = tuple(x for flag, v in (("--decide-every", args.decide_every), ("--decide-on", args.decide_on))
+                      if v is not None for x in (flag, str(v)))
         if args.smoke:
             short = os.path.join(args.out, "prompts.jsonl")
             os.makedirs(args.out, exist_ok=True)
             with open(short, "w") as f:
                 for p in read_prompts(DEFAULT_PROMPTS, 2):
                     f.write(json.dumps({"prompt_ids": p[:24]}) + "\n")
-            report["demo"] = demo(args.out, [1, 2], "4,8", "4,8", 1, 16, short, ("--cost-repeats", "1"))
+            report["demo"] = demo(args.out, [1, 2], "4,8", "4,8", 1, 16, short, ("--cost-repeats", "1", *extra))
         else:
-            extra = tuple(x for flag, v in (("--decide-every", args.decide_every), ("--decide-on", args.decide_on))
-                          if v is not None for x in (flag, str(v)))
             report["demo"] = demo(args.out, [int(b) for b in args.batches.split(",")], args.budgets,
                                   args.auto_budgets, args.repeats, args.max_new_tokens, args.prompts, extra)
         path = os.path.join(args.out, "summary.json")

@@ -121,3 +121,15 @@ def test_smoke_runs_trace_simulation_and_latency(tmp_path):
     assert set(report["latency"]) == {"ar", "ddtree-4", "auto-per-step", "auto-chunks-on-device", "auto-chunks-on-host"}
     tr = json.loads((tmp_path / "trace.json").read_text())
     assert tr["choices"] == ["ar", "dflash", "4", "8"] and all(r["positions"] == 23 for r in tr["rows"])
+
+
+def test_demo_smoke_passes_where_auto_chooses(tmp_path, monkeypatch):
+    """`demo --smoke --decide-on generation` runs ddtree-bench with that form (the smoke sizes
+    otherwise): the smoke run checks the form the GPU run will use."""
+    seen = []
+    monkeypatch.setattr(ab, "demo", lambda out, batches, budgets, auto_budgets, repeats, max_new, prompts, extra=():
+                        seen.append((batches, budgets, repeats, max_new, extra)) or {})
+    assert ab.main(["demo", "--smoke", "--decide-on", "generation", "--out", str(tmp_path)]) == 0
+    [(batches, budgets, repeats, max_new, extra)] = seen
+    assert (batches, budgets, repeats, max_new) == ([1, 2], "4,8", 1, 16)
+    assert extra == ("--cost-repeats", "1", "--decide-on", "generation")
