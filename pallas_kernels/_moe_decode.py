@@ -10,7 +10,9 @@ program runs the token's k experts one after another in one pipelined loop and w
 nothing else. A K split of launch (1) is added, rounded and activated in launch (2)'s loads. The
 row is padded to MIN_BLOCK with zero rows (tl.dot's smallest side): the MMA does wasted work, the
 memory system none. Reads T k expert matrices (one per pair, repeats included): what a decode step
-reads when its tokens' choices rarely coincide.
+reads when its tokens' choices rarely coincide. A shared expert (`Shared`, combine "xla") is T more
+pairs of both launches, rows P .. P + T - 1, whose programs read its weights instead of a routed
+expert's; XLA's combine adds them to the routed sums before the one rounding.
 """
 
 from __future__ import annotations
