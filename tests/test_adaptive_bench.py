@@ -118,7 +118,8 @@ def test_smoke_runs_trace_simulation_and_latency(tmp_path):
     assert ab.main(["smoke", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "report.json").read_text())
     assert set(report["simulation"]) == {"1", "2"}
-    assert set(report["latency"]) == {"ar", "ddtree-4", "auto-per-step", "auto-chunks-on-device", "auto-chunks-on-host"}
+    assert set(report["latency"]) == {"ar", "ddtree-4", "auto-per-step", "auto-chunks-on-device", "auto-chunks-on-host",
+                                      "auto-per-generation"}
     tr = json.loads((tmp_path / "trace.json").read_text())
     assert tr["choices"] == ["ar", "dflash", "4", "8"] and all(r["positions"] == 23 for r in tr["rows"])
 
