@@ -16,7 +16,7 @@ from ddtree_jax.speculative.generate import generate
 from ddtree_jax.tree import make_tree, root_path
 from tests.scripted_proposers import ScriptedProposer
 from tests.tree_harness import INTERPRET
-from tests.tiny_models import HYBRID, make_target
+from tests.tiny_models import HYBRID, HYBRID_MOE, make_target
 
 B, N, CAP = 2, 17, 64  # N = root + 16: the GDN kernel peels the root (16 rows, not 32)
 MODEL = make_target(dict(head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16), seed=31, base=HYBRID)
@@ -101,6 +101,31 @@ def test_generation_with_kernels_equals_plain_greedy():
         got = generate(gd, params, prompt, lens, proposer=proposer, drafter_params=table, mode=mode, budget=16,
                        max_new_tokens=24, routes=INTERPRET)
         np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens), err_msg=mode)
+
+
+MOE_MODEL = make_target(dict(head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16, num_experts=8,
+                             num_experts_per_tok=4, moe_intermediate_size=32, shared_expert_intermediate_size=32),
+                        seed=7, base=HYBRID_MOE)
+
+
+@pytest.mark.parametrize("mode", ["ar", "ddtree", pytest.param("dflash", marks=pytest.mark.slow)])
+def test_moe_generation_with_kernels_equals_plain_greedy(mode):
+    """A Qwen3.5-MoE target with expert sizes the kernels take (intermediate 32, 8 experts, top 4):
+    with every kernel on, plain decoding runs the router kernel and the experts' decode path with
+    the shared expert inside it (one token: 4 pairs), DDTree's verify the grouped expert kernel;
+    the greedy tokens equal plain greedy decoding through the XLA forms (DFlash under -m slow)."""
+    cfg, gd, params = MOE_MODEL
+    rng = np.random.default_rng(4)
+    prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, 6)), jnp.int32)
+    lens = jnp.asarray([6], jnp.int32)
+    ref = generate(gd, params, prompt, lens, mode="ar", max_new_tokens=12)
+    if mode == "ar":
+        got = generate(gd, params, prompt, lens, mode="ar", max_new_tokens=12, routes=INTERPRET)
+    else:
+        table = jnp.zeros((1, 32), jnp.int32).at[0, 6:18].set(ref.tokens[0]).at[0, :6].set(prompt[0])
+        got = generate(gd, params, prompt, lens, proposer=ScriptedProposer(4, cfg.vocab_size, 0.3, seed=5),
+                       drafter_params=table, mode=mode, budget=8, max_new_tokens=12, routes=INTERPRET)
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
 
 
 def test_plain_decoding_through_the_kernels():
