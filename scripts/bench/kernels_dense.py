@@ -23,6 +23,22 @@ kernel = registrar(KERNELS)
 ADD_NORM_TILINGS = ((1024, 8), (2048, 16), (4096, 16), (4096, 32))  # (PARTS_CHUNK, PARTS_WARPS)
 
 
+def check_and_time(run: Run, row: dict, forms: dict, sets: list, agrees) -> None:
+    """Each form run on sets[0] and checked (`agrees(output) -> bool` into row[name_ok]), then its GPU
+    kernel time from a trace over `sets` (row[name_us]); a form that fails records its error. Then
+    row["ok"] and the row is recorded."""
+    for name, f in forms.items():
+        try:
+            row[name + "_ok"] = bool(agrees(jax.jit(f)(sets[0])))
+            us = trace_kernel_us(f, sets, run.gpu)
+            if us is not None:
+                row[name + "_us"] = us
+        except Exception as e:
+            row[name + "_error"] = err_str(e)
+    row["ok"] = all(v for k, v in row.items() if k.endswith("_ok"))
+    run.record(row)
+
+
 def add_rms_norm_options(ap):
     ap.add_argument("--parts", default="4,8", help="partial sums S (4: the 27B output projections, 8: MLP down)")
     ap.add_argument("--rows", type=int, default=65, help="rows (a DDTree-64 verify: 65)")
@@ -46,20 +62,14 @@ def run_add_rms_norm(run: Run) -> None:
         forms = {"xla": lambda d: norm(summed_partials(d, x.dtype), run.impl)}  # XLA's reduce, then the plain kernel
         for chunk, warps in tilings:
             forms[f"c{chunk}w{warps}"] = (lambda c, wp: lambda d: norm(d, run.impl, wp, c))(chunk, warps)
-        for name, f in forms.items():
-            try:
-                got = jax.jit(f)(ds[0])
-                stream_ok = bool(np.array_equal(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32)))
-                normed = np.asarray(want[1], np.float32)
-                err = float(np.max(np.abs(np.asarray(got[1], np.float32) - normed)))
-                row[name + "_ok"] = stream_ok and err <= 2**-6 * max(1.0, float(np.max(np.abs(normed))))
-                us = trace_kernel_us(f, ds, run.gpu)
-                if us is not None:
-                    row[name + "_us"] = us
-            except Exception as e:
-                row[name + "_error"] = err_str(e)
-        row["ok"] = all(v for k, v in row.items() if k.endswith("_ok"))
-        run.record(row)
+        normed = np.asarray(want[1], np.float32)
+
+        def agrees(got):
+            stream_ok = np.array_equal(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32))
+            err = float(np.max(np.abs(np.asarray(got[1], np.float32) - normed)))
+            return stream_ok and err <= 2**-6 * max(1.0, float(np.max(np.abs(normed))))
+
+        check_and_time(run, row, forms, ds, agrees)
 
 
 def softmax_top_k_options(ap):
@@ -87,16 +97,6 @@ def run_softmax_top_k(run: Run) -> None:
             forms = {"xla": lambda x: route(x, "xla")}
             for warps in [4] if run.smoke else ints(a.warps):
                 forms[f"kernel_w{warps}"] = (lambda w: lambda x: route(x, run.impl, w))(warps)
-            for name, f in forms.items():
-                try:
-                    got = jax.jit(f)(sets[0])
-                    ids_ok = bool(np.array_equal(np.asarray(got[0]), np.asarray(want[0])))
-                    err = float(np.max(np.abs(np.asarray(got[1]) - np.asarray(want[1]))))
-                    row[name + "_ok"] = ids_ok and err <= 2**-8
-                    us = trace_kernel_us(f, sets, run.gpu)
-                    if us is not None:
-                        row[name + "_us"] = us
-                except Exception as e:
-                    row[name + "_error"] = err_str(e)
-            row["ok"] = all(v for k, v in row.items() if k.endswith("_ok"))
-            run.record(row)
+            check_and_time(run, row, forms, sets, lambda got, want=want: (
+                np.array_equal(np.asarray(got[0]), np.asarray(want[0]))
+                and float(np.max(np.abs(np.asarray(got[1]) - np.asarray(want[1])))) <= 2**-8))
