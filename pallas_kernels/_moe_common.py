@@ -22,6 +22,9 @@ from pallas_kernels._common import dot_precision, is_pow2
 ACTS = ("silu_glu", "relu2")
 W_LAYOUTS = ("in_out", "out_in")  # [E, in, out] (the project's Linear layout) or [E, out, in] (HF's)
 GEMM_LAYOUTS = ("cols", "rows")
+# The decode path also takes "fma": no MMA, the weight tile times the row broadcast over it,
+# accumulated in float32 and summed over K once at the end (a GEMV on the CUDA cores).
+DECODE_LAYOUTS = (*GEMM_LAYOUTS, "fma")
 DTYPES = ("bfloat16", "float16", "float32")
 MIN_BLOCK = 16  # Triton's tl.dot needs every block dimension >= 16
 TARGET_PROGRAMS = 256  # ~two programs per SM of the H200's 132, all resident at once: loads in flight
@@ -35,7 +38,7 @@ class GemmConfig:
     into that many slices (a power of two dividing K / block_k) whose float32 partial products
     XLA adds (then rounds, and for the first launch applies the activation). layout "cols" puts
     the weight columns on the MMA's M side (w^T x^T: the few rows of a tile are its N side),
-    "rows" is the plain x @ w."""
+    "rows" is the plain x @ w; "fma" (decode path only) no MMA at all (DECODE_LAYOUTS)."""
 
     block_n: int = 64
     block_k: int = 64
@@ -44,11 +47,11 @@ class GemmConfig:
     num_stages: int = 4
     layout: str = "cols"
 
-    def problems(self, name: str) -> list[str]:
+    def problems(self, name: str, layouts: tuple[str, ...] = GEMM_LAYOUTS) -> list[str]:
         bad = [f"{name}.{f} = {getattr(self, f)} (a power of two >= {MIN_BLOCK})" for f in ("block_n", "block_k")
                if not (is_pow2(getattr(self, f)) and getattr(self, f) >= MIN_BLOCK)]
         bad += [] if is_pow2(self.split_k) else [f"{name}.split_k = {self.split_k} (a power of two)"]
-        bad += [] if self.layout in GEMM_LAYOUTS else [f"{name}.layout = {self.layout!r} (one of {GEMM_LAYOUTS})"]
+        bad += [] if self.layout in layouts else [f"{name}.layout = {self.layout!r} (one of {layouts})"]
         bad += [] if self.num_warps in (1, 2, 4, 8, 16) else [f"{name}.num_warps = {self.num_warps}"]
         bad += [] if self.num_stages >= 1 else [f"{name}.num_stages = {self.num_stages}"]
         return bad
@@ -85,14 +88,15 @@ class DecodeConfig:
     block, token) runs the token's k choices and writes y (down.split_k must be 1); "xla": one
     program per (column block, K slice, pair) writes the pair's rounded output (or float32
     partials), which XLA adds up, weights and sums over k (one more fusion). Each GemmConfig's
-    layout names the MMA form of the padded row ("cols": weight columns on the MMA's M side)."""
+    layout names the product's form: the MMA on the padded row ("cols": weight columns on the MMA's
+    M side; "rows") or "fma" (the row broadcast over the weight tile, no MMA)."""
 
     up: GemmConfig = GemmConfig(block_n=64, block_k=64, split_k=4)
     down: GemmConfig = GemmConfig(block_n=64, block_k=64)
     combine: str = "kernel"
 
     def problems(self) -> list[str]:
-        bad = self.up.problems("up") + self.down.problems("down")
+        bad = self.up.problems("up", DECODE_LAYOUTS) + self.down.problems("down", DECODE_LAYOUTS)
         if self.combine not in COMBINES:
             bad.append(f"combine = {self.combine!r} (one of {COMBINES})")
         elif self.combine == "kernel" and self.down.split_k != 1:

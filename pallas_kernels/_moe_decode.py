@@ -9,10 +9,12 @@ program runs the token's k experts one after another in one pipelined loop and w
 (weighted, summed in float32 in choice order, rounded once), so the layer is two launches and
 nothing else. A K split of launch (1) is added, rounded and activated in launch (2)'s loads. The
 row is padded to MIN_BLOCK with zero rows (tl.dot's smallest side): the MMA does wasted work, the
-memory system none. Reads T k expert matrices (one per pair, repeats included): what a decode step
-reads when its tokens' choices rarely coincide. A shared expert (`Shared`, combine "xla") is T more
-pairs of both launches, rows P .. P + T - 1, whose programs read its weights instead of a routed
-expert's; XLA's combine adds them to the routed sums before the one rounding.
+memory system none; layout "fma" has no MMA and no pad (the weight tile times the row broadcast
+over it, summed over K once a program's loop ends). Reads T k expert matrices (one per pair,
+repeats included): what a decode step reads when its tokens' choices rarely coincide. A shared
+expert (`Shared`, combine "xla") is T more pairs of both launches, rows P .. P + T - 1, whose
+programs read its weights instead of a routed expert's; XLA's combine adds them to the routed sums
+before the one rounding.
 """
 
 from __future__ import annotations
@@ -61,11 +63,37 @@ def _padded_row(row):
     return jnp.where(first, rows, jnp.zeros_like(rows))
 
 
+def _operand(row, layout: str):
+    """A loaded row as the product's operand: [1, bk] padded to MIN_BLOCK rows for the MMA forms;
+    for "fma" float32, [1, bk] (weights stored [E, out, in]) or a column [bk, 1] (loaded as one:
+    `_columns`), each broadcast over the weight tile in the tile's own register layout."""
+    return row.astype(jnp.float32) if layout == "fma" else _padded_row(row)
+
+
+def _columns(layout: str, w_t: bool) -> bool:
+    """Whether a launch reads its rows as columns [bk, 1]: "fma" on weights stored [E, in, out],
+    whose [bk, bn] tiles take the row along their first axis (a [bk] vector there would be moved
+    to the tile's layout through shared memory on every K step). Its operand is passed with a
+    trailing unit axis."""
+    return layout == "fma" and not w_t
+
+
+def _acc_shape(bk: int, bn: int, w_t: bool, layout: str):
+    """The float32 accumulator of a program: the MMA's [bn, MIN_BLOCK] / [MIN_BLOCK, bn], or for
+    "fma" the weight tile's own shape ([bk, bn]; [bn, bk] for weights stored [E, out, in])."""
+    if layout == "fma":
+        return (bn, bk) if w_t else (bk, bn)
+    return (bn, MIN_BLOCK) if layout == "cols" else (MIN_BLOCK, bn)
+
+
 def _row_product(w, rows, w_t: bool, layout: str, precision):
-    """w's tile ([bk, bn], or [bn, bk] for weights stored [E, out, in]) against the padded rows
-    [MIN_BLOCK, bk], float32: [bn, MIN_BLOCK] ("cols": the weight columns on the MMA's M side) or
-    [MIN_BLOCK, bn] ("rows")."""
+    """w's tile ([bk, bn], or [bn, bk] for weights stored [E, out, in]) against the row operand
+    (_operand), float32, in the accumulator's shape (_acc_shape): the MMA of the padded rows
+    [MIN_BLOCK, bk] ("cols": the weight columns on the MMA's M side; "rows"), or for "fma" the
+    tile times the row broadcast along its columns, not yet summed over K."""
     wk = 1 if w_t else 0  # the tile's contraction axis
+    if layout == "fma":
+        return w.astype(jnp.float32) * rows  # [1, bk] or [bk, 1] (_operand)
     if layout == "rows":
         return lax.dot_general(rows, w, (((1,), (wk,)), ((), ())), precision=precision,
                                preferred_element_type=jnp.float32)
@@ -73,8 +101,11 @@ def _row_product(w, rows, w_t: bool, layout: str, precision):
                            preferred_element_type=jnp.float32)
 
 
-def _the_row(acc, layout: str):
-    """The padded product's one real row as a [bn] vector (the other rows are zeros)."""
+def _the_row(acc, layout: str, w_t: bool):
+    """The accumulator as the row's [bn] product: the padded MMA's one real row (the other rows
+    are zeros), or for "fma" the sum over the tile's K axis."""
+    if layout == "fma":
+        return jnp.sum(acc, axis=1 if w_t else 0)
     return jnp.sum(acc, axis=1 if layout == "cols" else 0)
 
 
@@ -119,14 +150,17 @@ def _up_pair(x_ref, *, w_ref, o_ref, pair, tok, e, col_block, split, cfg: GemmCo
 
     def step(i, accs):
         k0 = k_base + i * bk
-        rows = _padded_row(load(x_ref, (pl.ds(tok, 1), pl.ds(k0, bk))))
+        if _columns(cfg.layout, w_t):
+            rows = _operand(load(x_ref, (tok, pl.ds(k0, bk), pl.ds(0, 1))), cfg.layout)
+        else:
+            rows = _operand(load(x_ref, (pl.ds(tok, 1), pl.ds(k0, bk))), cfg.layout)
         return tuple(acc + _row_product(_weight_tile(w_ref, e, k0, off + col0, bk, bn, w_t), rows, w_t,
                                         cfg.layout, precision)
                      for off, acc in zip(col_offsets, accs))
 
-    shape = (bn, MIN_BLOCK) if cfg.layout == "cols" else (MIN_BLOCK, bn)
+    shape = _acc_shape(bk, bn, w_t, cfg.layout)
     accs = lax.fori_loop(0, k_per_split // bk, step, tuple(jnp.zeros(shape, jnp.float32) for _ in col_offsets))
-    sums = [_the_row(a, cfg.layout) for a in accs]
+    sums = [_the_row(a, cfg.layout, w_t) for a in accs]
     if cfg.split_k > 1:
         for off, v in zip(col_offsets, sums):
             store(o_ref, (split, pair, pl.ds(off + col0, bn)), v)
@@ -164,14 +198,21 @@ def _decode_down_kernel(ids_ref, wts_ref, h_ref, w_ref, *refs, top_k, pairs, kp,
     k_base = split * k_per_split
     nk = k_per_split // bk
 
-    def activation(pair, k0):
-        if h_split == 0:
-            return load(h_ref, (pl.ds(pair, 1), pl.ds(k0, bk)))
-        parts = [jnp.sum(load(h_ref, (pl.ds(0, h_split), pair, pl.ds(off + k0, bk))), axis=0)
-                 for off in ((0, inter) if act == "silu_glu" else (0,))]
-        return _act_rounded(parts, act, w_ref.dtype)[None, :]
+    cols = _columns(cfg.layout, w_t)
 
-    shape = (bn, MIN_BLOCK) if cfg.layout == "cols" else (MIN_BLOCK, bn)
+    def activation(pair, k0):
+        """The pair's activation at K step k0: [1, bk], or [bk, 1] with cols (h_ref then has a
+        trailing unit axis)."""
+        if h_split == 0:
+            if cols:
+                return load(h_ref, (pair, pl.ds(k0, bk), pl.ds(0, 1)))
+            return load(h_ref, (pl.ds(pair, 1), pl.ds(k0, bk)))
+        at = lambda off: (pl.ds(0, h_split), pair, pl.ds(off + k0, bk), *((pl.ds(0, 1),) if cols else ()))
+        parts = [jnp.sum(load(h_ref, at(off)), axis=0) for off in ((0, inter) if act == "silu_glu" else (0,))]
+        a = _act_rounded(parts, act, w_ref.dtype)
+        return a if cols else a[None, :]
+
+    shape = _acc_shape(bk, bn, w_t, cfg.layout)
     if per_token:
         jj = lax.broadcasted_iota(i32, (kp,), 0)
         at = (jnp.zeros((kp,), i32) + row, jnp.minimum(jj, top_k - 1))  # the token's k choices (padded to kp)
@@ -185,26 +226,25 @@ def _decode_down_kernel(ids_ref, wts_ref, h_ref, w_ref, *refs, top_k, pairs, kp,
             k0 = k_base + (i - j * nk) * bk
             pick = jj == j
             e = jnp.clip(jnp.sum(jnp.where(pick, ids, 0)), 0, num_experts - 1)
-            rows = _padded_row(activation(row * top_k + j, k0))
+            rows = _operand(activation(row * top_k + j, k0), cfg.layout)
             acc = acc + _row_product(_weight_tile(w_ref, e, k0, col0, bk, bn, w_t), rows, w_t, cfg.layout, precision)
             last = i - j * nk == nk - 1
             add = last & (jnp.sum(jnp.where(pick, valid.astype(i32), 0)) > 0)
-            o = acc.astype(o_ref.dtype).astype(f32)
+            o = _the_row(acc, cfg.layout, w_t).astype(o_ref.dtype).astype(f32)
             y = jnp.where(add, y + jnp.sum(jnp.where(pick, wts, 0.0)) * o, y)
             return jnp.where(last, jnp.zeros_like(acc), acc), y
 
-        zeros = jnp.zeros(shape, f32)
-        _, y = lax.fori_loop(0, top_k * nk, step, (zeros, zeros))
-        store(o_ref, (row, pl.ds(col0, bn)), _the_row(y, cfg.layout).astype(o_ref.dtype))
+        _, y = lax.fori_loop(0, top_k * nk, step, (jnp.zeros(shape, f32), jnp.zeros((bn,), f32)))
+        store(o_ref, (row, pl.ds(col0, bn)), y.astype(o_ref.dtype))
         return
 
     def one(w, e):
         def step(i, acc):
             k0 = k_base + i * bk
-            rows = _padded_row(activation(row, k0))
+            rows = _operand(activation(row, k0), cfg.layout)
             return acc + _row_product(_weight_tile(w, e, k0, col0, bk, bn, w_t), rows, w_t, cfg.layout, precision)
 
-        v = _the_row(lax.fori_loop(0, nk, step, jnp.zeros(shape, f32)), cfg.layout)
+        v = _the_row(lax.fori_loop(0, nk, step, jnp.zeros(shape, f32)), cfg.layout, w_t)
         if cfg.split_k > 1:
             store(o_ref, (split, row, pl.ds(col0, bn)), v)
         else:
@@ -261,12 +301,15 @@ def _decode(x, expert_ids, weights, w_in, w_out, *, act: str, w_layout: str, con
                                   k_per_split=h // up.split_k, col_offsets=offsets, w_t=w_t, precision=precision,
                                   act=act)
     extra_in = () if shared is None else (shared.w_in,)
-    hid = _call(up_kernel, (inter // up.block_n, up.split_k, rows), (ids, x, w_in, *extra_in), hid_shape, up,
+    x_op = x[..., None] if _columns(up.layout, w_t) else x
+    hid = _call(up_kernel, (inter // up.block_n, up.split_k, rows), (ids, x_op, w_in, *extra_in), hid_shape, up,
                 interpret, "moe_decode_up")
     down_kernel = functools.partial(_decode_down_kernel, top_k=k, pairs=p, kp=next_pow2(k), num_experts=e, cfg=down,
                                     k_per_split=inter // down.split_k, per_token=per_token,
                                     h_split=up.split_k if up.split_k > 1 else 0, inter=inter, w_t=w_t,
                                     precision=precision, act=act)
+    if _columns(down.layout, w_t):
+        hid = hid[..., None]
     if per_token:
         return _call(down_kernel, (h // down.block_n, 1, t), (ids, wts, hid, w_out),
                      jax.ShapeDtypeStruct((t, h), x.dtype), down, interpret, "moe_decode_down")

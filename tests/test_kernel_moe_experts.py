@@ -32,6 +32,12 @@ CONFIGS = {
                                      down=GemmConfig(block_n=16, block_k=16, split_k=2, layout="rows"), combine="xla"),
     "decode_split_rows_kernel": DecodeConfig(up=GemmConfig(block_n=16, block_k=16, split_k=2, layout="rows"),
                                              down=GemmConfig(block_n=32, block_k=16), combine="kernel"),
+    # "fma": no MMA, the row broadcast over the weight tile
+    "decode_fma_kernel": DecodeConfig(up=GemmConfig(block_n=16, block_k=32, layout="fma"),
+                                      down=GemmConfig(block_n=16, block_k=16, layout="fma"), combine="kernel"),
+    "decode_fma_split_xla": DecodeConfig(up=GemmConfig(block_n=16, block_k=16, split_k=2, layout="fma"),
+                                         down=GemmConfig(block_n=32, block_k=16, split_k=2, layout="fma"),
+                                         combine="xla"),
 }
 
 
@@ -95,6 +101,8 @@ CASES = {
     "decode_path_k3_relu2": (3, 3, 5, 32, 32, "relu2", "float32", "random", "out_in", "decode_split_xla"),
     "decode_path_shared_expert": (4, 2, 4, 48, 32, "silu_glu", "bfloat16", "hot", "in_out", "decode_split_rows_kernel"),
     "decode_path_default_route": (2, 2, 4, 32, 16, "silu_glu", "float32", "random", "out_in", "default"),
+    "decode_path_fma_one_token": (1, 4, 8, 64, 32, "silu_glu", "bfloat16", "random", "in_out", "decode_fma_kernel"),
+    "decode_path_fma_out_in_relu2": (3, 2, 5, 32, 64, "relu2", "float32", "hot", "out_in", "decode_fma_split_xla"),
 }
 
 
@@ -290,6 +298,7 @@ SHARED_CASES = {
     "two_tokens_out_in_relu2": (2, 3, 5, 32, 32, "relu2", "bfloat16", "out_in",
                                 DecodeConfig(up=GemmConfig(block_n=16, block_k=16),
                                              down=GemmConfig(block_n=16, block_k=16, split_k=2), combine="xla")),
+    "one_token_fma_out_in": (1, 4, 8, 32, 32, "silu_glu", "bfloat16", "out_in", CONFIGS["decode_fma_split_xla"]),
 }
 
 

@@ -134,7 +134,9 @@ def decode_sweep(base, which: str):
     blocks of 128, no split and the combine in the kernel (most programs; on [E, out, in] weights
     each reads whole contiguous rows). Column blocks under 64 take the "rows" form: with the
     weight columns on the MMA's M side (< 64: no wgmma) sm_90 Triton 3.6 did not pipeline the
-    weight loads (no cp.async in the offline compile)."""
+    weight loads (no cp.async in the offline compile). Then the "fma" form (no MMA) with the
+    default blocks on both layouts, blocks of 128 x 32 (256-byte rows), K blocks of 128 (at 8 warps;
+    with twice the K split), twice the K split, 2 stages, and "fma" for launch (1) only."""
     rep = dataclasses.replace
     both = lambda **kw: rep(base, up=rep(base.up, **kw), down=rep(base.down, **kw))
     out = {"decode": (base, "in_out"), "decode_out_in": (base, "out_in")}
@@ -154,6 +156,22 @@ def decode_sweep(base, which: str):
     n16 = rep(base, combine="kernel", up=rep(base.up, **narrow), down=rep(base.down, **narrow))
     out["decode_n16_kernel"] = (n16, "in_out")
     out["decode_n16_kernel_out_in"] = (n16, "out_in")
+    # "fma": no MMA, the row broadcast over the weight tile (a GEMV on the CUDA cores), its tiles
+    # wider along the contiguous columns of [E, in, out] weights, more programs, more warps
+    fma = both(layout="fma")
+    out["decode_fma"] = (fma, "in_out")
+    out["decode_fma_out_in"] = (fma, "out_in")
+    out["decode_fma_n128_k32"] = (rep(fma, up=rep(fma.up, block_n=128, block_k=32),
+                                      down=rep(fma.down, block_n=128, block_k=32)), "in_out")
+    out["decode_fma_k128_w8"] = (rep(fma, up=rep(fma.up, block_k=128, num_warps=8),
+                                     down=rep(fma.down, block_k=128, num_warps=8)), "in_out")
+    out["decode_fma_split_x2"] = (rep(fma, up=rep(fma.up, split_k=2 * fma.up.split_k),
+                                      down=rep(fma.down, split_k=2 if fma.combine == "xla" else 1)), "in_out")
+    out["decode_fma_stages2"] = (rep(fma, up=rep(fma.up, num_stages=2), down=rep(fma.down, num_stages=2)), "in_out")
+    out["decode_fma_k128"] = (rep(fma, up=rep(fma.up, block_k=128), down=rep(fma.down, block_k=128)), "in_out")
+    out["decode_fma_k128_split_x2"] = (rep(fma, up=rep(fma.up, block_k=128, split_k=2 * fma.up.split_k),
+                                           down=rep(fma.down, block_k=128)), "in_out")
+    out["decode_fma_up_mma_down"] = (rep(base, up=fma.up), "in_out")
     return out
 
 
