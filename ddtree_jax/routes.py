@@ -57,6 +57,10 @@ class Routes:
     # reduce, far slower than its GEMM (issue #26; docs/decisions/0049-single-row-products.md).
     # Kernels on only, like the fields around it; split-K partials take precedence where both apply.
     row_pad_weights: tuple[int, int] = (0, 0)
+    # One-row Linear products whose weight holds lo..hi elements (inclusive; (0, 0): never) run as
+    # one launch of pallas_kernels/row_product.py, the row read in place (no pad, no slice), a
+    # split_k_out product writing the add + RMSNorm kernel's partials. Takes precedence over the pad.
+    row_product_weights: tuple[int, int] = (0, 0)
     drafter_attention_kernel: bool = True  # the drafter's non-causal attention through the tree kernel
     ssd_kernel_max_nodes: int = 16  # Mamba2 tree verify: the SSD kernel up to this many nodes
     moe_experts_kernel: bool = True  # MoE expert products through the expert kernels
@@ -91,15 +95,23 @@ class Routes:
         lo, hi = self.split_k_rows if _int_pair(self.split_k_rows) else (1, 0)
         if not _int_pair(self.split_k_rows) or not 1 <= lo <= hi:
             out.append(f"split_k_rows must be two row counts lo <= hi, got {self.split_k_rows!r}")
-        lo, hi = self.row_pad_weights if _int_pair(self.row_pad_weights) else (1, 0)
-        if not _int_pair(self.row_pad_weights) or not 0 <= lo <= hi:
-            out.append(f"row_pad_weights must be two element counts 0 <= lo <= hi, got {self.row_pad_weights!r}")
+        for name in ("row_pad_weights", "row_product_weights"):
+            v = getattr(self, name)
+            lo, hi = v if _int_pair(v) else (1, 0)
+            if not _int_pair(v) or not 0 <= lo <= hi:
+                out.append(f"{name} must be two element counts 0 <= lo <= hi, got {v!r}")
         return out
 
     def pads_row(self, weight_elements: int) -> bool:
         """Whether a one-row product with a weight of this many elements pads its row to two
         (row_pad_weights; kernels on)."""
         lo, hi = self.row_pad_weights
+        return self.kernels and hi > 0 and lo <= weight_elements <= hi
+
+    def row_product_kernel(self, weight_elements: int) -> bool:
+        """Whether a one-row product with a weight of this many elements runs as the row-product
+        kernel (row_product_weights; kernels on)."""
+        lo, hi = self.row_product_weights
         return self.kernels and hi > 0 and lo <= weight_elements <= hi
 
     @property

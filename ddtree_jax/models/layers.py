@@ -7,6 +7,7 @@ as the HF models do (pallas_kernels/ref/norms.py).
 
 from __future__ import annotations
 
+import warnings
 from typing import NamedTuple
 
 import jax
@@ -16,6 +17,7 @@ from flax import nnx
 from ddtree_jax.models import int8
 from ddtree_jax.models.mixer import StatelessMixer
 from ddtree_jax.routes import REFERENCE, Routes
+from pallas_kernels import row_product
 from pallas_kernels._common import summed_partials
 from pallas_kernels.ref.norms import gated_rms_norm, rms_norm
 
@@ -48,6 +50,16 @@ def _padded_row_product(x: jax.Array, kernel: jax.Array) -> jax.Array:
     return jnp.einsum("ri,io->ro", two, kernel)[0].reshape(*x.shape[:-1], n)
 
 
+def _row_kernel_takes(kernel: jax.Array, dtype) -> bool:
+    """Whether the row-product kernel takes this weight; a weight in the route's window that it
+    cannot take is announced when traced (and runs XLA's product)."""
+    bad = row_product.problems(*kernel.shape, dtype)
+    if bad:
+        warnings.warn(f"a one-row product of a {tuple(kernel.shape)} weight uses XLA, not the row-product kernel: "
+                      + "; ".join(bad), stacklevel=3)
+    return not bad
+
+
 class SplitKParts(NamedTuple):
     """x @ kernel as float32 partial products over S slices of the contraction, parts [S, ..., N].
     pallas_kernels.add_rms_norm adds them (and rounds to the stream's dtype) in its own launch."""
@@ -76,7 +88,9 @@ class Linear(nnx.Module):
     (kernels on) is made over the row and a zero row, so that XLA keeps it a GEMM rather than
     strength-reducing the vector product to multiply + reduce (_padded_row_product); a weight of
     one column is a vector itself and is left alone. Split-K partials, where they apply, come
-    first."""
+    first. With routes.row_product_weights holding the weight's size, a one-row product runs as the
+    row-product kernel instead (pallas_kernels/row_product.py: the row read in place; a
+    `split_k_out` product returns its float32 partials as SplitKParts)."""
 
     def __init__(self, d_in: int, d_out: int, *, bias: bool = False, dtype="float32", rngs: nnx.Rngs):
         self.kernel = nnx.Param(_init(rngs, (d_in, d_out), dtype, d_in**-0.5))
@@ -102,7 +116,12 @@ class Linear(nnx.Module):
                 x.reshape(*x.shape[:-1], s, k // s), kernel.reshape(s, k // s, n),
                 (((lead + 1,), (1,)), ((lead,), (0,))), preferred_element_type=jnp.float32)
             return SplitKParts(parts)
-        if rows == 1 and kernel.shape[1] > 1 and routes.pads_row(kernel.size):
+        if (rows == 1 and kernel.shape[1] > 1 and routes.row_product_kernel(kernel.size) and x.dtype == kernel.dtype
+                and _row_kernel_takes(kernel, x.dtype)):
+            if self.split_k_out and self.bias is None:
+                return SplitKParts(row_product.row_product(x, kernel, partials=True, impl=routes.impl))
+            y = row_product.row_product(x, kernel, impl=routes.impl)
+        elif rows == 1 and kernel.shape[1] > 1 and routes.pads_row(kernel.size):
             y = _padded_row_product(x, kernel)
         else:
             y = jnp.einsum("...i,io->...o", x, kernel)

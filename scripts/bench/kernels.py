@@ -30,6 +30,8 @@ NAME (one registry entry each; `python -m scripts.bench.kernels NAME --help` lis
                   reduce + the plain kernel, per tiling; GPU kernel time from a profiler trace
   softmax_top_k   an MoE softmax router's softmax + top-k + renormalisation in one launch
                   (softmax_top_k.py) against XLA's launches, per num_warps; kernel time from a trace
+  row_product     one-row products of the 35B-A3B decode step (row_product.py) against XLA's padded
+                  GEMM (the output projection with its add + RMSNorm), per tiling; kernel time from a trace
 
 Each row holds the XLA form's and every kernel variant's time (`<variant>_us`), the kernel's
 error against the reference on the same inputs (a check of what was timed: the strict checks at

@@ -1,9 +1,12 @@
 """The per-layer runs of scripts.bench.kernels that are not attention, GDN or the tree build, GPU
 kernel time from a profiler trace: add_rms_norm (residual add + RMSNorm over split-K partial sums
 against XLA's reduce + the plain kernel, per tiling) and softmax_top_k (an MoE softmax router's
-softmax + top-k + renormalisation in one launch against XLA's launches, per num_warps)."""
+softmax + top-k + renormalisation in one launch against XLA's launches, per num_warps) and
+row_product (one-row products in one launch against XLA's padded GEMM, per tiling)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -100,3 +103,86 @@ def run_softmax_top_k(run: Run) -> None:
             check_and_time(run, row, forms, sets, lambda got, want=want: (
                 np.array_equal(np.asarray(got[0]), np.asarray(want[0]))
                 and float(np.max(np.abs(np.asarray(got[1]) - np.asarray(want[1])))) <= 2**-8))
+
+
+# (name, K, N, partials: the product's split-K partials go to add_rms_norm) at the Qwen3.6-35B-A3B
+# shape's one-row products: the router, the GDN and attention input projections, the output
+# projections (4096 -> 2048, into the residual add + RMSNorm), the LM head
+ROW_PRODUCT_SHAPES = (("router", 2048, 256, False), ("gdn_in", 2048, 12352, False), ("attn_in", 2048, 9216, False),
+                      ("out_proj", 4096, 2048, True), ("lm_head", 2048, 248320, False))
+
+
+def row_product_options(ap):
+    ap.add_argument("--shapes", default=",".join(s[0] for s in ROW_PRODUCT_SHAPES),
+                    help="which of ROW_PRODUCT_SHAPES (router, gdn_in, attn_in, out_proj, lm_head)")
+
+
+def row_product_variants(k: int, n: int, partials: bool, smoke: bool) -> dict:
+    """{name: RowConfig} timed: the default, then one change each (the other form, column and K
+    blocks, the K split halved / doubled / quadrupled, warps, stages, and a few of them combined)."""
+    from pallas_kernels import row_product as rp
+    rep = dataclasses.replace
+    base = rp.default_config(k, n, partials=partials)
+    out = {"kernel": base}
+    if smoke:
+        return out
+    s = base.split_k
+    out.update(dot=rep(base, form="dot"), dot_k128=rep(base, form="dot", block_k=128), n32=rep(base, block_n=32),
+               n128=rep(base, block_n=128), k128=rep(base, block_k=128), k256=rep(base, block_k=256),
+               k128_w8=rep(base, block_k=128, num_warps=8), k256_w8=rep(base, block_k=256, num_warps=8),
+               split_half=rep(base, split_k=max(1, s // 2)), split_x2=rep(base, split_k=2 * s),
+               split_x4=rep(base, split_k=4 * s), k128_split_x2=rep(base, block_k=128, split_k=2 * s),
+               k128_split_x4=rep(base, block_k=128, split_k=4 * s),
+               k256_split_x4_w8=rep(base, block_k=256, split_k=4 * s, num_warps=8),
+               n32_split_x2=rep(base, block_n=32, split_k=2 * s), n32_k128_split_x2=rep(base, block_n=32, block_k=128,
+                                                                                        split_k=2 * s),
+               w2=rep(base, num_warps=2), w8=rep(base, num_warps=8), stages1=rep(base, num_stages=1))
+    return {name: cfg.fit(k, n) for name, cfg in out.items()}
+
+
+@kernel("row_product", [("shape", "product", 9, None), ("k", "K", 5, None), ("n", "N", 7, None)],
+        "one-row products (a batch-1 decode step) in one launch against XLA's padded GEMM (+ add_rms_norm "
+        "where the partials go)", row_product_options)
+def run_row_product(run: Run) -> None:
+    from pallas_kernels import row_product as rp
+    wanted = run.args.shapes.split(",")
+    shapes = [("smoke", 256, 96, False), ("smoke_parts", 256, 64, True)] if run.smoke else [
+        s for s in ROW_PRODUCT_SHAPES if s[0] in wanted]
+    read = run.rates()["hbm_GBps"] if run.gpu else None
+    for name, k, n, partials in shapes:
+        key = jax.random.PRNGKey(k * 7 + n)
+        nbytes = 2 * k * n
+        count = max(2, min(128, -(-(256 << 20) // nbytes))) if run.gpu else 1  # weights >> L2
+        sets = [((jax.random.normal(jax.random.fold_in(key, 2 * r), (1, k), jnp.float32)).astype(jnp.bfloat16),
+                 (jax.random.normal(jax.random.fold_in(key, 2 * r + 1), (k, n), jnp.float32) * k**-0.5
+                  ).astype(jnp.bfloat16)) for r in range(count)]
+        row = {"shape": name, "k": k, "n": n, "partials": partials, "MB": nbytes / 1e6}
+        if read:
+            row["roof_us"] = nbytes / (read * 1e3)
+        if partials:  # the output projection into the residual add + RMSNorm, as the decode step runs it
+            xs = jnp.ones((1, n), jnp.bfloat16)
+            wn = jnp.full((n,), 0.1, jnp.bfloat16)
+            norm = lambda d: arn.add_rms_norm(xs, d, wn, eps=1e-6, mode="zero_centered", impl=run.impl)
+            forms = {"xla_pad": lambda a: norm(_padded_row(a[0], a[1]))}
+            for v, cfg in row_product_variants(k, n, True, run.smoke).items():
+                forms[v] = (lambda c: lambda a: norm(rp.row_product(a[0], a[1], config=c, partials=True,
+                                                                    impl=run.impl)))(cfg)
+            want = np.asarray(jax.jit(lambda a: norm(rp.reference(a[0], a[1])))(sets[0])[1], np.float32)
+            agrees = lambda got: float(np.max(np.abs(np.asarray(got[1], np.float32) - want))) <= 2**-6 * max(
+                1.0, float(np.max(np.abs(want))))
+        else:
+            forms = {"xla_pad": lambda a: _padded_row(a[0], a[1]), "xla": lambda a: rp.reference(a[0], a[1])}
+            for v, cfg in row_product_variants(k, n, False, run.smoke).items():
+                forms[v] = (lambda c: lambda a: rp.row_product(a[0], a[1], config=c, impl=run.impl))(cfg)
+            want = np.asarray(jax.jit(lambda a: rp.reference(a[0].astype(jnp.float32), a[1].astype(jnp.float32)))(
+                sets[0]), np.float32)
+            agrees = lambda got: float(np.max(np.abs(np.asarray(got, np.float32) - want))) <= 2**-7 * max(
+                1.0, float(np.max(np.abs(want))))
+        row["configs"] = {v: dataclasses.asdict(c) for v, c in row_product_variants(k, n, partials, run.smoke).items()}
+        check_and_time(run, row, forms, sets, agrees)
+
+
+def _padded_row(x, w):
+    """The XLA route of a one-row product on a GPU today (models.layers._padded_row_product)."""
+    from ddtree_jax.models.layers import _padded_row_product
+    return _padded_row_product(x, w)

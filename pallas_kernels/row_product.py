@@ -1,0 +1,186 @@
+"""A one-row product x @ w (a decode step at batch 1) as one kernel launch, next to its reference.
+
+    y = row_product(x, w, config=None, partials=False, impl="xla" | "pallas" | "pallas_interpret")
+
+x [..., K] holding one row (every leading dim 1), w [K, N] (the project's Linear layout [in, out]).
+Returns y [..., N] in x's dtype: the float32 sum over K rounded once (what XLA's GEMM writes); or
+with `partials` the float32 partial products [S, ..., N] over config.split_k slices of K, for
+pallas_kernels/add_rms_norm.py, which adds them in its own launch. Without `partials` a config
+with split_k > 1 has XLA add its partials (one more launch).
+
+Why a kernel: in a batch-1 decode step XLA makes each one-row product of a 2048-wide model three
+launches: the row padded to two rows (else XLA GPU strength-reduces the vector product to a slow
+multiply + reduce: docs/decisions/0049-single-row-products.md), its split-K GEMM, and a reduce /
+slice of row 0; ~3.5 us of launches around each product. Here program (column block, K slice)
+reads x's row in place and its [K / S, block_n] slab of w, and writes its columns: one launch.
+
+Forms (config.form): "fma" multiplies each [block_k, block_n] weight tile by the row broadcast
+along its columns in float32 and sums over K once at the end (a GEMV on the CUDA cores: no MMA,
+no padding); "dot" pads the row to 16 rows (tl.dot's smallest side) and accumulates MMAs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels._common import check_impl, compiler_params, dot_precision, is_pow2, load, store, summed_partials
+
+FORMS = ("fma", "dot")
+MIN_BLOCK = 16  # tl.dot's smallest side; also the narrowest column block taken
+DTYPES = ("bfloat16", "float16", "float32")
+TARGET_PROGRAMS = 512  # ~four programs per SM of the H200's 132: the loads in flight fill HBM
+
+
+@dataclasses.dataclass(frozen=True)
+class RowConfig:
+    """Tiling of the launch: column blocks of block_n, K steps of block_k (both upper bounds: the
+    largest power of two <= them dividing N / the K slice, `fit`), split_k slices of K (a power of
+    two), the product's form (FORMS) and the Triton launch parameters."""
+
+    block_n: int = 64
+    block_k: int = 64
+    split_k: int = 1
+    form: str = "fma"
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def problems(self) -> list[str]:
+        bad = [f"{f} = {getattr(self, f)} (a power of two >= {MIN_BLOCK})" for f in ("block_n", "block_k")
+               if not (is_pow2(getattr(self, f)) and getattr(self, f) >= MIN_BLOCK)]
+        bad += [] if is_pow2(self.split_k) else [f"split_k = {self.split_k} (a power of two)"]
+        bad += [] if self.form in FORMS else [f"form = {self.form!r} (one of {FORMS})"]
+        bad += [] if self.num_warps in (1, 2, 4, 8, 16) else [f"num_warps = {self.num_warps}"]
+        bad += [] if self.num_stages >= 1 else [f"num_stages = {self.num_stages}"]
+        return bad
+
+    def fit(self, k: int, n: int) -> RowConfig:
+        """The blocks and split this launch uses for [1, k] x [k, n] (k, n multiples of MIN_BLOCK)."""
+        bn = min(self.block_n, n & -n)
+        split = self.split_k
+        while split > 1 and (k % split or (k // split) % MIN_BLOCK):
+            split //= 2
+        bk = min(self.block_k, (k // split) & -(k // split))
+        return dataclasses.replace(self, block_n=bn, block_k=bk, split_k=split)
+
+
+def default_config(k: int, n: int, *, partials: bool = False) -> RowConfig:
+    """The launch's tiling for a [k, n] weight (a first guess until the H200 sweep of
+    `python -m scripts.bench.kernels row_product` sets it): "fma" over column blocks of 64, K split
+    until the launch has ~TARGET_PROGRAMS programs with slices at least 256 deep; without
+    `partials` no split (its sum would cost a launch) unless the columns alone give fewer than a
+    quarter of that."""
+    cfg = RowConfig().fit(k, n)
+    blocks = n // cfg.block_n
+    if not partials and blocks >= TARGET_PROGRAMS // 4:
+        return cfg
+    split = 1
+    while blocks * split < TARGET_PROGRAMS and k % (2 * split) == 0 and k // (2 * split) >= 256:
+        split *= 2
+    return dataclasses.replace(cfg, split_k=split).fit(k, n)
+
+
+def problems(k: int, n: int, dtype, config: RowConfig | None = None) -> list[str]:
+    """Why the kernel cannot take a [k, n] weight of this dtype (empty: it can)."""
+    bad = [f"{name} = {d} is not a multiple of {MIN_BLOCK}" for name, d in (("K", k), ("N", n)) if d % MIN_BLOCK]
+    if jnp.dtype(dtype).name not in DTYPES:
+        bad.append(f"dtype {jnp.dtype(dtype).name} (the kernel takes {', '.join(DTYPES)})")
+    if config is not None:
+        bad += config.problems()
+    return bad
+
+
+def reference(x, w, *, split_k: int = 1, partials: bool = False):
+    """XLA's forms: x @ w in x's dtype (a 16-bit product accumulates in float32, rounded once), or
+    the float32 partial products [S, ..., N] over split_k slices of K (x read in place)."""
+    if not partials:
+        return jnp.einsum("...i,io->...o", x, w, precision=dot_precision(x.dtype))
+    k, n = w.shape
+    lead = x.ndim - 1
+    return lax.dot_general(x.reshape(*x.shape[:-1], split_k, k // split_k), w.reshape(split_k, k // split_k, n),
+                           (((lead + 1,), (1,)), ((lead,), (0,))), precision=dot_precision(x.dtype),
+                           preferred_element_type=jnp.float32)
+
+
+def _kernel(x_ref, w_ref, o_ref, *, cfg: RowConfig, k_per_split: int, partials: bool, precision):
+    """Program (column block, K slice): the row's product with w's [k_per_split, block_n] slab."""
+    f32 = jnp.float32
+    bn, bk = cfg.block_n, cfg.block_k
+    col, split = pl.program_id(0), pl.program_id(1)
+    col0, k_base = col * bn, split * k_per_split
+
+    def step(i, acc):
+        k0 = k_base + i * bk
+        w = load(w_ref, (pl.ds(k0, bk), pl.ds(col0, bn)))
+        xk = load(x_ref, (pl.ds(k0, bk), pl.ds(0, 1)))  # [bk, 1]: x is passed as a column (_pallas)
+        if cfg.form == "fma":
+            return acc + w.astype(f32) * xk.astype(f32)
+        rows = jnp.where(lax.broadcasted_iota(jnp.int32, (MIN_BLOCK, bk), 0) == 0,
+                         jnp.broadcast_to(xk.T, (MIN_BLOCK, bk)), jnp.zeros((MIN_BLOCK, bk), xk.dtype))
+        return acc + lax.dot_general(rows, w, (((1,), (0,)), ((), ())), precision=precision,
+                                     preferred_element_type=f32)
+
+    shape = (bk, bn) if cfg.form == "fma" else (MIN_BLOCK, bn)
+    y = jnp.sum(lax.fori_loop(0, k_per_split // bk, step, jnp.zeros(shape, f32)), axis=0)  # pad rows: zeros
+    if partials:
+        store(o_ref, (split, pl.ds(col0, bn)), y)
+    else:
+        store(o_ref, (pl.ds(col0, bn),), y.astype(o_ref.dtype))
+
+
+def _pallas(x_col, w, cfg: RowConfig, partials: bool, interpret: bool):
+    """x_col [K, 1]: the row as a column, so that a [block_k, 1] load broadcasts over the weight
+    tile's columns in the tile's own register layout (a 1-D [block_k] row would be converted to
+    that layout through shared memory, a barrier on every K step)."""
+    k, n = w.shape
+    if partials or cfg.split_k > 1:
+        out_shape = jax.ShapeDtypeStruct((cfg.split_k, n), jnp.float32)
+    else:
+        out_shape = jax.ShapeDtypeStruct((n,), x_col.dtype)
+    full = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+    kernel = functools.partial(_kernel, cfg=cfg, k_per_split=k // cfg.split_k,
+                               partials=len(out_shape.shape) == 2, precision=dot_precision(x_col.dtype))
+    out = pl.pallas_call(
+        kernel,
+        grid=(n // cfg.block_n, cfg.split_k),
+        in_specs=[full(x_col.shape), full(w.shape)],
+        out_specs=full(out_shape.shape),
+        out_shape=out_shape,
+        compiler_params=None if interpret else compiler_params(cfg.num_warps, cfg.num_stages),
+        interpret=interpret,
+        name="row_product",
+    )(x_col, w)
+    if partials or cfg.split_k == 1:
+        return out
+    return summed_partials(out, x_col.dtype)
+
+
+def row_product(x, w, *, config: RowConfig | None = None, partials: bool = False, impl: str = "xla"):
+    """x [..., K] of one row @ w [K, N] -> [..., N] in x's dtype, or with `partials` float32
+    [S, ..., N] (S = the config's split_k after `fit`; module docstring). impl "xla": `reference`."""
+    check_impl(impl)
+    k, n = w.shape
+    rows = 1
+    for d in x.shape[:-1]:
+        rows *= d
+    if x.shape[-1] != k or w.ndim != 2 or rows != 1:
+        raise ValueError(f"row_product: x {tuple(x.shape)} must hold one row of K = {k} for w {tuple(w.shape)}")
+    if x.dtype != w.dtype:
+        raise ValueError(f"row_product: x and w must share a dtype, got {x.dtype} and {w.dtype}")
+    bad = problems(k, n, x.dtype, config)
+    cfg = config or (RowConfig() if bad else default_config(k, n, partials=partials))
+    if impl == "xla":
+        if bad and config is not None:
+            raise ValueError("row_product: " + "; ".join(bad))
+        split = cfg.fit(k, n).split_k if not bad else 1
+        return reference(x, w, split_k=split, partials=partials)
+    if bad:
+        raise ValueError("row_product kernel: " + "; ".join(bad) + " (use impl='xla')")
+    cfg = cfg.fit(k, n)
+    out = _pallas(x.reshape(k, 1), w, cfg, partials, impl == "pallas_interpret")
+    return out.reshape(cfg.split_k, *x.shape[:-1], n) if partials else out.reshape(*x.shape[:-1], n)

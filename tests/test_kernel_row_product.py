@@ -1,0 +1,234 @@
+"""The row-product kernel (`impl`: interpret mode, natively under -m gpu) equals its reference:
+x @ w of one row in x's dtype, or the float32 partial products over the K slices; both forms
+("fma", "dot"), splits, blocks that do not divide evenly into the defaults, float32 and bfloat16;
+refusals named; the Linear route (Routes.row_product_weights) runs it for one-row products only,
+hands split_k_out products' partials to the add + RMSNorm kernel and changes the compiled program;
+a batch-1 decode step of a Qwen3.5-MoE target gives the hidden states of the XLA route; (-m gpu)
+the Qwen3.6-35B-A3B one-row products at their real shapes."""
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from hypothesis import given, settings, strategies as st
+
+from ddtree_jax.cache import init_target_cache
+from ddtree_jax.models.layers import Linear, SplitKParts, dense
+from ddtree_jax.routes import REFERENCE, Routes
+from pallas_kernels import row_product as rp
+from tests.tiny_models import HYBRID_MOE, make_target
+from tests.tolerance import assert_scaled_close
+
+
+@functools.partial(jax.jit, static_argnames=("config", "partials", "impl"))
+def _product(x, w, config, partials, impl):
+    return rp.row_product(x, w, config=config, partials=partials, impl=impl)
+
+
+def _operands(seed, k, n, dtype, lead=(1,)):
+    key = jax.random.PRNGKey(seed)
+    x = jax.random.normal(key, (*lead, k), jnp.float32).astype(dtype)
+    w = (jax.random.normal(jax.random.fold_in(key, 1), (k, n), jnp.float32) * k**-0.5).astype(dtype)
+    return x, w
+
+
+def _exact(x, w):
+    """x @ w in float64 (the truth both forms are held to)."""
+    return np.asarray(x, np.float64).reshape(-1, x.shape[-1]) @ np.asarray(w, np.float64)
+
+
+def _check(got, x, w, dtype, partials: bool, split: int):
+    k, n = w.shape
+    if partials:
+        assert got.shape == (split, *x.shape[:-1], n) and got.dtype == jnp.float32
+        total = np.asarray(got, np.float64).sum(0)
+        tol = 1e-5  # float32 sums of exact products
+    else:
+        assert got.shape == (*x.shape[:-1], n) and got.dtype == x.dtype
+        total = np.asarray(got, np.float64)
+        tol = 1e-5 if dtype == jnp.float32 else 2**-8  # one rounding to the output dtype
+    want = _exact(x, w).reshape(total.shape)
+    assert_scaled_close(total, want, tol, f"row product ({'partials' if partials else 'rounded'})")
+
+
+CONFIGS = {
+    "fma": rp.RowConfig(block_n=32, block_k=32),
+    "fma_split4": rp.RowConfig(block_n=16, block_k=16, split_k=4),
+    "dot_split2": rp.RowConfig(block_n=32, block_k=64, split_k=2, form="dot"),
+    "default": None,
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("partials", [False, True])
+@settings(max_examples=3, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
+       shape=st.sampled_from([(256, 96), (128, 16), (512, 48), (64, 2048)]))
+def test_row_product_equals_the_exact_product(impl, name, partials, seed, dtype, shape):
+    k, n = shape
+    if impl == "pallas":
+        k, n = 8 * k, 8 * n
+    x, w = _operands(seed, k, n, dtype, lead=(1, 1))
+    config = CONFIGS[name]
+    got = _product(x, w, config, partials, impl)
+    split = (config or rp.default_config(k, n, partials=partials)).fit(k, n).split_k
+    _check(got, x, w, dtype, partials, split)
+    ref = _product(x, w, config, partials, "xla")  # the reference: same shapes, same values up to order
+    assert ref.shape == got.shape
+    assert_scaled_close(np.asarray(got, np.float32), np.asarray(ref, np.float32),
+                        1e-5 if partials or dtype == jnp.float32 else 2**-7, "against the reference")
+
+
+def test_fit_and_default_tilings():
+    cfg = rp.RowConfig(block_n=64, block_k=64, split_k=8).fit(96, 48)  # 48 = 16 x 3; 96 / 8 is no multiple of 16
+    assert (cfg.block_n, cfg.split_k, cfg.block_k) == (16, 2, 16)
+    # the 35B-A3B shapes: the out projection's partials fill the GPU; the GDN input product has
+    # enough column blocks unsplit; the router splits
+    assert rp.default_config(4096, 2048, partials=True).split_k > 1
+    assert rp.default_config(2048, 12352).split_k == 1
+    assert rp.default_config(2048, 256).split_k > 1
+    for k, n, partials in ((4096, 2048, True), (2048, 12352, False), (2048, 256, False), (2048, 248320, False)):
+        c = rp.default_config(k, n, partials=partials)
+        assert not c.problems() and n % c.block_n == 0 and (k // c.split_k) % c.block_k == 0
+
+
+def test_refusals_name_every_problem():
+    assert rp.problems(100, 30, jnp.int8) == ["K = 100 is not a multiple of 16", "N = 30 is not a multiple of 16",
+                                             "dtype int8 (the kernel takes bfloat16, float16, float32)"]
+    bad = rp.RowConfig(block_n=24, block_k=8, split_k=3, form="mma").problems()
+    assert len(bad) == 4 and "form = 'mma'" in bad[-1]
+    x, w = _operands(0, 64, 32, jnp.float32, lead=(2,))
+    with pytest.raises(ValueError, match="must hold one row"):
+        rp.row_product(x, w, impl="pallas_interpret")
+    with pytest.raises(ValueError, match="share a dtype"):
+        rp.row_product(x[:1], w.astype(jnp.bfloat16), impl="pallas_interpret")
+    with pytest.raises(ValueError, match=r"N = 40 is not a multiple of 16 \(use impl='xla'\)"):
+        rp.row_product(x[:1, :], jnp.ones((64, 40)), impl="pallas_interpret")
+
+
+# ---- the Linear route ------------------------------------------------------------------------------
+K, N = 64, 48
+ON = Routes(impl="pallas_interpret", row_product_weights=(1, 10**9))
+
+
+def _pallas_names(f, *args) -> list[str]:
+    jaxpr = jax.make_jaxpr(f)(*args)
+    names = []
+
+    def walk(j):
+        for e in j.eqns:
+            if e.primitive.name == "pallas_call":
+                names.append(str(e.params.get("name_and_src_info", e.params.get("name", ""))))
+            for v in e.params.values():
+                if hasattr(v, "jaxpr") and hasattr(v, "consts"):
+                    walk(v.jaxpr)
+                elif hasattr(v, "eqns"):
+                    walk(v)
+
+    walk(jaxpr.jaxpr)
+    return names
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_takes_the_kernel_for_one_row_only(bias):
+    lin = Linear(K, N, bias=bias, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    if bias:
+        lin.bias = nnx.Param(jnp.linspace(-1, 1, N).astype(jnp.bfloat16))
+    for shape in [(K,), (1, K), (1, 1, K)]:
+        x = jax.random.normal(jax.random.PRNGKey(len(shape)), shape, jnp.float32).astype(jnp.bfloat16)
+        got, want = jax.jit(lambda x: lin(x, ON))(x), jax.jit(lambda x: lin(x, REFERENCE))(x)
+        assert got.shape == want.shape and got.dtype == want.dtype
+        assert_scaled_close(np.asarray(got, np.float32), np.asarray(want, np.float32), 2**-7, str(shape))
+        assert any("row_product" in n for n in _pallas_names(lambda x: lin(x, ON), x))
+    two = jnp.ones((2, K), jnp.bfloat16)
+    assert not _pallas_names(lambda x: lin(x, ON), two)  # more rows: XLA's product
+    one = jnp.ones((1, K), jnp.bfloat16)
+    offs = (ON.replace(row_product_weights=(0, 0)), ON.replace(impl="xla"), ON.replace(row_product_weights=(1, 10)))
+    for off in offs:
+        assert not _pallas_names(lambda x: lin(x, off), one)
+
+
+def test_split_k_out_returns_the_kernels_partials():
+    """A product the add + RMSNorm kernel consumes (split_k_out) returns the kernel's float32
+    partials at one row; dense() of them is the product."""
+    lin = Linear(256, N, dtype=jnp.bfloat16, rngs=nnx.Rngs(1))
+    lin.split_k_out = True
+    x = jax.random.normal(jax.random.PRNGKey(2), (1, 1, 256), jnp.float32).astype(jnp.bfloat16)
+    got = jax.jit(lambda x: lin(x, ON))(x)
+    assert isinstance(got, SplitKParts) and got.parts.dtype == jnp.float32
+    assert got.parts.shape[1:] == (1, 1, N) and got.parts.shape[0] == rp.default_config(256, N, partials=True).split_k
+    want = jax.jit(lambda x: lin(x, REFERENCE))(x)
+    assert_scaled_close(np.asarray(dense(got, jnp.bfloat16), np.float32), np.asarray(want, np.float32), 2**-7, "sum")
+
+
+def test_a_weight_the_kernel_cannot_take_is_announced():
+    lin = Linear(K, 40, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    x = jnp.ones((1, K), jnp.float32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        jax.jit(lambda x: lin(x, ON)).lower(x)
+    assert any("row-product kernel" in str(w.message) and "N = 40" in str(w.message) for w in caught)
+
+
+def test_the_route_is_part_of_the_program():
+    lin = Linear(K, N, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    f = jax.jit(lambda x, routes: lin(x, routes), static_argnames="routes")
+    x = jnp.ones((1, K), jnp.float32)
+    text_on = f.lower(x, routes=ON).as_text()
+    text_off = f.lower(x, routes=ON.replace(row_product_weights=(0, 0))).as_text()
+    assert text_on != text_off  # interpret mode lowers the kernel to loops: no dot, unlike XLA's product
+    assert "stablehlo.dot_general" in text_off and "stablehlo.dot_general" not in text_on
+
+
+WIDE = dict(head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16)  # the kernels' smallest head dims
+
+
+@pytest.mark.filterwarnings("ignore:the MoE expert products use the XLA form")
+@pytest.mark.filterwarnings("ignore:a one-row product of a")  # tiny weights the kernel cannot take: announced
+def test_a_decode_step_through_the_row_kernel_gives_the_same_hidden_states():
+    """A batch-1 decode step of the tiny Qwen3.5-MoE target (float32, kernels in interpret mode)
+    with every one-row product through the kernel: the hidden states of the XLA products."""
+    cfg, gd, params = make_target(WIDE, base=HYBRID_MOE, seed=5)
+    cache = init_target_cache(cfg, 1, 16)
+    kernels = Routes.resolve(impl="pallas_interpret")
+
+    @functools.partial(jax.jit, static_argnames="routes")
+    def step(p, t, routes):
+        return nnx.merge(gd, p)(t, cache, jnp.ones((1,), jnp.int32), chunked=False, routes=routes)[0]
+
+    on = kernels.replace(row_product_weights=(1, 10**9))
+    tokens = jnp.asarray([[7]], jnp.int32)
+    names = _pallas_names(lambda p: step.__wrapped__(p, tokens, on), params)
+    # the tiny sizes leave some products to XLA (GDN in: N = 200, shared expert: 56 / 28, router: 4;
+    # announced); every mixer's output projection takes the kernel
+    assert sum("row_product" in n for n in names) >= cfg.num_layers
+    a, b = step(params, tokens, routes=on), step(params, tokens, routes=kernels)
+    assert_scaled_close(np.asarray(a), np.asarray(b), 1e-5, "decode step")
+
+
+# ---- native, at the 35B-A3B shapes --------------------------------------------------------------
+@pytest.mark.parametrize("k, n, partials", [(2048, 256, False), (2048, 12352, False), (4096, 2048, True),
+                                            (2048, 9216, False)])
+def test_35b_a3b_products(gpu_impl, k, n, partials):
+    x, w = _operands(k + n, k, n, jnp.bfloat16)
+    got = _product(x, w, None, partials, gpu_impl)
+    _check(got, x, w, jnp.bfloat16, partials, rp.default_config(k, n, partials=partials).split_k)
+
+
+@pytest.mark.script
+def test_bench_cpu_smoke(tmp_path):
+    """scripts.bench.kernels row_product --cpu-smoke: the kernel and XLA's forms agree in the
+    interpreter (the rounded product and the partials into add + RMSNorm) and land in the report."""
+    import json
+
+    from scripts.bench import kernels as bench
+
+    out = tmp_path / "rp.json"
+    assert bench.main(["row_product", "--cpu-smoke", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["partials"] for r in rows] == [False, True]
+    assert all(r["ok"] and r["xla_pad_ok"] and r["kernel_ok"] for r in rows)
