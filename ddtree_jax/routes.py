@@ -30,6 +30,12 @@ _NO_LIMIT = 1 << 20  # a threshold no tree reaches: the kernel is always taken w
 # padded against 4.65 ms; on the demo pair (weights of at most 0.3M) padding made it slower
 # (0.21 against 0.16 ms: the pad and slice launches outweigh a tiny product), hence the floor.
 ROW_PAD_WEIGHTS_GPU = (1 << 19, 9_999_999)
+# One-row products through pallas_kernels/row_product.py on a GPU: the same window. In it at the
+# 35B-A3B shape the router (2048 x 256) and the output projections (4096 x 2048, partials into the
+# add + RMSNorm kernel) beat XLA's padded GEMM (3.3 / 9.2 us against 5.3 / 10.2 us with their pads
+# and slices); the wider input projections (18.9M, 25.3M elements) stay XLA GEMMs, faster there.
+# Decode step 2.93-2.96 ms against 3.01-3.03 (docs/decisions/0054-row-product-kernel.md).
+ROW_PRODUCT_WEIGHTS_GPU = ROW_PAD_WEIGHTS_GPU
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +138,7 @@ class Routes:
         fields: dict[str, Any] = dict(impl=impl)
         if gpu:
             fields.update(sort_top_k_max=16, staged_top_k=True, prefilter_top_k=True, rank_select_max=1024,
-                          row_pad_weights=ROW_PAD_WEIGHTS_GPU)
+                          row_pad_weights=ROW_PAD_WEIGHTS_GPU, row_product_weights=ROW_PRODUCT_WEIGHTS_GPU)
         if impl == "pallas_interpret":
             fields.update(ssd_kernel_max_nodes=_NO_LIMIT)
         fields.update(overrides)

@@ -70,17 +70,25 @@ class RowConfig:
 
 
 def default_config(k: int, n: int, *, partials: bool = False) -> RowConfig:
-    """The launch's tiling for a [k, n] weight (a first guess until the H200 sweep of
-    `python -m scripts.bench.kernels row_product` sets it): "fma" over column blocks of 64, K split
-    until the launch has ~TARGET_PROGRAMS programs with slices at least 256 deep; without
-    `partials` no split (its sum would cost a launch) unless the columns alone give fewer than a
-    quarter of that."""
+    """The launch's tiling for a [k, n] weight, from the H200 sweep of
+    `python -m scripts.bench.kernels row_product` (docs/decisions/0054-row-product-kernel.md), all
+    "fma". With `partials` (the add + RMSNorm kernel sums them): column blocks of 64, K split until
+    the launch has ~TARGET_PROGRAMS programs with slices at least 256 deep, 8 warps (4096 -> 2048:
+    9.2 us with its add + RMSNorm against 10.2 for XLA's padded GEMM). Without: a narrow output
+    (fewer than TARGET_PROGRAMS / 4 column blocks of 64: a router) takes blocks of 32 and K slices
+    down to 128 until 128 programs, its partials added by XLA (2048 -> 256: 3.3 us against 5.3); a
+    wide one no split (there XLA's GEMM measured faster, and the route leaves it to XLA)."""
     cfg = RowConfig().fit(k, n)
-    blocks = n // cfg.block_n
-    if not partials and blocks >= TARGET_PROGRAMS // 4:
+    if partials:
+        blocks, split = n // cfg.block_n, 1
+        while blocks * split < TARGET_PROGRAMS and k % (2 * split) == 0 and k // (2 * split) >= 256:
+            split *= 2
+        return dataclasses.replace(cfg, split_k=split, num_warps=8).fit(k, n)
+    if n // cfg.block_n >= TARGET_PROGRAMS // 4:
         return cfg
-    split = 1
-    while blocks * split < TARGET_PROGRAMS and k % (2 * split) == 0 and k // (2 * split) >= 256:
+    cfg = RowConfig(block_n=32).fit(k, n)
+    blocks, split = n // cfg.block_n, 1
+    while blocks * split < TARGET_PROGRAMS // 4 and k % (2 * split) == 0 and k // (2 * split) >= 128:
         split *= 2
     return dataclasses.replace(cfg, split_k=split).fit(k, n)
 

@@ -184,11 +184,17 @@ def test_a_padded_decode_step_gives_the_same_hidden_states():
 
 
 def test_gpu_routes_pad_the_moe_shape_and_leave_the_demo_pair_alone():
-    """The GPU default window (decision 0049): a 35B-A3B router (2048 x 256 = 2^19 elements) and out
-    projection (4096 x 2048) pad; no Linear of the demo pair's batch-1 decode step does (its
-    weights hold at most 0.3M elements, where the pad measured slower)."""
+    """The GPU default window (decisions 0049, 0054): a 35B-A3B router (2048 x 256 = 2^19 elements)
+    and out projection (4096 x 2048) pad, or rather take the row-product kernel; no Linear of the
+    demo pair's batch-1 decode step does (its weights hold at most 0.3M elements, where the pad
+    measured slower)."""
     gpu = Routes.resolve(platform="gpu", impl="pallas_interpret")
     assert gpu.pads_row(2048 * 256) and gpu.pads_row(4096 * 2048) and not gpu.pads_row(2048 * 12352)
+    # the same window runs them as the row-product kernel (decision 0054), which takes precedence;
+    # the wider input projections stay XLA GEMMs
+    assert gpu.row_product_kernel(2048 * 256) and gpu.row_product_kernel(4096 * 2048)
+    assert not gpu.row_product_kernel(2048 * 9216) and not gpu.row_product_kernel(2048 * 12352)
+    assert not Routes.resolve(platform="cpu").row_product_kernel(2048 * 256)
     from ddtree_jax.demo import demo_paths
     from ddtree_jax.engine import Engine
 
