@@ -35,6 +35,7 @@ FORMS = ("fma", "dot")
 MIN_BLOCK = 16  # tl.dot's smallest side; also the narrowest column block taken
 DTYPES = ("bfloat16", "float16", "float32")
 TARGET_PROGRAMS = 512  # ~four programs per SM of the H200's 132: the loads in flight fill HBM
+NARROW = 1024  # outputs narrower than this (routers: 256 / 512 experts) take the narrow tiling
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,25 +73,25 @@ class RowConfig:
 def default_config(k: int, n: int, *, partials: bool = False) -> RowConfig:
     """The launch's tiling for a [k, n] weight, from the H200 sweep of
     `python -m scripts.bench.kernels row_product` (docs/decisions/0054-row-product-kernel.md), all
-    "fma". With `partials` (the add + RMSNorm kernel sums them): column blocks of 64, K split until
-    the launch has ~TARGET_PROGRAMS programs with slices at least 256 deep, 8 warps (4096 -> 2048:
-    9.2 us with its add + RMSNorm against 10.2 for XLA's padded GEMM). Without: a narrow output
-    (fewer than TARGET_PROGRAMS / 4 column blocks of 64: a router) takes blocks of 32 and K slices
-    down to 128 until 128 programs, its partials added by XLA (2048 -> 256: 3.3 us against 5.3); a
-    wide one no split (there XLA's GEMM measured faster, and the route leaves it to XLA)."""
-    cfg = RowConfig().fit(k, n)
-    if partials:
+    "fma". A narrow output (n < NARROW: a router) takes column blocks of 32 and K slices down to 128
+    until 128 programs (2048 -> 256: 3.3 us with XLA's sum of the partials, against 5.3 for XLA's
+    padded GEMM). Wider ones with `partials` (the add + RMSNorm kernel sums them): blocks of 64, K
+    split until ~TARGET_PROGRAMS programs with slices at least 256 deep, 8 warps (4096 -> 2048: 9.2
+    us with the norm against 10.2); without, no split (there XLA's GEMM measured faster, and the
+    route leaves such products to XLA)."""
+    if n < NARROW:
+        cfg = RowConfig(block_n=32).fit(k, n)
         blocks, split = n // cfg.block_n, 1
-        while blocks * split < TARGET_PROGRAMS and k % (2 * split) == 0 and k // (2 * split) >= 256:
+        while blocks * split < TARGET_PROGRAMS // 4 and k % (2 * split) == 0 and k // (2 * split) >= 128:
             split *= 2
-        return dataclasses.replace(cfg, split_k=split, num_warps=8).fit(k, n)
-    if n // cfg.block_n >= TARGET_PROGRAMS // 4:
+        return dataclasses.replace(cfg, split_k=split).fit(k, n)
+    cfg = RowConfig().fit(k, n)
+    if not partials:
         return cfg
-    cfg = RowConfig(block_n=32).fit(k, n)
     blocks, split = n // cfg.block_n, 1
-    while blocks * split < TARGET_PROGRAMS // 4 and k % (2 * split) == 0 and k // (2 * split) >= 128:
+    while blocks * split < TARGET_PROGRAMS and k % (2 * split) == 0 and k // (2 * split) >= 256:
         split *= 2
-    return dataclasses.replace(cfg, split_k=split).fit(k, n)
+    return dataclasses.replace(cfg, split_k=split, num_warps=8).fit(k, n)
 
 
 def problems(k: int, n: int, dtype, config: RowConfig | None = None) -> list[str]:

@@ -8,6 +8,9 @@ logits [T, n] -> ids [T, k] int32: the k largest of p = softmax(float32(logits))
 order, equal probabilities to the lower index (lax.top_k's rule); weights [T, k] float32: those
 probabilities, divided by their sum if `norm`, rounded to `weights_dtype` (float32 holding values
 of that dtype: what a router that rounds its weights to the params dtype hands the experts).
+With `logits_dtype` the logits come as float32 split-K partial sums [S, T, n] (a router's one-row
+product from pallas_kernels/row_product.py): the kernel adds them in index order and rounds the
+sum to logits_dtype (what XLA's sum of them writes) before the softmax, saving that launch.
 
 Why a kernel: on a GPU XLA makes a softmax router's choice of one decode token in ~4 launches (the
 softmax, a sort for the top-k, the renormalisation, the rounding): 6.6 us a layer of the
@@ -28,7 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import check_impl, compiler_params, load, next_pow2, store
+from pallas_kernels._common import check_impl, compiler_params, load, next_pow2, store, summed_partials
 
 SOFTMAX_TOP_K_MAX_LEN = 4096  # the row in registers (512 experts is the largest router in use)
 SOFTMAX_TOP_K_MAX_K = 32
@@ -47,11 +50,18 @@ def _rounded(x, dtype, interpret: bool):
     return x.astype(dtype).astype(jnp.float32)
 
 
-def _kernel(x_ref, ids_ref, w_ref, *, n, k, n_pad, kp, norm, dtype, interpret):
+def _kernel(x_ref, ids_ref, w_ref, *, n, k, n_pad, kp, norm, dtype, parts, logits_dtype, interpret):
     f32, i32 = jnp.float32, jnp.int32
     idx = lax.broadcasted_iota(i32, (n_pad,), 0)
     real = idx < n
-    x = load(x_ref, (pl.ds(0, n_pad),), mask=real, other=0.0).astype(f32)
+    if parts:  # x_ref [S, n]: the partial sums, added in index order, rounded to the logits' dtype
+        rows = [load(x_ref, (jnp.int32(p), pl.ds(0, n_pad)), mask=real, other=0.0) for p in range(parts)]
+        x = rows[0]
+        for r in rows[1:]:
+            x = x + r
+        x = _rounded(x, logits_dtype, interpret)
+    else:
+        x = load(x_ref, (pl.ds(0, n_pad),), mask=real, other=0.0).astype(f32)
     x = jnp.where(real, x, -jnp.inf)
     e = jnp.exp(x - jnp.max(x))
     p = e / jnp.sum(e)  # jax.nn.softmax's formula
@@ -74,8 +84,10 @@ def _kernel(x_ref, ids_ref, w_ref, *, n, k, n_pad, kp, norm, dtype, interpret):
     store(w_ref, (pl.ds(0, kp),), _rounded(vals, dtype, interpret), mask=keep)
 
 
-def _pallas(logits, k: int, *, norm: bool, weights_dtype, interpret: bool, num_warps: int | None):
-    t, n = logits.shape
+def _pallas(logits, k: int, *, norm: bool, weights_dtype, interpret: bool, num_warps: int | None,
+            logits_dtype=None):
+    """logits [T, n], or float32 partial sums [S, T, n] with logits_dtype."""
+    t, n = logits.shape[-2:]
     problems = []
     if n > SOFTMAX_TOP_K_MAX_LEN:
         problems.append(f"rows up to {SOFTMAX_TOP_K_MAX_LEN} entries, got {n}")
@@ -84,13 +96,16 @@ def _pallas(logits, k: int, *, norm: bool, weights_dtype, interpret: bool, num_w
     if problems:
         raise ValueError("the softmax top-k kernel takes " + "; ".join(problems) + ": use impl='xla'")
     n_pad, kp = max(16, next_pow2(n)), max(16, next_pow2(k))
+    parts = logits.shape[0] if logits_dtype is not None else 0
     kernel = functools.partial(_kernel, n=n, k=k, n_pad=n_pad, kp=kp, norm=norm, dtype=jnp.dtype(weights_dtype),
-                               interpret=interpret)
+                               parts=parts, logits_dtype=logits_dtype and jnp.dtype(logits_dtype), interpret=interpret)
+    in_spec = (pl.BlockSpec((parts, None, n), lambda i: (0, i, 0)) if parts else
+               pl.BlockSpec((None, n), lambda i: (i, 0)))
     out_spec = pl.BlockSpec((None, k), lambda i: (i, 0))
     return pl.pallas_call(
         kernel,
         grid=(t,),
-        in_specs=[pl.BlockSpec((None, n), lambda i: (i, 0))],
+        in_specs=[in_spec],
         out_specs=[out_spec, out_spec],
         out_shape=[jax.ShapeDtypeStruct((t, k), jnp.int32), jax.ShapeDtypeStruct((t, k), jnp.float32)],
         compiler_params=None if interpret else compiler_params(num_warps or DEFAULT_WARPS, 1),
@@ -100,14 +115,21 @@ def _pallas(logits, k: int, *, norm: bool, weights_dtype, interpret: bool, num_w
 
 
 def softmax_top_k(logits: jax.Array, k: int, *, norm: bool, weights_dtype=jnp.float32, impl: str = "xla",
-                  num_warps: int | None = None) -> tuple[jax.Array, jax.Array]:
-    """[..., n] -> (ids int32, weights float32) [..., k] (module docstring)."""
+                  num_warps: int | None = None, logits_dtype=None) -> tuple[jax.Array, jax.Array]:
+    """[..., n] -> (ids int32, weights float32) [..., k] (module docstring); with logits_dtype,
+    logits are float32 split-K partial sums [S, ..., n] whose rounded sum is the logits."""
     check_impl(impl)
+    if logits_dtype is not None and (logits.dtype != jnp.float32 or logits.ndim < 2):
+        raise ValueError(f"softmax_top_k: partial sums must be float32 [S, ..., n], got {logits.dtype} "
+                         f"{tuple(logits.shape)}")
     if impl == "xla":
+        if logits_dtype is not None:
+            logits = summed_partials(logits, logits_dtype)
         return reference(logits, k, norm=norm, weights_dtype=weights_dtype)
-    *lead, n = logits.shape
-    ids, weights = _pallas(logits.reshape(-1, n), k, norm=norm, weights_dtype=weights_dtype,
-                           interpret=impl == "pallas_interpret", num_warps=num_warps)
+    lead, n = logits.shape[1 if logits_dtype is not None else 0:-1], logits.shape[-1]
+    flat = logits.reshape(logits.shape[0], -1, n) if logits_dtype is not None else logits.reshape(-1, n)
+    ids, weights = _pallas(flat, k, norm=norm, weights_dtype=weights_dtype, interpret=impl == "pallas_interpret",
+                           num_warps=num_warps, logits_dtype=logits_dtype)
     return ids.reshape(*lead, k), weights.reshape(*lead, k)
 
 

@@ -17,6 +17,7 @@ from hypothesis import given, settings, strategies as st
 
 from ddtree_jax.models.moe import route_softmax_top_k
 from ddtree_jax.routes import Routes
+from pallas_kernels._common import summed_partials
 from pallas_kernels.softmax_top_k import SOFTMAX_TOP_K_MAX_K, SOFTMAX_TOP_K_MAX_LEN, softmax_top_k
 
 
@@ -92,8 +93,47 @@ def test_moe_block_routes_through_the_kernel_and_chooses_the_xla_routes_experts(
     for t in range(0, 12, 5):
         assert_route_equal(route(params, x[t : t + 1], kernels), (want[0][t : t + 1], want[1][t : t + 1]),
                            jnp.bfloat16)
-    jaxpr = lambda routes: str(jax.make_jaxpr(lambda p, x: nnx.merge(gd, p).route(x, routes))(params, x))
+    jaxpr = lambda routes, x=x: str(jax.make_jaxpr(lambda p, x: nnx.merge(gd, p).route(x, routes))(params, x))
     assert "softmax_top_k" in jaxpr(kernels) and "pallas_call" not in jaxpr(Routes())
+    # a decode step's token with the router product in the row-product kernel: its float32 partials
+    # go to the softmax top-k kernel, which adds them (no XLA sum between); the same experts
+    rows = kernels.replace(row_product_weights=(1, 10**9))
+    for t in range(0, 12, 5):
+        assert_route_equal(route(params, x[t : t + 1], rows), (want[0][t : t + 1], want[1][t : t + 1]), jnp.bfloat16)
+    one = jax.make_jaxpr(lambda p, x: nnx.merge(gd, p).route(x, rows))(params, x[:1])
+    prims = _primitives(one.jaxpr)
+    assert "row_product" in str(one) and "softmax_top_k" in str(one)
+    assert prims.count("pallas_call") == 2 and "reduce_sum" not in prims, prims
+
+
+def _primitives(jaxpr) -> list[str]:
+    """The primitives of a jaxpr and its sub-jaxprs, Pallas kernels' bodies left out."""
+    out = []
+    for e in jaxpr.eqns:
+        out.append(e.primitive.name)
+        if e.primitive.name == "pallas_call":
+            continue
+        for v in e.params.values():
+            if hasattr(v, "jaxpr") and hasattr(v, "consts"):
+                out += _primitives(v.jaxpr)
+            elif hasattr(v, "eqns"):
+                out += _primitives(v)
+    return out
+
+
+@settings(max_examples=5, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), parts=st.sampled_from([1, 3, 16]), n=st.sampled_from([16, 60, 256]))
+def test_partial_sums_give_the_routes_of_their_rounded_sum(impl, seed, parts, n):
+    """logits as float32 split-K partial sums (logits_dtype): the routes of their sum rounded to
+    that dtype, kernel and XLA form alike."""
+    p = jax.random.normal(jax.random.PRNGKey(seed), (parts, 2, 1, n), jnp.float32)
+    want = _route(summed_partials(p, jnp.bfloat16), 8, True, jnp.bfloat16, "xla")
+    for form in ("xla", impl):
+        got = softmax_top_k(p, 8, norm=True, weights_dtype=jnp.bfloat16, impl=form, logits_dtype=jnp.bfloat16)
+        assert got[0].shape == (2, 1, 8)
+        assert_route_equal(got, want, jnp.bfloat16)
+    with pytest.raises(ValueError, match="partial sums must be float32"):
+        softmax_top_k(p.astype(jnp.bfloat16), 8, norm=True, impl=impl, logits_dtype=jnp.bfloat16)
 
 
 @pytest.mark.gpu

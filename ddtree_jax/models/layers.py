@@ -99,7 +99,10 @@ class Linear(nnx.Module):
         self.w8a8 = False  # an int8 kernel's products quantize the activations too
         self.split_k_out = False
 
-    def __call__(self, x: jax.Array, routes: Routes = REFERENCE) -> jax.Array | SplitKParts:
+    def __call__(self, x: jax.Array, routes: Routes = REFERENCE, *, one_row_parts: bool = False
+                 ) -> jax.Array | SplitKParts:
+        """x @ kernel (+ bias). one_row_parts: the caller takes SplitKParts where the row-product
+        kernel runs a one-row product (the MoE router: softmax_top_k sums them in its launch)."""
         kernel = self.kernel[...]
         if self.scale is not None:
             y = int8.product(x, kernel, self.scale[...], w8a8=self.w8a8)
@@ -118,7 +121,7 @@ class Linear(nnx.Module):
             return SplitKParts(parts)
         if (rows == 1 and kernel.shape[1] > 1 and routes.row_product_kernel(kernel.size) and x.dtype == kernel.dtype
                 and _row_kernel_takes(kernel, x.dtype)):
-            if self.split_k_out and self.bias is None:
+            if (self.split_k_out or one_row_parts) and self.bias is None:
                 return SplitKParts(row_product.row_product(x, kernel, partials=True, impl=routes.impl))
             y = row_product.row_product(x, kernel, impl=routes.impl)
         elif rows == 1 and kernel.shape[1] > 1 and routes.pads_row(kernel.size):

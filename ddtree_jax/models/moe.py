@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ddtree_jax.config import TargetConfig
-from ddtree_jax.models.layers import Linear, Relu2MLP, SwiGLU, _init
+from ddtree_jax.models.layers import Linear, Relu2MLP, SplitKParts, SwiGLU, _init, dense
 from ddtree_jax.models.mixer import StatelessMixer
 from ddtree_jax.routes import REFERENCE, Routes
 from pallas_kernels import moe_experts
@@ -95,15 +95,23 @@ def route_softmax_top_k(logits, *, top_k: int, norm: bool, weights_dtype=jnp.flo
     rounded to weights_dtype), through pallas_kernels/softmax_top_k.py: one kernel launch with
     kernels on (routes.moe_router_kernel; announced when a router is too wide), else its XLA
     reference. Every path (prefill, decode, tree verify) takes the same form, so a token's experts
-    do not depend on how many tokens share the call."""
+    do not depend on how many tokens share the call. logits may be SplitKParts (a one-row router
+    product of the row-product kernel): the kernel adds them and rounds to weights_dtype, the
+    logits' dtype, as XLA's sum would."""
+    parts = logits.parts if isinstance(logits, SplitKParts) else None
     impl = "xla"
     if routes.kernels and routes.moe_router_kernel:
-        e = logits.shape[-1]
+        e = (logits if parts is None else parts).shape[-1]
         if e <= SOFTMAX_TOP_K_MAX_LEN and top_k <= SOFTMAX_TOP_K_MAX_K:
             impl = routes.impl
         else:
             warnings.warn(f"the MoE router's top-{top_k} of {e} experts uses XLA: the softmax top-k kernel takes up "
                           f"to {SOFTMAX_TOP_K_MAX_LEN} experts and k up to {SOFTMAX_TOP_K_MAX_K}", stacklevel=3)
+    if parts is not None:
+        if impl == "xla":
+            return softmax_top_k(dense(logits, weights_dtype), top_k, norm=norm, weights_dtype=weights_dtype)
+        return softmax_top_k(parts, top_k, norm=norm, weights_dtype=weights_dtype, impl=impl,
+                             logits_dtype=weights_dtype)
     return softmax_top_k(logits, top_k, norm=norm, weights_dtype=weights_dtype, impl=impl)
 
 
@@ -133,8 +141,9 @@ class SparseMoeBlock(StatelessMixer, nnx.Module):
     def route(self, x: jax.Array, routes: Routes = REFERENCE) -> tuple[jax.Array, jax.Array]:
         """Chosen experts [..., k] and their combine weights [..., k] (float32 holding values of the
         params dtype: HF rounds the weights to it) of tokens x [..., H]."""
-        return route_softmax_top_k(self.router(x, routes), top_k=self.top_k, norm=self.norm_topk_prob,
-                                   weights_dtype=x.dtype, routes=routes)
+        kernel = routes.kernels and routes.moe_router_kernel  # takes the row-product kernel's partials
+        return route_softmax_top_k(self.router(x, routes, one_row_parts=kernel), top_k=self.top_k,
+                                   norm=self.norm_topk_prob, weights_dtype=x.dtype, routes=routes)
 
     def __call__(self, x: jax.Array, routes: Routes = REFERENCE) -> jax.Array:
         flat = x.reshape(-1, x.shape[-1])
