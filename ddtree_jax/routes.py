@@ -34,7 +34,8 @@ ROW_PAD_WEIGHTS_GPU = (1 << 19, 9_999_999)
 # 35B-A3B shape the router (2048 x 256) and the output projections (4096 x 2048, partials into the
 # add + RMSNorm kernel) beat XLA's padded GEMM (3.3 / 9.2 us against 5.3 / 10.2 us with their pads
 # and slices); the wider input projections (18.9M, 25.3M elements) stay XLA GEMMs, faster there.
-# Decode step 2.93-2.96 ms against 3.01-3.03 (docs/decisions/0054-row-product-kernel.md).
+# Decode step 2.93-2.96 ms against 3.01-3.03; 2.95 with the router's partials summed in
+# softmax_top_k (docs/decisions/0054-row-product-kernel.md).
 ROW_PRODUCT_WEIGHTS_GPU = ROW_PAD_WEIGHTS_GPU
 
 
