@@ -20,6 +20,7 @@ from ddtree_jax.cache import init_target_cache
 from ddtree_jax.models.layers import Linear, SplitKParts, dense
 from ddtree_jax.routes import REFERENCE, Routes
 from pallas_kernels import row_product as rp
+from tests.jaxpr_eqns import equations, kernel_name
 from tests.tiny_models import HYBRID_MOE, make_target
 from tests.tolerance import assert_scaled_close
 
@@ -116,21 +117,7 @@ ON = Routes(impl="pallas_interpret", row_product_weights=(1, 10**9))
 
 
 def _pallas_names(f, *args) -> list[str]:
-    jaxpr = jax.make_jaxpr(f)(*args)
-    names = []
-
-    def walk(j):
-        for e in j.eqns:
-            if e.primitive.name == "pallas_call":
-                names.append(str(e.params.get("name_and_src_info", e.params.get("name", ""))))
-            for v in e.params.values():
-                if hasattr(v, "jaxpr") and hasattr(v, "consts"):
-                    walk(v.jaxpr)
-                elif hasattr(v, "eqns"):
-                    walk(v)
-
-    walk(jaxpr.jaxpr)
-    return names
+    return [kernel_name(e) for e in equations(jax.make_jaxpr(f)(*args).jaxpr) if e.primitive.name == "pallas_call"]
 
 
 @pytest.mark.parametrize("bias", [False, True])

@@ -19,6 +19,7 @@ from ddtree_jax.models.moe import route_softmax_top_k
 from ddtree_jax.routes import Routes
 from pallas_kernels._common import summed_partials
 from pallas_kernels.softmax_top_k import SOFTMAX_TOP_K_MAX_K, SOFTMAX_TOP_K_MAX_LEN, softmax_top_k
+from tests.jaxpr_eqns import equations
 
 
 @functools.partial(jax.jit, static_argnames=("k", "norm", "dtype", "impl"))
@@ -101,24 +102,9 @@ def test_moe_block_routes_through_the_kernel_and_chooses_the_xla_routes_experts(
     for t in range(0, 12, 5):
         assert_route_equal(route(params, x[t : t + 1], rows), (want[0][t : t + 1], want[1][t : t + 1]), jnp.bfloat16)
     one = jax.make_jaxpr(lambda p, x: nnx.merge(gd, p).route(x, rows))(params, x[:1])
-    prims = _primitives(one.jaxpr)
+    prims = [e.primitive.name for e in equations(one.jaxpr)]
     assert "row_product" in str(one) and "softmax_top_k" in str(one)
     assert prims.count("pallas_call") == 2 and "reduce_sum" not in prims, prims
-
-
-def _primitives(jaxpr) -> list[str]:
-    """The primitives of a jaxpr and its sub-jaxprs, Pallas kernels' bodies left out."""
-    out = []
-    for e in jaxpr.eqns:
-        out.append(e.primitive.name)
-        if e.primitive.name == "pallas_call":
-            continue
-        for v in e.params.values():
-            if hasattr(v, "jaxpr") and hasattr(v, "consts"):
-                out += _primitives(v.jaxpr)
-            elif hasattr(v, "eqns"):
-                out += _primitives(v)
-    return out
 
 
 @settings(max_examples=5, deadline=None)

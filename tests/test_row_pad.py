@@ -24,6 +24,7 @@ from ddtree_jax.cache import init_target_cache
 from ddtree_jax.models.layers import Linear
 from ddtree_jax.routes import REFERENCE, Routes
 from tests.hf_mamba_models import make_jax_target
+from tests.jaxpr_eqns import equations
 from tests.tiny_models import HYBRID_MOE, make_target
 from tests.tolerance import assert_scaled_close
 
@@ -114,22 +115,11 @@ def _weight_products(graphdef, params, cfg, routes):
     step = lambda p, t: nnx.merge(graphdef, p)(t, cache, jnp.ones((1,), jnp.int32), chunked=False, routes=routes)[0]
     jaxpr = jax.make_jaxpr(step)(params, jnp.ones((1, 1), jnp.int32))
     found = []
-
-    def walk(j):
-        for e in j.eqns:
-            if e.primitive.name == "pallas_call":
-                continue
-            if e.primitive.name == "dot_general":
-                lhs, rhs = e.invars[0].aval.shape, e.invars[1].aval.shape
-                if len(rhs) == 2 and rhs[1] > 1:
-                    found.append((int(np.prod(lhs[:-1])), tuple(rhs)))
-            for v in e.params.values():
-                if hasattr(v, "jaxpr") and hasattr(v, "consts"):
-                    walk(v.jaxpr)
-                elif hasattr(v, "eqns"):
-                    walk(v)
-
-    walk(jaxpr.jaxpr)
+    for e in equations(jaxpr.jaxpr):
+        if e.primitive.name == "dot_general":
+            lhs, rhs = e.invars[0].aval.shape, e.invars[1].aval.shape
+            if len(rhs) == 2 and rhs[1] > 1:
+                found.append((int(np.prod(lhs[:-1])), tuple(rhs)))
     return found
 
 
