@@ -67,14 +67,23 @@ def dot_precision(dtype):
     return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
 
 
+def rounded(v, dtype):
+    """A float value -> dtype by round to nearest even, through reduce_precision: under jit XLA may
+    drop a bare f32 -> 16-bit -> f32 round trip (its default excess precision; seen on CPU), which
+    would skip the rounding. XLA forms and interpret mode only: the Triton lowering has no
+    reduce_precision (kernels round with a cast, which it keeps)."""
+    dtype = jnp.dtype(dtype)
+    v = v.astype(jnp.float32)
+    if dtype == jnp.float32:
+        return v
+    info = jnp.finfo(dtype)
+    return lax.reduce_precision(v, info.nexp, info.nmant).astype(dtype)
+
+
 def summed_partials(parts, dtype):
     """Split-K partial products [S, ...] added in float32 (index order) and rounded to dtype once:
-    what XLA's reduce after its own split-K GEMM writes. The rounding is a reduce_precision: under
-    jit XLA may drop a bare f32 -> 16-bit -> f32 round trip (its default excess precision; seen on
-    CPU), adding the unrounded sum."""
-    total = jnp.sum(parts.astype(jnp.float32), axis=0)
-    info = jnp.finfo(dtype)
-    return lax.reduce_precision(total, info.nexp, info.nmant).astype(dtype)
+    what XLA's reduce after its own split-K GEMM writes (`rounded`)."""
+    return rounded(jnp.sum(parts.astype(jnp.float32), axis=0), dtype)
 
 
 def order_key(x: jax.Array) -> jax.Array:

@@ -15,9 +15,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
-from pallas_kernels._common import dot_precision, is_pow2
+from pallas_kernels._common import dot_precision, is_pow2, rounded
 
 ACTS = ("silu_glu", "relu2")
 W_LAYOUTS = ("in_out", "out_in")  # [E, in, out] (the project's Linear layout) or [E, out, in] (HF's)
@@ -225,13 +224,8 @@ def kernel_problems(hidden: int, inter: int, num_experts: int, top_k: int, dtype
 
 
 def _round(v, dtype):
-    """A float32 value -> dtype by round to nearest even. reduce_precision first: under jit XLA may drop a
-    bare f32 -> 16-bit -> f32 round trip (its excess precision), which would skip the rounding."""
-    dtype = jnp.dtype(dtype)
-    if dtype == jnp.float32:
-        return v.astype(jnp.float32)
-    info = jnp.finfo(dtype)
-    return lax.reduce_precision(v.astype(jnp.float32), info.nexp, info.nmant).astype(dtype)
+    """A float32 value -> dtype by round to nearest even (`_common.rounded`)."""
+    return rounded(v, dtype)
 
 
 def activate(pre, act: str, dtype):

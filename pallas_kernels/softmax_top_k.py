@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import check_impl, compiler_params, load, next_pow2, store, summed_partials
+from pallas_kernels._common import check_impl, compiler_params, load, next_pow2, rounded, store, summed_partials
 
 SOFTMAX_TOP_K_MAX_LEN = 4096  # the row in registers (512 experts is the largest router in use)
 SOFTMAX_TOP_K_MAX_K = 32
@@ -39,14 +39,12 @@ DEFAULT_WARPS = 1  # fastest at every measured shape: docs/decisions/0052-moe-ro
 
 
 def _rounded(x, dtype, interpret: bool):
-    """x (float32) rounded to dtype, kept in float32. Interpret mode runs the kernel through XLA,
-    whose CPU backend may drop a bare f32 -> 16-bit -> f32 round trip (excess precision), so it
-    rounds with reduce_precision; the Triton lowering has no reduce_precision and keeps casts."""
+    """x (float32) rounded to dtype, kept in float32. Interpret mode runs the kernel through XLA, so
+    it rounds as the XLA forms do (`_common.rounded`); the Triton lowering keeps casts."""
     if jnp.dtype(dtype) == jnp.float32:
         return x
     if interpret:
-        info = jnp.finfo(dtype)
-        return lax.reduce_precision(x, info.nexp, info.nmant)
+        return rounded(x, dtype).astype(jnp.float32)
     return x.astype(dtype).astype(jnp.float32)
 
 
