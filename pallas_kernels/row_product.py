@@ -42,7 +42,11 @@ NARROW = 1024  # outputs narrower than this (routers: 256 / 512 experts) take th
 class RowConfig:
     """Tiling of the launch: column blocks of block_n, K steps of block_k (both upper bounds: the
     largest power of two <= them dividing N / the K slice, `fit`), split_k slices of K (a power of
-    two), the product's form (FORMS) and the Triton launch parameters."""
+    two), the product's form (FORMS) and the Triton launch parameters. `unroll`: the K steps as a
+    static loop whose loads all come first, so a program has its whole slab in flight at once;
+    Triton 3.6 does not software-pipeline the "fma" form's loads (no cp.async in its sm_90 SASS:
+    `python -m scripts.offline_triton_compile row_product`), so the rolled loop waits on each
+    step's loads in turn. Unrolling holds K slice / block_k tiles in registers."""
 
     block_n: int = 64
     block_k: int = 64
@@ -50,6 +54,7 @@ class RowConfig:
     form: str = "fma"
     num_warps: int = 4
     num_stages: int = 3
+    unroll: bool = False
 
     def problems(self) -> list[str]:
         bad = [f"{f} = {getattr(self, f)} (a power of two >= {MIN_BLOCK})" for f in ("block_n", "block_k")
@@ -135,7 +140,21 @@ def _kernel(x_ref, w_ref, o_ref, *, cfg: RowConfig, k_per_split: int, partials: 
                                      preferred_element_type=f32)
 
     shape = (bk, bn) if cfg.form == "fma" else (MIN_BLOCK, bn)
-    y = jnp.sum(lax.fori_loop(0, k_per_split // bk, step, jnp.zeros(shape, f32)), axis=0)  # pad rows: zeros
+    steps = k_per_split // bk
+    if cfg.unroll and cfg.form == "fma":  # every load of the slab first, then the products
+        k0s = [k_base + i * bk for i in range(steps)]
+        ws = [load(w_ref, (pl.ds(k0, bk), pl.ds(col0, bn))) for k0 in k0s]
+        xs = [load(x_ref, (pl.ds(k0, bk), pl.ds(0, 1))) for k0 in k0s]
+        acc = jnp.zeros(shape, f32)
+        for w, xk in zip(ws, xs):
+            acc = acc + w.astype(f32) * xk.astype(f32)
+    elif cfg.unroll:
+        acc = jnp.zeros(shape, f32)
+        for i in range(steps):
+            acc = step(i, acc)
+    else:
+        acc = lax.fori_loop(0, steps, step, jnp.zeros(shape, f32))
+    y = jnp.sum(acc, axis=0)  # the dot form's pad rows are zeros
     if partials:
         store(o_ref, (split, pl.ds(col0, bn)), y)
     else:

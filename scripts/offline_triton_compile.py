@@ -18,6 +18,7 @@ compiled by pip's triton (ptxas included) for GPUTarget("cuda", 90, 32); `cuobjd
     python -m scripts.offline_triton_compile add_rms_norm --nodes 65
     python -m scripts.offline_triton_compile moe_decode --nodes 1   # tokens (8 pairs at top-8)
     python -m scripts.offline_triton_compile moe_grouped --nodes 65
+    python -m scripts.offline_triton_compile row_product        # the 35B-A3B one-row products
 
 Kernels: "ssd" (pallas_kernels/ssd_tree.py verify, NemotronH-8B-like layer: 128 heads x 64,
 8 groups, state 128), "gdn" (pallas_kernels/gdn_tree.py, Qwen3.6-27B layer: 16 k / 48 v heads
@@ -123,7 +124,9 @@ def compile_ttir(ttir: str, num_warps: int, num_stages: int) -> dict:
             "shfl": sass.count("SHFL"), "bar_sync": sass.count("BAR.SYNC"),
             # conversions and the MMA form: what a product spends widening its tiles
             "i2f": sass.count(" I2F"), "f2fp": sass.count(" F2FP"), "prmt": sass.count(" PRMT"),
-            "hgmma": sass.count(" HGMMA"), "hmma": sass.count(" HMMA"), "ldgsts": sass.count(" LDGSTS")}
+            "hgmma": sass.count(" HGMMA"), "hmma": sass.count(" HMMA"), "ldgsts": sass.count(" LDGSTS"),
+            # global loads straight to registers, and their widest form (16-byte vectors)
+            "ldg": sass.count(" LDG."), "ldg_128": sass.count(".128 R")}
 
 
 def ssd_cases(nodes: int):
@@ -304,6 +307,22 @@ def moe_grouped_cases(tokens: int):
     yield dict(variant="default", w_layout="in_out"), _launch_settings(cfg), fn, _moe_shapes(tokens, "in_out")
 
 
+def row_product_cases(nodes: int):
+    """The one-row product (pallas_kernels/row_product.py) at the 35B-A3B shapes the GPU bench
+    times (--nodes unused), each of its variants at its own warps and stages."""
+    del nodes
+    from pallas_kernels import row_product as rp
+    from scripts.bench.kernels_dense import ROW_PRODUCT_SHAPES, row_product_variants
+
+    for shape, k, n, partials in ROW_PRODUCT_SHAPES[:4]:
+        x, w = jax.ShapeDtypeStruct((1, k), jnp.bfloat16), jax.ShapeDtypeStruct((k, n), jnp.bfloat16)
+        for name, cfg in row_product_variants(k, n, partials, smoke=False).items():
+            fn = functools.partial(rp.row_product, config=cfg, partials=partials, impl="pallas")
+            yield (dict(shape=shape, variant=name, num_stages=cfg.num_stages), {"row_product": (cfg.num_warps,
+                                                                                                 cfg.num_stages)},
+                   fn, (x, w))
+
+
 def compile_case(kernels, warps, stages: int) -> list[dict]:
     """Registers etc. of a case's kernels: the first one at `warps`, or, where warps is a dict
     {kernel name prefix: (warps, stages)}, every kernel at its own settings (named)."""
@@ -319,7 +338,7 @@ def compile_case(kernels, warps, stages: int) -> list[dict]:
 CASES = {"ssd": ssd_cases, "gdn": gdn_cases, "select": select_cases, "topk": top_k_cases,
          "gdn_decode": gdn_decode_cases, "gdn_prologue": gdn_prologue_cases, "attention": attention_cases,
          "gdn_commit": gdn_commit_cases, "add_rms_norm": add_rms_norm_cases, "moe_decode": moe_decode_cases,
-         "moe_grouped": moe_grouped_cases}
+         "moe_grouped": moe_grouped_cases, "row_product": row_product_cases}
 
 
 def main(argv=None) -> int:

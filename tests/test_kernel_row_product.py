@@ -60,6 +60,8 @@ CONFIGS = {
     "fma": rp.RowConfig(block_n=32, block_k=32),
     "fma_split4": rp.RowConfig(block_n=16, block_k=16, split_k=4),
     "dot_split2": rp.RowConfig(block_n=32, block_k=64, split_k=2, form="dot"),
+    "fma_unrolled": rp.RowConfig(block_n=16, block_k=16, split_k=2, unroll=True),
+    "dot_unrolled": rp.RowConfig(block_n=16, block_k=32, form="dot", unroll=True),
     "default": None,
 }
 

@@ -119,7 +119,8 @@ def row_product_options(ap):
 
 def row_product_variants(k: int, n: int, partials: bool, smoke: bool) -> dict:
     """{name: RowConfig} timed: the default, then one change each (the other form, column and K
-    blocks, the K split halved / doubled / quadrupled, warps, stages, and a few of them combined)."""
+    blocks, the K split halved / doubled / quadrupled, warps, stages, a few of them combined, and
+    the unrolled K loop (all loads first) at 1, 2 and 4 times the split)."""
     from pallas_kernels import row_product as rp
     rep = dataclasses.replace
     base = rp.default_config(k, n, partials=partials)
@@ -136,7 +137,10 @@ def row_product_variants(k: int, n: int, partials: bool, smoke: bool) -> dict:
                k256_split_x4_w8=rep(base, block_k=256, split_k=4 * s, num_warps=8),
                n32_split_x2=rep(base, block_n=32, split_k=2 * s), n32_k128_split_x2=rep(base, block_n=32, block_k=128,
                                                                                         split_k=2 * s),
-               w2=rep(base, num_warps=2), w8=rep(base, num_warps=8), stages1=rep(base, num_stages=1))
+               w2=rep(base, num_warps=2), w8=rep(base, num_warps=8), stages1=rep(base, num_stages=1),
+               unroll=rep(base, unroll=True), unroll_split_x2=rep(base, unroll=True, split_k=2 * s),
+               unroll_split_x4=rep(base, unroll=True, split_k=4 * s),
+               unroll_k128_split_x4=rep(base, unroll=True, block_k=128, split_k=4 * s))
     return {name: cfg.fit(k, n) for name, cfg in out.items()}
 
 
