@@ -93,6 +93,28 @@ def order_key(x: jax.Array) -> jax.Array:
     return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
 
 
+def take_top_k(key, k: int, kp: int, removed):
+    """Inside a kernel: the k largest entries of a row held in registers, one at a time (a max, the
+    lowest index holding it, that entry set to `removed`, a value below every real key). key [n_pad];
+    returns (values [kp], indices [kp] int32), lanes past k zero. Ties go to the lower index:
+    lax.top_k's rule."""
+    i32 = jnp.int32
+    n_pad = key.shape[0]
+    idx = lax.broadcasted_iota(i32, (n_pad,), 0)
+    lane = lax.broadcasted_iota(i32, (kp,), 0)
+
+    def take(j, carry):
+        key, vals, picks = carry
+        top = jnp.max(key)
+        at = jnp.min(jnp.where(key == top, idx, n_pad))
+        vals = jnp.where(lane == j, top, vals)
+        picks = jnp.where(lane == j, at, picks)
+        return jnp.where(idx == at, removed, key), vals, picks
+
+    _, vals, picks = lax.fori_loop(0, k, take, (key, jnp.zeros((kp,), key.dtype), jnp.zeros((kp,), i32)))
+    return vals, picks
+
+
 def plus_zero(score: jax.Array) -> jax.Array:
     """A prefix score as the sum from +0.0 makes it: never -0.0 (log-probs are <= 0, and -0.0 only
     comes from -0.0 + -0.0). Written out because compilers may fold 0.0 + x to x, which keeps a

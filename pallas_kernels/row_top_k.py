@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import check_impl, compiler_params, load, next_pow2, order_key, store
+from pallas_kernels._common import check_impl, compiler_params, load, next_pow2, order_key, store, take_top_k
 
 ROW_TOP_K_MAX_LEN = 8192  # the row's keys in registers: 64 per thread at 4 warps
 ROW_TOP_K_MAX_K = 32
@@ -42,17 +42,7 @@ def _kernel(x_ref, val_ref, idx_ref, *, n, k, n_pad, kp):
     idx = lax.broadcasted_iota(i32, (n_pad,), 0)
     x = load(x_ref, (pl.ds(0, n_pad),), mask=idx < n, other=0.0)
     key = jnp.where(idx < n, order_key(x), lowest)
-    lane = lax.broadcasted_iota(i32, (kp,), 0)
-
-    def take(j, carry):
-        key, keys, picks = carry
-        top = jnp.max(key)
-        at = jnp.min(jnp.where(key == top, idx, n_pad))  # ties: the lower index first
-        keys = jnp.where(lane == j, top, keys)
-        picks = jnp.where(lane == j, at, picks)
-        return jnp.where(idx == at, lowest, key), keys, picks
-
-    _, keys, picks = lax.fori_loop(0, k, take, (key, jnp.zeros((kp,), i32), jnp.zeros((kp,), i32)))
+    keys, picks = take_top_k(key, k, kp, removed=lowest)
     bits = jnp.where(keys < 0, keys ^ i32(0x7FFFFFFF), keys)  # order_key is its own inverse
     store(val_ref, (pl.ds(0, kp),), lax.bitcast_convert_type(bits, jnp.float32))
     store(idx_ref, (pl.ds(0, kp),), picks)

@@ -31,7 +31,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import check_impl, compiler_params, load, next_pow2, rounded, store, summed_partials
+from pallas_kernels._common import (check_impl, compiler_params, load, next_pow2, rounded, store, summed_partials,
+                                    take_top_k)
 
 SOFTMAX_TOP_K_MAX_LEN = 4096  # the row in registers (512 experts is the largest router in use)
 SOFTMAX_TOP_K_MAX_K = 32
@@ -64,17 +65,8 @@ def _kernel(x_ref, ids_ref, w_ref, *, n, k, n_pad, kp, norm, dtype, parts, logit
     e = jnp.exp(x - jnp.max(x))
     p = e / jnp.sum(e)  # jax.nn.softmax's formula
     key = jnp.where(real, p, -1.0)  # below every probability
+    vals, picks = take_top_k(key, k, kp, removed=-2.0)
     lane = lax.broadcasted_iota(i32, (kp,), 0)
-
-    def take(j, carry):
-        key, vals, picks = carry
-        top = jnp.max(key)
-        at = jnp.min(jnp.where(key == top, idx, n_pad))  # ties: the lower index first
-        vals = jnp.where(lane == j, top, vals)
-        picks = jnp.where(lane == j, at, picks)
-        return jnp.where(idx == at, -2.0, key), vals, picks
-
-    _, vals, picks = lax.fori_loop(0, k, take, (key, jnp.zeros((kp,), f32), jnp.zeros((kp,), i32)))
     if norm:
         vals = vals / jnp.sum(vals)  # lanes past k hold zeros
     keep = lane < k

@@ -297,7 +297,8 @@ def moe_decode_cases(tokens: int):
     h, e, k, i = (MOE_35B_A3B[f] for f in ("hidden", "experts", "top_k", "inter"))
     for name, (cfg, layout) in decode_sweep(moe.default_decode_config(tokens, k, e, h, i), "small").items():
         fn = functools.partial(moe.expert_mlp, act="silu_glu", impl="pallas", config=cfg, w_layout=layout)
-        yield dict(variant=name, w_layout=layout), _launch_settings(cfg), fn, _moe_shapes(tokens, layout)
+        yield (dict(variant=name, w_layout=layout, up_layout=cfg.up.layout, down_layout=cfg.down.layout),
+               _launch_settings(cfg), fn, _moe_shapes(tokens, layout))
 
 
 def moe_grouped_cases(tokens: int):

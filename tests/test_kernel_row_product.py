@@ -161,6 +161,11 @@ def test_a_weight_the_kernel_cannot_take_is_announced():
         warnings.simplefilter("always")
         jax.jit(lambda x: lin(x, ON)).lower(x)
     assert any("row-product kernel" in str(w.message) and "N = 40" in str(w.message) for w in caught)
+    mixed = Linear(K, N, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))  # a float32 row, bf16 weights
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        jax.jit(lambda x: mixed(x, ON)).lower(x)
+    assert any("the row is float32, the weight bfloat16" in str(w.message) for w in caught)
 
 
 def test_the_route_is_part_of_the_program():

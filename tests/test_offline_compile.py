@@ -128,7 +128,8 @@ def test_moe_decode_path_lowers_for_cuda_without_spills():
     of every variant scripts.bench.moe_experts times lower for CUDA here; where triton 3.6 is
     installed they compile for sm_90 without spilling, and their weight loads are pipelined
     (cp.async, LDGSTS in the SASS: the column blocks under 64 with the weight on the MMA's M side
-    were not, so the sweep runs those in the "rows" form)."""
+    were not, so the sweep runs those in the "rows" form). The "fma" form has no MMA and Triton
+    gives its loads no cp.async: its launches load straight to registers in 16-byte vectors."""
     from scripts.offline_triton_compile import compile_case, moe_decode_cases
 
     captured = []
@@ -140,4 +141,28 @@ def test_moe_decode_path_lowers_for_cuda_without_spills():
     require_recorded_triton()
     for opts, settings, kernels in captured:
         for res in compile_case(kernels, settings, 1):
-            assert res["stack_bytes"] == 0 and res["regs"] <= 255 and res["ldgsts"] > 0, (opts, res)
+            layout = opts["up_layout" if "_up" in res["launch"] else "down_layout"]
+            loads = res["ldg_128"] > 0 if layout == "fma" else res["ldgsts"] > 0
+            assert res["stack_bytes"] == 0 and res["regs"] <= 255 and loads, (opts, res)
+
+
+def test_row_product_lowers_for_cuda_without_spills():
+    """The one-row product at the 35B-A3B shapes, every variant scripts.bench.kernels row_product
+    times: it lowers for CUDA here; where triton 3.6 is installed every variant compiles for sm_90,
+    and the default tiling of each shape loads the weight in 16-byte vectors without spilling (swept
+    variants need not: 32-column blocks at K steps of 128 on the input projections keep 24 bytes
+    of stack, 8 warps on the router's 32-column blocks load 8 bytes a thread)."""
+    from scripts.offline_triton_compile import compile_case, row_product_cases
+
+    captured = []
+    for opts, settings, fn, shapes in row_product_cases(0):
+        kernels = capture_ttir(fn, *shapes)
+        assert [name.split("_")[:2] for name, _ in kernels] == [["row", "product"]], opts
+        captured.append((opts, settings, kernels))
+    assert {o["shape"] for o, _, _ in captured} == {"router", "gdn_in", "attn_in", "out_proj"}
+    require_recorded_triton()
+    for opts, settings, kernels in captured:
+        [res] = compile_case(kernels, settings, opts["num_stages"])
+        assert res["regs"] and res["sass_instructions"] > 0, (opts, res)
+        if opts["variant"] == "kernel":
+            assert res["stack_bytes"] == 0 and res["ldg_128"] > 0, (opts, res)

@@ -51,9 +51,11 @@ def _padded_row_product(x: jax.Array, kernel: jax.Array) -> jax.Array:
 
 
 def _row_kernel_takes(kernel: jax.Array, dtype) -> bool:
-    """Whether the row-product kernel takes this weight; a weight in the route's window that it
-    cannot take is announced when traced (and runs XLA's product)."""
+    """Whether the row-product kernel takes this weight for a row of `dtype`; a weight in the
+    route's window that it cannot take is announced when traced (and runs XLA's product)."""
     bad = row_product.problems(*kernel.shape, dtype)
+    if jnp.dtype(dtype) != kernel.dtype:
+        bad.append(f"the row is {jnp.dtype(dtype).name}, the weight {kernel.dtype.name} (the kernel takes one dtype)")
     if bad:
         warnings.warn(f"a one-row product of a {tuple(kernel.shape)} weight uses XLA, not the row-product kernel: "
                       + "; ".join(bad), stacklevel=3)
@@ -119,7 +121,7 @@ class Linear(nnx.Module):
                 x.reshape(*x.shape[:-1], s, k // s), kernel.reshape(s, k // s, n),
                 (((lead + 1,), (1,)), ((lead,), (0,))), preferred_element_type=jnp.float32)
             return SplitKParts(parts)
-        if (rows == 1 and kernel.shape[1] > 1 and routes.row_product_kernel(kernel.size) and x.dtype == kernel.dtype
+        if (rows == 1 and kernel.shape[1] > 1 and routes.row_product_kernel(kernel.size)
                 and _row_kernel_takes(kernel, x.dtype)):
             if (self.split_k_out or one_row_parts) and self.bias is None:
                 return SplitKParts(row_product.row_product(x, kernel, partials=True, impl=routes.impl))
