@@ -15,6 +15,9 @@
               one file per context) this is the 27B simulation: random weights accept nothing, so the
               acceptance comes from the demo pair; with the demo's own table (ddtree-bench
               --cost-table) it checks the simulation against measured auto runs.
+    ceiling   What any per-step choice could gain on a trace over the best fixed choice: the oracle
+              (realised acceptance known) and the choice from E with an in-sample calibration
+              (scripts/adaptive_ceiling.py).
     latency   Compile time of auto and its effect on the first token: a fresh engine's first call of
               a shape (compilation, warm-up, auto's start-up table) and a second call, per mode.
 
@@ -25,6 +28,8 @@
         $OUT/e2e_32k.json --ratios-from $OUT/demo_costs.json --batches 1,8 --context 4096 --out $OUT/sim_27b.json
     python -m scripts.adaptive_bench simulate --trace $OUT/trace.json --cost-table $OUT/demo_costs.json \\
         --batches 1,4,8,16 --out $OUT/sim_demo.json
+    python -m scripts.adaptive_bench ceiling --trace $OUT/trace.json --e2e $OUT/e2e_4k.json --batches 1,8 \\
+        --context 4096 --out $OUT/ceiling_27b.json
     python -m scripts.adaptive_bench latency --out $OUT/latency.json
     python -m scripts.adaptive_bench smoke          # all three at tiny sizes on the CPU
 """
@@ -58,6 +63,7 @@ from ddtree_jax.speculative.cost_table import POINTS, CostTable
 from ddtree_jax.speculative.expected import chain_expectation, tree_expectations
 from ddtree_jax.speculative.generation_choice import GenerationPolicy
 from ddtree_jax.speculative.sampling import Sampling
+from scripts import adaptive_ceiling
 
 DEFAULT_PROMPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "demo_heldout_prompts.jsonl")
 
@@ -486,6 +492,16 @@ def main(argv=None) -> int:
     s.add_argument("--policy", action="append", default=[], metavar="FIELD=VALUE",
                    help="an AutoBudget setting for auto (e.g. chunk_weight=0.5, ar_margin=0.1); repeatable")
     s.add_argument("--out", required=True)
+    c = sub.add_parser("ceiling", help="what any per-step choice could gain on a trace over the best fixed choice")
+    c.add_argument("--trace", required=True)
+    c.add_argument("--cost-table", default=None, help="a table file from ddtree-bench --cost-table")
+    c.add_argument("--e2e", nargs="*", default=[], help="scripts.bench.e2e reports with step_ms_by_choice")
+    c.add_argument("--batches", default="1,8")
+    c.add_argument("--context", type=float, default=None,
+                   help="committed length at the first position (default: each prompt's own length)")
+    c.add_argument("--max-new-tokens", type=int, default=None, help="as simulate's")
+    c.add_argument("--bins", type=int, default=12, help="quantile bins of E in the calibrated choice")
+    c.add_argument("--out", required=True)
     la = sub.add_parser("latency", help="compile time of auto and the first token's latency")
     la.add_argument("--target", default=None)
     la.add_argument("--drafter", default=None)
@@ -513,6 +529,25 @@ def main(argv=None) -> int:
                    "simulation": run_simulation(tr, tables, [int(b) for b in args.batches.split(",")], args.context,
                                                 args.objective, args.decide_every, args.decide_on, args.decision_ms,
                                                 dict(_setting(x) for x in args.policy), args.passes)}
+        atomic.write_json(args.out, report)
+        return 0
+
+    if args.cmd == "ceiling":
+        with open(args.trace) as f:
+            tr = json.load(f)
+        if args.max_new_tokens is not None:
+            tr = truncated(tr, args.max_new_tokens)
+        tables = tables_from_files(args.cost_table, args.e2e)
+        batches = [int(b) for b in args.batches.split(",")]
+        missing = [b for b in batches if b not in tables]
+        if missing:
+            raise SystemExit(f"no step-time table for batch(es) {missing} (have {sorted(tables)})")
+        result = adaptive_ceiling.ceiling(tr, tables, batches, args.context, batches_of, args.bins)
+        for b, r in result.items():
+            print(f"batch {int(b):3d}: best fixed {r['best_fixed']}; per-step choice over it: "
+                  + ", ".join(f"{k} {v:.3f}x" for k, v in r["over_best"].items()), flush=True)
+        report |= {"trace": args.trace, "cost_table": args.cost_table, "e2e": args.e2e, "context": args.context,
+                   "bins": args.bins, "ceiling": result}
         atomic.write_json(args.out, report)
         return 0
 
