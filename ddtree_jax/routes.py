@@ -73,6 +73,9 @@ class Routes:
     moe_experts_kernel: bool = True  # MoE expert products through the expert kernels
     moe_router_kernel: bool = True  # a softmax router's softmax + top-k + renormalisation in one launch
     moe_shared_in_decode_kernel: bool = True  # the shared expert as T more pairs of the experts' decode path
+    # ... whose second launch writes each choice's weighted product as float32 partials that the next
+    # add + RMSNorm kernel sums (no combine launch), where the MoE block's output meets that kernel
+    moe_parts_into_norm: bool = True
     moe_decode_max_pairs: int = DECODE_MAX_PAIRS  # ... their decode path (no grouping) up to T * top_k pairs
     # ---- tree build kernels (impl != "xla") ----
     bits_kernel_max_nodes: int = 64  # ancestor bitsets: the kernel up to this many nodes

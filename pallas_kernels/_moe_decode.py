@@ -181,7 +181,7 @@ def _act_rounded(sums, act: str, dtype):
 
 
 def _decode_down_kernel(ids_ref, wts_ref, h_ref, w_ref, *refs, top_k, pairs, kp, num_experts, cfg: GemmConfig,
-                        k_per_split, per_token, h_split, inter, w_t, precision, act):
+                        k_per_split, per_token, h_split, inter, w_t, precision, act, parts=False, dtype=None):
     """Launch (2). per_token: program (column block, 0, token) runs the token's k choices in one
     loop of k x (I / bk) steps (the expert changes every I / bk steps, so the weight loads stay
     pipelined across experts) and writes round(sum_j w_j round(o_j)) into o_ref [T, H]. Else
@@ -189,7 +189,9 @@ def _decode_down_kernel(ids_ref, wts_ref, h_ref, w_ref, *refs, top_k, pairs, kp,
     partials [S, P, H] with a K split). h_ref: the activation [P, I] (dtype), or launch (1)'s
     float32 partials [h_split, P, N1], added, rounded and activated here as they are loaded. With a
     shared expert (refs: its w_out [1, ...], then o_ref; per pair only) rows P .. P + T - 1 are its
-    pairs."""
+    pairs. parts (per pair, no K split): the pair's round(o) (to dtype) times its combine weight,
+    float32, into o_ref [k (+ 1), T, H] at (choice, token) (the shared expert's at choice k, its
+    weights [T] in refs before o_ref); a pair with an invalid id writes zeros."""
     o_ref = refs[-1]
     f32, i32 = jnp.float32, jnp.int32
     bn, bk = cfg.block_n, cfg.block_k
@@ -238,19 +240,30 @@ def _decode_down_kernel(ids_ref, wts_ref, h_ref, w_ref, *refs, top_k, pairs, kp,
         store(o_ref, (row, pl.ds(col0, bn)), y.astype(o_ref.dtype))
         return
 
-    def one(w, e):
+    def one(w, e, at=None, weight=None):
         def step(i, acc):
             k0 = k_base + i * bk
             rows = _operand(activation(row, k0), cfg.layout)
             return acc + _row_product(_weight_tile(w, e, k0, col0, bk, bn, w_t), rows, w_t, cfg.layout, precision)
 
         v = _the_row(lax.fori_loop(0, nk, step, jnp.zeros(shape, f32)), cfg.layout, w_t)
-        if cfg.split_k > 1:
+        if parts:
+            store(o_ref, (*at, pl.ds(col0, bn)), v.astype(dtype).astype(f32) * weight)
+        elif cfg.split_k > 1:
             store(o_ref, (split, row, pl.ds(col0, bn)), v)
         else:
             store(o_ref, (row, pl.ds(col0, bn)), v.astype(o_ref.dtype))
 
-    _, e, routed = _pair_expert(ids_ref, row, top_k=top_k, pairs=pairs, num_experts=num_experts)
+    tok, e, routed = _pair_expert(ids_ref, row, top_k=top_k, pairs=pairs, num_experts=num_experts)
+    if parts:
+        choice = jnp.minimum(row, pairs - 1) % top_k
+        if len(refs) == 3:  # the shared expert's w_out and weights [T]
+            s_tok = row - pairs
+            pl.when(row >= pairs)(lambda: one(refs[0], jnp.int32(0), (jnp.int32(top_k), s_tok),
+                                              load(refs[1], (pl.ds(s_tok, 1),))[0]))
+        pl.when(routed)(lambda: one(w_ref, e, (choice, tok), wts_ref[tok, choice]))
+        pl.when((row < pairs) & ~routed)(lambda: store(o_ref, (choice, tok, pl.ds(col0, bn)), jnp.zeros((bn,), f32)))
+        return
     if len(refs) == 2:
         pl.when(row >= pairs)(lambda: one(refs[0], jnp.int32(0)))
     pl.when(routed)(lambda: one(w_ref, e))
@@ -271,9 +284,12 @@ def _call(kernel, grid, operands, out_shape, cfg: GemmConfig, interpret: bool, n
 
 
 def _decode(x, expert_ids, weights, w_in, w_out, *, act: str, w_layout: str, config: DecodeConfig, interpret: bool,
-            shared: Shared | None = None):
+            shared: Shared | None = None, parts: bool = False):
     """The decode path (this module's docstring): two launches, plus XLA's combine with combine "xla".
-    A shared expert runs as T more pairs of both launches (combine "xla" only)."""
+    A shared expert runs as T more pairs of both launches (combine "xla" only). parts: float32
+    partials [n, T, H] whose sum in index order, rounded to x's dtype, is y: with combine "xla"
+    and no K split in launch (2) that launch writes each choice's weighted round(o) (n = k, + 1
+    for the shared expert) and no combine runs; otherwise y itself (n = 1)."""
     t, k = expert_ids.shape
     e, h, _, inter, _ = _dims(w_in, w_out, w_layout)
     bad = kernel_problems(h, inter, e, k, x.dtype, config)
@@ -304,15 +320,22 @@ def _decode(x, expert_ids, weights, w_in, w_out, *, act: str, w_layout: str, con
     x_op = x[..., None] if _columns(up.layout, w_t) else x
     hid = _call(up_kernel, (inter // up.block_n, up.split_k, rows), (ids, x_op, w_in, *extra_in), hid_shape, up,
                 interpret, "moe_decode_up")
+    weighted = parts and not per_token and down.split_k == 1  # launch (2) writes the weighted parts
     down_kernel = functools.partial(_decode_down_kernel, top_k=k, pairs=p, kp=next_pow2(k), num_experts=e, cfg=down,
                                     k_per_split=inter // down.split_k, per_token=per_token,
                                     h_split=up.split_k if up.split_k > 1 else 0, inter=inter, w_t=w_t,
-                                    precision=precision, act=act)
+                                    precision=precision, act=act, parts=weighted, dtype=x.dtype)
     if _columns(down.layout, w_t):
         hid = hid[..., None]
     if per_token:
-        return _call(down_kernel, (h // down.block_n, 1, t), (ids, wts, hid, w_out),
-                     jax.ShapeDtypeStruct((t, h), x.dtype), down, interpret, "moe_decode_down")
+        y = _call(down_kernel, (h // down.block_n, 1, t), (ids, wts, hid, w_out),
+                  jax.ShapeDtypeStruct((t, h), x.dtype), down, interpret, "moe_decode_down")
+        return y.astype(f32)[None] if parts else y
+    if weighted:
+        extra = () if shared is None else (shared.w_out, shared.weight.astype(f32))
+        n = k + (shared is not None)
+        return _call(down_kernel, (h // down.block_n, 1, rows), (ids, wts, hid, w_out, *extra),
+                     jax.ShapeDtypeStruct((n, t, h), f32), down, interpret, "moe_decode_down")
     if down.split_k > 1:
         out_shape = jax.ShapeDtypeStruct((down.split_k, rows, h), f32)
     else:
@@ -323,9 +346,11 @@ def _decode(x, expert_ids, weights, w_in, w_out, *, act: str, w_layout: str, con
     if down.split_k > 1:
         out = _round(jnp.sum(out, axis=0), x.dtype)
     if shared is None:
-        return combine_choices(out.reshape(t, k, h), wts, _valid(ids, e), x.dtype)
-    # the shared expert as each token's last choice, added to the routed sum in float32 (no
-    # concatenation: XLA makes the whole combine one fusion)
-    prod = out[:p].reshape(t, k, h).astype(f32) * wts[..., None]
-    routed = jnp.sum(jnp.where(_valid(ids, e)[..., None], prod, 0.0), axis=1)
-    return _round(routed + shared.weight.astype(f32)[:, None] * out[p:].astype(f32), x.dtype)
+        y = combine_choices(out.reshape(t, k, h), wts, _valid(ids, e), x.dtype)
+    else:
+        # the shared expert as each token's last choice, added to the routed sum in float32 (no
+        # concatenation: XLA makes the whole combine one fusion)
+        prod = out[:p].reshape(t, k, h).astype(f32) * wts[..., None]
+        routed = jnp.sum(jnp.where(_valid(ids, e)[..., None], prod, 0.0), axis=1)
+        y = _round(routed + shared.weight.astype(f32)[:, None] * out[p:].astype(f32), x.dtype)
+    return y.astype(f32)[None] if parts else y

@@ -63,6 +63,8 @@ weights. scripts/bench/moe_experts.py times every form here against the kernels.
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+
 from pallas_kernels._common import check_impl
 from pallas_kernels._moe_common import (  # noqa: F401 (re-exported: callers import them from here)
     ACTS, COMBINES, DTYPES, GEMM_LAYOUTS, MIN_BLOCK, TARGET_PROGRAMS, W_LAYOUTS, DecodeConfig, GemmConfig, MoeConfig,
@@ -103,7 +105,7 @@ def takes_shared(tokens: int, top_k: int, num_experts: int, hidden: int, inter: 
 
 def expert_mlp(x, expert_ids, weights, w_in, w_out, *, act: str, impl: str = "xla",
                config: MoeConfig | DecodeConfig | None = None, w_layout: str = "in_out",
-               decode_max_pairs: int = DECODE_MAX_PAIRS, shared: Shared | None = None):
+               decode_max_pairs: int = DECODE_MAX_PAIRS, shared: Shared | None = None, parts: bool = False):
     """y [T, H] = sum_j weights[t, j] * down_e(act(x[t] @ w_in[e])), e = expert_ids[t, j], rounded
     as the module docstring says. impl "xla": `xla_form`'s choice of reference / grouped_xla;
     "pallas" / "pallas_interpret": the decode path (config a DecodeConfig) or the grouped kernel
@@ -111,26 +113,40 @@ def expert_mlp(x, expert_ids, weights, w_in, w_out, *, act: str, impl: str = "xl
     the kernels cannot take (`kernel_problems`) raises. Pure and jit-compatible (config, act, impl,
     w_layout and decode_max_pairs static). A `shared` expert (one more weighted choice of every
     token, summed before the one rounding) is taken by the forms `takes_shared` names; another
-    form raises."""
+    form raises. parts: y as float32 partials [n, T, H] whose sum in index order, rounded to x's
+    dtype, is y (an add + RMSNorm kernel's split-K input): the decode path's second launch then
+    writes each choice's weighted product itself (n = k, + 1 with a shared expert) and no combine
+    runs (`writes_parts`); any other form returns y as the one partial (n = 1)."""
     check_impl(impl)
     bad = check_operands(x, expert_ids, weights, w_in, w_out, act, w_layout, shared)
     if bad:
         raise ValueError("expert_mlp: " + "; ".join(bad))
     t, k = expert_ids.shape
+    one = (lambda y: y.astype(jnp.float32)[None]) if parts else (lambda y: y)
     if impl == "xla":
         gathered = xla_form(t, k, w_in.shape[0]) == "reference"
         if shared is not None and not gathered:
             raise ValueError(f"expert_mlp: a shared expert is not taken by grouped_xla (T k = {t * k} >= E)")
         if gathered:
-            return reference(x, expert_ids, weights, w_in, w_out, act=act, w_layout=w_layout, shared=shared)
-        return grouped_xla(x, expert_ids, weights, w_in, w_out, act=act, w_layout=w_layout)
+            return one(reference(x, expert_ids, weights, w_in, w_out, act=act, w_layout=w_layout, shared=shared))
+        return one(grouped_xla(x, expert_ids, weights, w_in, w_out, act=act, w_layout=w_layout))
     e, h, _, inter, _ = _dims(w_in, w_out, w_layout)
     config = config or kernel_config(t, k, e, h, inter, decode_max_pairs)
     interpret = impl == "pallas_interpret"
     if isinstance(config, DecodeConfig):
         return _decode(x, expert_ids, weights, w_in, w_out, act=act, w_layout=w_layout, config=config,
-                       interpret=interpret, shared=shared)
+                       interpret=interpret, shared=shared, parts=parts)
     if shared is not None:
         raise ValueError("expert_mlp: a shared expert is not taken by the grouped kernel (the decode path takes it)")
-    return _pallas(x, expert_ids, weights, w_in, w_out, act=act, w_layout=w_layout, config=config,
-                   interpret=interpret)
+    return one(_pallas(x, expert_ids, weights, w_in, w_out, act=act, w_layout=w_layout, config=config,
+                       interpret=interpret))
+
+
+def writes_parts(tokens: int, top_k: int, num_experts: int, hidden: int, inter: int, *, impl: str,
+                 decode_max_pairs: int = DECODE_MAX_PAIRS) -> bool:
+    """Whether expert_mlp(parts=True) of this call returns one weighted partial per choice
+    written by the decode path's second launch (no combine launch), rather than y as one partial."""
+    if impl == "xla":
+        return False
+    config = kernel_config(tokens, top_k, num_experts, hidden, inter, decode_max_pairs)
+    return isinstance(config, DecodeConfig) and config.combine == "xla" and config.down.fit(hidden, inter).split_k == 1

@@ -342,3 +342,45 @@ def test_forms_that_do_not_take_a_shared_expert_say_so():
     assert moe.takes_shared(1, 8, 256, 2048, 512, impl="pallas")  # the 35B-A3B decode step
     assert not moe.takes_shared(2, 8, 256, 2048, 512, impl="pallas")  # 16 pairs: the grouped kernel
     assert moe.takes_shared(3, 2, 8, 32, 16, impl="xla") and not moe.takes_shared(4, 2, 8, 32, 16, impl="xla")
+
+
+@functools.partial(jax.jit, static_argnames=("act", "impl", "config", "w_layout", "with_shared"))
+def _run_parts(x, ids, w, w_in, w_out, shared, *, act, impl, config, w_layout, with_shared):
+    kw = dict(act=act, impl=impl, config=config, w_layout=w_layout, shared=shared if with_shared else None)
+    return (moe.expert_mlp(x, ids, w, w_in, w_out, parts=True, **kw), moe.expert_mlp(x, ids, w, w_in, w_out, **kw))
+
+
+@pytest.mark.parametrize("with_shared", [True, False])
+@pytest.mark.parametrize("case", ["one_token_top4", "one_token_fma_out_in", "three_tokens_split_rows_f32",
+                                  "two_tokens_out_in_relu2"])
+def test_weighted_parts_sum_to_the_combined_output(case, with_shared, impl):
+    """parts=True: the decode path's second launch writes each choice's weighted round(o) (the
+    shared expert's last; a choice of an invalid id zeros) where it has no K split, and their sum
+    in index order, rounded once, is the combined output (the add + RMSNorm kernel's sum); a
+    down launch with a K split returns the output as the one partial."""
+    t, k, e, h, inter, act, dtype, w_layout, config = SHARED_CASES[case]
+    if impl == "pallas":
+        h, inter = 8 * h, 8 * inter
+    x, ids, w, w_in, w_out = _problem(3 + len(case), t, k, e, h, inter, act, dtype, "random", w_layout)
+    ids = ids.at[0, k - 1].set(e)  # an id outside the experts adds nothing
+    shared = _shared(4, t, h, inter, act, dtype, w_layout)
+    parts, y = _run_parts(x, ids, w, w_in, w_out, shared, act=act, impl=impl, config=config, w_layout=w_layout,
+                          with_shared=with_shared)
+    weighted = config.down.split_k == 1
+    assert parts.dtype == jnp.float32
+    assert parts.shape == ((k + with_shared, t, h) if weighted else (1, t, h))
+    total = parts[0]
+    for i in range(1, parts.shape[0]):
+        total = total + parts[i]
+    _assert_close(total.astype(dtype), y, dtype, "the parts' sum")
+    if weighted:
+        assert not np.asarray(parts[k - 1, 0]).any()  # the invalid choice
+
+
+def test_writes_parts_names_the_decode_path_without_a_down_split():
+    assert moe.writes_parts(1, 8, 256, 2048, 512, impl="pallas")  # the 35B-A3B decode step
+    assert not moe.writes_parts(2, 8, 256, 2048, 512, impl="pallas")  # the grouped kernel
+    assert not moe.writes_parts(1, 8, 256, 2048, 512, impl="xla")
+    x, ids, w, w_in, w_out = _problem(0, 5, 2, 4, 32, 16, "silu_glu", "float32", "random", "in_out")
+    got = moe.expert_mlp(x, ids, w, w_in, w_out, act="silu_glu", parts=True)  # XLA's form: y as one partial
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(moe.expert_mlp(x, ids, w, w_in, w_out, act="silu_glu")))

@@ -453,3 +453,62 @@ def test_shared_expert_runs_in_the_decode_kernels_at_one_token():
     assert np.abs(got - want).max() <= 2e-2 * np.abs(want).max()
     many = jnp.asarray(rng.normal(size=(5, cfg.hidden_size)), jnp.bfloat16)
     assert jaxpr(many, fused) == jaxpr(many, apart)
+
+
+def test_one_token_block_hands_the_norm_its_weighted_parts():
+    """parts_out (set where an add + RMSNorm kernel takes the block's output) with the shared expert
+    in the decode kernels: the block returns SplitKParts, one weighted partial per routed choice
+    and the shared expert's last, written by the experts' second launch; summed they are the
+    combined output. moe_parts_into_norm off, several tokens, or kernels off: a plain array."""
+    from ddtree_jax.models.layers import SplitKParts, dense
+    from ddtree_jax.routes import Routes
+
+    cfg, gd, params = _block({"num_experts": 8, "num_experts_per_tok": 4, "moe_intermediate_size": 32,
+                              "shared_expert_intermediate_size": 32})
+    gd = nnx.split(_with_parts_out(nnx.merge(gd, params)))[0]
+    run = jax.jit(lambda p, x, routes: nnx.merge(gd, p)(x, routes), static_argnums=2)
+    rng = np.random.default_rng(9)
+    one = jnp.asarray(rng.normal(size=(1, cfg.hidden_size)), jnp.float32)
+    off = Routes(impl="pallas_interpret", moe_parts_into_norm=False)
+    parts = run(params, one, INTERPRET)
+    assert isinstance(parts, SplitKParts) and parts.parts.shape == (cfg.moe_top_k + 1, 1, cfg.hidden_size)
+    want = run(params, one, off)
+    assert not isinstance(want, SplitKParts)
+    np.testing.assert_allclose(np.asarray(dense(parts, jnp.float32)), np.asarray(want), rtol=1e-5,
+                               atol=1e-5 * float(np.abs(want).max()))
+    many = jnp.asarray(rng.normal(size=(3, cfg.hidden_size)), jnp.float32)
+    assert not isinstance(run(params, many, INTERPRET), SplitKParts)
+    assert not isinstance(run(params, one, REFERENCE), SplitKParts)
+
+
+def _with_parts_out(block):
+    block.parts_out = True
+    return block
+
+
+@pytest.mark.slow  # ~20 s of interpret-mode kernel compilation
+def test_decode_step_with_moe_parts_into_the_norm_matches_the_combine():
+    """A batch-1 decode step of a hybrid MoE target with kernels on: the layers hand their MoE parts
+    to the next add + RMSNorm kernel (one launch fewer a layer); logits equal the step with XLA's
+    combine within float32 rounding, and the program has fewer XLA equations."""
+    from ddtree_jax.cache import init_target_cache
+    from ddtree_jax.decode import prefill
+    from ddtree_jax.routes import Routes
+    from tests.tiny_models import make_target
+
+    cfg, gd, params = make_target(dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+                                       head_dim=16, num_experts=8, num_experts_per_tok=4, moe_intermediate_size=32,
+                                       shared_expert_intermediate_size=32), seed=6, base=HYBRID_MOE)
+    model = nnx.merge(gd, params)
+    assert all(layer.mlp.parts_out for layer in model.layers)
+    rng = np.random.default_rng(1)
+    cache = prefill(gd, params, init_target_cache(cfg, 1, 32), jnp.asarray(rng.integers(0, cfg.vocab_size, (1, 8))),
+                    jnp.asarray([8], jnp.int32)).cache
+    token = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, 1)), jnp.int32)
+    step = lambda p, c, t, routes: nnx.merge(gd, p).verify(t, c, None, routes=routes)[0]
+    off = Routes(impl="pallas_interpret", moe_parts_into_norm=False)
+    got = np.asarray(jax.jit(step, static_argnums=3)(params, cache, token, INTERPRET))
+    want = np.asarray(jax.jit(step, static_argnums=3)(params, cache, token, off))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+    count = lambda routes: len(jax.make_jaxpr(lambda p, c, t: step(p, c, t, routes))(params, cache, token).eqns)
+    assert count(INTERPRET) < count(off)

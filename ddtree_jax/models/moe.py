@@ -53,7 +53,7 @@ SILU_GLU, RELU2 = moe_experts.ACTS
 
 # ---- expert products --------------------------------------------------------------------------
 def experts(x, expert_ids, weights, w_in, w_out, *, act: str, routes: Routes = REFERENCE,
-            shared: moe_experts.Shared | None = None) -> jax.Array:
+            shared: moe_experts.Shared | None = None, parts: bool = False) -> jax.Array:
     """The expert products y [T, H] (module docstring) through pallas_kernels/moe_experts.py: with
     kernels on (routes.moe_experts_kernel) the kernels: their decode path (one row per (token,
     choice), no grouping) while T * k <= routes.moe_decode_max_pairs, else the grouped kernel,
@@ -61,7 +61,8 @@ def experts(x, expert_ids, weights, w_in, w_out, *, act: str, routes: Routes = R
     module's XLA form (each (token, choice)'s weights gathered while T * k < E, else tokens grouped
     by expert). A layer the kernels cannot take is announced by a warning when traced and runs the
     XLA form. `shared`: a shared expert summed as one more choice (callers pass it where
-    `fuses_shared` says the form takes it)."""
+    `fuses_shared` says the form takes it). parts: y as float32 partials [n, T, H]
+    (moe_experts.expert_mlp's `parts`)."""
     impl = "xla"
     if routes.kernels and routes.moe_experts_kernel:
         problems = moe_experts.kernel_problems(w_in.shape[1], w_out.shape[1], w_in.shape[0], expert_ids.shape[-1],
@@ -72,7 +73,7 @@ def experts(x, expert_ids, weights, w_in, w_out, *, act: str, routes: Routes = R
         else:
             impl = routes.impl
     return moe_experts.expert_mlp(x, expert_ids, weights, w_in, w_out, act=act, impl=impl,
-                                  decode_max_pairs=routes.moe_decode_max_pairs, shared=shared)
+                                  decode_max_pairs=routes.moe_decode_max_pairs, shared=shared, parts=parts)
 
 
 def fuses_shared(tokens: int, top_k: int, w_in, w_out, shared_inter: int, dtype, routes: Routes) -> bool:
@@ -128,7 +129,10 @@ class StackedExperts(nnx.Module):
 class SparseMoeBlock(StatelessMixer, nnx.Module):
     """The sparse FFN of Qwen3.5-MoE and Qwen3-Next (module docstring): router (HF mlp.gate), routed
     experts (mlp.experts), shared SwiGLU expert (mlp.shared_expert) scaled by
-    sigmoid(mlp.shared_expert_gate(x))."""
+    sigmoid(mlp.shared_expert_gate(x)). `parts_out` (set by the layer that owns it, where an add +
+    RMSNorm kernel consumes the output): where the experts' decode path takes the shared expert
+    and routes.moe_parts_into_norm, the block returns SplitKParts, one weighted partial per choice
+    written by the experts' second launch, so no combine launch runs."""
 
     def __init__(self, cfg: TargetConfig, *, dtype, rngs: nnx.Rngs):
         h, e = cfg.hidden_size, cfg.moe_num_experts
@@ -137,6 +141,7 @@ class SparseMoeBlock(StatelessMixer, nnx.Module):
         self.experts = StackedExperts(e, h, cfg.moe_intermediate_size, dtype=dtype, rngs=rngs)
         self.shared_expert = SwiGLU(h, cfg.moe_shared_intermediate_size, dtype=dtype, rngs=rngs)
         self.shared_expert_gate = Linear(h, 1, dtype=dtype, rngs=rngs)
+        self.parts_out = False
 
     def route(self, x: jax.Array, routes: Routes = REFERENCE) -> tuple[jax.Array, jax.Array]:
         """Chosen experts [..., k] and their combine weights [..., k] (float32 holding values of the
@@ -155,6 +160,9 @@ class SparseMoeBlock(StatelessMixer, nnx.Module):
                 flat.shape[0], self.top_k, w_in, w_out, mlp.down_proj.kernel.shape[0], flat.dtype, routes):
             shared = moe_experts.Shared(mlp.gate_up_proj.kernel[...][None], mlp.down_proj.kernel[...][None],
                                         gate[:, 0].astype(jnp.float32))
+            if self.parts_out and routes.moe_parts_into_norm:
+                parts = experts(flat, idx, weights, w_in, w_out, act=SILU_GLU, routes=routes, shared=shared, parts=True)
+                return SplitKParts(parts.reshape(parts.shape[0], *x.shape))
             y = experts(flat, idx, weights, w_in, w_out, act=SILU_GLU, routes=routes, shared=shared)
         else:
             y = experts(flat, idx, weights, w_in, w_out, act=SILU_GLU, routes=routes) + gate * mlp(flat, routes)

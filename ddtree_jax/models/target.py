@@ -134,9 +134,11 @@ class DecoderLayer(nnx.Module):
             self.mlp = _ffn(cfg, cfg.intermediate_size, dtype=dtype, rngs=rngs, kind=ffn)
         if cfg.block_ffn and not cfg.residual_in_fp32:  # the add + norm kernels take split-K partials
             out = {ATTENTION: "o_proj", GDN: "out_proj"}.get(kind)
-            down = [self.mlp.down_proj] if isinstance(self.mlp, (SwiGLU, Relu2MLP)) else []  # a MoE sums its own
+            down = [self.mlp.down_proj] if isinstance(self.mlp, (SwiGLU, Relu2MLP)) else []
             for proj in ([getattr(self.mixer(), out)] if out else []) + down:
                 proj.split_k_out = True
+            if isinstance(self.mlp, SparseMoeBlock):  # its experts' weighted products (NemotronH's MoE sums its own)
+                self.mlp.parts_out = True
 
     def mixer(self):
         return getattr(self, MIXER_ATTRS[self.kind])
