@@ -383,4 +383,5 @@ def test_writes_parts_names_the_decode_path_without_a_down_split():
     assert not moe.writes_parts(1, 8, 256, 2048, 512, impl="xla")
     x, ids, w, w_in, w_out = _problem(0, 5, 2, 4, 32, 16, "silu_glu", "float32", "random", "in_out")
     got = moe.expert_mlp(x, ids, w, w_in, w_out, act="silu_glu", parts=True)  # XLA's form: y as one partial
-    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(moe.expert_mlp(x, ids, w, w_in, w_out, act="silu_glu")))
+    want = moe.expert_mlp(x, ids, w, w_in, w_out, act="silu_glu")
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want))
