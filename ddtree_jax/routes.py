@@ -76,6 +76,7 @@ class Routes:
     # ... whose second launch writes each choice's weighted product as float32 partials that the next
     # add + RMSNorm kernel sums (no combine launch), where the MoE block's output meets that kernel
     moe_parts_into_norm: bool = True
+    moe_gate_in_decode_kernel: bool = True  # ... and the shared expert's sigmoid gate product in its first launch
     moe_decode_max_pairs: int = DECODE_MAX_PAIRS  # ... their decode path (no grouping) up to T * top_k pairs
     # ---- tree build kernels (impl != "xla") ----
     bits_kernel_max_nodes: int = 64  # ancestor bitsets: the kernel up to this many nodes

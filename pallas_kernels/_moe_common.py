@@ -135,13 +135,31 @@ def _dims(w_in, w_out, w_layout: str):
 class Shared(NamedTuple):
     """A shared expert added to every token as one more weighted choice (Qwen-MoE's shared expert
     scaled by its sigmoid gate): w_in [1, ...] and w_out [1, ...], one expert stored like the routed
-    ones (same layout and sizes), and weight [T] float32, its combine weight per token. The forms
-    that take it (`reference`, the decode path) sum it with the routed choices in float32 and round
-    once: y[t] = round(sum_j w[t, j] o_j + weight[t] o_shared)."""
+    ones (same layout and sizes), and its combine weight per token: weight [T] float32, or the
+    gate's weight gate_w [H] (x's dtype; HF's shared_expert_gate, a Linear H -> 1), which makes it
+    round(sigmoid(round(x @ gate_w))) (`gate_weight`; the decode path computes the product in its
+    first launch). The forms that take it (`reference`, the decode path) sum it with the routed
+    choices in float32 and round once: y[t] = round(sum_j w[t, j] o_j + weight[t] o_shared)."""
 
     w_in: jax.Array
     w_out: jax.Array
-    weight: jax.Array
+    weight: jax.Array | None = None
+    gate_w: jax.Array | None = None
+
+
+def gate_weight(g, dtype):
+    """The shared expert's combine weight from its gate product g (float32 sums, not yet rounded):
+    round(sigmoid(round(g))) as float32, as the model's Linear + sigmoid in dtype compute it."""
+    s = jax.nn.sigmoid(_round(g, dtype).astype(jnp.float32))
+    return _round(s, dtype).astype(jnp.float32)
+
+
+def shared_weight(shared: Shared, x):
+    """The shared expert's combine weight [T] float32 (its weight, or its gate's from x)."""
+    if shared.gate_w is None:
+        return shared.weight.astype(jnp.float32)
+    g = jnp.einsum("th,h->t", x, shared.gate_w, precision=dot_precision(x.dtype))  # rounded to x's dtype (_mm)
+    return gate_weight(g.astype(jnp.float32), x.dtype)
 
 
 def check_operands(x, expert_ids, weights, w_in, w_out, act: str, w_layout: str = "in_out",
@@ -154,9 +172,16 @@ def check_operands(x, expert_ids, weights, w_in, w_out, act: str, w_layout: str 
             if tuple(a.shape) != want or a.dtype != like.dtype:
                 bad.append(f"shared {name} must be one expert stored like the routed ones, {want} {like.dtype}, "
                            f"got {tuple(a.shape)} {a.dtype}")
-        if tuple(shared.weight.shape) != (x.shape[0],) or not jnp.issubdtype(shared.weight.dtype, jnp.floating):
+        if (shared.weight is None) == (shared.gate_w is None):
+            bad.append("a shared expert needs exactly one of weight and gate_w")
+        elif shared.weight is not None and (tuple(shared.weight.shape) != (x.shape[0],)
+                                            or not jnp.issubdtype(shared.weight.dtype, jnp.floating)):
             bad.append(f"shared weight must be [{x.shape[0]}] floating point (one per token), got "
                        f"{tuple(shared.weight.shape)} {shared.weight.dtype}")
+        elif shared.gate_w is not None and (tuple(shared.gate_w.shape) != (x.shape[1],)
+                                            or shared.gate_w.dtype != x.dtype):
+            bad.append(f"shared gate_w must be [{x.shape[1]}] {x.dtype} (the gate's Linear H -> 1), got "
+                       f"{tuple(shared.gate_w.shape)} {shared.gate_w.dtype}")
     if act not in ACTS:
         bad.append(f"act must be one of {ACTS}, got {act!r}")
     if w_layout not in W_LAYOUTS:
@@ -277,7 +302,7 @@ def reference(x, expert_ids, weights, w_in, w_out, *, act: str, w_layout: str = 
     if shared is not None:  # the shared expert as expert E of a weight table of E + 1
         w_in, w_out = jnp.concatenate([w_in, shared.w_in]), jnp.concatenate([w_out, shared.w_out])
         ids = jnp.concatenate([ids, jnp.full((x.shape[0], 1), e, ids.dtype)], axis=1)
-        weights = jnp.concatenate([weights.astype(jnp.float32), shared.weight.astype(jnp.float32)[:, None]], axis=1)
+        weights = jnp.concatenate([weights.astype(jnp.float32), shared_weight(shared, x)[:, None]], axis=1)
         valid = jnp.concatenate([valid, jnp.ones((x.shape[0], 1), bool)], axis=1)
     pre = _mm(x, w_in[ids], "th", "tk", "tkn", w_layout)
     a = activate(pre, act, x.dtype)

@@ -29,7 +29,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels._common import compiler_params, dot_precision, load, next_pow2, store
 from pallas_kernels._moe_common import (MIN_BLOCK, TARGET_PROGRAMS, DecodeConfig, GemmConfig, Shared, _dims,
-                                        _filling_split, _round, _valid, combine_choices, kernel_problems)
+                                        _filling_split, _round, _valid, combine_choices, gate_weight, kernel_problems)
 
 
 def default_decode_config(tokens: int, top_k: int, num_experts: int, hidden: int, inter: int) -> DecodeConfig:
@@ -125,19 +125,41 @@ def _pair_expert(ids_ref, pair, *, top_k, pairs, num_experts):
 
 
 def _decode_up_kernel(ids_ref, x_ref, w_ref, *refs, top_k, pairs, num_experts, cfg: GemmConfig, k_per_split,
-                      col_offsets, w_t, precision, act):
+                      col_offsets, w_t, precision, act, shared=False, gate=False):
     """Program (column block, K slice, pair): the pair's token row of x times its expert's w_in
     columns (gate and up, or up). Without a K split: act(round(.)) into o_ref [P, I]; with one:
     the float32 sums into o_ref [S, P, N1]. A pair with an id outside [0, E) writes nothing. With a
-    shared expert (refs: its w_in [1, ...], then o_ref) rows P .. P + T - 1 are its pairs, one per
-    token."""
-    o_ref = refs[-1]
+    shared expert (refs: its w_in [1, ...] first) rows P .. P + T - 1 are its pairs, one per
+    token; with its gate (refs: then gate_w shaped like a row of x, the outputs o_ref, g_ref
+    [S, T]) each shared pair's first column block also writes the float32 sum of x . gate_w over
+    its K slice."""
+    o_ref = refs[-2] if gate else refs[-1]
     col_block, split, pair = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     tok, e, routed = _pair_expert(ids_ref, pair, top_k=top_k, pairs=pairs, num_experts=num_experts)
     run = functools.partial(_up_pair, x_ref, col_block=col_block, split=split, o_ref=o_ref, pair=pair, cfg=cfg,
                             k_per_split=k_per_split, col_offsets=col_offsets, w_t=w_t, precision=precision, act=act)
-    if len(refs) == 2:
+    if shared:
         pl.when(pair >= pairs)(lambda: run(w_ref=refs[0], tok=pair - pairs, e=jnp.int32(0)))
+    if gate:
+        g_ref, cols = refs[-1], _columns(cfg.layout, w_t)
+
+        def gate_sum():
+            s_tok, bk = pair - pairs, cfg.block_k
+
+            def step(i, acc):
+                k0 = split * k_per_split + i * bk
+                if cols:
+                    xs = load(x_ref, (s_tok, pl.ds(k0, bk), pl.ds(0, 1)))
+                    gs = load(refs[1], (pl.ds(k0, bk), pl.ds(0, 1)))
+                else:
+                    xs = load(x_ref, (pl.ds(s_tok, 1), pl.ds(k0, bk)))
+                    gs = load(refs[1], (pl.ds(0, 1), pl.ds(k0, bk)))
+                return acc + xs.astype(jnp.float32) * gs.astype(jnp.float32)
+
+            acc = lax.fori_loop(0, k_per_split // bk, step, jnp.zeros((bk, 1) if cols else (1, bk), jnp.float32))
+            store(g_ref, (split, pl.ds(s_tok, 1)), jnp.sum(acc).reshape(1))
+
+        pl.when((pair >= pairs) & (col_block == 0))(gate_sum)
     pl.when(routed)(lambda: run(w_ref=w_ref, tok=tok, e=e))
 
 
@@ -181,7 +203,8 @@ def _act_rounded(sums, act: str, dtype):
 
 
 def _decode_down_kernel(ids_ref, wts_ref, h_ref, w_ref, *refs, top_k, pairs, kp, num_experts, cfg: GemmConfig,
-                        k_per_split, per_token, h_split, inter, w_t, precision, act, parts=False, dtype=None):
+                        k_per_split, per_token, h_split, inter, w_t, precision, act, parts=False, dtype=None,
+                        g_split=0):
     """Launch (2). per_token: program (column block, 0, token) runs the token's k choices in one
     loop of k x (I / bk) steps (the expert changes every I / bk steps, so the weight loads stay
     pipelined across experts) and writes round(sum_j w_j round(o_j)) into o_ref [T, H]. Else
@@ -191,7 +214,8 @@ def _decode_down_kernel(ids_ref, wts_ref, h_ref, w_ref, *refs, top_k, pairs, kp,
     shared expert (refs: its w_out [1, ...], then o_ref; per pair only) rows P .. P + T - 1 are its
     pairs. parts (per pair, no K split): the pair's round(o) (to dtype) times its combine weight,
     float32, into o_ref [k (+ 1), T, H] at (choice, token) (the shared expert's at choice k, its
-    weights [T] in refs before o_ref); a pair with an invalid id writes zeros."""
+    weights [T] in refs before o_ref, or with g_split its gate's float32 sums [g_split, T], added
+    in index order: `gate_weight`); a pair with an invalid id writes zeros."""
     o_ref = refs[-1]
     f32, i32 = jnp.float32, jnp.int32
     bn, bk = cfg.block_n, cfg.block_k
@@ -257,10 +281,16 @@ def _decode_down_kernel(ids_ref, wts_ref, h_ref, w_ref, *refs, top_k, pairs, kp,
     tok, e, routed = _pair_expert(ids_ref, row, top_k=top_k, pairs=pairs, num_experts=num_experts)
     if parts:
         choice = jnp.minimum(row, pairs - 1) % top_k
-        if len(refs) == 3:  # the shared expert's w_out and weights [T]
+        if len(refs) == 3:  # the shared expert's w_out and weights [T] (or its gate's sums [S, T])
             s_tok = row - pairs
-            pl.when(row >= pairs)(lambda: one(refs[0], jnp.int32(0), (jnp.int32(top_k), s_tok),
-                                              load(refs[1], (pl.ds(s_tok, 1),))[0]))
+
+            def shared_weight():
+                if g_split:
+                    g = jnp.sum(load(refs[1], (pl.ds(0, g_split), pl.ds(s_tok, 1))))
+                    return gate_weight(g, dtype)
+                return load(refs[1], (pl.ds(s_tok, 1),))[0]
+
+            pl.when(row >= pairs)(lambda: one(refs[0], jnp.int32(0), (jnp.int32(top_k), s_tok), shared_weight()))
         pl.when(routed)(lambda: one(w_ref, e, (choice, tok), wts_ref[tok, choice]))
         pl.when((row < pairs) & ~routed)(lambda: store(o_ref, (choice, tok, pl.ds(col0, bn)), jnp.zeros((bn,), f32)))
         return
@@ -275,7 +305,7 @@ def _call(kernel, grid, operands, out_shape, cfg: GemmConfig, interpret: bool, n
         kernel,
         grid=grid,
         in_specs=[full(a) for a in operands],
-        out_specs=full(out_shape),
+        out_specs=[full(o) for o in out_shape] if isinstance(out_shape, (list, tuple)) else full(out_shape),
         out_shape=out_shape,
         compiler_params=None if interpret else compiler_params(cfg.num_warps, cfg.num_stages),
         interpret=interpret,
@@ -313,18 +343,27 @@ def _decode(x, expert_ids, weights, w_in, w_out, *, act: str, w_layout: str, con
         hid_shape = jax.ShapeDtypeStruct((up.split_k, rows, len(offsets) * inter), f32)
     else:
         hid_shape = jax.ShapeDtypeStruct((rows, inter), x.dtype)
+    gate = shared is not None and shared.gate_w is not None  # the gate's product in launch (1)
     up_kernel = functools.partial(_decode_up_kernel, top_k=k, pairs=p, num_experts=e, cfg=up,
                                   k_per_split=h // up.split_k, col_offsets=offsets, w_t=w_t, precision=precision,
-                                  act=act)
+                                  act=act, shared=shared is not None, gate=gate)
+    cols = _columns(up.layout, w_t)
     extra_in = () if shared is None else (shared.w_in,)
-    x_op = x[..., None] if _columns(up.layout, w_t) else x
-    hid = _call(up_kernel, (inter // up.block_n, up.split_k, rows), (ids, x_op, w_in, *extra_in), hid_shape, up,
-                interpret, "moe_decode_up")
+    if gate:
+        extra_in += (shared.gate_w[:, None] if cols else shared.gate_w[None, :],)
+    x_op = x[..., None] if cols else x
+    hid = _call(up_kernel, (inter // up.block_n, up.split_k, rows), (ids, x_op, w_in, *extra_in),
+                (hid_shape, jax.ShapeDtypeStruct((up.split_k, t), f32)) if gate else hid_shape, up, interpret,
+                "moe_decode_up")
+    if gate:
+        hid, gate_sums = hid
+        weight = gate_weight(jnp.sum(gate_sums, axis=0), x.dtype)  # XLA's form, for the combines below
     weighted = parts and not per_token and down.split_k == 1  # launch (2) writes the weighted parts
     down_kernel = functools.partial(_decode_down_kernel, top_k=k, pairs=p, kp=next_pow2(k), num_experts=e, cfg=down,
                                     k_per_split=inter // down.split_k, per_token=per_token,
                                     h_split=up.split_k if up.split_k > 1 else 0, inter=inter, w_t=w_t,
-                                    precision=precision, act=act, parts=weighted, dtype=x.dtype)
+                                    precision=precision, act=act, parts=weighted, dtype=x.dtype,
+                                    g_split=up.split_k if gate else 0)
     if _columns(down.layout, w_t):
         hid = hid[..., None]
     if per_token:
@@ -332,7 +371,7 @@ def _decode(x, expert_ids, weights, w_in, w_out, *, act: str, w_layout: str, con
                   jax.ShapeDtypeStruct((t, h), x.dtype), down, interpret, "moe_decode_down")
         return y.astype(f32)[None] if parts else y
     if weighted:
-        extra = () if shared is None else (shared.w_out, shared.weight.astype(f32))
+        extra = () if shared is None else (shared.w_out, gate_sums if gate else shared.weight.astype(f32))
         n = k + (shared is not None)
         return _call(down_kernel, (h // down.block_n, 1, rows), (ids, wts, hid, w_out, *extra),
                      jax.ShapeDtypeStruct((n, t, h), f32), down, interpret, "moe_decode_down")
@@ -352,5 +391,6 @@ def _decode(x, expert_ids, weights, w_in, w_out, *, act: str, w_layout: str, con
         # concatenation: XLA makes the whole combine one fusion)
         prod = out[:p].reshape(t, k, h).astype(f32) * wts[..., None]
         routed = jnp.sum(jnp.where(_valid(ids, e)[..., None], prod, 0.0), axis=1)
-        y = _round(routed + shared.weight.astype(f32)[:, None] * out[p:].astype(f32), x.dtype)
+        w_shared = weight if gate else shared.weight.astype(f32)
+        y = _round(routed + w_shared[:, None] * out[p:].astype(f32), x.dtype)
     return y.astype(f32)[None] if parts else y

@@ -21,9 +21,10 @@ identity for float32):
     relu2:    a = round(relu(u) * relu(u))      (HF: square(relu(up)))
     o = round(a @ w_out[e])                     float32 accumulation, rounded
     y = round(sum_j float32(weights[t, j]) * float32(o_j))   weighted and summed in float32, rounded once
-A `Shared` expert (w_in [1, ...], w_out [1, ...], a weight per token: Qwen-MoE's shared expert and
-its sigmoid gate) is one more choice of every token in that sum, where the form takes it
-(`takes_shared`: the gathered reference and the decode path, whose launches run it as T more pairs).
+A `Shared` expert (w_in [1, ...], w_out [1, ...], a weight per token or its sigmoid gate's weight
+gate_w [H]: Qwen-MoE's shared expert) is one more choice of every token in that sum, where the form
+takes it (`takes_shared`: the gathered reference and the decode path, whose launches run it as T
+more pairs and the gate's product in the first).
 HF's bf16 module multiplies o by the (bf16) weight and adds the k products into a bf16 buffer one
 by one; the float32 sum here rounds once instead (it differs from HF's by bf16 rounding steps).
 Float32 matmuls run at full precision (IEEE, no TF32) in every form. An expert id outside
@@ -68,7 +69,8 @@ import jax.numpy as jnp
 from pallas_kernels._common import check_impl
 from pallas_kernels._moe_common import (  # noqa: F401 (re-exported: callers import them from here)
     ACTS, COMBINES, DTYPES, GEMM_LAYOUTS, MIN_BLOCK, TARGET_PROGRAMS, W_LAYOUTS, DecodeConfig, GemmConfig, MoeConfig,
-    Shared, _dims, activate, check_operands, combine_choices, dense_reference, kernel_problems, reference)
+    Shared, _dims, activate, check_operands, combine_choices, dense_reference, gate_weight, kernel_problems, reference,
+    shared_weight)
 from pallas_kernels._moe_decode import _decode, default_decode_config
 from pallas_kernels._moe_grouped import (  # noqa: F401 (re-exported: callers import them from here)
     RANK_BY_COUNT_MAX_PAIRS, PairGroups, _pallas, default_config, group_pairs, grouped_xla, max_tiles)

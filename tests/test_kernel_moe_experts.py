@@ -385,3 +385,37 @@ def test_writes_parts_names_the_decode_path_without_a_down_split():
     got = moe.expert_mlp(x, ids, w, w_in, w_out, act="silu_glu", parts=True)  # XLA's form: y as one partial
     want = moe.expert_mlp(x, ids, w, w_in, w_out, act="silu_glu")
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want))
+
+
+@pytest.mark.parametrize("parts", [False, True])
+@pytest.mark.parametrize("case", ["one_token_top4", "one_token_fma_out_in", "three_tokens_split_rows_f32"])
+def test_shared_gate_product_in_the_first_launch(case, parts, impl):
+    """A shared expert given by its gate's weight (gate_w): the decode path's first launch sums
+    x . gate_w over each K slice and the weight is round(sigmoid(round(sum))), as the gathered
+    reference computes it with XLA's product; equal to the decode path given that weight."""
+    t, k, e, h, inter, act, dtype, w_layout, config = SHARED_CASES[case]
+    if impl == "pallas":
+        h, inter = 8 * h, 8 * inter
+    x, ids, w, w_in, w_out = _problem(7, t, k, e, h, inter, act, dtype, "random", w_layout)
+    base = _shared(8, t, h, inter, act, dtype, w_layout)
+    gate_w = jnp.asarray(np.random.default_rng(9).normal(size=(h,)) * h**-0.5, dtype)
+    gated = moe.Shared(base.w_in, base.w_out, gate_w=gate_w)
+    weight = moe.Shared(base.w_in, base.w_out, moe.shared_weight(gated, x))
+    run = jax.jit(lambda sh: moe.expert_mlp(x, ids, w, w_in, w_out, act=act, impl=impl, config=config,
+                                            w_layout=w_layout, shared=sh, parts=parts))
+    got, want = run(gated), run(weight)
+    _assert_close(got, want, dtype, "the gate's product in the kernel")
+    ref = _run_shared(x, ids, w, w_in, w_out, gated, act=act, impl="reference", w_layout=w_layout)
+    total = got.sum(0).astype(dtype) if parts else got
+    _assert_close(total, ref, dtype, "against the gathered reference")
+
+
+def test_a_shared_expert_takes_one_of_weight_and_gate():
+    x, ids, w, w_in, w_out = _problem(0, 1, 2, 4, 32, 16, "silu_glu", "float32", "random", "in_out")
+    s = _shared(1, 1, 32, 16, "silu_glu", "float32", "in_out")
+    one_of = "exactly one of weight and gate_w"
+    for bad, message in ((moe.Shared(s.w_in, s.w_out), one_of),
+                         (moe.Shared(s.w_in, s.w_out, s.weight, jnp.ones((32,))), one_of),
+                         (moe.Shared(s.w_in, s.w_out, gate_w=jnp.ones((16,))), r"gate_w must be \[32\] float32")):
+        with pytest.raises(ValueError, match=message):
+            moe.expert_mlp(x, ids, w, w_in, w_out, act="silu_glu", shared=bad)

@@ -447,10 +447,14 @@ def test_shared_expert_runs_in_the_decode_kernels_at_one_token():
 
     rng = np.random.default_rng(5)
     one = jnp.asarray(rng.normal(size=(1, cfg.hidden_size)), jnp.bfloat16)
-    # the shared expert's two products are gone (router and gate remain)
-    assert xla_dots(closed(one, fused).jaxpr) == xla_dots(closed(one, apart).jaxpr) - 2
-    got, want = np.asarray(run(params, one, fused), np.float32), np.asarray(run(params, one, apart), np.float32)
-    assert np.abs(got - want).max() <= 2e-2 * np.abs(want).max()
+    # the shared expert's two products and its gate's are gone (the router's remains)
+    assert xla_dots(closed(one, fused).jaxpr) == xla_dots(closed(one, apart).jaxpr) - 3
+    gate_apart = Routes(impl="pallas_interpret", moe_gate_in_decode_kernel=False)
+    assert xla_dots(closed(one, gate_apart).jaxpr) == xla_dots(closed(one, apart).jaxpr) - 2
+    want = np.asarray(run(params, one, apart), np.float32)
+    for routes in (fused, gate_apart):
+        got = np.asarray(run(params, one, routes), np.float32)
+        assert np.abs(got - want).max() <= 2e-2 * np.abs(want).max()
     many = jnp.asarray(rng.normal(size=(5, cfg.hidden_size)), jnp.bfloat16)
     assert jaxpr(many, fused) == jaxpr(many, apart)
 

@@ -154,18 +154,21 @@ class SparseMoeBlock(StatelessMixer, nnx.Module):
         flat = x.reshape(-1, x.shape[-1])
         idx, weights = self.route(flat, routes)
         w_in, w_out = self.experts.gate_up_proj[...], self.experts.down_proj[...]
-        gate = jax.nn.sigmoid(self.shared_expert_gate(flat, routes))  # [T, 1]
-        mlp = self.shared_expert
+        gate = lambda: jax.nn.sigmoid(self.shared_expert_gate(flat, routes))  # [T, 1]
+        mlp, g = self.shared_expert, self.shared_expert_gate
         if mlp.gate_up_proj.scale is None and mlp.gate_up_proj.bias is None and fuses_shared(
                 flat.shape[0], self.top_k, w_in, w_out, mlp.down_proj.kernel.shape[0], flat.dtype, routes):
-            shared = moe_experts.Shared(mlp.gate_up_proj.kernel[...][None], mlp.down_proj.kernel[...][None],
-                                        gate[:, 0].astype(jnp.float32))
+            w_in1, w_out1 = mlp.gate_up_proj.kernel[...][None], mlp.down_proj.kernel[...][None]
+            if routes.moe_gate_in_decode_kernel and g.scale is None and g.bias is None and g.kernel.dtype == flat.dtype:
+                shared = moe_experts.Shared(w_in1, w_out1, gate_w=g.kernel[...][:, 0])  # the product in the kernel
+            else:
+                shared = moe_experts.Shared(w_in1, w_out1, gate()[:, 0].astype(jnp.float32))
             if self.parts_out and routes.moe_parts_into_norm:
                 parts = experts(flat, idx, weights, w_in, w_out, act=SILU_GLU, routes=routes, shared=shared, parts=True)
                 return SplitKParts(parts.reshape(parts.shape[0], *x.shape))
             y = experts(flat, idx, weights, w_in, w_out, act=SILU_GLU, routes=routes, shared=shared)
         else:
-            y = experts(flat, idx, weights, w_in, w_out, act=SILU_GLU, routes=routes) + gate * mlp(flat, routes)
+            y = experts(flat, idx, weights, w_in, w_out, act=SILU_GLU, routes=routes) + gate() * mlp(flat, routes)
         return y.reshape(x.shape)
 
 
