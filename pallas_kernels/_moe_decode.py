@@ -14,7 +14,11 @@ over it, summed over K once a program's loop ends). Reads T k expert matrices (o
 repeats included): what a decode step reads when its tokens' choices rarely coincide. A shared
 expert (`Shared`, combine "xla") is T more pairs of both launches, rows P .. P + T - 1, whose
 programs read its weights instead of a routed expert's; XLA's combine adds them to the routed sums
-before the one rounding.
+before the one rounding. Given by its gate's weight (`Shared.gate_w`), the shared pairs' first
+column block of launch (1) also sums x . gate_w over its K slice, and its combine weight is made
+from those sums where it is used. With `parts` launch (2) writes each pair's weighted round(o) as
+float32 partials [k (+ 1), T, H] that the caller sums (the add + RMSNorm kernel), so the layer is
+the two launches and nothing else.
 """
 
 from __future__ import annotations
