@@ -147,11 +147,13 @@ class Shared(NamedTuple):
     gate_w: jax.Array | None = None
 
 
-def gate_weight(g, dtype):
+def gate_weight(g, dtype, cast: bool = False):
     """The shared expert's combine weight from its gate product g (float32 sums, not yet rounded):
-    round(sigmoid(round(g))) as float32, as the model's Linear + sigmoid in dtype compute it."""
-    s = jax.nn.sigmoid(_round(g, dtype).astype(jnp.float32))
-    return _round(s, dtype).astype(jnp.float32)
+    round(sigmoid(round(g))) as float32, as the model's Linear + sigmoid in dtype compute it.
+    cast: round with casts (inside a Triton kernel, whose lowering has no reduce_precision)."""
+    f32 = jnp.float32
+    rnd = (lambda v: v.astype(dtype).astype(f32)) if cast else (lambda v: _round(v, dtype).astype(f32))
+    return rnd(jax.nn.sigmoid(rnd(g)))
 
 
 def shared_weight(shared: Shared, x):

@@ -208,7 +208,7 @@ def _act_rounded(sums, act: str, dtype):
 
 def _decode_down_kernel(ids_ref, wts_ref, h_ref, w_ref, *refs, top_k, pairs, kp, num_experts, cfg: GemmConfig,
                         k_per_split, per_token, h_split, inter, w_t, precision, act, parts=False, dtype=None,
-                        g_split=0):
+                        g_split=0, interpret=False):
     """Launch (2). per_token: program (column block, 0, token) runs the token's k choices in one
     loop of k x (I / bk) steps (the expert changes every I / bk steps, so the weight loads stay
     pipelined across experts) and writes round(sum_j w_j round(o_j)) into o_ref [T, H]. Else
@@ -291,7 +291,7 @@ def _decode_down_kernel(ids_ref, wts_ref, h_ref, w_ref, *refs, top_k, pairs, kp,
             def shared_weight():
                 if g_split:
                     g = jnp.sum(load(refs[1], (pl.ds(0, g_split), pl.ds(s_tok, 1))))
-                    return gate_weight(g, dtype)
+                    return gate_weight(g, dtype, cast=not interpret)
                 return load(refs[1], (pl.ds(s_tok, 1),))[0]
 
             pl.when(row >= pairs)(lambda: one(refs[0], jnp.int32(0), (jnp.int32(top_k), s_tok), shared_weight()))
@@ -367,7 +367,7 @@ def _decode(x, expert_ids, weights, w_in, w_out, *, act: str, w_layout: str, con
                                     k_per_split=inter // down.split_k, per_token=per_token,
                                     h_split=up.split_k if up.split_k > 1 else 0, inter=inter, w_t=w_t,
                                     precision=precision, act=act, parts=weighted, dtype=x.dtype,
-                                    g_split=up.split_k if gate else 0)
+                                    g_split=up.split_k if gate else 0, interpret=interpret)
     if _columns(down.layout, w_t):
         hid = hid[..., None]
     if per_token:

@@ -129,7 +129,8 @@ def test_moe_decode_path_lowers_for_cuda_without_spills():
     installed they compile for sm_90 without spilling, and their weight loads are pipelined
     (cp.async, LDGSTS in the SASS: the column blocks under 64 with the weight on the MMA's M side
     were not, so the sweep runs those in the "rows" form). The "fma" form has no MMA and Triton
-    gives its loads no cp.async: its launches load straight to registers in 16-byte vectors."""
+    gives its loads no cp.async: its launches load straight to registers in 16-byte vectors. The
+    model's form (the shared expert and its gate in the launches, weighted parts out) too."""
     from scripts.offline_triton_compile import compile_case, moe_decode_cases
 
     captured = []
@@ -137,7 +138,8 @@ def test_moe_decode_path_lowers_for_cuda_without_spills():
         kernels = capture_ttir(fn, *shapes)
         assert [name.split("_")[:3] for name, _ in kernels] == [["moe", "decode", "up"], ["moe", "decode", "down"]]
         captured.append((opts, settings, kernels))
-    assert {o["variant"] for o, _, _ in captured} >= {"decode", "decode_out_in", "decode_n16_kernel"}
+    assert {o["variant"] for o, _, _ in captured} >= {"decode", "decode_out_in", "decode_n16_kernel",
+                                                      "default_shared_gate_parts"}
     require_recorded_triton()
     for opts, settings, kernels in captured:
         for res in compile_case(kernels, settings, 1):
