@@ -40,3 +40,23 @@ def test_node_rows_match_smaller_trees_by_token_path():
     ids = [np.asarray([[0, 1], [0, 2], [1, 2], [3, 4], [5, 6], [5, 7], [0, 1], [0, 9]])]
     assert moe_step.distinct_per_layer(ids, rows) == [8]  # rows 0, 2, 3, 4, 5: {0, 1, 2, 3, 4, 5, 6, 7}
     assert moe_step.distinct_per_layer(ids, np.asarray([0, 4])) == [4]  # the roots: the decode step's rows
+
+
+def test_unprobed_decode_bytes_count_the_experts_a_step_reads():
+    """Plain decoding alone (no routing probe): the roofline keeps k experts a layer at batch 1 and
+    the expected distinct count under uniform routing at more rows; never the whole expert table
+    (the 35B-A3B shape's ar-only report once claimed 5.5x its roofline)."""
+    from ddtree_jax.config import MOE
+
+    class Cfg:
+        hidden_size, moe_intermediate_size, dtype = 8, 4, jnp.bfloat16
+        moe_num_experts, moe_top_k, ffn_kinds = 16, 4, (MOE, "dense", MOE)
+
+    eb = moe_step.expert_bytes(Cfg)
+    dense = 10**6 + 2 * 16 * eb
+    one, how1 = moe_step.unprobed_decode_bytes(Cfg, dense, 1)
+    assert one == 10**6 + 2 * 4 * eb and "batch 1" in how1
+    eight, how8 = moe_step.unprobed_decode_bytes(Cfg, dense, 8)
+    expected = 16 * (1 - (1 - 4 / 16) ** 8)
+    assert abs(eight - (10**6 + 2 * expected * eb)) <= 1 and "uniform" in how8
+    assert one < eight < dense

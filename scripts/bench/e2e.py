@@ -228,6 +228,9 @@ def main(argv=None) -> int:
             row["step_ms_by_choice"][mode if mode != "ddtree" else str(budget)] = per
             save()
         row["decode_bytes"] = decode_bytes(cfg, params, cache)
+        if moe_step.is_moe(cfg) and not moe:  # no routing probe: count the experts a step reads
+            row["decode_bytes"], row["decode_bytes_experts"] = moe_step.unprobed_decode_bytes(
+                cfg, row["decode_bytes"], batch)
         late = args.deadline_s and time.time() - t_start > args.deadline_s
         if moe and not late:
             moe_figures(args, cfg, pool, params, dparams, state, tree_budgets, row, report)

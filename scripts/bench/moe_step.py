@@ -70,6 +70,19 @@ def expert_bytes(cfg) -> int:
     return 3 * h * i * jnp.dtype(cfg.dtype).itemsize
 
 
+def unprobed_decode_bytes(cfg, dense_decode_bytes: int, batch: int) -> tuple[int, str]:
+    """A decode step's bytes without a routing probe (plain decoding only): every layer's routed
+    experts replaced by the ones a step reads - k at batch 1 (a top-k is k distinct experts), the
+    expected distinct count under uniform routing, E (1 - (1 - k / E)^batch), at more rows (random
+    weights route about uniformly). Returns the bytes and how they were counted."""
+    e, k = cfg.moe_num_experts, cfg.moe_top_k
+    layers = sum(kind == MOE for kind in cfg.ffn_kinds)
+    distinct = float(k) if batch == 1 else e * (1 - (1 - k / e) ** batch)
+    how = ("top-k experts a layer (batch 1)" if batch == 1
+           else f"{distinct:.1f} expected distinct experts a layer (uniform routing)")
+    return int(dense_decode_bytes - layers * (e - distinct) * expert_bytes(cfg)), how
+
+
 def _moe_blocks(model) -> list:
     return [layer.mlp for layer in model.layers if isinstance(getattr(layer, "mlp", None), moe_model.SparseMoeBlock)]
 
