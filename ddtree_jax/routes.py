@@ -37,9 +37,6 @@ ROW_PAD_WEIGHTS_GPU = (1 << 19, 9_999_999)
 # Decode step 2.93-2.96 ms against 3.01-3.03; 2.95 with the router's partials summed in
 # softmax_top_k (docs/decisions/0054-row-product-kernel.md).
 ROW_PRODUCT_WEIGHTS_GPU = ROW_PAD_WEIGHTS_GPU
-# Off on a GPU until measured there (docs/decisions/0056-moe-decode-launches.md): built and tested in
-# interpret mode, compiled for sm_90 offline; on in interpret mode, so the tests run them.
-UNMEASURED_ON_GPU = dict(moe_parts_into_norm=False, moe_gate_in_decode_kernel=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,8 +143,7 @@ class Routes:
         fields: dict[str, Any] = dict(impl=impl)
         if gpu:
             fields.update(sort_top_k_max=16, staged_top_k=True, prefilter_top_k=True, rank_select_max=1024,
-                          row_pad_weights=ROW_PAD_WEIGHTS_GPU, row_product_weights=ROW_PRODUCT_WEIGHTS_GPU,
-                          **UNMEASURED_ON_GPU)
+                          row_pad_weights=ROW_PAD_WEIGHTS_GPU, row_product_weights=ROW_PRODUCT_WEIGHTS_GPU)
         if impl == "pallas_interpret":
             fields.update(ssd_kernel_max_nodes=_NO_LIMIT)
         fields.update(overrides)

@@ -22,8 +22,8 @@ def test_defaults_and_resolve_per_platform():
     assert gpu.impl == "pallas" and gpu.kernels and gpu.sort_top_k_max == 16 and gpu.staged_top_k
     assert gpu.prefilter_top_k and gpu.rank_select_max == 1024 and gpu.ssd_kernel_max_nodes == 16
     assert INTERPRET.impl == "pallas_interpret" and INTERPRET.ssd_kernel_max_nodes > 1000
-    # forms not yet measured on a GPU: off there, on in interpret mode (the tests run them)
-    assert not gpu.moe_parts_into_norm and not gpu.moe_gate_in_decode_kernel
+    # the MoE decode's weighted parts and in-launch gate (decision 0056): on wherever kernels run
+    assert gpu.moe_parts_into_norm and gpu.moe_gate_in_decode_kernel
     assert INTERPRET.moe_parts_into_norm and INTERPRET.moe_gate_in_decode_kernel
     assert Routes.resolve(platform="gpu", impl="xla", split_k_parts=False).split_k_parts is False
     assert Routes.resolve().impl == ("pallas" if jax.default_backend() == "gpu" else "xla")
