@@ -10,7 +10,6 @@ reports it.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import statistics
 import time
 from typing import Callable, Sequence
@@ -22,6 +21,7 @@ from flax import nnx
 
 from ddtree_jax import decode
 from ddtree_jax.cache import init_target_cache
+from ddtree_jax.compiled import routed_jit
 from ddtree_jax.engine import Engine, bucket
 from ddtree_jax.speculative import cost_table as costs
 from ddtree_jax.speculative import generate as gen
@@ -102,18 +102,18 @@ def paired_marginal_ms(call: Callable[[int], Callable[[], object]], n: int, repe
     return statistics.median(pers), statistics.median(fixed), pers
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "spec"))
+@routed_jit(static_argnames=("graphdef", "spec"))
 def _propose(graphdef, params, dparams, s, spec):
     return gen.propose(nnx.merge(graphdef, params), dparams, s, spec)
 
 
-@functools.partial(jax.jit, static_argnames=("spec",))
+@routed_jit(static_argnames=("spec",))
 def _build(logq, s, spec, ids=None):
     """The build phase; ids: the proposer's draft vocabulary (gen.vocab_ids), or None."""
     return gen.build(logq, s, spec, ids)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "spec"))
+@routed_jit(static_argnames=("graphdef", "spec"))
 def _verify(graphdef, params, s, tree, spec):
     return gen.verify(nnx.merge(graphdef, params), s, tree, spec)
 
@@ -150,7 +150,7 @@ def _checksum(tree) -> jax.Array:
     return sum(jnp.sum(x.reshape(-1)[:1].astype(jnp.float32)) for x in leaves)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "spec", "phase"))
+@routed_jit(static_argnames=("graphdef", "spec", "phase"))
 def _phase_loop(graphdef, params, dparams, s, logq, tree, res, eos, key, spec, phase: str, n):
     """Run one phase n times on device (n traced: one compilation for every n); each iteration
     perturbs an input by the loop index so nothing is hoisted out of the loop, and a checksum of

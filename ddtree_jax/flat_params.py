@@ -14,6 +14,8 @@ from typing import Callable
 
 import jax
 
+from ddtree_jax.compiled import ArgPicker, options_of
+
 _KEEP = 8  # parameter sets remembered per function (an engine has one; tests make several)
 
 
@@ -22,30 +24,32 @@ class FlatParams:
 
     A parameter object is recognised by identity: replace it (not its arrays in place) to change
     it. jit_kwargs: jax.jit's (donate_argnums count the n parameter sets as one argument each).
+    options_arg: the static argument whose routes give the XLA compiler options (ddtree_jax/compiled.py).
     Safe to call from several threads (a server's warm-up compiles programs concurrently): one
     jitted function per parameter structure, so concurrent first calls share its compilations."""
 
-    def __init__(self, fn: Callable, n: int, **jit_kwargs):
+    def __init__(self, fn: Callable, n: int, *, options_arg: str | None = None, **jit_kwargs):
         self._fn, self._n, self._jit_kwargs = fn, n, jit_kwargs
-        self._by_defs: dict = {}  # the parameters' treedefs -> jitted function
+        self._pick = ArgPicker(fn, options_arg) if options_arg else None
+        self._by_defs: dict = {}  # (the parameters' treedefs, compiler options) -> jitted function
         self._hits: dict = {}  # ids of the parameter objects -> (objects, leaves, jitted)
         self._lock = threading.Lock()
 
-    def _bind(self, params: tuple):
-        key = tuple(map(id, params))
+    def _bind(self, params: tuple, options: tuple):
+        key = (tuple(map(id, params)), options)
         hit = self._hits.get(key)
         if hit is not None and all(a is b for a, b in zip(hit[0], params)):
             return hit
         with self._lock:
-            return self._bind_locked(key, params)
+            return self._bind_locked(key, params, options)
 
-    def _bind_locked(self, key: tuple, params: tuple):
+    def _bind_locked(self, key: tuple, params: tuple, options: tuple):
         hit = self._hits.get(key)
         if hit is not None and all(a is b for a, b in zip(hit[0], params)):
             return hit
         flat = [jax.tree.flatten(p) for p in params]
         defs = tuple(d for _, d in flat)
-        jitted = self._by_defs.get(defs)
+        jitted = self._by_defs.get((defs, options))
         if jitted is None:
             fn = self._fn
 
@@ -53,14 +57,16 @@ class FlatParams:
                 trees = [jax.tree.unflatten(d, leaves) for d, leaves in zip(defs, args[: len(defs)])]
                 return fn(*trees, *args[len(defs):], **kw)
 
-            jitted = self._by_defs[defs] = jax.jit(call, **self._jit_kwargs)
+            jitted = self._by_defs[(defs, options)] = jax.jit(call, compiler_options=dict(options) or None,
+                                                              **self._jit_kwargs)
         if len(self._hits) >= _KEEP:
             self._hits.clear()
         hit = self._hits[key] = (params, [leaves for leaves, _ in flat], jitted)
         return hit
 
     def __call__(self, *args, **kw):
-        _, leaves, jitted = self._bind(args[: self._n])
+        options = options_of(self._pick(args, kw)) if self._pick else ()
+        _, leaves, jitted = self._bind(args[: self._n], options)
         return jitted(*leaves, *args[self._n:], **kw)
 
     def _cache_size(self) -> int:

@@ -87,6 +87,8 @@ class Routes:
     staged_top_k: bool = False  # long rows: top-k of chunks, then of the candidates
     prefilter_top_k: bool = False  # very long rows: the block-max prefilter before the top-k
     rank_select_max: int = 0  # beam rows up to this long: selection by pairwise ranks
+    # ---- XLA compiler options of the compiled program (any impl; `compiler_options`) ----
+    xla_pdl: bool = False  # programmatic dependent launch: a kernel starts while its predecessor drains
 
     def __post_init__(self):
         problems = self.problems()
@@ -124,6 +126,12 @@ class Routes:
         kernel (row_product_weights; kernels on)."""
         lo, hi = self.row_product_weights
         return self.kernels and hi > 0 and lo <= weight_elements <= hi
+
+    def compiler_options(self) -> tuple[tuple[str, Any], ...]:
+        """XLA compiler options of a program compiled with these routes, as sorted (name, value)
+        pairs (jax.jit's compiler_options; ddtree_jax/compiled.py passes them): part of the program
+        like every other field, never a process-wide XLA_FLAGS."""
+        return (("xla_gpu_enable_pdl", True),) if self.xla_pdl else ()
 
     @property
     def kernels(self) -> bool:

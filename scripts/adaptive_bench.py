@@ -53,6 +53,7 @@ from flax import nnx
 from ddtree_jax import atomic
 from ddtree_jax.cli import bench as bench_cli
 from ddtree_jax.cli.common import load_engine
+from ddtree_jax.compiled import routed_jit
 from ddtree_jax.engine import bucket
 from ddtree_jax.speculative import choice
 from ddtree_jax.speculative import generate as gen
@@ -69,7 +70,7 @@ DEFAULT_PROMPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
 
 
 # ---- trace --------------------------------------------------------------------------------------
-@functools.partial(jax.jit, static_argnames=("graphdef", "spec", "auto", "n"))
+@routed_jit(static_argnames=("graphdef", "spec", "auto", "n"))
 def _trace(graphdef, params, dparams, s, table, spec, auto: AutoBudget, n: int):
     """n positions from state s: (E [n, B, C], accepted [n, B, C]); one plain step between them."""
     model = nnx.merge(graphdef, params)

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ddtree_jax.cache import TargetCache, init_target_cache
+from ddtree_jax.compiled import RoutedJit
 from ddtree_jax.flat_params import FlatParams
 from ddtree_jax.routes import REFERENCE, Routes
 from ddtree_jax.speculative import adaptive, choice
@@ -343,8 +344,8 @@ def _advance_from(graphdef, params, drafter_params, state: LoopState, eos_ids, m
     return _advance(nnx.merge(graphdef, params), drafter_params, state, _eos(eos_ids), spec, max_steps)
 
 
-start = jax.jit(_start_from, static_argnames=("graphdef", "spec", "capacity"))
-advance = jax.jit(_advance_from, static_argnames=("graphdef", "spec"), donate_argnames=("state",))
+start = RoutedJit(_start_from, static_argnames=("graphdef", "spec", "capacity"))
+advance = RoutedJit(_advance_from, static_argnames=("graphdef", "spec"), donate_argnames=("state",))
 
 
 def choice_programs(spec: GenSpec) -> dict[int, GenSpec]:
@@ -372,15 +373,17 @@ def bind(graphdef: nnx.GraphDef):
     hit = _BOUND.get(id(graphdef))
     if hit is None or hit[0] is not graphdef:
         hit = (graphdef,
-               FlatParams(functools.partial(_start_from, graphdef), 2, static_argnames=("spec", "capacity")),
-               FlatParams(functools.partial(_advance_from, graphdef), 2, static_argnames=("spec",),
-                          donate_argnums=(2,)))
+               FlatParams(functools.partial(_start_from, graphdef), 2, options_arg="spec",
+                          static_argnames=("spec", "capacity")),
+               FlatParams(functools.partial(_advance_from, graphdef), 2, options_arg="spec",
+                          static_argnames=("spec",), donate_argnums=(2,)))
         _BOUND[id(graphdef)] = hit
     return hit[1], hit[2]
 
 
 @functools.partial(
-    jax.jit,
+    RoutedJit,
+    options_arg="routes",
     static_argnames=("graphdef", "proposer", "mode", "budget", "candidates", "max_new_tokens", "sampling", "capacity",
                      "routes"),
 )

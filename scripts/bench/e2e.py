@@ -45,6 +45,7 @@ from flax import nnx
 from ddtree_jax import bench as B
 from ddtree_jax import budget_table
 from ddtree_jax.cache import KVCache, RecurrentCache, TargetCache
+from ddtree_jax.compiled import routed_jit
 from ddtree_jax.config import TargetConfig
 from ddtree_jax.speculative import generate as gen
 from ddtree_jax.speculative.sampling import Sampling
@@ -170,7 +171,7 @@ def main(argv=None) -> int:
     eos = jnp.zeros((0,), jnp.int32)
     key = jax.random.PRNGKey(0)
 
-    @functools.partial(jax.jit, static_argnames=("spec",))
+    @routed_jit(static_argnames=("spec",))
     def n_steps(params, dparams, s, n, spec):
         return gen._advance(nnx.merge(graphdef, params), dparams, s, eos, spec, n)
 

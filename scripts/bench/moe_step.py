@@ -51,6 +51,7 @@ from flax import nnx
 from jax import lax
 
 from ddtree_jax import bench as B
+from ddtree_jax.compiled import routed_jit
 from ddtree_jax.config import MOE
 from ddtree_jax.models import moe as moe_model
 from ddtree_jax.routes import REFERENCE
@@ -94,7 +95,7 @@ def _wrap_route(block, route) -> None:
 
 
 # ---- the routing probe ----------------------------------------------------------------------------
-@functools.partial(jax.jit, static_argnames=("graphdef", "spec", "budgets"))
+@routed_jit(static_argnames=("graphdef", "spec", "budgets"))
 def _probe(graphdef, params, dparams, s, spec, budgets):
     """(trees of every budget, [(x, ids, weights)] of every MoE layer in the largest tree's verify)."""
     model = nnx.merge(graphdef, params)
@@ -206,7 +207,7 @@ class StandIn:
         return ids, weights.astype(x.dtype).astype(jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "spec", "stand_in"))
+@routed_jit(static_argnames=("graphdef", "spec", "stand_in"))
 def _steps_with_stand_in(graphdef, params, dparams, s, n, spec, stand_in: StandIn):
     model = nnx.merge(graphdef, params)
     stand_in.install(model)
@@ -221,7 +222,7 @@ def time_correlated_steps(run_steps, params, dparams, state, loop_steps: int, re
 
 
 # ---- the expert products alone -----------------------------------------------------------------------
-@functools.partial(jax.jit, static_argnames=("routes",))
+@routed_jit(options_arg="routes", static_argnames=("routes",))
 def _experts_loop(stacks, rows, n, routes):
     """n iterations of every MoE layer's expert product on its rows; the rows pass an optimization
     barrier with the loop index (nothing hoisted) and the outputs are carried (nothing dropped)."""
