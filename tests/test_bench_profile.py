@@ -93,10 +93,19 @@ def test_deep_parents_is_a_topological_tree_of_bounded_depth():
 @pytest.mark.script
 def test_ncu_target_runs_every_kernel_on_the_cpu(capsys):
     """scripts.bench.ncu (the Nsight Compute target): each kernel's call at the 27B shape runs end to
-    end (the references here; the profiler brackets are no-ops without a CUDA driver)."""
+    end (the references here; the profiler brackets are no-ops without a CUDA driver). The 35B-A3B
+    experts' call ("moe_decode": 1 GB of weights made on this CPU, ~20 s) runs under -m slow."""
     from scripts.bench.ncu import main
 
-    for argv in (["gdn", "--tree", "deep"], ["attention"], ["gemm", "--weight", "out"]):
+    for argv in (["gdn", "--tree", "deep"], ["attention"], ["gemm", "--weight", "out"], ["gdn_decode"]):
         assert main([*argv, "--launches", "1", "--impl", "xla"]) == 0
     out = capsys.readouterr().out
-    assert out.count("finite=True") == 3 and "gemm tree=star weight=out nodes=65" in out
+    assert out.count("finite=True") == 4 and "gemm tree=star weight=out nodes=65" in out
+
+
+@pytest.mark.slow
+def test_ncu_target_runs_the_moe_decode_call(capsys):
+    from scripts.bench.ncu import main
+
+    assert main(["moe_decode", "--launches", "1", "--impl", "xla"]) == 0
+    assert "finite=True" in capsys.readouterr().out
