@@ -18,6 +18,7 @@ from typing import Any, Iterable
 import jax
 
 from pallas_kernels.moe_experts import DECODE_MAX_PAIRS
+from pallas_kernels.tree_attention import MIN_SPLIT_KEYS
 
 IMPLS = ("xla", "pallas", "pallas_interpret")
 _NO_LIMIT = 1 << 20  # a threshold no tree reaches: the kernel is always taken where it can be
@@ -52,8 +53,10 @@ class Routes:
     impl: str = "xla"
     # ---- model kernels (impl != "xla") ----
     attention_decode_kernel: bool = True  # decode-step attention through the tree-attention kernel
+    attention_split_keys: int = MIN_SPLIT_KEYS  # the tree-attention kernel's fewest cache keys a split
     attention_prologue_kernel: bool = True  # q / k norms + RoPE of the merged q | k | v product
     gdn_decode_kernel: bool = True  # a GDN decode step's core as one kernel
+    gdn_decode_dv_split: int = 1  # ... over this many programs a value head (> 1: the gated norm after it)
     gdn_tree_prologue_kernel: bool = True  # GDN tree conv .. casts as one kernel
     add_norm_kernel: bool = True  # residual add + RMSNorm as one kernel
     split_k_parts: bool = True  # residual-stream products at verify rows return split-K partials
@@ -105,6 +108,10 @@ class Routes:
                 out.append(f"{f.name} must be true or false, got {v!r}")
             if f.type == "int" and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
                 out.append(f"{f.name} must be an integer >= 0, got {v!r}")
+        for name in ("gdn_decode_dv_split", "attention_split_keys"):
+            v = getattr(self, name)
+            if isinstance(v, int) and not isinstance(v, bool) and (v < 1 or v & (v - 1)):
+                out.append(f"{name} must be a power of two >= 1, got {v}")
         lo, hi = self.split_k_rows if _int_pair(self.split_k_rows) else (1, 0)
         if not _int_pair(self.split_k_rows) or not 1 <= lo <= hi:
             out.append(f"split_k_rows must be two row counts lo <= hi, got {self.split_k_rows!r}")

@@ -48,6 +48,10 @@ from pallas_kernels.ref.delta_rule import gate_values, split_heads
 from pallas_kernels.ref.norms import gated_rms_norm
 
 DEFAULT_WARPS = 4  # fastest measured (docs/decisions/0017-gdn-decode-kernel.md)
+# The state's column block a program updates at a time; None: the whole [dk, dv] tile at once (at
+# dk = dv = 128 and 4 warps that tile alone is 128 float32 registers a thread: the H200 build uses
+# 255 registers a thread and reaches 6 % occupancy, Nsight Compute 2026-12-03)
+DEFAULT_DV_BLOCK = None
 
 
 def reference(mixed, z, x, w_a, w_b, a_log, dt_bias, window, conv_w, state, norm_w, n_valid, *,
@@ -71,7 +75,13 @@ def reference(mixed, z, x, w_a, w_b, a_log, dt_bias, window, conv_w, state, norm
     return y, new_state, next_window(mixed[:, None], window, n_valid)
 
 
-def _kernel(*refs, kd, dk, dv, rep, hv, taps, eps, hidden, chunk, packed):
+def _kernel(*refs, kd, dk, dv, rep, hv, taps, eps, hidden, chunk, packed, dv_block, dv_split):
+    """Program (row b, value head h, column split j): head h's columns j P .. (j + 1) P of the
+    state (P = dv / dv_split), in blocks of dv_block. dv_split 1: y gated-normed here; else the
+    rounded o of its columns into y_ref and their float32 sum of squares into ss_ref [B, Hv,
+    dv_split] (the norm needs every column: `_finish_norm` applies it)."""
+    if dv_split > 1:
+        refs, ss_ref = refs[:-3] + refs[-2:], refs[-3]
     if packed:  # one [B, conv_dim + Hv dv + 2 Hv] product: qkv | z | b | a
         nv_ref, mixed_ref, alog_ref, dtb_ref, win_ref, w_ref, s_ref, nw_ref, y_ref, s_out, win_out = refs
         z_ref = None
@@ -79,7 +89,9 @@ def _kernel(*refs, kd, dk, dv, rep, hv, taps, eps, hidden, chunk, packed):
         (nv_ref, mixed_ref, z_ref, x_ref, wa_ref, wb_ref, alog_ref, dtb_ref, win_ref, w_ref, s_ref, nw_ref,
          y_ref, s_out, win_out) = refs
     f32 = jnp.float32
-    b, h = pl.program_id(0), pl.program_id(1)
+    b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    width = dv // dv_split  # this program's columns of the head
+    col0 = split * width
     kh = h // rep
     conv_dim = 2 * kd + hv * dv
     dtype, wdtype, cdtype = mixed_ref.dtype, w_ref.dtype, win_ref.dtype
@@ -126,24 +138,41 @@ def _kernel(*refs, kd, dk, dv, rep, hv, taps, eps, hidden, chunk, packed):
 
     q, q_rows, q_new = conv(kh * dk, dk)
     k, k_rows, k_new = conv(kd + kh * dk, dk)
-    v, v_rows, v_new = conv(2 * kd + h * dv, dv)
     q = q * lax.rsqrt(jnp.sum(q * q) + 1e-6) * dk**-0.5
     k = k * lax.rsqrt(jnp.sum(k * k) + 1e-6)
     g = jnp.where(live, g_h, 0.0)
     beta = jnp.where(live, beta_h, 0.0)
-    s = s_ref[...] * jnp.exp(g)  # [dk, dv]
-    u = beta * (v - jnp.sum(s * k[:, None], axis=0))
-    s = s + k[:, None] * u[None, :]
-    s_out[...] = s
-    o = jnp.sum(s * q[:, None], axis=0).astype(dtype).astype(f32)
-    normed = (o * lax.rsqrt(jnp.mean(o * o) + eps)).astype(dtype)
-    zf = (load(mixed_ref, (b, pl.ds(conv_dim + h * dv, dv))) if packed else z_ref[...]).astype(f32)
-    wn = (nw_ref[...] * normed).astype(f32)  # the norm weight times the normed output, in the weight's dtype
-    y_ref[...] = (wn * (zf * jax.nn.sigmoid(zf))).astype(y_ref.dtype)
-    first = jnp.full((dk,), h % rep == 0)  # one program per key head writes its q / k window columns
+    decay = jnp.exp(g)
+    # the state in column blocks of dv_block (every column's update is independent): a block's
+    # [dk, dv_block] tile, not the whole [dk, dv] one, is live in registers at a time
+    outs = []
+    for c0 in range(0, width, dv_block):
+        cols = pl.ds(c0, dv_block)  # within this program's tiles
+        v, v_rows, v_new = conv(2 * kd + h * dv + col0 + c0, dv_block)
+        st = load(s_ref, (pl.ds(0, dk), cols)) * decay  # [dk, dv_block]
+        u = beta * (v - jnp.sum(st * k[:, None], axis=0))
+        st = st + k[:, None] * u[None, :]
+        store(s_out, (pl.ds(0, dk), cols), st)
+        outs.append(jnp.sum(st * q[:, None], axis=0).astype(dtype).astype(f32))
+        slide(2 * kd + h * dv + col0 + c0, dv_block, v_rows, v_new)
+    squares = sum(jnp.sum(o * o) for o in outs)
+    if dv_split > 1:  # the norm waits for every split's sum (_finish_norm)
+        for c0, o in zip(range(0, width, dv_block), outs):
+            store(y_ref, (pl.ds(c0, dv_block),), o.astype(y_ref.dtype))
+        store(ss_ref, (b, h, pl.ds(split, 1)), squares.reshape(1))
+    else:
+        inv = lax.rsqrt(squares / dv + eps)
+        for c0, o in zip(range(0, dv, dv_block), outs):
+            normed = (o * inv).astype(dtype)
+            cols = pl.ds(c0, dv_block)
+            zf = load(mixed_ref, (b, pl.ds(conv_dim + h * dv + c0, dv_block))) if packed else load(z_ref, (cols,))
+            wn = (load(nw_ref, (cols,)) * normed).astype(f32)  # the norm weight times the normed output, in its dtype
+            zf = zf.astype(f32)
+            store(y_ref, (cols,), (wn * (zf * jax.nn.sigmoid(zf))).astype(y_ref.dtype))
+    # one program per key head writes its q / k window columns
+    first = jnp.full((dk,), (h % rep == 0) & (split == 0))
     slide(kh * dk, dk, q_rows, q_new, first)
     slide(kd + kh * dk, dk, k_rows, k_new, first)
-    slide(2 * kd + h * dv, dv, v_rows, v_new)
 
 
 def hidden_chunk(hidden: int) -> int:
@@ -170,7 +199,7 @@ def kernel_problems(conv_dim: int, num_k_heads: int, num_v_heads: int, dk: int, 
 
 
 def _pallas(mixed, z, x, w_a, w_b, a_log, dt_bias, window, conv_w, state, norm_w, n_valid, *, num_k_heads, eps,
-            interpret, num_warps, head_v_dim=None):
+            interpret, num_warps, head_v_dim=None, dv_block=None, dv_split=1):
     """z None: `mixed` is the packed product qkv | z | b | a (gdn_decode_packed), else the x form."""
     packed = z is None
     b, width = mixed.shape
@@ -183,12 +212,20 @@ def _pallas(mixed, z, x, w_a, w_b, a_log, dt_bias, window, conv_w, state, norm_w
     hidden = 16 if packed else x.shape[1]
     kd = num_k_heads * dk
     problems = kernel_problems(c, num_k_heads, hv, dk, dv, taps, hidden)
+    per_program = dv // max(dv_split, 1)  # a program's columns
+    dv_block = min(dv_block or DEFAULT_DV_BLOCK or per_program, per_program)
+    if dv_split < 1 or dv_split & (dv_split - 1) or dv % dv_split or per_program < 16:
+        problems.append(f"dv_split={dv_split} must be a power of two dividing dv={dv} into blocks of >= 16")
+    if dv_block & (dv_block - 1) or dv_block < 16:
+        problems.append(f"dv_block={dv_block} must be a power of two >= 16")
     if packed and width != c + hv * dv + 2 * hv:
         problems.append(f"the packed product has {width} columns, not conv_dim {c} + {hv} x {dv} + 2 x {hv}")
     if problems:
         raise ValueError("gdn_decode kernel: " + "; ".join(problems))
-    full = lambda shape: pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))
-    head = lambda *lead: pl.BlockSpec((None, None) + lead, lambda i, j: (i, j) + (0,) * len(lead))
+    full = lambda shape: pl.BlockSpec(shape, lambda i, j, s: (0,) * len(shape))
+    # a program's part of a head: its columns of the last axis
+    head = lambda *lead: pl.BlockSpec((None, None) + lead[:-1] + (lead[-1] // dv_split,),
+                                      lambda i, j, s: (i, j) + (0,) * (len(lead) - 1) + (s,))
     if packed:
         lead_args, lead_specs = (mixed,), [full((b, width))]
     else:
@@ -199,39 +236,63 @@ def _pallas(mixed, z, x, w_a, w_b, a_log, dt_bias, window, conv_w, state, norm_w
         lead_args = (mixed, z, x, w_a, w_b)
         lead_specs = [full((b, c)), head(dv), full(x.shape), full(w_a.shape), full(w_b.shape)]
     kernel = functools.partial(_kernel, kd=kd, dk=dk, dv=dv, rep=hv // num_k_heads, hv=hv, taps=taps, eps=eps,
-                               hidden=hidden, chunk=hidden_chunk(hidden), packed=packed)
+                               hidden=hidden, chunk=hidden_chunk(hidden), packed=packed, dv_block=dv_block,
+                               dv_split=dv_split)
     state_pos = 1 + len(lead_args) + 4  # n_valid, the lead inputs, a_log, dt_bias, window, conv_w
-    y, new_state, new_window = pl.pallas_call(
+    split = dv_split > 1
+    squares = [jax.ShapeDtypeStruct((b, hv, dv_split), jnp.float32)] if split else []
+    outs = pl.pallas_call(
         kernel,
-        grid=(b, hv),
+        grid=(b, hv, dv_split),
         in_specs=[full((b,))] + lead_specs
                  + [full((hv,)), full((hv,)), full(window.shape), full(conv_w.shape), head(dk, dv), full((dv,))],
-        out_specs=[head(dv), head(dk, dv), full(window.shape)],
-        out_shape=[jax.ShapeDtypeStruct((b, hv, dv), mixed.dtype), jax.ShapeDtypeStruct(state.shape, jnp.float32),
-                   jax.ShapeDtypeStruct(window.shape, window.dtype)],
+        out_specs=[head(dv)] + [full(sq.shape) for sq in squares] + [head(dk, dv), full(window.shape)],
+        out_shape=[jax.ShapeDtypeStruct((b, hv, dv), mixed.dtype)] + squares
+                  + [jax.ShapeDtypeStruct(state.shape, jnp.float32), jax.ShapeDtypeStruct(window.shape, window.dtype)],
         # the state in place (each program reads and writes only its head's tile); the window to a new
         # buffer: programs of one key head read q / k columns that another one rewrites
-        input_output_aliases={state_pos: 1},
+        input_output_aliases={state_pos: 1 + len(squares)},
         compiler_params=None if interpret else compiler_params(num_warps or DEFAULT_WARPS, 1),
         interpret=interpret,
         name="gdn_decode",
     )(n_valid.astype(jnp.int32), *lead_args, a_log, dt_bias, window, conv_w, state.astype(jnp.float32), norm_w)
-    return y, new_state, new_window
+    if not split:
+        return tuple(outs)
+    o, ss, new_state, new_window = outs
+    gate = mixed[:, c : c + hv * dv].reshape(b, hv, dv) if packed else z
+    return _finish_norm(o, ss, gate, norm_w, eps), new_state, new_window
+
+
+def _finish_norm(o, squares, z, norm_w, eps: float):
+    """The gated RMSNorm of a split kernel's rounded o [B, Hv, dv] from its splits' float32 sums of
+    squares [B, Hv, S] (summed in split order), rounded at the steps the kernel's own norm rounds
+    (one XLA fusion)."""
+    f32 = jnp.float32
+    inv = lax.rsqrt(jnp.sum(squares, axis=-1, keepdims=True) / o.shape[-1] + eps)
+    normed = (o.astype(f32) * inv).astype(o.dtype)
+    wn = (norm_w * normed).astype(f32)
+    zf = z.astype(f32)
+    return (wn * (zf * jax.nn.sigmoid(zf))).astype(o.dtype)
 
 
 def gdn_decode(mixed, z, x, w_a, w_b, a_log, dt_bias, window, conv_w, state, norm_w, n_valid, *, num_k_heads: int,
-               eps: float, impl: str = "xla", num_warps: int | None = None):
-    """(y [B, Hv, dv], state [B, Hv, dk, dv] float32, window [B, K-1, conv_dim]) after one token."""
+               eps: float, impl: str = "xla", num_warps: int | None = None, dv_block: int | None = None,
+               dv_split: int = 1):
+    """(y [B, Hv, dv], state [B, Hv, dk, dv] float32, window [B, K-1, conv_dim]) after one token.
+    Kernels: dv_block, the state's column block a program updates at a time (default
+    DEFAULT_DV_BLOCK, or all its columns); dv_split, programs a head's columns are split over
+    (B Hv dv_split programs; above 1 the gated norm runs after the kernel, `_finish_norm`)."""
     check_impl(impl)
     args = (mixed, z, x, w_a, w_b, a_log, dt_bias, window, conv_w, state, norm_w, n_valid)
     if impl == "xla":
         return reference(*args, num_k_heads=num_k_heads, eps=eps)
     return _pallas(*args, num_k_heads=num_k_heads, eps=eps, interpret=impl == "pallas_interpret",
-                   num_warps=num_warps)
+                   num_warps=num_warps, dv_block=dv_block, dv_split=dv_split)
 
 
 def gdn_decode_packed(proj, a_log, dt_bias, window, conv_w, state, norm_w, n_valid, *, num_k_heads: int,
-                      head_v_dim: int, eps: float, impl: str = "xla", num_warps: int | None = None):
+                      head_v_dim: int, eps: float, impl: str = "xla", num_warps: int | None = None,
+                      dv_block: int | None = None, dv_split: int = 1):
     """`gdn_decode` of a layer whose one product proj [B, conv_dim + Hv dv + 2 Hv] holds the conv
     inputs, z and the b | a products (the models' in_proj_qkvzba); the kernel reads them all in place."""
     check_impl(impl)
@@ -246,4 +307,4 @@ def gdn_decode_packed(proj, a_log, dt_bias, window, conv_w, state, norm_w, n_val
                          num_k_heads=num_k_heads, eps=eps, ba=ba)
     return _pallas(proj, None, None, None, None, a_log, dt_bias, window, conv_w, state, norm_w, n_valid,
                    num_k_heads=num_k_heads, eps=eps, interpret=impl == "pallas_interpret", num_warps=num_warps,
-                   head_v_dim=dv)
+                   head_v_dim=dv, dv_block=dv_block, dv_split=dv_split)

@@ -57,6 +57,9 @@ from pallas_kernels._common import (
 )
 
 H200_SMS = 132
+# The fewest cache keys (of capacity) a split gets when the split count is chosen: few programs
+# (a decode step's kv heads) take at most capacity / MIN_SPLIT_KEYS splits.
+MIN_SPLIT_KEYS = 256
 BALANCE_TREE_KEYS = True  # count the tree keys in the split length (module docstring, split-K)
 
 
@@ -145,7 +148,7 @@ def _choose_block_r(rows: int, max_block_r: int) -> int:
     return best
 
 
-def _choose_splits(programs: int, capacity: int, block_k: int, num_sms: int, min_split: int = 256) -> int:
+def _choose_splits(programs: int, capacity: int, block_k: int, num_sms: int, min_split: int = MIN_SPLIT_KEYS) -> int:
     """Smallest split count that fills the GPU to >= 90% in whole waves (at most 64 splits,
     and at least min_split keys of capacity per split)."""
     s_max = max(1, min(64, capacity // max(min_split, block_k)))
@@ -161,8 +164,10 @@ def _choose_splits(programs: int, capacity: int, block_k: int, num_sms: int, min
 
 
 def choose_config(batch, n_nodes, kv_heads, group, head_dim, capacity, *, itemsize=2, block_r=None, block_k=None,
-                  block_t=None, num_splits=None, num_warps=None, num_stages=None, num_sms=H200_SMS) -> Config:
-    """Tiles and split count for one call (explicit arguments override the choice)."""
+                  block_t=None, num_splits=None, num_warps=None, num_stages=None, num_sms=H200_SMS,
+                  min_split=MIN_SPLIT_KEYS) -> Config:
+    """Tiles and split count for one call (explicit arguments override the choice); min_split:
+    the fewest cache keys (of capacity) a split may get."""
     rows = n_nodes * group
     br = block_r or _choose_block_r(rows, _max_block_r(head_dim))
     bk, nw, ns = _default_tiles(head_dim, br, itemsize)
@@ -174,7 +179,7 @@ def choose_config(batch, n_nodes, kv_heads, group, head_dim, capacity, *, itemsi
     if bt > 32 and bt % 32:
         raise ValueError(f"block_t must be <= 32 or a multiple of 32, got {bt}")
     programs = cdiv(rows, br) * kv_heads * batch
-    s = num_splits or _choose_splits(programs, capacity, bk, num_sms)
+    s = num_splits or _choose_splits(programs, capacity, bk, num_sms, min_split)
     return Config(br, bk, bt, max(1, int(s)), num_warps or nw, num_stages or ns)
 
 
@@ -373,7 +378,8 @@ def tree_attention_pallas(q, k_cache, v_cache, lengths, k_tree, v_tree, ancestor
 
 def tree_attention(q, k_cache, v_cache, lengths, k_tree, v_tree, ancestor_bits, *, scale, impl="xla",
                    block_r=None, block_k=None, block_t=None, num_splits=None, num_warps=None,
-                   num_stages=None, num_sms=H200_SMS, partial_dtype=None, row_gather=True):
+                   num_stages=None, num_sms=H200_SMS, partial_dtype=None, row_gather=True,
+                   min_split=MIN_SPLIT_KEYS):
     """Attention of N tree nodes over the committed cache (< lengths[b]) and their tree ancestors.
 
     q [B, N, nh, hd]; k_cache, v_cache [B, kv, capacity, hd]; lengths [B] int32;
@@ -397,4 +403,5 @@ def tree_attention(q, k_cache, v_cache, lengths, k_tree, v_tree, ancestor_bits, 
         interpret=impl == "pallas_interpret", partial_dtype=partial_dtype, row_gather=row_gather,
         block_r=block_r, block_k=block_k,
         block_t=block_t, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages, num_sms=num_sms,
+        min_split=min_split,
     )

@@ -39,18 +39,21 @@ def draw(seed, dtype, b=3):
             (1 + 0.1 * r(DV)).astype(dtype), jnp.asarray([1, 0, 1][:b], jnp.int32))
 
 
-@functools.partial(jax.jit, static_argnames=("impl",))
-def _decode(*args, impl):
-    return gdn_decode(*args, num_k_heads=HK, eps=1e-6, impl=impl)
+@functools.partial(jax.jit, static_argnames=("impl", "dv_block", "dv_split"))
+def _decode(*args, impl, dv_block=None, dv_split=1):
+    return gdn_decode(*args, num_k_heads=HK, eps=1e-6, impl=impl, dv_block=dv_block, dv_split=dv_split)
 
 
 @pytest.mark.parametrize("dtype, tol", [(jnp.float32, 2e-6), (jnp.bfloat16, 2e-2)])
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_gdn_decode_kernel_equals_reference(impl, dtype, tol, seed):
+@pytest.mark.parametrize("seed, dv_block, dv_split", [(0, None, 1), (1, None, 1), (2, None, 1), (0, 16, 1),
+                                                      (1, None, 2), (2, 16, 2)])
+def test_gdn_decode_kernel_equals_reference(impl, dtype, tol, seed, dv_block, dv_split):
+    """dv_block 16: the state updated in two column blocks (the norm over both); dv_split 2: each
+    head's columns over two programs, the gated norm after the kernel from their sums of squares."""
     tol = by_impl(impl, tol, max(tol, 1e-5))
     args = draw(seed, dtype)
     want = _decode(*args, impl="xla")
-    got = _decode(*args, impl=impl)
+    got = _decode(*args, impl=impl, dv_block=dv_block, dv_split=dv_split)
     for name, w, g in zip(("y", "state", "window"), want, got):
         w, g = np.asarray(w, np.float32), np.asarray(g, np.float32)
         assert g.dtype == w.dtype and g.shape == w.shape
@@ -94,6 +97,11 @@ def test_kernel_refuses_shapes_it_cannot_take():
                    jnp.zeros((32, 2)), jnp.zeros((2,)), jnp.zeros((2,)), jnp.zeros((1, 3, 48)), jnp.zeros((4, 48)),
                    jnp.zeros((1, 2, 8, 16)), jnp.ones((16,)), jnp.ones((1,), jnp.int32), num_k_heads=1, eps=1e-6,
                    impl="pallas_interpret")
+    args = draw(0, jnp.float32)
+    with pytest.raises(ValueError, match="dv_split=3 must be a power of two dividing dv=32"):
+        _decode(*args, impl="pallas_interpret", dv_split=3)
+    with pytest.raises(ValueError, match="dv_block=24 must be a power of two"):
+        _decode(*args, impl="pallas_interpret", dv_block=24)
 
 
 def test_model_announces_the_xla_route():
@@ -124,7 +132,8 @@ def test_bench_cpu_smoke(tmp_path):
 
 
 @pytest.mark.parametrize("dtype, tol", [(jnp.float32, 2e-6), (jnp.bfloat16, 2e-2)])
-def test_packed_product_form_equals_the_x_form(impl, dtype, tol):
+@pytest.mark.parametrize("split", [1, 2])
+def test_packed_product_form_equals_the_x_form(impl, dtype, tol, split):
     """gdn_decode_packed (gdn.MERGED_QKVZ_BA: one product qkv | z | b | a) gives, kernel and
     reference alike, what gdn_decode gives with x, w_a, w_b making the same b / a products; a
     product of the wrong width is refused."""
@@ -135,7 +144,8 @@ def test_packed_product_form_equals_the_x_form(impl, dtype, tol):
     b = mixed.shape[0]
     ba = jnp.concatenate([jnp.einsum("bi,io->bo", x, w_b), jnp.einsum("bi,io->bo", x, w_a)], axis=-1).astype(dtype)
     proj = jnp.concatenate([mixed, z.reshape(b, -1), ba], axis=-1)
-    run = lambda impl, p=proj: gdn_decode_packed(p, *args[5:], num_k_heads=HK, head_v_dim=DV, eps=1e-6, impl=impl)
+    run = lambda impl, p=proj: gdn_decode_packed(p, *args[5:], num_k_heads=HK, head_v_dim=DV, eps=1e-6, impl=impl,
+                                                 dv_block=16, dv_split=split)
     want, got, full = run("xla"), run(impl), _decode(*args, impl="xla")
     for name, w, g, f in zip(("y", "state", "window"), want, got, full):
         w, g, f = (np.asarray(a, np.float32) for a in (w, g, f))
@@ -146,14 +156,16 @@ def test_packed_product_form_equals_the_x_form(impl, dtype, tol):
         run(impl, proj[:, :-1])
 
 
-@pytest.mark.parametrize("batch", [1, 8])
-def test_native_at_the_27b_layer(gpu_impl, batch):
+@pytest.mark.parametrize("batch, dv_block, dv_split", [(1, None, 1), (8, None, 1), (1, 32, 1), (8, 64, 1), (1, None, 4),
+                                                       (8, 32, 2)])
+def test_native_at_the_27b_layer(gpu_impl, batch, dv_block, dv_split):
     """The 27B GDN layer (hidden 5120, 16 k / 48 v heads of 128, conv 4): y, state and window within
     1e-5 of the reference in float32 (its a / b products at full precision), 3e-2 in bf16; idle
     rows (every 4th) keep their state."""
     for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)):
         args = gdn_decode_problem(batch, batch, **GDN_27B, dtype=dtype)
-        run = lambda impl: jax.jit(lambda *a: gdn_decode(*a, num_k_heads=GDN_27B["hk"], eps=1e-6, impl=impl))(*args)
+        run = lambda impl: jax.jit(lambda *a: gdn_decode(*a, num_k_heads=GDN_27B["hk"], eps=1e-6, impl=impl,
+                                                         dv_block=dv_block, dv_split=dv_split))(*args)
         with jax.default_matmul_precision("highest"):
             want = run("xla")
         got = run(gpu_impl)

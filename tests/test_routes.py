@@ -54,6 +54,10 @@ def test_settings_parse_and_every_bad_one_is_named():
         Routes(split_k_rows=(64, 32))
     with pytest.raises(ValueError, match="integer >= 0"):
         Routes(bits_kernel_max_nodes=-1)
+    with pytest.raises(ValueError, match="gdn_decode_dv_split must be a power of two >= 1, got 3.*"
+                                         "attention_split_keys must be a power of two >= 1, got 0"):
+        Routes(gdn_decode_dv_split=3, attention_split_keys=0)
+    assert REFERENCE.with_settings(["gdn_decode_dv_split=4"]).gdn_decode_dv_split == 4
     assert set(IMPLS) == {"xla", "pallas", "pallas_interpret"}
 
 

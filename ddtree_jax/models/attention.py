@@ -151,7 +151,8 @@ class Attention(nnx.Module):
         q, k, v, gate = self.project(x, positions, routes)
         if routes.kernels and t == 1 and routes.attention_decode_kernel:
             attn = tree_attention(q, cache.k, cache.v, start, k, v, all_visible_bits(x.shape[0], 1),  # sees itself
-                                  scale=self.cfg.head_dim**-0.5, impl=routes.impl)
+                                  scale=self.cfg.head_dim**-0.5, impl=routes.impl,
+                                  min_split=routes.attention_split_keys)
             return self.output(attn, gate, routes), write_kv(cache, k, v, start)
         cache = write_kv(cache, k, v, start)
         key_pos = jnp.arange(cache.capacity, dtype=jnp.int32)
@@ -171,7 +172,7 @@ class Attention(nnx.Module):
         q, k, v, gate = self.project(x, positions, routes)
         if routes.kernels:
             attn = tree_attention(q, cache.k, cache.v, start, k, v, geo.bits, scale=self.cfg.head_dim**-0.5,
-                                  impl=routes.impl)
+                                  impl=routes.impl, min_split=routes.attention_split_keys)
             return self.output(attn, gate, routes), KVPending(k, v)
         key_pos = jnp.arange(cache.capacity, dtype=jnp.int32)
         committed = jnp.broadcast_to(key_pos[None, None, :] < start[:, None, None], (*positions.shape, cache.capacity))
