@@ -40,6 +40,12 @@ ROW_PAD_WEIGHTS_GPU = (1 << 19, 9_999_999)
 ROW_PRODUCT_WEIGHTS_GPU = ROW_PAD_WEIGHTS_GPU
 
 
+# A GDN decode step's value heads over up to 4 programs each on a GPU: at the 35B-A3B layer (32
+# heads, batch 1) the kernel with its norm after it took 10.7-12.5 us against 12.5-13.7 unsplit
+# (docs/decisions/0058-gdn-decode-split-and-attention-splits.md).
+GDN_DECODE_DV_SPLIT_GPU = 4
+
+
 @dataclasses.dataclass(frozen=True)
 class Routes:
     """Kernel route and form choices of one compiled generation.
@@ -56,7 +62,9 @@ class Routes:
     attention_split_keys: int = MIN_SPLIT_KEYS  # the tree-attention kernel's fewest cache keys a split
     attention_prologue_kernel: bool = True  # q / k norms + RoPE of the merged q | k | v product
     gdn_decode_kernel: bool = True  # a GDN decode step's core as one kernel
-    gdn_decode_dv_split: int = 1  # ... over this many programs a value head (> 1: the gated norm after it)
+    # ... over up to this many programs a value head while the grid fits two a SM (> 1: the gated
+    # norm after the kernel; gdn_decode.fitting_split)
+    gdn_decode_dv_split: int = 1
     gdn_tree_prologue_kernel: bool = True  # GDN tree conv .. casts as one kernel
     add_norm_kernel: bool = True  # residual add + RMSNorm as one kernel
     split_k_parts: bool = True  # residual-stream products at verify rows return split-K partials
@@ -158,7 +166,8 @@ class Routes:
         fields: dict[str, Any] = dict(impl=impl)
         if gpu:
             fields.update(sort_top_k_max=16, staged_top_k=True, prefilter_top_k=True, rank_select_max=1024,
-                          row_pad_weights=ROW_PAD_WEIGHTS_GPU, row_product_weights=ROW_PRODUCT_WEIGHTS_GPU)
+                          row_pad_weights=ROW_PAD_WEIGHTS_GPU, row_product_weights=ROW_PRODUCT_WEIGHTS_GPU,
+                          gdn_decode_dv_split=GDN_DECODE_DV_SPLIT_GPU)
         if impl == "pallas_interpret":
             fields.update(ssd_kernel_max_nodes=_NO_LIMIT)
         fields.update(overrides)

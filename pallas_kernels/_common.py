@@ -31,6 +31,7 @@ IMPLS = ("xla", "pallas", "pallas_interpret")
 WORD = 32  # bits per word of the tree kernels' ancestor bitsets (uint32)
 LOG2E = 1.4426950408889634
 NEG = -1e30  # finite "minus infinity": exp2(NEG - m) == 0 and NEG - NEG never makes NaN
+H200_SMS = 132  # streaming multiprocessors of the H200 (the kernels' grid-size heuristics)
 
 
 def load(ref, idx, *, mask=None, other=None):

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import check_impl, compiler_params, load, store
+from pallas_kernels._common import H200_SMS, check_impl, compiler_params, load, store
 from pallas_kernels.ref import delta_rule
 from pallas_kernels.ref.conv import causal_conv, next_window
 from pallas_kernels.ref.delta_rule import gate_values, split_heads
@@ -173,6 +173,17 @@ def _kernel(*refs, kd, dk, dv, rep, hv, taps, eps, hidden, chunk, packed, dv_blo
     first = jnp.full((dk,), (h % rep == 0) & (split == 0))
     slide(kh * dk, dk, q_rows, q_new, first)
     slide(kd + kh * dk, dk, k_rows, k_new, first)
+
+
+def fitting_split(batch: int, num_v_heads: int, dv: int, most: int, num_sms: int = H200_SMS) -> int:
+    """The dv_split a call takes: the largest power of two <= most that leaves >= 16 columns a
+    program and keeps the grid within two programs per SM (a decode step at batch 1 has fewer
+    programs than SMs: 32 at the 35B-A3B layer; at batch 8, 256, it takes none)."""
+    split = 1
+    while (split * 2 <= most and dv // (split * 2) >= 16 and dv % (split * 2) == 0
+           and batch * num_v_heads * split * 2 <= 2 * num_sms):
+        split *= 2
+    return split
 
 
 def hidden_chunk(hidden: int) -> int:

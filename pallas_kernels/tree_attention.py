@@ -42,6 +42,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.tree_mask import bits_to_dense
 from pallas_kernels._common import (
+    H200_SMS,
     LOG2E,
     NEG,
     as_int32_bits,
@@ -56,10 +57,11 @@ from pallas_kernels._common import (
     store,
 )
 
-H200_SMS = 132
 # The fewest cache keys (of capacity) a split gets when the split count is chosen: few programs
-# (a decode step's kv heads) take at most capacity / MIN_SPLIT_KEYS splits.
-MIN_SPLIT_KEYS = 256
+# (a decode step's kv heads) take at most capacity / MIN_SPLIT_KEYS splits. 128, measured on the
+# H200 at the 35B-A3B layer (2 kv heads, 4k context; docs/decisions/0058-gdn-decode-split-and-attention-splits.md):
+# a decode step 15.0 us with 32 splits against 17.1 with 16 (256 keys), a 9-node tree 22.0 against 25.2.
+MIN_SPLIT_KEYS = 128
 BALANCE_TREE_KEYS = True  # count the tree keys in the split length (module docstring, split-K)
 
 

@@ -104,6 +104,16 @@ def test_kernel_refuses_shapes_it_cannot_take():
         _decode(*args, impl="pallas_interpret", dv_block=24)
 
 
+def test_fitting_split_fills_the_gpu_without_crowding_it():
+    """fitting_split: a head's columns over up to `most` programs, >= 16 columns each, the grid
+    within two programs per SM (132): batch 1 at 32 heads splits 4 ways, batch 8 not at all."""
+    from pallas_kernels.gdn_decode import fitting_split
+
+    assert fitting_split(1, 32, 128, 4) == 4 and fitting_split(1, 32, 128, 8) == 8
+    assert fitting_split(8, 32, 128, 4) == 1 and fitting_split(4, 32, 128, 4) == 2
+    assert fitting_split(1, 4, 32, 8) == 2 and fitting_split(1, 32, 128, 1) == 1
+
+
 def test_model_announces_the_xla_route():
     """A layer shape the kernel cannot take (head dims of 8) decodes through XLA, with a warning."""
     cfg, gd, params = make_target(dict(head_dim=8, linear_key_head_dim=8, linear_value_head_dim=8), seed=6,

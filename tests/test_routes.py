@@ -24,6 +24,7 @@ def test_defaults_and_resolve_per_platform():
     assert INTERPRET.impl == "pallas_interpret" and INTERPRET.ssd_kernel_max_nodes > 1000
     # the MoE decode's weighted parts and in-launch gate (decision 0056): on wherever kernels run
     assert gpu.moe_parts_into_norm and gpu.moe_gate_in_decode_kernel
+    assert gpu.gdn_decode_dv_split == 4 and cpu.gdn_decode_dv_split == INTERPRET.gdn_decode_dv_split == 1
     assert INTERPRET.moe_parts_into_norm and INTERPRET.moe_gate_in_decode_kernel
     assert Routes.resolve(platform="gpu", impl="xla", split_k_parts=False).split_k_parts is False
     assert Routes.resolve().impl == ("pallas" if jax.default_backend() == "gpu" else "xla")

@@ -131,7 +131,8 @@ class GatedDeltaNet(nnx.Module):
             self.in_proj_qkvzba(x, routes)[:, 0], self.A_log[...], self.dt_bias[...], cache.conv,
             self.conv_weight[...], cache.state, self.norm.weight[...], n_valid, num_k_heads=cfg.gdn_num_k_heads,
             head_v_dim=cfg.gdn_v_head_dim, eps=self.norm.eps, impl=routes.impl,
-            dv_split=min(routes.gdn_decode_dv_split, cfg.gdn_v_head_dim // 16))
+            dv_split=gdn_decode.fitting_split(x.shape[0], cfg.gdn_num_v_heads, cfg.gdn_v_head_dim,
+                                              routes.gdn_decode_dv_split))
         return self.out_proj(y.reshape(x.shape[0], 1, -1), routes), RecurrentCache(conv=window, state=state)
 
     # ---- speculative entry points -------------------------------------------------------
