@@ -29,7 +29,11 @@ registers and writes y, the state (in place) and its window columns: one launch,
 and written once. Its a / b products read its head's row of the transposed a / b weights
 (contiguous; a loop-invariant transpose). Programs of the same key head share q / k; the
 first of them writes those window columns (into a new window buffer: the others still read the
-old ones).
+old ones). With `dv_split` S > 1 a head's state columns (independent in the delta rule) go to S
+programs, which recompute the head's q / k and gates: a batch-1 step has more programs than value
+heads (32 at the 35B-A3B layer, on 132 SMs); the gated norm, which needs every column, then runs
+after the kernel from their float32 sums of squares (`_finish_norm`, one XLA fusion;
+docs/decisions/0058-gdn-decode-split-and-attention-splits.md).
 """
 
 from __future__ import annotations
