@@ -71,10 +71,13 @@ def test_row_top_k_lowers_for_cuda_without_spills():
 def test_gdn_decode_lowers_for_cuda_without_spills():
     """The GDN decode kernel at the 27B layer (hidden 5120, 16 k / 48 v heads of 128) lowers to
     Triton for CUDA here; where pip's triton is installed it compiles for sm_90 at the default warps
-    without spilling (4 warps, the fastest on the H200: 251 registers; 177 at 8 warps)."""
+    without spilling (4 warps, the fastest on the H200: 251 registers; 177 at 8 warps), as do the
+    packed product form and its split (dv_split, the GPU default 4: 95 registers) and blocked forms."""
     from pallas_kernels.gdn_decode import DEFAULT_WARPS
+    from ddtree_jax.routes import GDN_DECODE_DV_SPLIT_GPU
     cases = [c for c in gdn_decode_cases(1) if c[1] == DEFAULT_WARPS]
-    assert [c[0].get("packed", False) for c in cases] == [False, True]  # also the packed product form
+    assert [c[0].get("packed", False) for c in cases][:2] == [False, True]  # also the packed product form
+    assert {c[0].get("dv_split", 1) for c in cases} >= {1, GDN_DECODE_DV_SPLIT_GPU}
     ttirs = []
     for _, _, fn, shapes in cases:
         [(name, ttir)] = capture_ttir(fn, *shapes)
