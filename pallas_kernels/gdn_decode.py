@@ -52,9 +52,10 @@ from pallas_kernels.ref.delta_rule import gate_values, split_heads
 from pallas_kernels.ref.norms import gated_rms_norm
 
 DEFAULT_WARPS = 4  # fastest measured (docs/decisions/0017-gdn-decode-kernel.md)
-# The state's column block a program updates at a time; None: the whole [dk, dv] tile at once (at
-# dk = dv = 128 and 4 warps that tile alone is 128 float32 registers a thread: the H200 build uses
-# 255 registers a thread and reaches 6 % occupancy, Nsight Compute 2026-12-03)
+# The state's column block a program updates at a time; None: all its columns at once. Blocks of 32
+# halve the registers (246 -> 128 at 4 warps) but ran slower on the H200 (15.5 against 13.1 us at
+# the 35B-A3B layer: the blocks' loads serialise); the 6 % occupancy Nsight Compute read is the
+# grid's 32 blocks, which dv_split addresses (docs/decisions/0058-gdn-decode-split-and-attention-splits.md)
 DEFAULT_DV_BLOCK = None
 
 
