@@ -97,7 +97,7 @@ def binned_calibration(rows_e, rows_acc, bins: int = 12):
 def ceiling(tr: dict, tables: dict, batches: list[int], context: float | None, batches_of, bins: int = 12) -> dict:
     """Per batch size: tokens/s of every fixed choice, the oracle and the calibrated per-step
     choice (this module's docstring), and each one's ratio to the best fixed choice. tables: as
-    adaptive_bench.tables_from_files; batches_of: how the benchmark groups the trace's rows."""
+    adaptive_simulate.tables_from_files; batches_of: how the benchmark groups the trace's rows."""
     out = {}
     for b in batches:
         contexts, ms, _ = tables[b]

@@ -6,6 +6,7 @@ import json
 import pytest
 
 from scripts import adaptive_bench as ab
+from scripts import adaptive_simulate as sim
 
 
 def trace(rows):
@@ -23,7 +24,7 @@ def test_fixed_policies_count_steps_and_time_exactly():
     accepting none 10; tokens = 11 (the prefill's and one a position)."""
     tr = trace([row(10, 1, 1.0)])
     ms = {"ar": [1.0], "dflash": [2.0], "4": [2.0], "16": [3.0]}
-    res = ab.run_simulation(tr, {1: ([0.0], ms, {})}, [1], None)["1"]["policies"]
+    res = sim.run_simulation(tr, {1: ([0.0], ms, {})}, [1], None)["1"]["policies"]
     assert res["ar"]["steps"] == {"ar": 10} and abs(res["ar"]["tokens_per_s"] - 1000 * 11 / 10) < 1e-6
     assert res["16"]["steps"] == {"16": 5} and abs(res["16"]["tokens_per_s"] - 1000 * 11 / 15) < 1e-6
     assert res["dflash"]["steps"] == {"dflash": 10}
@@ -37,12 +38,12 @@ def test_auto_chosen_once_a_generation_learns_what_the_table_understated():
     tr = trace([row(10, 1, 1.0)])
     ms = {"ar": [1.0], "dflash": [9.0], "4": [9.0], "16": [1.5]}
     measured = {"accepted": {"dflash": 0.0, "4": 0.1, "16": 0.2}}
-    res = ab.run_simulation(tr, {1: ([0.0], ms, measured)}, [1], None, decide_on="generation",
+    res = sim.run_simulation(tr, {1: ([0.0], ms, measured)}, [1], None, decide_on="generation",
                             policy={"probe_budget": 1.0}, passes=9)["1"]
     assert res["best_fixed"] == "16"
     steps = res["policies"]["auto"]["steps"]
     assert steps["ar"] == 10 * 8 and steps["16"] == 5  # 8 plain generations (probe_wait 8), then the probe
-    longer = ab.run_simulation(tr, {1: ([0.0], ms, measured)}, [1], None, decide_on="generation",
+    longer = sim.run_simulation(tr, {1: ([0.0], ms, measured)}, [1], None, decide_on="generation",
                                policy={"probe_budget": 1.0}, passes=20)["1"]["policies"]["auto"]["steps"]
     assert longer == {"ar": 80, "16": 5 * 12}
 
@@ -50,15 +51,15 @@ def test_auto_chosen_once_a_generation_learns_what_the_table_understated():
 def test_a_trace_truncated_to_shorter_generations():
     """--max-new-tokens: each row's first max_new - 1 positions (a row that ended sooner keeps its
     own), so plain decoding of 6 tokens takes 5 steps; a length the trace lacks is a named error."""
-    tr = ab.truncated(trace([row(10, 1, 1.0), row(3, 1, 1.0)]), 6)
+    tr = sim.truncated(trace([row(10, 1, 1.0), row(3, 1, 1.0)]), 6)
     assert tr["max_new_tokens"] == 6 and [r["positions"] for r in tr["rows"]] == [5, 3]
     assert [len(r["e"]) for r in tr["rows"]] == [5, 3] and [len(r["accepted"]) for r in tr["rows"]] == [5, 3]
     ms = {"ar": [1.0], "dflash": [2.0], "4": [2.0], "16": [3.0]}
-    res = ab.run_simulation(tr, {1: ([0.0], ms, {})}, [1], None)["1"]["policies"]
+    res = sim.run_simulation(tr, {1: ([0.0], ms, {})}, [1], None)["1"]["policies"]
     assert res["ar"]["steps"] == {"ar": 8}  # 5 + 3: the two rows one after the other at batch 1
     for bad in (1, 12):
         with pytest.raises(ValueError, match="max-new-tokens"):
-            ab.truncated(trace([row(10, 1, 1.0)]), bad)
+            sim.truncated(trace([row(10, 1, 1.0)]), bad)
 
 
 def test_device_chunks_are_simulated_as_the_loop_runs_them():
@@ -67,7 +68,7 @@ def test_device_chunks_are_simulated_as_the_loop_runs_them():
     budget 16's own time: lean steps cost what the fixed choice costs."""
     tr = trace([row(40, 1, 1.0)])
     ms = {"ar": [9.0], "dflash": [9.0], "4": [9.0], "16": [1.0]}
-    res = ab.run_simulation(tr, {1: ([0.0], ms, {})}, [1], None, decide_every=4)["1"]["policies"]
+    res = sim.run_simulation(tr, {1: ([0.0], ms, {})}, [1], None, decide_every=4)["1"]["policies"]
     assert res["auto"]["steps"] == {"16": 20}
     assert res["auto"]["tokens_per_s"] == pytest.approx(res["16"]["tokens_per_s"])
 
@@ -77,26 +78,26 @@ def test_decision_cost_and_policy_settings():
     one-step first); --policy sets a numeric AutoBudget field and names a wrong one."""
     tr = trace([row(40, 1, 1.0)])
     ms = {"ar": [9.0], "dflash": [9.0], "4": [9.0], "16": [1.0]}
-    free = ab.run_simulation(tr, {1: ([0.0], ms, {})}, [1], None, decide_every=4)["1"]["policies"]["auto"]
-    paid = ab.run_simulation(tr, {1: ([0.0], ms, {})}, [1], None, decide_every=4, decision_ms=0.5,
+    free = sim.run_simulation(tr, {1: ([0.0], ms, {})}, [1], None, decide_every=4)["1"]["policies"]["auto"]
+    paid = sim.run_simulation(tr, {1: ([0.0], ms, {})}, [1], None, decide_every=4, decision_ms=0.5,
                              policy={"chunk_weight": 0.5})["1"]["policies"]["auto"]
     assert paid["steps"] == free["steps"] == {"16": 20}
     scored = 1 + (20 - 1 + 3) // 4  # the first (learning) chunk of one step, then chunks of 4
     assert 1000 * 41 / paid["tokens_per_s"] == pytest.approx(1000 * 41 / free["tokens_per_s"] + 0.5 * scored)
-    assert ab._setting("ar_margin=0.1") == ("ar_margin", 0.1)
+    assert sim._setting("ar_margin=0.1") == ("ar_margin", 0.1)
     for bad in ("margin=1", "ar_margin=", "ar_margin=x"):
         with pytest.raises(SystemExit, match="--policy"):
-            ab._setting(bad)
+            sim._setting(bad)
 
 
 def test_batches_take_every_row_and_the_slowest_sets_the_time():
     """Batch 2 of a fast and a slow row: a fixed choice steps until the slow row is done."""
     tr = trace([row(10, 4, 3.0), row(10, 0, 0.1)])
     ms = {"ar": [1.0], "dflash": [2.0], "4": [2.0], "16": [3.0]}
-    res = ab.run_simulation(tr, {2: ([0.0], ms, {})}, [2], None)["2"]
+    res = sim.run_simulation(tr, {2: ([0.0], ms, {})}, [2], None)["2"]
     assert res["policies"]["16"]["steps"] == {"16": 10}  # the slow row accepts nothing
     assert res["best_fixed"] == "ar"
-    assert [len(g) for g in ab.batches_of(tr["rows"], 3)] == [3]  # rows cycled to fill a batch
+    assert [len(g) for g in sim.batches_of(tr["rows"], 3)] == [3]  # rows cycled to fill a batch
 
 
 def test_tables_from_bench_e2e_reports_join_contexts(tmp_path):
@@ -108,7 +109,7 @@ def test_tables_from_bench_e2e_reports_join_contexts(tmp_path):
         paths.append(str(p))
     costs = tmp_path / "demo_costs.json"
     costs.write_text(json.dumps({"tables": {"1": {"ratios": {"dflash": 1.3}, "accepted": {"dflash": 1.9}}}}))
-    tables = ab.tables_from_files(None, paths, str(costs))
+    tables = sim.tables_from_files(None, paths, str(costs))
     contexts, ms, measured = tables[1]
     assert contexts == [4096.0, 32768.0] and ms["64"] == [18.0, 27.0] and measured["ratios"] == {"dflash": 1.3}
 

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scripts import adaptive_bench as ab
+from scripts import adaptive_simulate as asim
 from scripts import adaptive_ceiling as ac
 
 
@@ -57,8 +58,8 @@ def test_fixed_walks_match_the_simulation_and_the_oracle_bounds_them():
     tr = trace(random_rows(rng, 3, 20))
     ms = {"ar": [1.0, 2.0], "dflash": [1.6, 2.5], "4": [1.8, 3.0], "16": [2.2, 3.1]}
     tables = {1: ([0.0, 100.0], ms, {}), 2: ([0.0, 100.0], ms, {})}
-    ceil = ac.ceiling(tr, tables, [1, 2], None, ab.batches_of)
-    sim = ab.run_simulation(tr, tables, [1, 2], None)
+    ceil = ac.ceiling(tr, tables, [1, 2], None, asim.batches_of)
+    sim = asim.run_simulation(tr, tables, [1, 2], None)
     for b in ("1", "2"):
         for n in ms:  # the same walk and step costs as simulate's fixed policies (its table is float32)
             want = sim[b]["policies"][n]["tokens_per_s"]
@@ -75,7 +76,7 @@ def test_a_calibration_fed_its_own_outcomes_chooses_as_the_oracle():
     for r in rows:
         r["e"] = [[float(a) for a in acc] for acc in r["accepted"]]
     ceil = ac.ceiling(trace(rows), {1: ([0.0], {"ar": [1.0], "dflash": [1.5], "4": [1.7], "16": [2.0]}, {})},
-                      [1], None, ab.batches_of, bins=64)["1"]
+                      [1], None, asim.batches_of, bins=64)["1"]
     assert abs(ceil["over_best"]["calibrated"] - ceil["over_best"]["oracle"]) < 1e-9
 
 
