@@ -58,3 +58,5 @@ def test_cpu_smoke(tmp_path, name):
     report = json.loads(out.read_text())
     assert report["kernel"] == name and report["impl"] == "pallas_interpret" and report["rows"]
     assert all(bench.row_ok(r) and r["kernel_us"] > 0 and r["xla_us"] > 0 for r in report["rows"])
+    if name == "tree_attention":  # --splits (the smoke run: 2) times the kernel at a fixed split count too
+        assert all(r["kernel_s2_us"] > 0 for r in report["rows"])

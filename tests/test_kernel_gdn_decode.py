@@ -134,11 +134,14 @@ def test_model_announces_the_xla_route():
 
 @pytest.mark.script
 def test_bench_cpu_smoke(tmp_path):
-    """scripts.bench.kernels gdn_decode in interpret mode: correctness check and the carried-loop timing."""
-    out = tmp_path / "gdn_decode.json"
-    assert bench.main(["gdn_decode", "--cpu-smoke", "--out", str(out)]) == 0
-    [row] = json.loads(out.read_text())["rows"]
-    assert row["float32_ok"] and row["bfloat16_ok"] and row["kernel_us"] > 0 and row["xla_us"] > 0
+    """scripts.bench.kernels gdn_decode in interpret mode: correctness check and the carried-loop
+    timing, of the x form and of the packed product (--packed), unsplit and with dv_split 2."""
+    for extra in ([], ["--packed"]):
+        out = tmp_path / "gdn_decode.json"
+        assert bench.main(["gdn_decode", "--cpu-smoke", *extra, "--out", str(out)]) == 0
+        [row] = json.loads(out.read_text())["rows"]
+        assert row["float32_ok"] and row["bfloat16_ok"] and row["xla_us"] > 0, extra
+        assert row["kernel_us"] > 0 and row["kernel_s2_us"] > 0, row
 
 
 @pytest.mark.parametrize("dtype, tol", [(jnp.float32, 2e-6), (jnp.bfloat16, 2e-2)])

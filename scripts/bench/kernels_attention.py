@@ -14,7 +14,7 @@ from scripts.bench import peers
 from scripts.bench.common import err_str, time_torch, write_report
 from scripts.bench.kernels_harness import (Kernel, Run, add_batches, add_peers, add_sweep, ancestor_words, ints,
                                            registrar, rel_err, tree_parents)
-from scripts.bench.shapes import ATTENTION_27B
+from scripts.bench.shapes import ATTENTION_27B, LAYERS
 
 KERNELS: dict[str, Kernel] = {}
 kernel = registrar(KERNELS)
@@ -88,6 +88,9 @@ def tree_attention_options(ap):
     ap.add_argument("--flex-all", action="store_true",
                     help="time flex_attention at every selected tree shape (default: a fixed subset)")
     ap.add_argument("--budget-s", type=float, default=200.0, help="skip flex_attention past this many seconds")
+    ap.add_argument("--layer", choices=tuple(LAYERS), default="27b", help="the attention layer's heads")
+    ap.add_argument("--splits", default="", help="also time the kernel at these cache split counts (kernel_s<S>_us), "
+                    "e.g. 8,16,32,64")
 
 
 def attention_sweep(run: Run, dims, cache: int, nodes: int) -> dict:
@@ -137,8 +140,11 @@ def attention_sweep(run: Run, dims, cache: int, nodes: int) -> dict:
         "tree attention against XLA, SDPA and flex_attention", tree_attention_options)
 def run_tree_attention(run: Run) -> None:
     a = run.args
-    dims = dict(nq=4, nkv=2, hd=32) if run.smoke else dict(nq=ATTENTION_27B["heads"], nkv=ATTENTION_27B["kv_heads"],
-                                                           hd=ATTENTION_27B["head_dim"])
+    layer = LAYERS[a.layer][1]
+    dims = dict(nq=4, nkv=2, hd=32) if run.smoke else dict(nq=layer["heads"], nkv=layer["kv_heads"],
+                                                           hd=layer["head_dim"])
+    run.report["dims"] = dims
+    splits = [2] if run.smoke else ints(a.splits)
     rates = run.rates()
     hbm, tflops = rates["hbm_GBps"], rates["matmul_TFLOPs"]
     best = {} if (a.no_sweep or (a.quick and run.gpu)) else attention_sweep(run, dims, a.sweep_cache, a.sweep_nodes)
@@ -176,6 +182,12 @@ def run_tree_attention(run: Run) -> None:
                     row["kernel_us"], ours = t * 1e6, info["out"]
                 except Exception as e:
                     row["kernel_error"] = err_str(e)
+                for sp in splits:
+                    try:
+                        t, _ = run.time(attention_call(run.impl, {"num_splits": sp}), sets, est)
+                        row[f"kernel_s{sp}_us"] = t * 1e6
+                    except Exception as e:
+                        row[f"kernel_s{sp}_error"] = err_str(e)
                 try:
                     t, info = run.time(attention_call("xla"), sets[:1], est * 20)
                     row["xla_us"] = t * 1e6

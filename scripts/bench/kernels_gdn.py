@@ -15,14 +15,14 @@ from ddtree_jax.tree import geometry, make_tree, root_path
 from pallas_kernels._common import pow2_at_least
 from pallas_kernels.gdn_commit import gdn_path_commit
 from pallas_kernels.gdn_decode import DEFAULT_WARPS as GDN_DECODE_WARPS
-from pallas_kernels.gdn_decode import gdn_decode
+from pallas_kernels.gdn_decode import gdn_decode, gdn_decode_packed
 from pallas_kernels.gdn_tree import default_blocks, gdn_tree_verify
 from pallas_kernels.gdn_tree_prologue import gdn_tree_prologue
 from scripts.bench import peers
 from scripts.bench.common import err_str, max_rel_err, time_torch
 from scripts.bench.kernels_harness import (Kernel, Run, add_batches, add_peers, add_sweep, add_warps, ancestor_words,
                                            ints, registrar, rel_err, tree_parents, variant_name)
-from scripts.bench.shapes import GDN_27B
+from scripts.bench.shapes import GDN_27B, LAYERS
 
 KERNELS: dict[str, Kernel] = {}
 kernel = registrar(KERNELS)
@@ -287,11 +287,26 @@ def gdn_decode_problem(seed: int, batch: int, hk: int, hv: int, dk: int, dv: int
 
 
 GDN_DECODE_STATE, GDN_DECODE_CARRIED = 9, (1, 2, 7, 9)  # state; z, x, window, state: carried step to step
+GDN_PACKED_CARRIED = (0, 3, 5)  # gdn_decode_packed's product, window and state
 
 
 def gdn_decode_options(ap):
     add_batches(ap)
     add_warps(ap)
+    ap.add_argument("--layer", choices=tuple(LAYERS), default="27b", help="the GDN layer's shape")
+    ap.add_argument("--dv-splits", default="4", help="also time the kernel with a head's columns over these many "
+                    "programs (dv_split; the gated norm after it), e.g. 2,4,8")
+    ap.add_argument("--packed", action="store_true", help="time the models' form: one qkv | z | b | a product read "
+                    "in place (gdn_decode_packed); the errors are the x form's either way")
+
+
+def packed_args(args, seed: int):
+    """gdn_decode's arguments as gdn_decode_packed's: the conv inputs, z and random b | a products as
+    one product, then a_log .. n_valid."""
+    mixed, z = args[0], args[1]
+    b, hv = z.shape[0], z.shape[1]
+    ba = jax.random.normal(jax.random.PRNGKey(seed), (b, 2 * hv)).astype(mixed.dtype)
+    return (jnp.concatenate([mixed, z.reshape(b, -1), ba], -1),) + tuple(args[5:])
 
 
 @kernel("gdn_decode", [("batch", "B", 2, None), ("float32_rel_err", "fp32 err", 9, ".1e"),
@@ -299,9 +314,9 @@ def gdn_decode_options(ap):
         "GDN decode step against the model's XLA decode path", gdn_decode_options)
 def run_gdn_decode(run: Run) -> None:
     a = run.args
-    shape = dict(hk=2, hv=4, dk=16, dv=16, taps=4, hidden=64) if run.smoke else dict(GDN_27B)
+    shape = dict(hk=2, hv=4, dk=16, dv=32, taps=4, hidden=64) if run.smoke else dict(LAYERS[a.layer][0])
     run.report["shape"] = shape
-    hk = shape["hk"]
+    hk, dv = shape["hk"], shape["dv"]
     decode = lambda impl, **opts: jax.jit(functools.partial(gdn_decode, num_k_heads=hk, eps=1e-6, impl=impl, **opts))
 
     def carried_step(opts):
@@ -312,11 +327,21 @@ def run_gdn_decode(run: Run) -> None:
             return y, x, window, state
         return f
 
+    def carried_packed_step(opts):
+        def f(args):
+            y, state, window = gdn_decode_packed(*args, num_k_heads=hk, head_v_dim=dv, eps=1e-6, **opts)
+            proj = args[0]  # the product changes every step, as in decoding
+            proj = (proj.astype(jnp.float32) * 0.999 + 1e-3 * y[:, :1, 0].astype(jnp.float32)).astype(proj.dtype)
+            return proj, window, state
+        return f
+
     for batch in [2] if run.smoke else ints(a.batches):
         row = {"batch": batch}
         variants = {"xla": dict(impl="xla"), "kernel": dict(impl=run.impl)}
         variants.update({f"kernel_w{nw}": dict(impl=run.impl, num_warps=nw) for nw in ints(a.warps)
                          if nw != GDN_DECODE_WARPS})
+        variants.update({f"kernel_s{sp}": dict(impl=run.impl, dv_split=sp)
+                         for sp in ([2] if run.smoke else ints(a.dv_splits)) if sp != 1 and dv // sp >= 16})
         for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)):
             args = gdn_decode_problem(batch, batch, **shape, dtype=dtype)
             name = jnp.dtype(dtype).name
@@ -332,9 +357,13 @@ def run_gdn_decode(run: Run) -> None:
                 row[f"{name}_error"] = err_str(e)
         row["ok"] = bool(row.get("float32_ok") and row.get("bfloat16_ok"))
         args = gdn_decode_problem(batch * 10, batch, **shape, dtype=jnp.bfloat16)
+        if a.packed:
+            args, step, carried = packed_args(args, batch), carried_packed_step, GDN_PACKED_CARRIED
+        else:
+            step, carried = carried_step, GDN_DECODE_CARRIED
         for name, opts in variants.items():
             try:
-                row[name + "_us"] = run.time(carried_step(opts), [args], 20e-6, carry=GDN_DECODE_CARRIED)[0] * 1e6
+                row[name + "_us"] = run.time(step(opts), [args], 20e-6, carry=carried)[0] * 1e6
             except Exception as e:
                 row[name + "_error"] = err_str(e)
         run.record(row)

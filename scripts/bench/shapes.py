@@ -88,6 +88,13 @@ GDN_27B = dict(hk=QWEN36_27B["linear_num_key_heads"], hv=QWEN36_27B["linear_num_
                taps=QWEN36_27B["linear_conv_kernel_dim"], hidden=QWEN36_27B["hidden_size"])
 ATTENTION_27B = dict(heads=QWEN36_27B["num_attention_heads"], kv_heads=QWEN36_27B["num_key_value_heads"],
                      head_dim=QWEN36_27B["head_dim"])
+# ... and of the 35B-A3B target (its GDN and attention layers)
+GDN_35B_A3B = dict(hk=QWEN36_35B_A3B["linear_num_key_heads"], hv=QWEN36_35B_A3B["linear_num_value_heads"],
+                   dk=QWEN36_35B_A3B["linear_key_head_dim"], dv=QWEN36_35B_A3B["linear_value_head_dim"],
+                   taps=QWEN36_35B_A3B["linear_conv_kernel_dim"], hidden=QWEN36_35B_A3B["hidden_size"])
+ATTENTION_35B_A3B = dict(heads=QWEN36_35B_A3B["num_attention_heads"], kv_heads=QWEN36_35B_A3B["num_key_value_heads"],
+                         head_dim=QWEN36_35B_A3B["head_dim"])
+LAYERS = {"27b": (GDN_27B, ATTENTION_27B), "35b-a3b": (GDN_35B_A3B, ATTENTION_35B_A3B)}  # --layer
 SSD_NEMOTRON_H_8B = dict(heads=128, head_dim=64, groups=8, state=128)
 DRAFT_DEPTHS = 15  # a DFlash block of 16: 15 drafted depths below the root
 
