@@ -49,7 +49,7 @@ from pallas_kernels._common import H200_SMS, check_impl, compiler_params, load, 
 from pallas_kernels.ref import delta_rule
 from pallas_kernels.ref.conv import causal_conv, next_window
 from pallas_kernels.ref.delta_rule import gate_values, split_heads
-from pallas_kernels.ref.norms import gated_rms_norm
+from pallas_kernels.ref.norms import gate_normed, gated_rms_norm
 
 DEFAULT_WARPS = 4  # fastest measured (docs/decisions/0017-gdn-decode-kernel.md)
 # The state's column block a program updates at a time; None: all its columns at once. Blocks of 32
@@ -283,12 +283,8 @@ def _finish_norm(o, squares, z, norm_w, eps: float):
     """The gated RMSNorm of a split kernel's rounded o [B, Hv, dv] from its splits' float32 sums of
     squares [B, Hv, S] (summed in split order), rounded at the steps the kernel's own norm rounds
     (one XLA fusion)."""
-    f32 = jnp.float32
     inv = lax.rsqrt(jnp.sum(squares, axis=-1, keepdims=True) / o.shape[-1] + eps)
-    normed = (o.astype(f32) * inv).astype(o.dtype)
-    wn = (norm_w * normed).astype(f32)
-    zf = z.astype(f32)
-    return (wn * (zf * jax.nn.sigmoid(zf))).astype(o.dtype)
+    return gate_normed((o.astype(jnp.float32) * inv).astype(o.dtype), z, norm_w)
 
 
 def gdn_decode(mixed, z, x, w_a, w_b, a_log, dt_bias, window, conv_w, state, norm_w, n_valid, *, num_k_heads: int,

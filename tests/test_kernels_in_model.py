@@ -128,45 +128,33 @@ def test_moe_generation_with_kernels_equals_plain_greedy(mode):
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
 
 
-def test_plain_decoding_with_split_gdn_heads_and_short_attention_splits():
-    """Routes.gdn_decode_dv_split (a value head's columns over two programs, the gated norm after
-    the kernel) and Routes.attention_split_keys (the decode attention's cache in splits of >= 16
-    keys): the same greedy tokens as the XLA form, and one step's hidden states close to it."""
-    cfg, gd, params = make_target(dict(head_dim=16, linear_key_head_dim=16, linear_value_head_dim=32), seed=33,
-                                  base=HYBRID)
-    routes = INTERPRET.replace(gdn_decode_dv_split=2, attention_split_keys=16)
-    rng = np.random.default_rng(5)
-    prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 9)), jnp.int32)
-    lens = jnp.asarray([9, 5], jnp.int32)
-    ref = generate(gd, params, prompt, lens, mode="ar", max_new_tokens=12)
-    got = generate(gd, params, prompt, lens, mode="ar", max_new_tokens=12, routes=routes)
-    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
-    cache = decode.prefill(gd, params, init_target_cache(cfg, 2, CAP), prompt, lens).cache
-    step = jax.jit(lambda c, t, r: nnx.merge(gd, params)(t[:, None], c, jnp.ones((2,), jnp.int32), chunked=False,
-                                                         routes=r)[0], static_argnums=2)
-    tok = jnp.asarray([3, 7], jnp.int32)
-    np.testing.assert_allclose(np.asarray(step(cache, tok, routes)), np.asarray(step(cache, tok, REFERENCE)),
-                               rtol=1e-4, atol=1e-4)
+SPLIT_MODEL = make_target(dict(head_dim=16, linear_key_head_dim=16, linear_value_head_dim=32), seed=33, base=HYBRID)
 
 
-def test_plain_decoding_through_the_kernels():
+@pytest.mark.parametrize("model, routes, seed", [
+    (MODEL, INTERPRET, 2),
+    # a value head's columns over two programs (the gated norm after the kernel), the decode
+    # attention's cache in splits of >= 16 keys
+    (SPLIT_MODEL, INTERPRET.replace(gdn_decode_dv_split=2, attention_split_keys=16), 5),
+], ids=["defaults", "split_heads_short_splits"])
+def test_plain_decoding_through_the_kernels(model, routes, seed):
     """Single-token steps with kernels attend through the tree-attention kernel (one node over the
     cache up to each row's length) and run the GDN core as one kernel (pallas_kernels/gdn_decode.py):
     a batch of two prompts of different lengths decodes the same greedy tokens as the XLA form, and
     one step's hidden states and caches (K / V, recurrent state, conv window) agree closely."""
-    cfg, gd, params = MODEL
-    rng = np.random.default_rng(2)
+    cfg, gd, params = model
+    rng = np.random.default_rng(seed)
     prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 9)), jnp.int32)
     lens = jnp.asarray([9, 5], jnp.int32)
     ref = generate(gd, params, prompt, lens, mode="ar", max_new_tokens=20)
-    got = generate(gd, params, prompt, lens, mode="ar", max_new_tokens=20, routes=INTERPRET)
+    got = generate(gd, params, prompt, lens, mode="ar", max_new_tokens=20, routes=routes)
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
 
     cache = decode.prefill(gd, params, init_target_cache(cfg, 2, CAP), prompt, lens).cache
     step = jax.jit(lambda c, t, routes: nnx.merge(gd, params)(t[:, None], c, jnp.ones((2,), jnp.int32), chunked=False,
                                                               routes=routes), static_argnums=2)
     tok = jnp.asarray([3, 7], jnp.int32)
-    (h_ref, _, c_ref), (h_got, _, c_got) = step(cache, tok, REFERENCE), step(cache, tok, INTERPRET)
+    (h_ref, _, c_ref), (h_got, _, c_got) = step(cache, tok, REFERENCE), step(cache, tok, routes)
     np.testing.assert_allclose(np.asarray(h_got), np.asarray(h_ref), rtol=1e-4, atol=1e-4)
     kinds = set()
     for a, r in zip(c_got.layers, c_ref.layers):

@@ -29,8 +29,12 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, *, zero_centered: bool
 
 def gated_rms_norm(o: jax.Array, z: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """w * rmsnorm(o) * silu(z) over the last axis, rounded as HF's Gated DeltaNet norm rounds."""
-    normed = rms_normalize(o, eps).astype(o.dtype)
-    return (weight * normed * jax.nn.silu(z.astype(jnp.float32))).astype(o.dtype)
+    return gate_normed(rms_normalize(o, eps).astype(o.dtype), z, weight)
+
+
+def gate_normed(normed: jax.Array, z: jax.Array, weight: jax.Array) -> jax.Array:
+    """The gated norm's tail: w * normed * silu(z), in normed's dtype (normed already rounded to it)."""
+    return (weight * normed * jax.nn.silu(z.astype(jnp.float32))).astype(normed.dtype)
 
 
 def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
