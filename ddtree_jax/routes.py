@@ -89,6 +89,9 @@ class Routes:
     moe_parts_into_norm: bool = True
     moe_gate_in_decode_kernel: bool = True  # ... and the shared expert's sigmoid gate product in its first launch
     moe_decode_max_pairs: int = DECODE_MAX_PAIRS  # ... their decode path (no grouping) up to T * top_k pairs
+    # ... in one launch (pallas_kernels/_moe_fused.py: programs own chunks of a pair's intermediate
+    # columns, the last of a pair's programs sums the chunks' down products)
+    moe_decode_fused: bool = False
     # ---- tree build kernels (impl != "xla") ----
     bits_kernel_max_nodes: int = 64  # ancestor bitsets: the kernel up to this many nodes
     tree_select_kernel: bool = True  # the DDTree node selection in one launch (budgets it takes)

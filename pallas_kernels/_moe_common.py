@@ -27,7 +27,7 @@ DECODE_LAYOUTS = (*GEMM_LAYOUTS, "fma")
 DTYPES = ("bfloat16", "float16", "float32")
 MIN_BLOCK = 16  # Triton's tl.dot needs every block dimension >= 16
 TARGET_PROGRAMS = 256  # ~two programs per SM of the H200's 132, all resident at once: loads in flight
-COMBINES = ("kernel", "xla")
+COMBINES = ("kernel", "xla", "fused")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +86,10 @@ class DecodeConfig:
     activates as it loads them. `down`: launch (2). combine "kernel": one program per (column
     block, token) runs the token's k choices and writes y (down.split_k must be 1); "xla": one
     program per (column block, K slice, pair) writes the pair's rounded output (or float32
-    partials), which XLA adds up, weights and sums over k (one more fusion). Each GemmConfig's
+    partials), which XLA adds up, weights and sums over k (one more fusion); "fused": one launch
+    (pallas_kernels/_moe_fused.py): up.block_n is the chunk of intermediate columns a program owns
+    (its gate / up over all of K, then the chunk's share of the down product), up.block_k its K
+    step, down.block_n the output columns of a down step (down.block_k unused). Each GemmConfig's
     layout names the product's form: the MMA on the padded row ("cols": weight columns on the MMA's
     M side; "rows") or "fma" (the row broadcast over the weight tile, no MMA)."""
 
@@ -100,6 +103,9 @@ class DecodeConfig:
             bad.append(f"combine = {self.combine!r} (one of {COMBINES})")
         elif self.combine == "kernel" and self.down.split_k != 1:
             bad.append(f"down.split_k = {self.down.split_k} with combine 'kernel' (its program sums whole rows: 1)")
+        elif self.combine == "fused" and (self.up.split_k != 1 or self.down.split_k != 1):
+            bad.append(f"split_k = {self.up.split_k} / {self.down.split_k} with combine 'fused' (a program owns its "
+                       "chunk's whole K: 1)")
         return bad
 
 

@@ -42,8 +42,10 @@ Forms:
 - the decode path (impl "pallas" / "pallas_interpret" with a `DecodeConfig`; the default while
   T k <= decode_max_pairs): no grouping at all; each (token, choice) pair is its own row, its
   expert read from expert_ids in the kernel; two launches, the second of which can sum a token's
-  k choices and write y itself. Reads T k expert matrices (one per pair, repeats included): what
-  a decode step reads when its tokens' choices rarely coincide.
+  k choices and write y itself; or with combine "fused" one launch whose programs each own a
+  chunk of a row's intermediate columns (pallas_kernels/_moe_fused.py). Reads T k expert
+  matrices (one per pair, repeats included): what a decode step reads when its tokens' choices
+  rarely coincide.
 - the grouped kernel (impl "pallas" / "pallas_interpret" with a `MoeConfig`): the grouping of
   grouped_xla; two launches over (tile, output column block, K slice), each program streaming its
   expert's weight block once; the weighted sum over the k choices is one XLA gather + reduce.
@@ -71,7 +73,8 @@ from pallas_kernels._moe_common import (  # noqa: F401 (re-exported: callers imp
     ACTS, COMBINES, DTYPES, GEMM_LAYOUTS, MIN_BLOCK, TARGET_PROGRAMS, W_LAYOUTS, DecodeConfig, GemmConfig, MoeConfig,
     Shared, _dims, activate, check_operands, combine_choices, dense_reference, gate_weight, kernel_problems, reference,
     shared_weight)
-from pallas_kernels._moe_decode import _decode, default_decode_config
+from pallas_kernels._moe_decode import _decode, default_decode_config, default_fused_config
+from pallas_kernels._moe_fused import one_launch
 from pallas_kernels._moe_grouped import (  # noqa: F401 (re-exported: callers import them from here)
     RANK_BY_COUNT_MAX_PAIRS, PairGroups, _pallas, default_config, group_pairs, grouped_xla, max_tiles)
 
@@ -79,10 +82,12 @@ DECODE_MAX_PAIRS = 8  # the decode path up to this many (token, choice) pairs: o
 
 
 def kernel_config(tokens: int, top_k: int, num_experts: int, hidden: int, inter: int,
-                  decode_max_pairs: int = DECODE_MAX_PAIRS) -> MoeConfig | DecodeConfig:
-    """The kernel route's default: the decode path while T k <= decode_max_pairs, else the grouped
-    kernel."""
+                  decode_max_pairs: int = DECODE_MAX_PAIRS, decode_fused: bool = False) -> MoeConfig | DecodeConfig:
+    """The kernel route's default: the decode path while T k <= decode_max_pairs (in one launch with
+    decode_fused: pallas_kernels/_moe_fused.py), else the grouped kernel."""
     if tokens * top_k <= decode_max_pairs:
+        if decode_fused:
+            return default_fused_config(tokens, top_k, num_experts, hidden, inter)
         return default_decode_config(tokens, top_k, num_experts, hidden, inter)
     return default_config(tokens, top_k, num_experts, hidden, inter)
 
@@ -95,30 +100,33 @@ def xla_form(tokens: int, top_k: int, num_experts: int) -> str:
 
 
 def takes_shared(tokens: int, top_k: int, num_experts: int, hidden: int, inter: int, *, impl: str,
-                 decode_max_pairs: int = DECODE_MAX_PAIRS) -> bool:
+                 decode_max_pairs: int = DECODE_MAX_PAIRS, decode_fused: bool = False) -> bool:
     """Whether expert_mlp's form for this call takes a `Shared` expert: the gathered reference
-    (impl "xla" while T k < E) and the decode path with XLA's combine (kernels); the grouped forms
-    do not."""
+    (impl "xla" while T k < E) and the decode path with XLA's combine or fused (kernels); the
+    grouped forms do not."""
     if impl == "xla":
         return xla_form(tokens, top_k, num_experts) == "reference"
-    config = kernel_config(tokens, top_k, num_experts, hidden, inter, decode_max_pairs)
-    return isinstance(config, DecodeConfig) and config.combine == "xla"
+    config = kernel_config(tokens, top_k, num_experts, hidden, inter, decode_max_pairs, decode_fused)
+    return isinstance(config, DecodeConfig) and config.combine in ("xla", "fused")
 
 
 def expert_mlp(x, expert_ids, weights, w_in, w_out, *, act: str, impl: str = "xla",
                config: MoeConfig | DecodeConfig | None = None, w_layout: str = "in_out",
-               decode_max_pairs: int = DECODE_MAX_PAIRS, shared: Shared | None = None, parts: bool = False):
+               decode_max_pairs: int = DECODE_MAX_PAIRS, shared: Shared | None = None, parts: bool = False,
+               decode_fused: bool = False):
     """y [T, H] = sum_j weights[t, j] * down_e(act(x[t] @ w_in[e])), e = expert_ids[t, j], rounded
     as the module docstring says. impl "xla": `xla_form`'s choice of reference / grouped_xla;
     "pallas" / "pallas_interpret": the decode path (config a DecodeConfig) or the grouped kernel
-    (a MoeConfig); default `kernel_config`: the decode path while T k <= decode_max_pairs. A layer
+    (a MoeConfig); default `kernel_config`: the decode path while T k <= decode_max_pairs (one
+    launch with decode_fused: its default `default_fused_config`). A layer
     the kernels cannot take (`kernel_problems`) raises. Pure and jit-compatible (config, act, impl,
     w_layout and decode_max_pairs static). A `shared` expert (one more weighted choice of every
     token, summed before the one rounding) is taken by the forms `takes_shared` names; another
     form raises. parts: y as float32 partials [n, T, H] whose sum in index order, rounded to x's
     dtype, is y (an add + RMSNorm kernel's split-K input): the decode path's second launch then
     writes each choice's weighted product itself (n = k, + 1 with a shared expert) and no combine
-    runs (`writes_parts`); any other form returns y as the one partial (n = 1)."""
+    runs (`writes_parts`; so does the fused decode path's last program of each row); any other
+    form returns y as the one partial (n = 1)."""
     check_impl(impl)
     bad = check_operands(x, expert_ids, weights, w_in, w_out, act, w_layout, shared)
     if bad:
@@ -133,8 +141,11 @@ def expert_mlp(x, expert_ids, weights, w_in, w_out, *, act: str, impl: str = "xl
             return one(reference(x, expert_ids, weights, w_in, w_out, act=act, w_layout=w_layout, shared=shared))
         return one(grouped_xla(x, expert_ids, weights, w_in, w_out, act=act, w_layout=w_layout))
     e, h, _, inter, _ = _dims(w_in, w_out, w_layout)
-    config = config or kernel_config(t, k, e, h, inter, decode_max_pairs)
+    config = config or kernel_config(t, k, e, h, inter, decode_max_pairs, decode_fused)
     interpret = impl == "pallas_interpret"
+    if isinstance(config, DecodeConfig) and config.combine == "fused":
+        return one_launch(x, expert_ids, weights, w_in, w_out, act=act, w_layout=w_layout, config=config,
+                          interpret=interpret, shared=shared, parts=parts)
     if isinstance(config, DecodeConfig):
         return _decode(x, expert_ids, weights, w_in, w_out, act=act, w_layout=w_layout, config=config,
                        interpret=interpret, shared=shared, parts=parts)
@@ -145,10 +156,12 @@ def expert_mlp(x, expert_ids, weights, w_in, w_out, *, act: str, impl: str = "xl
 
 
 def writes_parts(tokens: int, top_k: int, num_experts: int, hidden: int, inter: int, *, impl: str,
-                 decode_max_pairs: int = DECODE_MAX_PAIRS) -> bool:
+                 decode_max_pairs: int = DECODE_MAX_PAIRS, decode_fused: bool = False) -> bool:
     """Whether expert_mlp(parts=True) of this call returns one weighted partial per choice
-    written by the decode path's second launch (no combine launch), rather than y as one partial."""
+    written by the decode path's kernel (no combine launch), rather than y as one partial."""
     if impl == "xla":
         return False
-    config = kernel_config(tokens, top_k, num_experts, hidden, inter, decode_max_pairs)
-    return isinstance(config, DecodeConfig) and config.combine == "xla" and config.down.fit(hidden, inter).split_k == 1
+    config = kernel_config(tokens, top_k, num_experts, hidden, inter, decode_max_pairs, decode_fused)
+    if not isinstance(config, DecodeConfig):
+        return False
+    return config.combine == "fused" or (config.combine == "xla" and config.down.fit(hidden, inter).split_k == 1)

@@ -287,31 +287,35 @@ def _moe_shapes(tokens: int, w_layout: str):
 
 def _launch_settings(cfg) -> dict:
     """{kernel name prefix: (warps, stages)} of an expert-kernel config's two launches."""
+    if isinstance(cfg, moe.DecodeConfig) and cfg.combine == "fused":
+        return {"moe_decode_fused": (cfg.up.num_warps, cfg.up.num_stages)}
     up, down = ("moe_decode_up", "moe_decode_down") if isinstance(cfg, moe.DecodeConfig) else (
         "moe_experts_up", "moe_experts_down")
     return {up: (cfg.up.num_warps, cfg.up.num_stages), down: (cfg.down.num_warps, cfg.down.num_stages)}
 
 
 def moe_decode_cases(tokens: int):
-    from scripts.bench.moe_experts import decode_sweep  # the tilings the GPU bench times
+    from scripts.bench.moe_experts import decode_sweep, fused_sweep  # the tilings the GPU bench times
 
     h, e, k, i = (MOE_35B_A3B[f] for f in ("hidden", "experts", "top_k", "inter"))
     default = moe.default_decode_config(tokens, k, e, h, i)
-    for name, (cfg, layout) in decode_sweep(default, "small").items():
+    fused = moe.default_fused_config(tokens, k, e, h, i)
+    for name, (cfg, layout) in {**decode_sweep(default, "small"), **fused_sweep(fused, "small")}.items():
         fn = functools.partial(moe.expert_mlp, act="silu_glu", impl="pallas", config=cfg, w_layout=layout)
         yield (dict(variant=name, w_layout=layout, up_layout=cfg.up.layout, down_layout=cfg.down.layout),
                _launch_settings(cfg), fn, _moe_shapes(tokens, layout))
 
     # the model's decode step: the shared expert and its gate in the launches, weighted parts out
-    def shared_gate_parts(x, ids, w, w_in, w_out, s_in, s_out, gate_w):
-        return moe.expert_mlp(x, ids, w, w_in, w_out, act="silu_glu", impl="pallas", config=default,
-                              shared=moe.Shared(s_in, s_out, gate_w=gate_w), parts=True)
-
     shapes = _moe_shapes(tokens, "in_out")
     one = lambda a: jax.ShapeDtypeStruct((1, *a.shape[1:]), a.dtype)
-    yield (dict(variant="default_shared_gate_parts", w_layout="in_out", up_layout=default.up.layout,
-                down_layout=default.down.layout), _launch_settings(default), shared_gate_parts,
-           (*shapes, one(shapes[3]), one(shapes[4]), jax.ShapeDtypeStruct((h,), jnp.bfloat16)))
+    for name, cfg in (("default", default), ("fused", fused)):
+        def shared_gate_parts(x, ids, w, w_in, w_out, s_in, s_out, gate_w, cfg=cfg):
+            return moe.expert_mlp(x, ids, w, w_in, w_out, act="silu_glu", impl="pallas", config=cfg,
+                                  shared=moe.Shared(s_in, s_out, gate_w=gate_w), parts=True)
+
+        yield (dict(variant=f"{name}_shared_gate_parts", w_layout="in_out", up_layout=cfg.up.layout,
+                    down_layout=cfg.down.layout), _launch_settings(cfg), shared_gate_parts,
+               (*shapes, one(shapes[3]), one(shapes[4]), jax.ShapeDtypeStruct((h,), jnp.bfloat16)))
 
 
 def moe_grouped_cases(tokens: int):

@@ -38,6 +38,14 @@ CONFIGS = {
     "decode_fma_split_xla": DecodeConfig(up=GemmConfig(block_n=16, block_k=16, split_k=2, layout="fma"),
                                          down=GemmConfig(block_n=32, block_k=16, split_k=2, layout="fma"),
                                          combine="xla"),
+    # the decode path in one launch: a program per (chunk of intermediate columns, pair), the last
+    # of a pair's programs sums the chunks' down products
+    "fused": DecodeConfig(up=GemmConfig(block_n=16, block_k=16, layout="fma"),
+                          down=GemmConfig(block_n=32, block_k=16, layout="fma"), combine="fused"),
+    "fused_rows": DecodeConfig(up=GemmConfig(block_n=16, block_k=32, layout="rows"),
+                               down=GemmConfig(block_n=16, block_k=16, layout="rows"), combine="fused"),
+    "fused_cols": DecodeConfig(up=GemmConfig(block_n=32, block_k=16, layout="cols"),
+                               down=GemmConfig(block_n=64, block_k=16, layout="cols"), combine="fused"),
 }
 
 
@@ -103,6 +111,9 @@ CASES = {
     "decode_path_default_route": (2, 2, 4, 32, 16, "silu_glu", "float32", "random", "out_in", "default"),
     "decode_path_fma_one_token": (1, 4, 8, 64, 32, "silu_glu", "bfloat16", "random", "in_out", "decode_fma_kernel"),
     "decode_path_fma_out_in_relu2": (3, 2, 5, 32, 64, "relu2", "float32", "hot", "out_in", "decode_fma_split_xla"),
+    "fused_one_token": (1, 4, 8, 64, 32, "silu_glu", "bfloat16", "random", "in_out", "fused"),
+    "fused_rows_out_in_relu2": (3, 3, 5, 32, 48, "relu2", "float32", "hot", "out_in", "fused_rows"),
+    "fused_cols_two_tokens": (2, 4, 4, 32, 64, "silu_glu", "bfloat16", "hot", "in_out", "fused_cols"),
 }
 
 
@@ -138,14 +149,16 @@ def test_kernel_equals_dense_reference_on_random_routing(impl, seed, act, how):
     _assert_close(_run(*args, form="kernel", act=act, impl=impl, config=CONFIGS["small"]), want, "float32", "kernel")
     _assert_close(_run(*args, form="kernel", act=act, impl=impl, config=CONFIGS["decode_kernel"]), want, "float32",
                   "decode path")
+    _assert_close(_run(*args, form="kernel", act=act, impl=impl, config=CONFIGS["fused"]), want, "float32",
+                  "decode path in one launch")
     _assert_close(_run(*args, form="grouped_xla", act=act), want, "float32", "grouped_xla")
 
 
-@pytest.mark.parametrize("cfg_name", ["small", "decode_kernel", "decode_split_xla"])
+@pytest.mark.parametrize("cfg_name", ["small", "decode_kernel", "decode_split_xla", "fused"])
 def test_an_id_outside_the_experts_adds_nothing_under_jit(impl, cfg_name):
     """Under jit ids are not checked; an id outside [0, E) (HF's 'not on this rank' id E) adds
-    nothing in every form, like a zero combine weight (the grouped kernel and both combines of the
-    decode path)."""
+    nothing in every form, like a zero combine weight (the grouped kernel, both combines of the
+    decode path and its one-launch form)."""
     h, inter = (256, 128) if impl == "pallas" else (32, 16)
     x, ids, w, w_in, w_out = _problem(3, 5, 2, 4, h, inter, "silu_glu", "float32", "random")
     ids = ids.at[1, 0].set(4).at[3, 1].set(-1)
@@ -224,7 +237,9 @@ def test_kernel_problems_name_bad_shapes():
     bad = moe.kernel_problems(64, 32, 4, 2, jnp.bfloat16, DecodeConfig(down=GemmConfig(split_k=2), combine="kernel"))
     assert bad == ["down.split_k = 2 with combine 'kernel' (its program sums whole rows: 1)"]
     bad = moe.kernel_problems(64, 32, 4, 2, jnp.bfloat16, DecodeConfig(up=GemmConfig(block_k=48), combine="sum"))
-    assert bad == ["up.block_k = 48 (a power of two >= 16)", "combine = 'sum' (one of ('kernel', 'xla'))"]
+    assert bad == ["up.block_k = 48 (a power of two >= 16)", "combine = 'sum' (one of ('kernel', 'xla', 'fused'))"]
+    bad = moe.kernel_problems(64, 32, 4, 2, jnp.bfloat16, DecodeConfig(up=GemmConfig(split_k=2), combine="fused"))
+    assert bad == ["split_k = 2 / 1 with combine 'fused' (a program owns its chunk's whole K: 1)"]
 
 
 def test_bad_inputs_raise_clear_errors():
@@ -299,6 +314,8 @@ SHARED_CASES = {
                                 DecodeConfig(up=GemmConfig(block_n=16, block_k=16),
                                              down=GemmConfig(block_n=16, block_k=16, split_k=2), combine="xla")),
     "one_token_fma_out_in": (1, 4, 8, 32, 32, "silu_glu", "bfloat16", "out_in", CONFIGS["decode_fma_split_xla"]),
+    "one_token_fused": (1, 4, 8, 32, 32, "silu_glu", "bfloat16", "in_out", CONFIGS["fused"]),
+    "two_tokens_fused_rows_out_in_f32": (2, 3, 5, 64, 32, "silu_glu", "float32", "out_in", CONFIGS["fused_rows"]),
 }
 
 
@@ -352,12 +369,13 @@ def _run_parts(x, ids, w, w_in, w_out, shared, *, act, impl, config, w_layout, w
 
 @pytest.mark.parametrize("with_shared", [True, False])
 @pytest.mark.parametrize("case", ["one_token_top4", "one_token_fma_out_in", "three_tokens_split_rows_f32",
-                                  "two_tokens_out_in_relu2"])
+                                  "two_tokens_out_in_relu2", "one_token_fused", "two_tokens_fused_rows_out_in_f32"])
 def test_weighted_parts_sum_to_the_combined_output(case, with_shared, impl):
     """parts=True: the decode path's second launch writes each choice's weighted round(o) (the
     shared expert's last; a choice of an invalid id zeros) where it has no K split, and their sum
     in index order, rounded once, is the combined output (the add + RMSNorm kernel's sum); a
-    down launch with a K split returns the output as the one partial."""
+    down launch with a K split returns the output as the one partial. The one-launch form's
+    last program of each pair writes the same weighted parts."""
     t, k, e, h, inter, act, dtype, w_layout, config = SHARED_CASES[case]
     if impl == "pallas":
         h, inter = 8 * h, 8 * inter
@@ -379,6 +397,11 @@ def test_weighted_parts_sum_to_the_combined_output(case, with_shared, impl):
 
 def test_writes_parts_names_the_decode_path_without_a_down_split():
     assert moe.writes_parts(1, 8, 256, 2048, 512, impl="pallas")  # the 35B-A3B decode step
+    assert moe.writes_parts(1, 8, 256, 2048, 512, impl="pallas", decode_fused=True)
+    assert moe.takes_shared(1, 8, 256, 2048, 512, impl="pallas", decode_fused=True)
+    fused = moe.kernel_config(1, 8, 256, 2048, 512, decode_fused=True)
+    assert isinstance(fused, DecodeConfig) and fused.combine == "fused" and not fused.problems()
+    assert not isinstance(moe.kernel_config(2, 8, 256, 2048, 512, decode_fused=True), DecodeConfig)
     assert not moe.writes_parts(2, 8, 256, 2048, 512, impl="pallas")  # the grouped kernel
     assert not moe.writes_parts(1, 8, 256, 2048, 512, impl="xla")
     x, ids, w, w_in, w_out = _problem(0, 5, 2, 4, 32, 16, "silu_glu", "float32", "random", "in_out")
@@ -388,11 +411,13 @@ def test_writes_parts_names_the_decode_path_without_a_down_split():
 
 
 @pytest.mark.parametrize("parts", [False, True])
-@pytest.mark.parametrize("case", ["one_token_top4", "one_token_fma_out_in", "three_tokens_split_rows_f32"])
+@pytest.mark.parametrize("case", ["one_token_top4", "one_token_fma_out_in", "three_tokens_split_rows_f32",
+                                  "one_token_fused", "two_tokens_fused_rows_out_in_f32"])
 def test_shared_gate_product_in_the_first_launch(case, parts, impl):
     """A shared expert given by its gate's weight (gate_w): the decode path's first launch sums
-    x . gate_w over each K slice and the weight is round(sigmoid(round(sum))), as the gathered
-    reference computes it with XLA's product; equal to the decode path given that weight."""
+    x . gate_w over each K slice (the one-launch form: the shared rows' first chunk over all of K)
+    and the weight is round(sigmoid(round(sum))), as the gathered reference computes it with XLA's
+    product; equal to the decode path given that weight."""
     t, k, e, h, inter, act, dtype, w_layout, config = SHARED_CASES[case]
     if impl == "pallas":
         h, inter = 8 * h, 8 * inter

@@ -108,23 +108,27 @@ MOE_MODEL = make_target(dict(head_dim=16, linear_key_head_dim=16, linear_value_h
                         seed=7, base=HYBRID_MOE)
 
 
-@pytest.mark.parametrize("mode", ["ar", "ddtree", pytest.param("dflash", marks=pytest.mark.slow)])
-def test_moe_generation_with_kernels_equals_plain_greedy(mode):
+@pytest.mark.parametrize("mode, routes", [
+    ("ar", INTERPRET), ("ddtree", INTERPRET), pytest.param("dflash", INTERPRET, marks=pytest.mark.slow),
+    ("ar", INTERPRET.replace(moe_decode_fused=True)),
+], ids=["ar", "ddtree", "dflash", "ar_fused_decode"])
+def test_moe_generation_with_kernels_equals_plain_greedy(mode, routes):
     """A Qwen3.5-MoE target with expert sizes the kernels take (intermediate 32, 8 experts, top 4):
     with every kernel on, plain decoding runs the router kernel and the experts' decode path with
-    the shared expert inside it (one token: 4 pairs), DDTree's verify the grouped expert kernel;
-    the greedy tokens equal plain greedy decoding through the XLA forms (DFlash under -m slow)."""
+    the shared expert inside it (one token: 4 pairs; in one launch with moe_decode_fused),
+    DDTree's verify the grouped expert kernel; the greedy tokens equal plain greedy decoding
+    through the XLA forms (DFlash under -m slow)."""
     cfg, gd, params = MOE_MODEL
     rng = np.random.default_rng(4)
     prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, 6)), jnp.int32)
     lens = jnp.asarray([6], jnp.int32)
     ref = generate(gd, params, prompt, lens, mode="ar", max_new_tokens=12)
     if mode == "ar":
-        got = generate(gd, params, prompt, lens, mode="ar", max_new_tokens=12, routes=INTERPRET)
+        got = generate(gd, params, prompt, lens, mode="ar", max_new_tokens=12, routes=routes)
     else:
         table = jnp.zeros((1, 32), jnp.int32).at[0, 6:18].set(ref.tokens[0]).at[0, :6].set(prompt[0])
         got = generate(gd, params, prompt, lens, proposer=ScriptedProposer(4, cfg.vocab_size, 0.3, seed=5),
-                       drafter_params=table, mode=mode, budget=8, max_new_tokens=12, routes=INTERPRET)
+                       drafter_params=table, mode=mode, budget=8, max_new_tokens=12, routes=routes)
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
 
 

@@ -483,6 +483,11 @@ def test_one_token_block_hands_the_norm_its_weighted_parts():
     many = jnp.asarray(rng.normal(size=(3, cfg.hidden_size)), jnp.float32)
     assert not isinstance(run(params, many, INTERPRET), SplitKParts)
     assert not isinstance(run(params, one, REFERENCE), SplitKParts)
+    # the decode path in one launch (moe_decode_fused) writes the same parts
+    fused = run(params, one, Routes(impl="pallas_interpret", moe_decode_fused=True))
+    assert isinstance(fused, SplitKParts) and fused.parts.shape == parts.parts.shape
+    np.testing.assert_allclose(np.asarray(fused.parts), np.asarray(parts.parts), rtol=1e-5,
+                               atol=1e-5 * float(np.abs(parts.parts).max()))
 
 
 def _with_parts_out(block):
@@ -516,3 +521,7 @@ def test_decode_step_with_moe_parts_into_the_norm_matches_the_combine():
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
     count = lambda routes: len(jax.make_jaxpr(lambda p, c, t: step(p, c, t, routes))(params, cache, token).eqns)
     assert count(INTERPRET) < count(off)
+    # the experts' decode path in one launch (moe_decode_fused): the same logits
+    fused = Routes(impl="pallas_interpret", moe_decode_fused=True)
+    one = np.asarray(jax.jit(step, static_argnums=3)(params, cache, token, fused))
+    np.testing.assert_allclose(one, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))

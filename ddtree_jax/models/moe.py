@@ -73,7 +73,8 @@ def experts(x, expert_ids, weights, w_in, w_out, *, act: str, routes: Routes = R
         else:
             impl = routes.impl
     return moe_experts.expert_mlp(x, expert_ids, weights, w_in, w_out, act=act, impl=impl,
-                                  decode_max_pairs=routes.moe_decode_max_pairs, shared=shared, parts=parts)
+                                  decode_max_pairs=routes.moe_decode_max_pairs, shared=shared, parts=parts,
+                                  decode_fused=routes.moe_decode_fused)
 
 
 def fuses_shared(tokens: int, top_k: int, w_in, w_out, shared_inter: int, dtype, routes: Routes) -> bool:
@@ -85,7 +86,8 @@ def fuses_shared(tokens: int, top_k: int, w_in, w_out, shared_inter: int, dtype,
     return (routes.kernels and routes.moe_experts_kernel and routes.moe_shared_in_decode_kernel
             and shared_inter == inter and not moe_experts.kernel_problems(h, inter, e, top_k, dtype)
             and moe_experts.takes_shared(tokens, top_k, e, h, inter, impl=routes.impl,
-                                         decode_max_pairs=routes.moe_decode_max_pairs))
+                                         decode_max_pairs=routes.moe_decode_max_pairs,
+                                         decode_fused=routes.moe_decode_fused))
 
 
 # ---- Qwen3.5-MoE / Qwen3-Next ---------------------------------------------------------------------

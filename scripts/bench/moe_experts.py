@@ -7,7 +7,7 @@ of its 8 experts with the previous token's, as trained routers do along a sequen
 distinct experts touched, their weight bytes, and the time of every form: the grouped kernel at
 its default tiling and a small sweep around it, and on rows of up to --decode-max-pairs pairs the
 decode path (no grouping: one row per (token, choice) pair) at its default tiling and a sweep
-(decode_sweep), on weights stored [E, in, out] and [E, out, in] (HF's) (`kernel` is the best of
+(decode_sweep; its one-launch form: fused_sweep), on weights stored [E, in, out] and [E, out, in] (HF's) (`kernel` is the best of
 them, `kernel_default` the grouped default, `kernel_decode` the decode path's default,
 `kernel_route` what the library's route takes at this T (`route_config`: moe_experts.kernel_config),
 all on [E, in, out]; the JSON has every tiling's time and each layout's best), XLA's gathered `reference`,
@@ -25,6 +25,8 @@ first form that ran). Prints a table last and writes JSON (rewritten after every
     python -m scripts.bench.moe_experts --out $OUT/moe_experts.json      # on the H200
     python -m scripts.bench.moe_experts --tokens 1,8,16 --sweep decode --max-gather-pairs 8 \
         --max-ragged-pairs 0 --max-grouped-pairs 0 --out $OUT/moe_decode.json   # the decode rows (~1.5 min)
+    python -m scripts.bench.moe_experts --tokens 1 --sweep fused --max-gather-pairs 0 --max-ragged-pairs 0 \
+        --max-grouped-pairs 0 --max-dense-pairs 0 --out $OUT/moe_fused.json       # one launch against two
     python -m scripts.bench.moe_experts --smoke                          # CPU, seconds
 """
 
@@ -99,7 +101,7 @@ def sweep_configs(base, which: str):
                                                       down=dataclasses.replace(cfg.down, **kw))
     flip = "rows" if base.up.layout == "cols" else "cols"
     out = {"default": (base, "in_out")}
-    if which == "decode":  # the decode rows' call: the grouped default only, beside decode_sweep's
+    if which in ("decode", "fused"):  # the decode rows' call: the grouped default only, beside decode_sweep's
         return out
     out["default_out_in"] = (base, "out_in")
     if which == "none":
@@ -172,6 +174,30 @@ def decode_sweep(base, which: str):
     out["decode_fma_k128_split_x2"] = (rep(fma, up=rep(fma.up, block_k=128, split_k=2 * fma.up.split_k),
                                            down=rep(fma.down, block_k=128)), "in_out")
     out["decode_fma_up_mma_down"] = (rep(base, up=fma.up), "in_out")
+    return out
+
+
+def fused_sweep(base, which: str):
+    """{name: (DecodeConfig, w_layout)} of the one-launch decode path's variants (combine "fused",
+    pallas_kernels/_moe_fused.py; which as sweep_configs): its default on both weight layouts, then
+    one change each: chunks of 16 / 64 intermediate columns (twice / half the programs; 64 at 8
+    warps), K steps of 256, down steps of 512 columns, 8 warps, 2 stages, and the MMA forms
+    ("rows", "cols") on the padded row."""
+    rep = dataclasses.replace
+    up = lambda **kw: rep(base, up=rep(base.up, **kw))
+    down = lambda **kw: rep(base, down=rep(base.down, **kw))
+    out = {"fused": (base, "in_out"), "fused_out_in": (base, "out_in")}
+    if which in ("none", "smoke"):
+        return out
+    out["fused_c16"] = (up(block_n=16), "in_out")
+    out["fused_c64_w8"] = (up(block_n=64, num_warps=8), "in_out")
+    out["fused_k256"] = (up(block_k=256), "in_out")
+    out["fused_down512"] = (down(block_n=512), "in_out")
+    out["fused_w8"] = (up(num_warps=8), "in_out")
+    out["fused_stages2"] = (up(num_stages=2), "in_out")
+    for layout in ("rows", "cols"):
+        out[f"fused_{layout}"] = (rep(base, up=rep(base.up, layout=layout), down=rep(base.down, layout=layout)),
+                                  "in_out")
     return out
 
 
@@ -263,9 +289,10 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", default=None, help=f"token counts T (default {TOKENS}; smoke {SMOKE_TOKENS})")
     ap.add_argument("--routings", default="random,correlated")
     ap.add_argument("--act", default="silu_glu", choices=("silu_glu", "relu2"))
-    ap.add_argument("--sweep", default=None, choices=("none", "smoke", "small", "full", "decode"),
-                    help="kernel tilings timed beside the default (sweep_configs, decode_sweep; default small, smoke "
-                         "with --smoke; decode: the decode path's variants and the grouped default only)")
+    ap.add_argument("--sweep", default=None, choices=("none", "smoke", "small", "full", "decode", "fused"),
+                    help="kernel tilings timed beside the default (sweep_configs, decode_sweep, fused_sweep; default "
+                         "small, smoke with --smoke; decode: the decode path's variants and the grouped default only; "
+                         "fused: the one-launch decode path's variants beside the two-launch and grouped defaults)")
     ap.add_argument("--decode-max-pairs", type=int, default=128,
                     help="time the decode path (decode_sweep) on rows of up to this many pairs T k")
     ap.add_argument("--out-in", action=argparse.BooleanOptionalAction, default=True,
@@ -322,8 +349,12 @@ def main(argv=None) -> int:
         which = args.sweep or ("smoke" if args.smoke else "small")
         configs = sweep_configs(base, which)
         if pairs <= args.decode_max_pairs:
-            configs.update(decode_sweep(moe.default_decode_config(t, k, e, h, inter),
-                                        "small" if which in ("decode", "full") else which))
+            small = "small" if which in ("decode", "fused", "full") else which
+            if which != "fused":
+                configs.update(decode_sweep(moe.default_decode_config(t, k, e, h, inter), small))
+            else:  # the two-launch default beside the one-launch variants
+                configs.update(decode_sweep(moe.default_decode_config(t, k, e, h, inter), "none"))
+            configs.update(fused_sweep(moe.default_fused_config(t, k, e, h, inter), small))
         route = "decode" if isinstance(moe.kernel_config(t, k, e, h, inter), moe.DecodeConfig) else "default"
         forms, weights_of = {}, {}
         for name, (cfg, layout) in configs.items():
