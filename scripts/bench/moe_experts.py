@@ -7,8 +7,8 @@ of its 8 experts with the previous token's, as trained routers do along a sequen
 distinct experts touched, their weight bytes, and the time of every form: the grouped kernel at
 its default tiling and a small sweep around it, and on rows of up to --decode-max-pairs pairs the
 decode path (no grouping: one row per (token, choice) pair) at its default tiling and a sweep
-(decode_sweep; its one-launch form: fused_sweep), on weights stored [E, in, out] and [E, out, in] (HF's) (`kernel` is the best of
-them, `kernel_default` the grouped default, `kernel_decode` the decode path's default,
+(decode_sweep; its one-launch form: fused_sweep), on weights stored [E, in, out] and [E, out, in]
+(HF's) (`kernel` is the best of them, `kernel_default` the grouped default, `kernel_decode` the decode path's default,
 `kernel_route` what the library's route takes at this T (`route_config`: moe_experts.kernel_config),
 all on [E, in, out]; the JSON has every tiling's time and each layout's best), XLA's gathered `reference`,
 `grouped_xla`, a `ragged` form (lax.ragged_dot over the pairs sorted by expert) and `dense` (every
