@@ -83,6 +83,8 @@ class Routes:
     ssd_kernel_max_nodes: int = 16  # Mamba2 tree verify: the SSD kernel up to this many nodes
     moe_experts_kernel: bool = True  # MoE expert products through the expert kernels
     moe_router_kernel: bool = True  # a softmax router's softmax + top-k + renormalisation in one launch
+    # ... and at one row its product too (pallas_kernels/router_choice.py: the product's last program chooses)
+    moe_router_fused: bool = False
     moe_shared_in_decode_kernel: bool = True  # the shared expert as T more pairs of the experts' decode path
     # ... whose second launch writes each choice's weighted product as float32 partials that the next
     # add + RMSNorm kernel sums (no combine launch), where the MoE block's output meets that kernel

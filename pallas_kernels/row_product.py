@@ -123,6 +123,17 @@ def reference(x, w, *, split_k: int = 1, partials: bool = False):
 
 def _kernel(x_ref, w_ref, o_ref, *, cfg: RowConfig, k_per_split: int, partials: bool, precision):
     """Program (column block, K slice): the row's product with w's [k_per_split, block_n] slab."""
+    col, split = pl.program_id(0), pl.program_id(1)
+    y = slab_product(x_ref, w_ref, cfg=cfg, k_per_split=k_per_split, precision=precision)
+    if partials:
+        store(o_ref, (split, pl.ds(col * cfg.block_n, cfg.block_n)), y)
+    else:
+        store(o_ref, (pl.ds(col * cfg.block_n, cfg.block_n),), y.astype(o_ref.dtype))
+
+
+def slab_product(x_ref, w_ref, *, cfg: RowConfig, k_per_split: int, precision):
+    """Inside program (column block, K slice) of a grid like `_pallas`'s: the float32 product [block_n]
+    of the row x_ref [K, 1] (a column) with w_ref's [k_per_split, block_n] slab."""
     f32 = jnp.float32
     bn, bk = cfg.block_n, cfg.block_k
     col, split = pl.program_id(0), pl.program_id(1)
@@ -154,11 +165,7 @@ def _kernel(x_ref, w_ref, o_ref, *, cfg: RowConfig, k_per_split: int, partials: 
             acc = step(i, acc)
     else:
         acc = lax.fori_loop(0, steps, step, jnp.zeros(shape, f32))
-    y = jnp.sum(acc, axis=0)  # the dot form's pad rows are zeros
-    if partials:
-        store(o_ref, (split, pl.ds(col0, bn)), y)
-    else:
-        store(o_ref, (pl.ds(col0, bn),), y.astype(o_ref.dtype))
+    return jnp.sum(acc, axis=0)  # the dot form's pad rows are zeros
 
 
 def _pallas(x_col, w, cfg: RowConfig, partials: bool, interpret: bool):

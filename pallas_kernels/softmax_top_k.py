@@ -61,17 +61,24 @@ def _kernel(x_ref, ids_ref, w_ref, *, n, k, n_pad, kp, norm, dtype, parts, logit
         x = _rounded(x, logits_dtype, interpret)
     else:
         x = load(x_ref, (pl.ds(0, n_pad),), mask=real, other=0.0).astype(f32)
+    store_choice(ids_ref, w_ref, x, real, k=k, kp=kp, norm=norm, dtype=dtype, interpret=interpret)
+
+
+def store_choice(ids_ref, w_ref, x, real, *, k, kp, norm, dtype, interpret, at=()):
+    """Inside a kernel: the softmax top-k of one row of float32 logits x [n_pad] (lanes where `real`
+    is false ignored) stored into ids_ref / w_ref at index prefix `at`, k lanes (the module's
+    arithmetic; pallas_kernels/router_choice.py's last program runs it too)."""
     x = jnp.where(real, x, -jnp.inf)
     e = jnp.exp(x - jnp.max(x))
     p = e / jnp.sum(e)  # jax.nn.softmax's formula
     key = jnp.where(real, p, -1.0)  # below every probability
     vals, picks = take_top_k(key, k, kp, removed=-2.0)
-    lane = lax.broadcasted_iota(i32, (kp,), 0)
+    lane = lax.broadcasted_iota(jnp.int32, (kp,), 0)
     if norm:
         vals = vals / jnp.sum(vals)  # lanes past k hold zeros
     keep = lane < k
-    store(ids_ref, (pl.ds(0, kp),), picks, mask=keep)
-    store(w_ref, (pl.ds(0, kp),), _rounded(vals, dtype, interpret), mask=keep)
+    store(ids_ref, (*at, pl.ds(0, kp)), picks, mask=keep)
+    store(w_ref, (*at, pl.ds(0, kp)), _rounded(vals, dtype, interpret), mask=keep)
 
 
 def _pallas(logits, k: int, *, norm: bool, weights_dtype, interpret: bool, num_warps: int | None,

@@ -103,22 +103,30 @@ def test_generation_with_kernels_equals_plain_greedy():
         np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens), err_msg=mode)
 
 
-MOE_MODEL = make_target(dict(head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16, num_experts=8,
-                             num_experts_per_tok=4, moe_intermediate_size=32, shared_expert_intermediate_size=32),
-                        seed=7, base=HYBRID_MOE)
+MOE_SIZES = dict(head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16, num_experts_per_tok=4,
+                 moe_intermediate_size=32, shared_expert_intermediate_size=32)
+MOE_MODEL = make_target(dict(MOE_SIZES, num_experts=8), seed=7, base=HYBRID_MOE)
+MOE16_MODEL = make_target(dict(MOE_SIZES, num_experts=16), seed=7, base=HYBRID_MOE)  # a router the row kernels take
 
 
-@pytest.mark.parametrize("mode, routes", [
-    ("ar", INTERPRET), ("ddtree", INTERPRET), pytest.param("dflash", INTERPRET, marks=pytest.mark.slow),
-    ("ar", INTERPRET.replace(moe_decode_fused=True)),
-], ids=["ar", "ddtree", "dflash", "ar_fused_decode"])
-def test_moe_generation_with_kernels_equals_plain_greedy(mode, routes):
+@pytest.mark.parametrize("mode, routes, model", [
+    ("ar", INTERPRET, MOE_MODEL), ("ddtree", INTERPRET, MOE_MODEL),
+    pytest.param("dflash", INTERPRET, MOE_MODEL, marks=pytest.mark.slow),
+    ("ar", INTERPRET.replace(moe_decode_fused=True, moe_router_fused=True), MOE16_MODEL),
+], ids=["ar", "ddtree", "dflash", "ar_one_launch_router_and_experts"])
+def test_moe_generation_with_kernels_equals_plain_greedy(mode, routes, model):
     """A Qwen3.5-MoE target with expert sizes the kernels take (intermediate 32, 8 experts, top 4):
     with every kernel on, plain decoding runs the router kernel and the experts' decode path with
-    the shared expert inside it (one token: 4 pairs; in one launch with moe_decode_fused),
+    the shared expert inside it (one token: 4 pairs; in one launch with moe_decode_fused; the
+    router's product and choice in one with moe_router_fused),
     DDTree's verify the grouped expert kernel; the greedy tokens equal plain greedy decoding
     through the XLA forms (DFlash under -m slow)."""
-    cfg, gd, params = MOE_MODEL
+    cfg, gd, params = model
+    if routes.moe_router_fused:  # the one-launch router is in the program
+        block = nnx.merge(gd, params).layers[0].mlp
+        x = jnp.ones((1, cfg.hidden_size), block.router.kernel[...].dtype)
+        program = str(jax.make_jaxpr(lambda x: block(x, routes))(x))
+        assert "router_choice" in program and "moe_decode_fused" in program
     rng = np.random.default_rng(4)
     prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, 6)), jnp.int32)
     lens = jnp.asarray([6], jnp.int32)

@@ -44,7 +44,8 @@ from ddtree_jax.config import TargetConfig
 from ddtree_jax.models.layers import Linear, Relu2MLP, SplitKParts, SwiGLU, _init, dense
 from ddtree_jax.models.mixer import StatelessMixer
 from ddtree_jax.routes import REFERENCE, Routes
-from pallas_kernels import moe_experts
+from pallas_kernels import moe_experts, row_product
+from pallas_kernels.router_choice import router_choice
 from pallas_kernels.softmax_top_k import SOFTMAX_TOP_K_MAX_K, SOFTMAX_TOP_K_MAX_LEN, softmax_top_k
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -147,8 +148,15 @@ class SparseMoeBlock(StatelessMixer, nnx.Module):
 
     def route(self, x: jax.Array, routes: Routes = REFERENCE) -> tuple[jax.Array, jax.Array]:
         """Chosen experts [..., k] and their combine weights [..., k] (float32 holding values of the
-        params dtype: HF rounds the weights to it) of tokens x [..., H]."""
+        params dtype: HF rounds the weights to it) of tokens x [..., H]. One row with
+        routes.moe_router_fused: the product and the choice in one launch (router_choice)."""
         kernel = routes.kernels and routes.moe_router_kernel  # takes the row-product kernel's partials
+        r = self.router
+        w = r.kernel[...]
+        if (kernel and routes.moe_router_fused and x.size == x.shape[-1] and r.scale is None and r.bias is None
+                and w.dtype == x.dtype and not row_product.problems(*w.shape, x.dtype)
+                and w.shape[1] <= SOFTMAX_TOP_K_MAX_LEN and self.top_k <= min(w.shape[1], SOFTMAX_TOP_K_MAX_K)):
+            return router_choice(x, w, self.top_k, norm=self.norm_topk_prob, weights_dtype=x.dtype, impl=routes.impl)
         return route_softmax_top_k(self.router(x, routes, one_row_parts=kernel), top_k=self.top_k,
                                    norm=self.norm_topk_prob, weights_dtype=x.dtype, routes=routes)
 
