@@ -133,20 +133,24 @@ def test_moe_decode_path_lowers_for_cuda_without_spills():
     (cp.async, LDGSTS in the SASS: the column blocks under 64 with the weight on the MMA's M side
     were not, so the sweep runs those in the "rows" form). The "fma" form has no MMA and Triton
     gives its loads no cp.async: its launches load straight to registers in 16-byte vectors. The
-    model's form (the shared expert and its gate in the launches, weighted parts out) too."""
+    model's form (the shared expert and its gate in the launches, weighted parts out) too, and the
+    one-launch form's variants (combine "fused": one kernel)."""
     from scripts.offline_triton_compile import compile_case, moe_decode_cases
 
     captured = []
     for opts, settings, fn, shapes in moe_decode_cases(1):
         kernels = capture_ttir(fn, *shapes)
-        assert [name.split("_")[:3] for name, _ in kernels] == [["moe", "decode", "up"], ["moe", "decode", "down"]]
+        want = [["moe", "decode", "fused"]] if opts["variant"].startswith("fused") else [
+            ["moe", "decode", "up"], ["moe", "decode", "down"]]
+        assert [name.split("_")[:3] for name, _ in kernels] == want, opts
         captured.append((opts, settings, kernels))
     assert {o["variant"] for o, _, _ in captured} >= {"decode", "decode_out_in", "decode_n16_kernel",
-                                                      "default_shared_gate_parts"}
+                                                      "default_shared_gate_parts", "fused", "fused_out_in",
+                                                      "fused_shared_gate_parts"}
     require_recorded_triton()
     for opts, settings, kernels in captured:
         for res in compile_case(kernels, settings, 1):
-            layout = opts["up_layout" if "_up" in res["launch"] else "down_layout"]
+            layout = opts["down_layout" if "_down" in res["launch"] else "up_layout"]
             loads = res["ldg_128"] > 0 if layout == "fma" else res["ldgsts"] > 0
             assert res["stack_bytes"] == 0 and res["regs"] <= 255 and loads, (opts, res)
 
