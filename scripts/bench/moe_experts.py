@@ -182,7 +182,8 @@ def fused_sweep(base, which: str):
     pallas_kernels/_moe_fused.py; which as sweep_configs): its default on both weight layouts, then
     one change each: chunks of 16 / 64 intermediate columns (twice / half the programs; 64 at 8
     warps), K steps of 256, down steps of 512 columns, 8 warps, 2 stages, and the MMA forms
-    ("rows", "cols") on the padded row."""
+    ("rows", "cols") on the padded row; "full" (--sweep fused) adds changes around "rows": weights
+    stored [E, out, in], chunks of 16, 6 stages, K steps of 256 at 8 warps, down steps of 512."""
     rep = dataclasses.replace
     up = lambda **kw: rep(base, up=rep(base.up, **kw))
     down = lambda **kw: rep(base, down=rep(base.down, **kw))
@@ -198,6 +199,14 @@ def fused_sweep(base, which: str):
     for layout in ("rows", "cols"):
         out[f"fused_{layout}"] = (rep(base, up=rep(base.up, layout=layout), down=rep(base.down, layout=layout)),
                                   "in_out")
+    if which == "full":  # around the MMA "rows" form (its weight loads pipelined: cp.async)
+        rows = rep(base, up=rep(base.up, layout="rows"), down=rep(base.down, layout="rows"))
+        out["fused_rows_out_in"] = (rows, "out_in")
+        out["fused_rows_c16_out_in"] = (rep(rows, up=rep(rows.up, block_n=16)), "out_in")
+        out["fused_rows_c16"] = (rep(rows, up=rep(rows.up, block_n=16)), "in_out")
+        out["fused_rows_stages6"] = (rep(rows, up=rep(rows.up, num_stages=6)), "in_out")
+        out["fused_rows_k256_w8"] = (rep(rows, up=rep(rows.up, block_k=256, num_warps=8)), "in_out")
+        out["fused_rows_down512"] = (rep(rows, down=rep(rows.down, block_n=512)), "in_out")
     return out
 
 
@@ -354,7 +363,8 @@ def main(argv=None) -> int:
                 configs.update(decode_sweep(moe.default_decode_config(t, k, e, h, inter), small))
             else:  # the two-launch default beside the one-launch variants
                 configs.update(decode_sweep(moe.default_decode_config(t, k, e, h, inter), "none"))
-            configs.update(fused_sweep(moe.default_fused_config(t, k, e, h, inter), small))
+            fused = moe.default_fused_config(t, k, e, h, inter)
+            configs.update(fused_sweep(fused, "full" if which == "fused" else small))
         route = "decode" if isinstance(moe.kernel_config(t, k, e, h, inter), moe.DecodeConfig) else "default"
         forms, weights_of = {}, {}
         for name, (cfg, layout) in configs.items():
