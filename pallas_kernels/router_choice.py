@@ -59,8 +59,8 @@ def _kernel(x_ref, w_ref, _cnt_in, p_ref, c_ref, ids_ref, wts_ref, *, cfg: rp.Ro
         logits = rows[0]
         for r in rows[1:]:
             logits = logits + r  # index order
-        logits = stk._rounded(logits, logits_dtype, interpret)
-        stk.store_choice(ids_ref, wts_ref, logits, real, k=k, kp=kp, norm=norm, dtype=dtype, interpret=interpret)
+        stk.store_choice(ids_ref, wts_ref, logits, real, k=k, kp=kp, norm=norm, dtype=dtype, interpret=interpret,
+                         round_to=logits_dtype)
 
     pl.when(done == programs - 1)(choose)
 

@@ -58,16 +58,20 @@ def _kernel(x_ref, ids_ref, w_ref, *, n, k, n_pad, kp, norm, dtype, parts, logit
         x = rows[0]
         for r in rows[1:]:
             x = x + r
-        x = _rounded(x, logits_dtype, interpret)
+        store_choice(ids_ref, w_ref, x, real, k=k, kp=kp, norm=norm, dtype=dtype, interpret=interpret,
+                     round_to=logits_dtype)
     else:
         x = load(x_ref, (pl.ds(0, n_pad),), mask=real, other=0.0).astype(f32)
-    store_choice(ids_ref, w_ref, x, real, k=k, kp=kp, norm=norm, dtype=dtype, interpret=interpret)
+        store_choice(ids_ref, w_ref, x, real, k=k, kp=kp, norm=norm, dtype=dtype, interpret=interpret)
 
 
-def store_choice(ids_ref, w_ref, x, real, *, k, kp, norm, dtype, interpret, at=()):
+def store_choice(ids_ref, w_ref, x, real, *, k, kp, norm, dtype, interpret, round_to=None, at=()):
     """Inside a kernel: the softmax top-k of one row of float32 logits x [n_pad] (lanes where `real`
-    is false ignored) stored into ids_ref / w_ref at index prefix `at`, k lanes (the module's
-    arithmetic; pallas_kernels/router_choice.py's last program runs it too)."""
+    is false ignored; first rounded to `round_to` when given: a sum of partial products) stored
+    into ids_ref / w_ref at index prefix `at`, k lanes (the module's arithmetic;
+    pallas_kernels/router_choice.py's last program runs it too)."""
+    if round_to is not None:
+        x = _rounded(x, round_to, interpret)
     x = jnp.where(real, x, -jnp.inf)
     e = jnp.exp(x - jnp.max(x))
     p = e / jnp.sum(e)  # jax.nn.softmax's formula
