@@ -83,7 +83,8 @@ class Routes:
     ssd_kernel_max_nodes: int = 16  # Mamba2 tree verify: the SSD kernel up to this many nodes
     moe_experts_kernel: bool = True  # MoE expert products through the expert kernels
     moe_router_kernel: bool = True  # a softmax router's softmax + top-k + renormalisation in one launch
-    # ... and at one row its product too (pallas_kernels/router_choice.py: the product's last program chooses)
+    # ... and at one row its product too (pallas_kernels/router_choice.py: the product's last program
+    # chooses; slower on the H200, decision 0059)
     moe_router_fused: bool = False
     moe_shared_in_decode_kernel: bool = True  # the shared expert as T more pairs of the experts' decode path
     # ... whose second launch writes each choice's weighted product as float32 partials that the next
@@ -92,7 +93,7 @@ class Routes:
     moe_gate_in_decode_kernel: bool = True  # ... and the shared expert's sigmoid gate product in its first launch
     moe_decode_max_pairs: int = DECODE_MAX_PAIRS  # ... their decode path (no grouping) up to T * top_k pairs
     # ... in one launch (pallas_kernels/_moe_fused.py: programs own chunks of a pair's intermediate
-    # columns, the last of a pair's programs sums the chunks' down products)
+    # columns, the last of a pair's programs sums the chunks' down products; slower on the H200, 0059)
     moe_decode_fused: bool = False
     # ---- tree build kernels (impl != "xla") ----
     bits_kernel_max_nodes: int = 64  # ancestor bitsets: the kernel up to this many nodes

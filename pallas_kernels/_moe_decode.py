@@ -56,10 +56,11 @@ def default_decode_config(tokens: int, top_k: int, num_experts: int, hidden: int
 
 
 def default_fused_config(tokens: int, top_k: int, num_experts: int, hidden: int, inter: int) -> DecodeConfig:
-    """The one-launch decode path's tiling (pallas_kernels/_moe_fused.py; a first guess until the
-    H200 sweep of scripts.bench.moe_experts --sweep fused sets it): chunks of 32 intermediate
+    """The one-launch decode path's tiling (pallas_kernels/_moe_fused.py): chunks of 32 intermediate
     columns (T = 1, top-8 + the shared expert, I = 512: 16 chunks x 9 rows = 144 programs), K steps
-    of 128, down steps of 256 output columns, no MMA (a GEMV)."""
+    of 128, down steps of 256 output columns, no MMA (a GEMV). The H200 sweep (`moe_experts --sweep
+    fused`, decision 0059) found no tiling of this form faster than the two launches; the MMA
+    "rows" form with down steps of 512 was within 1-4 % of its best."""
     del tokens, top_k, num_experts, hidden, inter
     return DecodeConfig(up=GemmConfig(block_n=32, block_k=128, layout="fma"),
                         down=GemmConfig(block_n=256, block_k=32, layout="fma"), combine="fused")

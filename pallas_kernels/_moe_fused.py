@@ -1,9 +1,12 @@
 """The decode path in one launch (pallas_kernels/moe_experts.py's decode path with combine "fused";
 the two-launch form is pallas_kernels/_moe_decode.py, whose helpers this module shares).
 
-Why: at batch 1 the two-launch form's launches take 14.8 + 10.1 us a layer where their 56.6 MB of
-expert weights need 12.9 us at the H200's read rate (docs/benchmarks.md section 6): each launch
-is short enough that its ramp and tail weigh, and the second waits for the first to drain.
+Why it was built: at batch 1 the two-launch form's launches take 14.8 + 10.1 us a layer where their
+56.6 MB of expert weights need 12.9 us at the H200's read rate (docs/benchmarks.md section 6).
+Measured, it is slower: 42.5-51 us a layer over 19 tilings against 33.2-34.5 us for the two
+launches (docs/decisions/0059-last-program-epilogues.md): a program's down-product loads wait
+for its own gate / up phase, and about one program a SM leaves nothing to overlap them. An option
+(`Routes.moe_decode_fused`, off) and the tested form of the "last program" epilogue.
 
 Program (chunk c, row r), grid (I / bc, R): row r is a (token, choice) pair, or from P on one of
 the shared expert's T rows. The program makes the row's gate and up columns [c bc, (c + 1) bc) of

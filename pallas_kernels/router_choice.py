@@ -11,9 +11,12 @@ softmax_top_k(row_product(x, w, partials=True), k, logits_dtype=x.dtype): the lo
 float32 partial products over config.split_k slices of K, added in index order and rounded to
 x's dtype, then chosen as softmax_top_k chooses.
 
-Why: a batch-1 decode step's router is two launches, the product (2.1 us on the H200 at the
-Qwen3.6-35B-A3B router, 2048 x 256) and the choice (3.2 us, one program that mostly waits for its
-launch), 40 times a step (docs/benchmarks.md section 6). Here every program writes its float32
+Why it was built: a batch-1 decode step's router is two launches, the product (2.1 us on the H200
+at the Qwen3.6-35B-A3B router, 2048 x 256) and the choice (3.2 us), 40 times a step
+(docs/benchmarks.md section 6). Measured, the step is 0.05-0.1 ms slower with it
+(docs/decisions/0059-last-program-epilogues.md): the choice runs after the product in the
+product's 4-warp program (the choice alone is fastest at 1 warp). An option
+(`Routes.moe_router_fused`, off). Here every program writes its float32
 partial product, then (after a CTA barrier, so that its threads' stores come first) adds one to a
 counter (an atomic, acquire-release at GPU scope); the program that reads the count of all programs
 less one has every partial in view and makes the choice. The counter is a zeroed input aliased to
