@@ -1,5 +1,5 @@
-"""scripts/bench/loop_sync.py at its smoke size: both loops run the asked steps from one state, and
-the report has each program's per-step times and their ratio."""
+"""scripts/bench/loop_sync.py at its smoke size: the three loops (while, chunked, fori) run the asked
+steps from one state, and the report has each program's per-step times and their ratios."""
 
 import json
 
@@ -15,8 +15,9 @@ def test_smoke(tmp_path):
     results = json.loads(out.read_text())["results"]
     assert set(results) == {"ar_b1", "ddtree4_b1"}
     for r in results.values():
-        assert set(r["step_ms"]) == {"while", "fori"} and r["while_over_fori"] > 0
-        assert {"while_2_ms", "while_4_ms", "fori_2_ms", "fori_4_ms"} <= set(r)
+        assert set(r["step_ms"]) == {"while", "chunked", "fori"} and r["while_over_fori"] > 0
+        assert r["chunked_over_fori"] > 0 and r["chunk"] == 2
+        assert {"while_2_ms", "while_4_ms", "chunked_4_ms", "fori_2_ms", "fori_4_ms"} <= set(r)
 
 
 def test_bad_arguments_are_refused():
@@ -26,3 +27,5 @@ def test_bad_arguments_are_refused():
         loop_sync.main(["--out", "x.json", "--programs", "beam"])
     with pytest.raises(SystemExit):
         loop_sync.main(["--out", "x.json", "--steps", "8,4"])
+    with pytest.raises(SystemExit):
+        loop_sync.main(["--out", "x.json", "--chunk", "1"])

@@ -55,6 +55,10 @@ class GenSpec:
     capacity: int = 0  # KV slots; 0 = prompt + max_new + block + 1
     proposer: Any = None
     routes: Routes = REFERENCE  # kernel routes and forms (ddtree_jax/routes.py; Routes.resolve() per device)
+    # Steps between two reads of the loop's predicate: > 1 runs the loop in chunks of this many
+    # steps with a static trip count (on a GPU XLA reads a data-dependent predicate on the host every
+    # iteration), then single steps up to the stop; fixed budgets only (`_advance`)
+    loop_chunk: int = 1
 
     @property
     def block(self) -> int:
@@ -77,6 +81,11 @@ class GenSpec:
             raise ValueError(f"sampling must be a Sampling or a SamplingCode, got {self.sampling!r}")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if not isinstance(self.loop_chunk, int) or isinstance(self.loop_chunk, bool) or self.loop_chunk < 1:
+            raise ValueError(f"loop_chunk must be a positive integer, got {self.loop_chunk!r}")
+        if self.loop_chunk > 1 and self.adaptive is not None:
+            raise ValueError(f"loop_chunk = {self.loop_chunk} is for fixed budgets: budget 'auto' chooses between "
+                             "steps (use loop_chunk 1)")
         if self.mode != "ar":
             if self.proposer is None:
                 raise ValueError(f"mode {self.mode!r} needs a drafter (proposer)")
@@ -322,9 +331,22 @@ def _host_plans(spec: GenSpec) -> bool:
 
 
 def _advance(model, drafter_params, s: LoopState, eos_ids, spec: GenSpec, max_steps) -> LoopState:
+    """Up to max_steps steps, until every row stopped. With spec.loop_chunk C > 1, first whole chunks
+    of C steps (a loop of static trip count inside, so the predicate is read once a chunk); a step
+    that starts with every row stopped changes no output and is not counted (a stopped row's state
+    is stepped as in any batch whose other rows run); then single steps up to the stop."""
     stop_at = s.i + max_steps
-    cond = lambda st: ~jnp.all(st.done) & (st.i < stop_at)
-    s = jax.lax.while_loop(cond, lambda st: _step(model, drafter_params, st, eos_ids, spec, stop_at), s)
+    step = lambda st: _step(model, drafter_params, st, eos_ids, spec, stop_at)
+    going = lambda st: ~jnp.all(st.done)
+    c = spec.loop_chunk
+    if c > 1:
+        def counted(_, st):
+            nxt = step(st)
+            return nxt._replace(i=jnp.where(going(st), nxt.i, st.i))
+
+        s = jax.lax.while_loop(lambda st: going(st) & (st.i + c <= stop_at),
+                               lambda st: jax.lax.fori_loop(0, c, counted, st), s)
+    s = jax.lax.while_loop(lambda st: going(st) & (st.i < stop_at), step, s)
     return adaptive.with_plan(s, spec) if _host_plans(spec) else s
 
 

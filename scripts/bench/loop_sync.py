@@ -4,12 +4,13 @@ The generation loop (`speculative.generate._advance`) is one `lax.while_loop` wh
 ("any row not done and steps left") depends on the step's output; on a GPU XLA's runtime copies
 that predicate to the host every iteration (the profile's one device-to-host copy a step) before it
 launches the next. A loop with a static trip count needs no such read. This tool runs the same
-steps both ways from one prefilled state, every row active for every step (no EOS, rows long
-enough): `advance` (the while loop) and a jitted `lax.fori_loop` of `_step` with the step count
-static; per-step time = (T(long) - T(short)) / (long - short) for each, medians of interleaved
-repeats, and their ratio (`while_over_fori`). A ratio well above 1 on a launch-bound target says
-chunking the loop (a fixed number of steps between predicate reads, the steps past the stop made
-no-ops) would pay; near 1, it would not.
+steps three ways from one prefilled state, every row active for every step (no EOS, rows long
+enough): `advance` (the while loop), `advance` with GenSpec.loop_chunk = --chunk (chunks of a
+static step count, one predicate read a chunk: "chunked") and a jitted `lax.fori_loop` of `_step`
+with the whole step count static ("fori", no read at all); per-step time = (T(long) - T(short)) /
+(long - short) for each, medians of interleaved repeats, and the ratios to "fori"
+(`while_over_fori`, `chunked_over_fori`). A while ratio well above 1 on a launch-bound target with
+the chunked one near 1 says loop_chunk pays there.
 
     python -m scripts.bench.loop_sync --out $OUT/loop_sync.json          # on the H200
     python -m scripts.bench.loop_sync --smoke --out /tmp/loop_sync.json  # any device
@@ -18,6 +19,7 @@ no-ops) would pay; near 1, it would not.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import statistics
 import sys
@@ -34,8 +36,9 @@ from ddtree_jax.speculative import generate as gen
 from ddtree_jax.speculative.sampling import Sampling
 
 
-def measure(engine, mode: str, budget: int, batch: int, prompt_len: int, steps: tuple[int, int], repeats: int) -> dict:
-    """Medians of both loops at both step counts, the per-step times and their ratio."""
+def measure(engine, mode: str, budget: int, batch: int, prompt_len: int, steps: tuple[int, int], repeats: int,
+            chunk: int) -> dict:
+    """Medians of the three loops at both step counts, the per-step times and their ratios to fori."""
     start, advance = gen.bind(engine.graphdef)
     params, dparams, graphdef = engine.params, engine.drafter_params, engine.graphdef
     max_new = 4 * steps[1] + 64  # every row active for every step of every call
@@ -53,7 +56,9 @@ def measure(engine, mode: str, budget: int, batch: int, prompt_len: int, steps: 
         model = nnx.merge(graphdef, params)
         return jax.lax.fori_loop(0, n, lambda _, st: gen._step(model, dparams, st, never, spec), state)
 
+    chunked = dataclasses.replace(spec, loop_chunk=chunk)
     loops = {"while": lambda st, n: advance(params, dparams, st, never, jnp.int32(n), spec=spec),
+             "chunked": lambda st, n: advance(params, dparams, st, never, jnp.int32(n), spec=chunked),
              "fori": lambda st, n: fori(params, dparams, st, n)}
     for run in loops.values():  # compile and first runs
         for n in steps:
@@ -73,7 +78,8 @@ def measure(engine, mode: str, budget: int, batch: int, prompt_len: int, steps: 
     med = {f"{name}_{n}_ms": statistics.median(v) for (name, n), v in samples.items()}
     step = {name: (med[f"{name}_{steps[1]}_ms"] - med[f"{name}_{steps[0]}_ms"]) / (steps[1] - steps[0])
             for name in loops}
-    return {**med, "step_ms": step, "while_over_fori": step["while"] / step["fori"]}
+    return {**med, "step_ms": step, "while_over_fori": step["while"] / step["fori"],
+            "chunked_over_fori": step["chunked"] / step["fori"], "chunk": chunk}
 
 
 def main(argv=None) -> int:
@@ -83,14 +89,17 @@ def main(argv=None) -> int:
     p.add_argument("--programs", default="ar,ddtree16", help="ar and / or ddtreeB (budget B)")
     p.add_argument("--steps", default="16,64", help="the short and the long call's steps")
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--chunk", type=int, default=4, help="GenSpec.loop_chunk of the chunked loop (default 4)")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--smoke", action="store_true", help="batch 1, ar and DDTree-4, 2 / 4 steps, 1 repeat")
     args = p.parse_args(argv)
     programs = ["ar", "ddtree4"] if args.smoke else args.programs.split(",")
     bad = [x for x in programs if x != "ar" and not (x.startswith("ddtree") and x[6:].isdigit())]
     steps = (2, 4) if args.smoke else tuple(int(x) for x in args.steps.split(","))
-    if bad or len(steps) != 2 or not 1 <= steps[0] < steps[1]:
-        p.error(f"--programs: ar or ddtreeB, got {bad}; --steps: two counts short < long, got {steps}")
+    chunk = 2 if args.smoke else args.chunk
+    if bad or len(steps) != 2 or not 1 <= steps[0] < steps[1] or chunk < 2:
+        p.error(f"--programs: ar or ddtreeB, got {bad}; --steps: two counts short < long, got {steps}; "
+                f"--chunk >= 2, got {chunk}")
     batches = [1] if args.smoke else [int(b) for b in args.batches.split(",")]
     repeats = 1 if args.smoke else args.repeats
     from ddtree_jax.cli.common import load_engine
@@ -100,10 +109,12 @@ def main(argv=None) -> int:
     for batch in batches:
         for prog in programs:
             mode, budget = ("ar", 1) if prog == "ar" else ("ddtree", int(prog[6:]))
-            row = measure(engine, mode, budget, batch, args.prompt_len, steps, repeats)
+            row = measure(engine, mode, budget, batch, args.prompt_len, steps, repeats, chunk)
             report["results"][f"{prog}_b{batch}"] = row
-            print(f"[loop] {prog} batch {batch}: while {row['step_ms']['while']:.4f} ms a step, fori "
-                  f"{row['step_ms']['fori']:.4f} ({row['while_over_fori']:.3f}x)", file=sys.stderr, flush=True)
+            ms = row["step_ms"]
+            print(f"[loop] {prog} batch {batch}: ms a step while {ms['while']:.4f} ({row['while_over_fori']:.3f}x), "
+                  f"chunks of {chunk} {ms['chunked']:.4f} ({row['chunked_over_fori']:.3f}x), fori {ms['fori']:.4f}",
+                  file=sys.stderr, flush=True)
             atomic.write_json(args.out, report)
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
