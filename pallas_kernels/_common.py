@@ -51,6 +51,40 @@ def compiler_params(num_warps: int, num_stages: int):
     return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
+def count_finished(counter_ref, idx, interpret: bool):
+    """Inside a kernel of `counted_call` (a "last program" epilogue, docs/decisions/0059): add one to
+    counter_ref[idx] once this program's stores are done and return the count before it. Of n
+    programs counting at idx, the one that reads n - 1 runs after every other's stores and sees
+    them. A CTA barrier first (every thread's stores before Triton's single-thread atomic: its
+    release is cumulative), then the acquire-release atomic at GPU scope. Interpret mode runs the
+    programs one after another: no barrier."""
+    if not interpret:
+        pltriton.debug_barrier()
+    return pltriton.atomic_add(counter_ref, idx, jnp.ones((), jnp.int32))
+
+
+def counted_call(kernel, *, grid, operands, out_shape, counters: int, num_warps: int, num_stages: int,
+                 interpret: bool, name: str):
+    """pl.pallas_call of kernel over whole-array blocks, with `counters` zeroed int32 counters
+    (count_finished's) appended to the operands and aliased to one more output after out_shape:
+    kernel(*operand_refs, counters_in_ref, *out_refs, counters_ref). Returns out_shape's outputs."""
+    operands = (*operands, jnp.zeros((counters,), jnp.int32))
+    out_shape = (*out_shape, jax.ShapeDtypeStruct((counters,), jnp.int32))
+    full = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * len(a.shape))
+    outs = pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=[full(a) for a in operands],
+        out_specs=[full(o) for o in out_shape],
+        out_shape=out_shape,
+        input_output_aliases={len(operands) - 1: len(out_shape) - 1},
+        compiler_params=None if interpret else compiler_params(num_warps, num_stages),
+        interpret=interpret,
+        name=name,
+    )(*operands)
+    return outs[:-1]
+
+
 def dot(a, b, *, trans_b: bool = False, precision=None):
     """2-D a @ b (or a @ b.T) with float32 accumulation."""
     contract_b = 1 if trans_b else 0

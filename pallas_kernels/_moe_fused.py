@@ -38,22 +38,20 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import compiler_params, dot_precision, load, pltriton, store, summed_partials
+from pallas_kernels._common import count_finished, counted_call, dot_precision, load, store, summed_partials
 from pallas_kernels._moe_common import DecodeConfig, Shared, _dims, gate_weight, kernel_problems
 from pallas_kernels._moe_decode import (_act_rounded, _acc_shape, _columns, _operand, _pair_expert, _row_product,
                                         _the_row, _weight_tile)
 
 
-def _fused_kernel(ids_ref, wts_ref, x_ref, w_in_ref, w_out_ref, _cnt_in_ref, *refs, top_k, pairs, num_experts,
-                  chunks, bc, bk, bn, hidden, offsets, w_t, layout, precision, act, dtype, shared, gate, interpret):
-    """refs: with a shared expert its w_in [1, ...], w_out [1, ...] and weights [T] (or gate_w);
-    then the outputs: parts o_ref [k (+ 1), T, H], partials p_ref [C, R, H], counters c_ref [R]
-    (aliased to _cnt_in_ref), and with a gate its sums g_ref [T]."""
+def _fused_kernel(ids_ref, wts_ref, x_ref, w_in_ref, w_out_ref, *refs, top_k, pairs, num_experts, chunks, bc, bk,
+                  bn, hidden, offsets, w_t, layout, precision, act, dtype, shared, gate, interpret):
+    """refs (counted_call's order): with a shared expert its w_in [1, ...], w_out [1, ...] and weights
+    [T] (or gate_w); the counters' input; the outputs: parts o_ref [k (+ 1), T, H], partials p_ref
+    [C, R, H], with a gate its sums g_ref [T]; the counters c_ref [R]."""
     f32 = jnp.float32
-    if gate:
-        o_ref, p_ref, c_ref, g_ref = refs[-4:]
-    else:
-        o_ref, p_ref, c_ref = refs[-3:]
+    o_ref, p_ref, *g, c_ref = refs[-4:] if gate else refs[-3:]
+    g_ref = g[0] if gate else None
     chunk, row = pl.program_id(0), pl.program_id(1)
     c0 = chunk * bc
     x_cols = _columns(layout, w_t)  # x (and the activation) as a column [., 1]
@@ -103,9 +101,7 @@ def _fused_kernel(ids_ref, wts_ref, x_ref, w_in_ref, w_out_ref, _cnt_in_ref, *re
 
         pl.when((row >= pairs) & (chunk == 0))(gate_sum)
 
-    if not interpret:
-        pltriton.debug_barrier()  # every thread's partial stores before the count (release is cumulative)
-    done = pltriton.atomic_add(c_ref, (row,), jnp.ones((), jnp.int32))
+    done = count_finished(c_ref, (row,), interpret)
 
     def part_of(choice, t, weight):
         def step(j, carry):
@@ -158,7 +154,7 @@ def fused(x, ids, wts, w_in, w_out, *, act: str, w_t: bool, inter: int, config: 
     offsets = (0, inter) if act == "silu_glu" else (0,)
     cols = _columns(up.layout, w_t)
     gate = shared is not None and shared.gate_w is not None
-    operands = [ids, wts, x[..., None] if cols else x, w_in, w_out, jnp.zeros((rows,), jnp.int32)]
+    operands = [ids, wts, x[..., None] if cols else x, w_in, w_out]
     if shared is not None:
         operands += [shared.w_in, shared.w_out]
         if gate:
@@ -166,26 +162,15 @@ def fused(x, ids, wts, w_in, w_out, *, act: str, w_t: bool, inter: int, config: 
         else:
             operands.append(shared.weight.astype(f32))
     n = k + (shared is not None)
-    out_shape = [jax.ShapeDtypeStruct((n, t, h), f32), jax.ShapeDtypeStruct((chunks, rows, h), f32),
-                 jax.ShapeDtypeStruct((rows,), jnp.int32)]
+    out_shape = [jax.ShapeDtypeStruct((n, t, h), f32), jax.ShapeDtypeStruct((chunks, rows, h), f32)]
     if gate:
         out_shape.append(jax.ShapeDtypeStruct((t,), f32))
     kernel = functools.partial(_fused_kernel, top_k=k, pairs=p, num_experts=w_in.shape[0], chunks=chunks,
                                bc=up.block_n, bk=up.block_k, bn=bn, hidden=h, offsets=offsets, w_t=w_t,
                                layout=up.layout, precision=precision, act=act, dtype=x.dtype,
                                shared=shared is not None, gate=gate, interpret=interpret)
-    full = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * len(a.shape))
-    outs = pl.pallas_call(
-        kernel,
-        grid=(chunks, rows),
-        in_specs=[full(a) for a in operands],
-        out_specs=[full(o) for o in out_shape],
-        out_shape=out_shape,
-        input_output_aliases={5: 2},  # the zeroed counters
-        compiler_params=None if interpret else compiler_params(up.num_warps, up.num_stages),
-        interpret=interpret,
-        name="moe_decode_fused",
-    )(*operands)
+    outs = counted_call(kernel, grid=(chunks, rows), operands=operands, out_shape=out_shape, counters=rows,
+                        num_warps=up.num_warps, num_stages=up.num_stages, interpret=interpret, name="moe_decode_fused")
     return outs[0]
 
 

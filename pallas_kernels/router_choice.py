@@ -34,7 +34,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import row_product as rp
 from pallas_kernels import softmax_top_k as stk
-from pallas_kernels._common import check_impl, compiler_params, dot_precision, load, next_pow2, pltriton, store
+from pallas_kernels._common import check_impl, count_finished, counted_call, dot_precision, load, next_pow2, store
 
 
 def reference(x, w, k: int, *, norm: bool, weights_dtype, split_k: int = 1):
@@ -44,16 +44,14 @@ def reference(x, w, k: int, *, norm: bool, weights_dtype, split_k: int = 1):
     return stk.softmax_top_k(parts, k, norm=norm, weights_dtype=weights_dtype, logits_dtype=x.dtype)
 
 
-def _kernel(x_ref, w_ref, _cnt_in, p_ref, c_ref, ids_ref, wts_ref, *, cfg: rp.RowConfig, k_per_split, n, n_pad, k,
+def _kernel(x_ref, w_ref, _cnt_in, p_ref, ids_ref, wts_ref, c_ref, *, cfg: rp.RowConfig, k_per_split, n, n_pad, k,
             kp, norm, dtype, logits_dtype, precision, interpret):
     """Program (column block, K slice): its partial product into p_ref [S, n]; the last program to
     count (c_ref [1]) makes the choice."""
     col, split = pl.program_id(0), pl.program_id(1)
     y = rp.slab_product(x_ref, w_ref, cfg=cfg, k_per_split=k_per_split, precision=precision)
     store(p_ref, (split, pl.ds(col * cfg.block_n, cfg.block_n)), y)
-    if not interpret:
-        pltriton.debug_barrier()  # every thread's stores before the count (release is cumulative)
-    done = pltriton.atomic_add(c_ref, (jnp.int32(0),), jnp.ones((), jnp.int32))
+    done = count_finished(c_ref, (jnp.int32(0),), interpret)
     programs = pl.num_programs(0) * pl.num_programs(1)
 
     def choose():
@@ -98,19 +96,9 @@ def router_choice(x, w, k: int, *, norm: bool, weights_dtype=jnp.float32, config
     kernel = functools.partial(_kernel, cfg=cfg, k_per_split=kk // cfg.split_k, n=n, n_pad=n_pad, k=k, kp=kp,
                                norm=norm, dtype=jnp.dtype(weights_dtype), logits_dtype=x.dtype,
                                precision=dot_precision(x.dtype), interpret=interpret)
-    operands = (x.reshape(kk, 1), w, jnp.zeros((1,), jnp.int32))
-    out_shape = [jax.ShapeDtypeStruct((cfg.split_k, n), jnp.float32), jax.ShapeDtypeStruct((1,), jnp.int32),
-                 jax.ShapeDtypeStruct((k,), jnp.int32), jax.ShapeDtypeStruct((k,), jnp.float32)]
-    full = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
-    _, _, ids, wts = pl.pallas_call(
-        kernel,
-        grid=(n // cfg.block_n, cfg.split_k),
-        in_specs=[full(a.shape) for a in operands],
-        out_specs=[full(o.shape) for o in out_shape],
-        out_shape=out_shape,
-        input_output_aliases={2: 1},  # the zeroed counter
-        compiler_params=None if interpret else compiler_params(cfg.num_warps, cfg.num_stages),
-        interpret=interpret,
-        name="router_choice",
-    )(*operands)
+    out_shape = [jax.ShapeDtypeStruct((cfg.split_k, n), jnp.float32), jax.ShapeDtypeStruct((k,), jnp.int32),
+                 jax.ShapeDtypeStruct((k,), jnp.float32)]
+    _, ids, wts = counted_call(kernel, grid=(n // cfg.block_n, cfg.split_k), operands=(x.reshape(kk, 1), w),
+                               out_shape=out_shape, counters=1, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                               interpret=interpret, name="router_choice")
     return ids.reshape(*lead, k), wts.reshape(*lead, k)
