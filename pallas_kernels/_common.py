@@ -55,9 +55,10 @@ def count_finished(counter_ref, idx, interpret: bool):
     """Inside a kernel of `counted_call` (a "last program" epilogue,
     docs/decisions/0059-last-program-epilogues.md): add one to counter_ref[idx] once this program's
     stores are done and return the count before it. Of n programs counting at idx, the one that
-    reads n - 1 runs after every other's stores and sees them. A CTA barrier first (every thread's stores before Triton's single-thread atomic: its
-    release is cumulative), then the acquire-release atomic at GPU scope. Interpret mode runs the
-    programs one after another: no barrier."""
+    reads n - 1 runs after every other's stores and sees them. A CTA barrier first (every thread's
+    stores before Triton's single-thread atomic: its release is cumulative), then the
+    acquire-release atomic at GPU scope. Interpret mode runs the programs one after another: no
+    barrier."""
     if not interpret:
         pltriton.debug_barrier()
     return pltriton.atomic_add(counter_ref, idx, jnp.ones((), jnp.int32))
