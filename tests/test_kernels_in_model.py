@@ -127,6 +127,10 @@ def test_moe_generation_with_kernels_equals_plain_greedy(mode, routes, model):
         x = jnp.ones((1, cfg.hidden_size), block.router.kernel[...].dtype)
         program = str(jax.make_jaxpr(lambda x: block(x, routes))(x))
         assert "router_choice" in program and "moe_decode_fused" in program
+        # a router the one launch cannot take (8 experts: not a multiple of 16) says so
+        small = nnx.merge(*MOE_MODEL[1:]).layers[0].mlp
+        with pytest.warns(UserWarning, match="router's product and choice run as two launches.*N = 8"):
+            jax.make_jaxpr(lambda x: small(x, routes))(jnp.ones((1, cfg.hidden_size), x.dtype))
     rng = np.random.default_rng(4)
     prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, 6)), jnp.int32)
     lens = jnp.asarray([6], jnp.int32)

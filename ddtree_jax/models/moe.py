@@ -151,12 +151,18 @@ class SparseMoeBlock(StatelessMixer, nnx.Module):
         params dtype: HF rounds the weights to it) of tokens x [..., H]. One row with
         routes.moe_router_fused: the product and the choice in one launch (router_choice)."""
         kernel = routes.kernels and routes.moe_router_kernel  # takes the row-product kernel's partials
-        r = self.router
-        w = r.kernel[...]
-        if (kernel and routes.moe_router_fused and x.size == x.shape[-1] and r.scale is None and r.bias is None
-                and w.dtype == x.dtype and not row_product.problems(*w.shape, x.dtype)
-                and w.shape[1] <= SOFTMAX_TOP_K_MAX_LEN and self.top_k <= min(w.shape[1], SOFTMAX_TOP_K_MAX_K)):
-            return router_choice(x, w, self.top_k, norm=self.norm_topk_prob, weights_dtype=x.dtype, impl=routes.impl)
+        if kernel and routes.moe_router_fused and x.size == x.shape[-1]:
+            r, w = self.router, self.router.kernel[...]
+            problems = [] if r.scale is None and r.bias is None else ["an int8 or biased router"]
+            problems += [] if w.dtype == x.dtype else [f"router weights {w.dtype} for a {x.dtype} row"]
+            problems += row_product.problems(*w.shape, x.dtype)
+            if w.shape[1] > SOFTMAX_TOP_K_MAX_LEN or self.top_k > min(w.shape[1], SOFTMAX_TOP_K_MAX_K):
+                problems.append(f"top-{self.top_k} of {w.shape[1]} experts")
+            if not problems:
+                return router_choice(x, w, self.top_k, norm=self.norm_topk_prob, weights_dtype=x.dtype,
+                                     impl=routes.impl)
+            warnings.warn("the MoE router's product and choice run as two launches, not router_choice's one: "
+                          + "; ".join(problems), stacklevel=3)
         return route_softmax_top_k(self.router(x, routes, one_row_parts=kernel), top_k=self.top_k,
                                    norm=self.norm_topk_prob, weights_dtype=x.dtype, routes=routes)
 
