@@ -95,9 +95,6 @@ class Routes:
     # ... in one launch (pallas_kernels/_moe_fused.py: programs own chunks of a pair's intermediate
     # columns, the last of a pair's programs sums the chunks' down products; slower on the H200, 0059)
     moe_decode_fused: bool = False
-    # ... whose first launch reads the second's weights into L2 (the "evict_last" hint; its own
-    # weights "evict_first"), so that the second reads them from L2 (DecodeConfig.prefetch_down)
-    moe_decode_prefetch: bool = False
     # ---- tree build kernels (impl != "xla") ----
     bits_kernel_max_nodes: int = 64  # ancestor bitsets: the kernel up to this many nodes
     tree_select_kernel: bool = True  # the DDTree node selection in one launch (budgets it takes)

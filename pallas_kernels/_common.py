@@ -34,12 +34,11 @@ NEG = -1e30  # finite "minus infinity": exp2(NEG - m) == 0 and NEG - NEG never m
 H200_SMS = 132  # streaming multiprocessors of the H200 (the kernels' grid-size heuristics)
 
 
-def load(ref, idx, *, mask=None, other=None, eviction_policy=None):
-    """Masked load of ref[idx] (idx: a tuple of slices / pl.ds / scalars, or integer arrays).
-    eviction_policy: Triton's L2 hint ("evict_first" / "evict_last"; None: the default)."""
+def load(ref, idx, *, mask=None, other=None):
+    """Masked load of ref[idx] (idx: a tuple of slices / pl.ds / scalars, or integer arrays)."""
     if pltriton is not None and hasattr(pltriton, "load"):
-        return pltriton.load(ref.at[idx], mask=mask, other=other, eviction_policy=eviction_policy)
-    return pl.load(ref, idx, mask=mask, other=other, eviction_policy=eviction_policy)  # pragma: no cover
+        return pltriton.load(ref.at[idx], mask=mask, other=other)
+    return pl.load(ref, idx, mask=mask, other=other)  # pragma: no cover
 
 
 def store(ref, idx, val, *, mask=None):

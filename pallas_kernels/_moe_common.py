@@ -91,16 +91,11 @@ class DecodeConfig:
     (its gate / up over all of K, then the chunk's share of the down product), up.block_k its K
     step, down.block_n the output columns of a down step (down.block_k unused). Each GemmConfig's
     layout names the product's form: the MMA on the padded row ("cols": weight columns on the MMA's
-    M side; "rows") or "fma" (the row broadcast over the weight tile, no MMA). prefetch_down (two
-    launches only): each program of launch (1) also reads its share of its pair's w_out with
-    Triton's "evict_last" L2 hint (its gate / up loads "evict_first"), so that launch (2) finds
-    the down weights in L2 instead of HBM; the bytes read are summed into an unused output so
-    that the loads stay."""
+    M side; "rows") or "fma" (the row broadcast over the weight tile, no MMA)."""
 
     up: GemmConfig = GemmConfig(block_n=64, block_k=64, split_k=4)
     down: GemmConfig = GemmConfig(block_n=64, block_k=64)
     combine: str = "kernel"
-    prefetch_down: bool = False
 
     def problems(self) -> list[str]:
         bad = self.up.problems("up", DECODE_LAYOUTS) + self.down.problems("down", DECODE_LAYOUTS)
@@ -111,8 +106,6 @@ class DecodeConfig:
         elif self.combine == "fused" and (self.up.split_k != 1 or self.down.split_k != 1):
             bad.append(f"split_k = {self.up.split_k} / {self.down.split_k} with combine 'fused' (a program owns its "
                        "chunk's whole K: 1)")
-        if self.prefetch_down and self.combine == "fused":
-            bad.append("prefetch_down with combine 'fused' (one launch: nothing to prefetch for)")
         return bad
 
 

@@ -124,54 +124,10 @@ def _the_row(acc, layout: str, w_t: bool):
     return jnp.sum(acc, axis=1 if layout == "cols" else 0)
 
 
-def _weight_tile(w_ref, e, k0, col, bk: int, bn: int, w_t: bool, evict=None):
+def _weight_tile(w_ref, e, k0, col, bk: int, bn: int, w_t: bool):
     if w_t:  # stored [E, N, K]
-        return load(w_ref, (e, pl.ds(col, bn), pl.ds(k0, bk)), eviction_policy=evict)
-    return load(w_ref, (e, pl.ds(k0, bk), pl.ds(col, bn)), eviction_policy=evict)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Prefetch:
-    """Launch (1)'s reads of w_out for launch (2) (DecodeConfig.prefetch_down): each of a pair's
-    `programs` programs reads `cols` of the H output columns (a tile `tile` wide, masked), over
-    the I rows in steps of `step`."""
-
-    programs: int
-    cols: int
-    tile: int
-    step: int
-    hidden: int
-    inter: int
-
-    @staticmethod
-    def of(programs: int, hidden: int, inter: int) -> _Prefetch:
-        cols = -(-hidden // programs)
-        tile = max(MIN_BLOCK, next_pow2(cols))
-        step = MIN_BLOCK  # rows a load: tiles of ~4096 elements, at most 16 loads a program
-        while inter % (step * 2) == 0 and (step * 2 * tile <= 4096 or inter // step > 16):
-            step *= 2
-        return _Prefetch(programs, cols, tile, step, hidden, inter)
-
-
-def _prefetch_down(w_out, e, q, pf: _Prefetch, w_t: bool):
-    """Program q's share of w_out[e] read with the "evict_last" L2 hint; the float32 sum of what it
-    read (stored to an unused output, so that the loads are not removed as dead)."""
-    c0 = q * pf.cols
-    cols = c0 + lax.broadcasted_iota(jnp.int32, (pf.tile,), 0)
-    valid = cols < jnp.minimum(pf.hidden, c0 + pf.cols)
-    shape = (pf.tile, pf.step) if w_t else (pf.step, pf.tile)
-    mask = jnp.broadcast_to(valid[:, None] if w_t else valid[None, :], shape)
-
-    def read(i0):
-        at = (e, pl.ds(c0, pf.tile), pl.ds(i0, pf.step)) if w_t else (e, pl.ds(i0, pf.step), pl.ds(c0, pf.tile))
-        return load(w_out, at, mask=mask, other=0.0, eviction_policy="evict_last").astype(jnp.float32)
-
-    # unrolled, so that the loads are independent and in flight together (a loop would wait for
-    # each one before issuing the next: a loop of adds is not software-pipelined)
-    acc = jnp.zeros(shape, jnp.float32)
-    for i in range(pf.inter // pf.step):
-        acc = acc + read(i * pf.step)
-    return jnp.sum(acc)
+        return load(w_ref, (e, pl.ds(col, bn), pl.ds(k0, bk)))
+    return load(w_ref, (e, pl.ds(k0, bk), pl.ds(col, bn)))
 
 
 def _pair_expert(ids_ref, pair, *, top_k, pairs, num_experts):
@@ -184,38 +140,23 @@ def _pair_expert(ids_ref, pair, *, top_k, pairs, num_experts):
 
 
 def _decode_up_kernel(ids_ref, x_ref, w_ref, *refs, top_k, pairs, num_experts, cfg: GemmConfig, k_per_split,
-                      col_offsets, w_t, precision, act, shared=False, gate=False, prefetch: _Prefetch | None = None):
+                      col_offsets, w_t, precision, act, shared=False, gate=False):
     """Program (column block, K slice, pair): the pair's token row of x times its expert's w_in
     columns (gate and up, or up). Without a K split: act(round(.)) into o_ref [P, I]; with one:
     the float32 sums into o_ref [S, P, N1]. A pair with an id outside [0, E) writes nothing. With a
     shared expert (refs: its w_in [1, ...] first) rows P .. P + T - 1 are its pairs, one per
     token; with its gate (refs: then gate_w shaped like a row of x, the outputs o_ref, g_ref
     [S, T]) each shared pair's first column block also writes the float32 sum of x . gate_w over
-    its K slice. With prefetch (refs: then w_out, and the shared expert's w_out; the last output
-    [P (+ T), programs]) each program then reads its share of its pair's w_out (`_prefetch_down`)."""
-    n_out = 1 + gate + (prefetch is not None)
-    ins, outs = refs[:len(refs) - n_out], refs[len(refs) - n_out:]
-    o_ref = outs[0]
+    its K slice."""
+    o_ref = refs[-2] if gate else refs[-1]
     col_block, split, pair = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     tok, e, routed = _pair_expert(ids_ref, pair, top_k=top_k, pairs=pairs, num_experts=num_experts)
     run = functools.partial(_up_pair, x_ref, col_block=col_block, split=split, o_ref=o_ref, pair=pair, cfg=cfg,
-                            k_per_split=k_per_split, col_offsets=col_offsets, w_t=w_t, precision=precision, act=act,
-                            evict="evict_first" if prefetch is not None else None)
-    if prefetch is not None:
-        q = col_block * cfg.split_k + split
-        w_outs = ins[len(ins) - 1 - shared:]
-
-        def read_down(w, ex):
-            store(outs[-1], (pair, pl.ds(q, 1)), _prefetch_down(w, ex, q, prefetch, w_t).reshape(1))
+                            k_per_split=k_per_split, col_offsets=col_offsets, w_t=w_t, precision=precision, act=act)
     if shared:
-        def shared_pair():
-            run(w_ref=ins[0], tok=pair - pairs, e=jnp.int32(0))
-            if prefetch is not None:
-                read_down(w_outs[1], jnp.int32(0))
-
-        pl.when(pair >= pairs)(shared_pair)
+        pl.when(pair >= pairs)(lambda: run(w_ref=refs[0], tok=pair - pairs, e=jnp.int32(0)))
     if gate:
-        g_ref, cols = outs[1], _columns(cfg.layout, w_t)
+        g_ref, cols = refs[-1], _columns(cfg.layout, w_t)
 
         def gate_sum():
             s_tok, bk = pair - pairs, cfg.block_k
@@ -224,27 +165,21 @@ def _decode_up_kernel(ids_ref, x_ref, w_ref, *refs, top_k, pairs, num_experts, c
                 k0 = split * k_per_split + i * bk
                 if cols:
                     xs = load(x_ref, (s_tok, pl.ds(k0, bk), pl.ds(0, 1)))
-                    gs = load(ins[1], (pl.ds(k0, bk), pl.ds(0, 1)))
+                    gs = load(refs[1], (pl.ds(k0, bk), pl.ds(0, 1)))
                 else:
                     xs = load(x_ref, (pl.ds(s_tok, 1), pl.ds(k0, bk)))
-                    gs = load(ins[1], (pl.ds(0, 1), pl.ds(k0, bk)))
+                    gs = load(refs[1], (pl.ds(0, 1), pl.ds(k0, bk)))
                 return acc + xs.astype(jnp.float32) * gs.astype(jnp.float32)
 
             acc = lax.fori_loop(0, k_per_split // bk, step, jnp.zeros((bk, 1) if cols else (1, bk), jnp.float32))
             store(g_ref, (split, pl.ds(s_tok, 1)), jnp.sum(acc).reshape(1))
 
         pl.when((pair >= pairs) & (col_block == 0))(gate_sum)
-
-    def routed_pair():
-        run(w_ref=w_ref, tok=tok, e=e)
-        if prefetch is not None:
-            read_down(w_outs[0], e)
-
-    pl.when(routed)(routed_pair)
+    pl.when(routed)(lambda: run(w_ref=w_ref, tok=tok, e=e))
 
 
 def _up_pair(x_ref, *, w_ref, o_ref, pair, tok, e, col_block, split, cfg: GemmConfig, k_per_split, col_offsets, w_t,
-             precision, act, evict=None):
+             precision, act):
     """One program of launch (1) for a pair of token `tok` and expert `e` of w_ref."""
     bn, bk = cfg.block_n, cfg.block_k
     col0 = col_block * bn
@@ -256,7 +191,7 @@ def _up_pair(x_ref, *, w_ref, o_ref, pair, tok, e, col_block, split, cfg: GemmCo
             rows = _operand(load(x_ref, (tok, pl.ds(k0, bk), pl.ds(0, 1))), cfg.layout)
         else:
             rows = _operand(load(x_ref, (pl.ds(tok, 1), pl.ds(k0, bk))), cfg.layout)
-        return tuple(acc + _row_product(_weight_tile(w_ref, e, k0, off + col0, bk, bn, w_t, evict), rows, w_t,
+        return tuple(acc + _row_product(_weight_tile(w_ref, e, k0, off + col0, bk, bn, w_t), rows, w_t,
                                         cfg.layout, precision)
                      for off, acc in zip(col_offsets, accs))
 
@@ -432,17 +367,11 @@ def _decode(x, expert_ids, weights, w_in, w_out, *, act: str, w_layout: str, con
     if gate:
         extra_in += (shared.gate_w[:, None] if cols else shared.gate_w[None, :],)
     x_op = x[..., None] if cols else x
-    out_shapes = [hid_shape] + ([jax.ShapeDtypeStruct((up.split_k, t), f32)] if gate else [])
-    if config.prefetch_down:
-        programs = (inter // up.block_n) * up.split_k
-        up_kernel = functools.partial(up_kernel, prefetch=_Prefetch.of(programs, h, inter))
-        extra_in += (w_out,) + (() if shared is None else (shared.w_out,))
-        out_shapes.append(jax.ShapeDtypeStruct((rows, programs), f32))  # the unused sums
-    outs = _call(up_kernel, (inter // up.block_n, up.split_k, rows), (ids, x_op, w_in, *extra_in), out_shapes, up,
-                 interpret, "moe_decode_up")
-    hid = outs[0]
+    hid = _call(up_kernel, (inter // up.block_n, up.split_k, rows), (ids, x_op, w_in, *extra_in),
+                (hid_shape, jax.ShapeDtypeStruct((up.split_k, t), f32)) if gate else hid_shape, up, interpret,
+                "moe_decode_up")
     if gate:
-        gate_sums = outs[1]
+        hid, gate_sums = hid
         weight = gate_weight(jnp.sum(gate_sums, axis=0), x.dtype)  # XLA's form, for the combines below
     weighted = parts and not per_token and down.split_k == 1  # launch (2) writes the weighted parts
     down_kernel = functools.partial(_decode_down_kernel, top_k=k, pairs=p, kp=next_pow2(k), num_experts=e, cfg=down,

@@ -42,7 +42,6 @@ limits) hold for that version only.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import importlib.metadata
 import json
@@ -309,8 +308,7 @@ def moe_decode_cases(tokens: int):
     # the model's decode step: the shared expert and its gate in the launches, weighted parts out
     shapes = _moe_shapes(tokens, "in_out")
     one = lambda a: jax.ShapeDtypeStruct((1, *a.shape[1:]), a.dtype)
-    prefetch = dataclasses.replace(default, prefetch_down=True)
-    for name, cfg in (("default", default), ("fused", fused), ("default_prefetch", prefetch)):
+    for name, cfg in (("default", default), ("fused", fused)):
         def shared_gate_parts(x, ids, w, w_in, w_out, s_in, s_out, gate_w, cfg=cfg):
             return moe.expert_mlp(x, ids, w, w_in, w_out, act="silu_glu", impl="pallas", config=cfg,
                                   shared=moe.Shared(s_in, s_out, gate_w=gate_w), parts=True)

@@ -7,7 +7,6 @@ k = E, odd sizes, both weight layouts, split K and both MMA layouts; a hypothesi
 random routing; the grouping's invariants; bad shapes and inputs named. Interpret mode by default
 (small shapes, one compilation a case), natively under -m gpu (hidden sizes x8)."""
 
-import dataclasses
 import functools
 
 import jax
@@ -434,44 +433,6 @@ def test_shared_gate_product_in_the_first_launch(case, parts, impl):
     ref = _run_shared(x, ids, w, w_in, w_out, gated, act=act, impl="reference", w_layout=w_layout)
     total = got.sum(0).astype(dtype) if parts else got
     _assert_close(total, ref, dtype, "against the gathered reference")
-
-
-@pytest.mark.parametrize("case", ["one_token_top4", "one_token_fma_out_in", "two_tokens_out_in_relu2",
-                                  "three_tokens_split_rows_f32", "decode_kernel"])
-def test_prefetching_the_down_weights_changes_no_output(case, impl):
-    """DecodeConfig.prefetch_down: launch (1) also reads its pair's share of w_out (an L2 hint,
-    summed into an unused output); the outputs are bit-equal to the same tiling without it: with
-    the shared expert given by its gate, as weighted parts, an id outside the experts, both
-    layouts, a K split and the per-token combine."""
-    if case == "decode_kernel":
-        t, k, e, h, inter, act, dtype, w_layout = 3, 2, 5, 32, 32, "silu_glu", "bfloat16", "in_out"
-        config, gated = CONFIGS["decode_kernel"], None
-    else:
-        t, k, e, h, inter, act, dtype, w_layout, config = SHARED_CASES[case]
-        gated = True
-    if impl == "pallas":
-        h, inter = 8 * h, 8 * inter
-    x, ids, w, w_in, w_out = _problem(11, t, k, e, h, inter, act, dtype, "hot", w_layout)
-    ids = ids.at[0, k - 1].set(e)
-    shared = None
-    if gated:
-        base = _shared(12, t, h, inter, act, dtype, w_layout)
-        gate_w = jnp.asarray(np.random.default_rng(13).normal(size=(h,)) * h**-0.5, dtype)
-        shared = moe.Shared(base.w_in, base.w_out, gate_w=gate_w)
-    on = dataclasses.replace(config, prefetch_down=True)
-    for parts in ((False, True) if gated else (False,)):
-        run = lambda cfg: jax.jit(lambda *a: moe.expert_mlp(*a, act=act, impl=impl, config=cfg, w_layout=w_layout,
-                                                            shared=shared, parts=parts))(x, ids, w, w_in, w_out)
-        np.testing.assert_array_equal(np.asarray(run(on)), np.asarray(run(config)), err_msg=f"parts={parts}")
-
-
-def test_prefetch_route_and_its_problems():
-    cfg = moe.kernel_config(1, 8, 256, 2048, 512, decode_prefetch=True)
-    assert isinstance(cfg, DecodeConfig) and cfg.prefetch_down and not cfg.problems()
-    assert not moe.kernel_config(1, 8, 256, 2048, 512).prefetch_down
-    assert not isinstance(moe.kernel_config(2, 8, 256, 2048, 512, decode_prefetch=True), DecodeConfig)
-    bad = dataclasses.replace(CONFIGS["fused"], prefetch_down=True).problems()
-    assert bad == ["prefetch_down with combine 'fused' (one launch: nothing to prefetch for)"]
 
 
 def test_a_shared_expert_takes_one_of_weight_and_gate():

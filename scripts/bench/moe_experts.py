@@ -138,16 +138,12 @@ def decode_sweep(base, which: str):
     weight columns on the MMA's M side (< 64: no wgmma) sm_90 Triton 3.6 did not pipeline the
     weight loads (no cp.async in the offline compile). Then the "fma" form (no MMA) with the
     default blocks on both layouts, blocks of 128 x 32 (256-byte rows), K blocks of 128 (at 8 warps;
-    with twice the K split), twice the K split, 2 stages, and "fma" for launch (1) only. Every sweep
-    but "none" also times the default with launch (1) prefetching launch (2)'s weights into L2
-    (DecodeConfig.prefetch_down)."""
+    with twice the K split), twice the K split, 2 stages, and "fma" for launch (1) only."""
     rep = dataclasses.replace
     both = lambda **kw: rep(base, up=rep(base.up, **kw), down=rep(base.down, **kw))
     out = {"decode": (base, "in_out"), "decode_out_in": (base, "out_in")}
     if which == "none":
         return out
-    if base.combine != "fused":  # launch (1) also reads launch (2)'s weights into L2
-        out["decode_prefetch"] = (rep(base, prefetch_down=True), "in_out")
     flip = "xla" if base.combine == "kernel" else "kernel"
     out[f"decode_combine_{flip}"] = (rep(base, combine=flip, down=rep(base.down, split_k=1)), "in_out")
     if which == "smoke":
