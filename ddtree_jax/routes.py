@@ -65,6 +65,9 @@ class Routes:
     # ... over up to this many programs a value head while the grid fits two a SM (> 1: the gated
     # norm after the kernel; gdn_decode.fitting_split)
     gdn_decode_dv_split: int = 1
+    # ... and with a split the output projection's row-product kernel applies that norm as it loads
+    # the row (pallas_kernels/row_product.NormedRow), instead of an XLA fusion of its own
+    gdn_norm_into_out_proj: bool = False
     gdn_tree_prologue_kernel: bool = True  # GDN tree conv .. casts as one kernel
     add_norm_kernel: bool = True  # residual add + RMSNorm as one kernel
     split_k_parts: bool = True  # residual-stream products at verify rows return split-K partials

@@ -49,7 +49,8 @@ from pallas_kernels._common import H200_SMS, check_impl, compiler_params, load, 
 from pallas_kernels.ref import delta_rule
 from pallas_kernels.ref.conv import causal_conv, next_window
 from pallas_kernels.ref.delta_rule import gate_values, split_heads
-from pallas_kernels.ref.norms import gate_normed, gated_rms_norm
+from pallas_kernels.ref.norms import gated_rms_norm
+from pallas_kernels.row_product import NormedRow
 
 DEFAULT_WARPS = 4  # fastest measured (docs/decisions/0017-gdn-decode-kernel.md)
 # The state's column block a program updates at a time; None: all its columns at once. Blocks of 32
@@ -215,8 +216,9 @@ def kernel_problems(conv_dim: int, num_k_heads: int, num_v_heads: int, dk: int, 
 
 
 def _pallas(mixed, z, x, w_a, w_b, a_log, dt_bias, window, conv_w, state, norm_w, n_valid, *, num_k_heads, eps,
-            interpret, num_warps, head_v_dim=None, dv_block=None, dv_split=1):
-    """z None: `mixed` is the packed product qkv | z | b | a (gdn_decode_packed), else the x form."""
+            interpret, num_warps, head_v_dim=None, dv_block=None, dv_split=1, defer_norm=False):
+    """z None: `mixed` is the packed product qkv | z | b | a (gdn_decode_packed), else the x form.
+    defer_norm (packed, dv_split > 1): y as a row_product.NormedRow [B, Hv dv] for its consumer."""
     packed = z is None
     b, width = mixed.shape
     c = conv_w.shape[1]
@@ -275,6 +277,8 @@ def _pallas(mixed, z, x, w_a, w_b, a_log, dt_bias, window, conv_w, state, norm_w
     if not split:
         return tuple(outs)
     o, ss, new_state, new_window = outs
+    if defer_norm and packed:
+        return NormedRow(o.reshape(b, hv * dv), ss, mixed, norm_w, dv, c, float(eps)), new_state, new_window
     gate = mixed[:, c : c + hv * dv].reshape(b, hv, dv) if packed else z
     return _finish_norm(o, ss, gate, norm_w, eps), new_state, new_window
 
@@ -283,8 +287,9 @@ def _finish_norm(o, squares, z, norm_w, eps: float):
     """The gated RMSNorm of a split kernel's rounded o [B, Hv, dv] from its splits' float32 sums of
     squares [B, Hv, S] (summed in split order), rounded at the steps the kernel's own norm rounds
     (one XLA fusion)."""
-    inv = lax.rsqrt(jnp.sum(squares, axis=-1, keepdims=True) / o.shape[-1] + eps)
-    return gate_normed((o.astype(jnp.float32) * inv).astype(o.dtype), z, norm_w)
+    b, hv, dv = o.shape
+    row = NormedRow(o.reshape(b, hv * dv), squares, z.reshape(b, hv * dv), norm_w, dv, 0, float(eps))
+    return row.value().reshape(o.shape)
 
 
 def gdn_decode(mixed, z, x, w_a, w_b, a_log, dt_bias, window, conv_w, state, norm_w, n_valid, *, num_k_heads: int,
@@ -304,9 +309,13 @@ def gdn_decode(mixed, z, x, w_a, w_b, a_log, dt_bias, window, conv_w, state, nor
 
 def gdn_decode_packed(proj, a_log, dt_bias, window, conv_w, state, norm_w, n_valid, *, num_k_heads: int,
                       head_v_dim: int, eps: float, impl: str = "xla", num_warps: int | None = None,
-                      dv_block: int | None = None, dv_split: int = 1):
+                      dv_block: int | None = None, dv_split: int = 1, defer_norm: bool = False):
     """`gdn_decode` of a layer whose one product proj [B, conv_dim + Hv dv + 2 Hv] holds the conv
-    inputs, z and the b | a products (the models' in_proj_qkvzba); the kernel reads them all in place."""
+    inputs, z and the b | a products (the models' in_proj_qkvzba); the kernel reads them all in place.
+    defer_norm: with a split (kernels, dv_split > 1) y is returned as a row_product.NormedRow
+    [B, Hv dv] (the rounded o, the splits' sums of squares, z read from proj in place), whose
+    consumer norms it (the row-product kernel as it loads the row; else NormedRow.value, the same
+    fusion `_finish_norm` is); otherwise y as without it."""
     check_impl(impl)
     b, width = proj.shape
     c, hv, dv = conv_w.shape[1], a_log.shape[0], head_v_dim
@@ -319,4 +328,4 @@ def gdn_decode_packed(proj, a_log, dt_bias, window, conv_w, state, norm_w, n_val
                          num_k_heads=num_k_heads, eps=eps, ba=ba)
     return _pallas(proj, None, None, None, None, a_log, dt_bias, window, conv_w, state, norm_w, n_valid,
                    num_k_heads=num_k_heads, eps=eps, interpret=impl == "pallas_interpret", num_warps=num_warps,
-                   head_v_dim=dv, dv_block=dv_block, dv_split=dv_split)
+                   head_v_dim=dv, dv_block=dv_block, dv_split=dv_split, defer_norm=defer_norm)

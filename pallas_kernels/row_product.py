@@ -17,6 +17,11 @@ reads x's row in place and its [K / S, block_n] slab of w, and writes its column
 Forms (config.form): "fma" multiplies each [block_k, block_n] weight tile by the row broadcast
 along its columns in float32 and sums over K once at the end (a GEMV on the CUDA cores: no MMA,
 no padding); "dot" pads the row to 16 rows (tl.dot's smallest side) and accumulates MMAs.
+
+x may be a `NormedRow`: a row still to be gated-RMS-normed per group of columns from float32 sums
+of squares its producer wrote (the GDN decode kernel split over a head's columns). The kernel
+normalises each K step of the row as it loads it (its group's sums are tiny; the gate is read
+in place from the row that holds it), so the norm is no launch of its own.
 """
 
 from __future__ import annotations
@@ -29,13 +34,54 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from typing import NamedTuple
+
 from pallas_kernels._common import check_impl, compiler_params, dot_precision, is_pow2, load, store, summed_partials
+from pallas_kernels.ref.norms import gate_normed
 
 FORMS = ("fma", "dot")
 MIN_BLOCK = 16  # tl.dot's smallest side; also the narrowest column block taken
 DTYPES = ("bfloat16", "float16", "float32")
 TARGET_PROGRAMS = 512  # ~four programs per SM of the H200's 132: the loads in flight fill HBM
 NARROW = 1024  # outputs narrower than this (routers: 256 / 512 experts) take the narrow tiling
+
+
+class NormedRow(NamedTuple):
+    """A row x [..., K] (rounded to its dtype) whose product input is its gated RMSNorm per group of
+    `group` columns: normed = round(x * rsqrt(sum(squares[g]) / group + eps)) for group g (the float32
+    sums of squares [..., K / group, S] added in index order), then round(weight * normed *
+    silu(z)) with weight [group] and z = gate[..., gate_offset : gate_offset + K] (`value`: XLA's
+    form). group and gate_offset are static (Python ints), eps a Python float."""
+
+    x: jax.Array
+    squares: jax.Array
+    gate: jax.Array
+    weight: jax.Array
+    group: int
+    gate_offset: int
+    eps: float
+
+    def value(self) -> jax.Array:
+        """The normed row [..., K] in x's dtype (one XLA fusion)."""
+        k = self.x.shape[-1]
+        lead = self.x.shape[:-1]
+        xs = self.x.astype(jnp.float32).reshape(*lead, k // self.group, self.group)
+        inv = lax.rsqrt(jnp.sum(self.squares, axis=-1, keepdims=True) / self.group + self.eps)
+        z = self.gate[..., self.gate_offset : self.gate_offset + k].reshape(xs.shape)
+        return gate_normed((xs * inv).astype(self.x.dtype), z, self.weight).reshape(self.x.shape)
+
+    def problems(self) -> list[str]:
+        k, g = self.x.shape[-1], self.group
+        bad = [] if is_pow2(g) and g >= MIN_BLOCK and k % g == 0 else [
+            f"norm group {g} must be a power of two >= {MIN_BLOCK} dividing K = {k}"]
+        if self.squares.shape[-2:-1] != (k // max(g, 1),) or not is_pow2(self.squares.shape[-1]):
+            bad.append(f"squares {tuple(self.squares.shape)} must be [..., K / group = {k // max(g, 1)}, S] with S a "
+                       "power of two")
+        if self.weight.shape != (g,):
+            bad.append(f"norm weight {tuple(self.weight.shape)} must be [{g}]")
+        if not 0 <= self.gate_offset <= self.gate.shape[-1] - k:
+            bad.append(f"gate columns {self.gate_offset} .. {self.gate_offset + k} outside its {self.gate.shape[-1]}")
+        return bad
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,28 +167,51 @@ def reference(x, w, *, split_k: int = 1, partials: bool = False):
                            preferred_element_type=jnp.float32)
 
 
-def _kernel(x_ref, w_ref, o_ref, *, cfg: RowConfig, k_per_split: int, partials: bool, precision):
-    """Program (column block, K slice): the row's product with w's [k_per_split, block_n] slab."""
+def _kernel(x_ref, w_ref, *refs, cfg: RowConfig, k_per_split: int, partials: bool, precision, norm=None):
+    """Program (column block, K slice): the row's product with w's [k_per_split, block_n] slab.
+    norm (group, gate_offset, eps, S): refs start with the sums of squares [K / group, S], the
+    gate's row as a column [W, 1] and the norm weight as a column [group, 1] (`_normed_chunk`)."""
+    o_ref = refs[-1]
     col, split = pl.program_id(0), pl.program_id(1)
-    y = slab_product(x_ref, w_ref, cfg=cfg, k_per_split=k_per_split, precision=precision)
+    row = None if norm is None else functools.partial(_normed_chunk, x_ref, *refs[:3], norm=norm)
+    y = slab_product(x_ref, w_ref, cfg=cfg, k_per_split=k_per_split, precision=precision, row=row)
     if partials:
         store(o_ref, (split, pl.ds(col * cfg.block_n, cfg.block_n)), y)
     else:
         store(o_ref, (pl.ds(col * cfg.block_n, cfg.block_n),), y.astype(o_ref.dtype))
 
 
-def slab_product(x_ref, w_ref, *, cfg: RowConfig, k_per_split: int, precision):
+def _normed_chunk(x_ref, sq_ref, gate_ref, nw_ref, k0, bk: int, *, norm):
+    """The row's K step [k0, k0 + bk) as a column [bk, 1], gated-RMS-normed as NormedRow.value
+    computes it (bk divides the group, so the step lies in one group)."""
+    group, gate_offset, eps, n_sums = norm
+    f32 = jnp.float32
+    xk = load(x_ref, (pl.ds(k0, bk), pl.ds(0, 1)))
+    g = k0 // group
+    total = sq_ref[g, 0]
+    for j in range(1, n_sums):  # in index order
+        total = total + sq_ref[g, j]
+    inv = lax.rsqrt(total / group + eps)
+    normed = (xk.astype(f32) * inv).astype(xk.dtype)
+    wn = load(nw_ref, (pl.ds(k0 % group, bk), pl.ds(0, 1))) * normed  # in the weight's dtype, as gate_normed
+    z = load(gate_ref, (pl.ds(gate_offset + k0, bk), pl.ds(0, 1))).astype(f32)
+    return (wn * (z * jax.nn.sigmoid(z))).astype(xk.dtype)
+
+
+def slab_product(x_ref, w_ref, *, cfg: RowConfig, k_per_split: int, precision, row=None):
     """Inside program (column block, K slice) of a grid like `_pallas`'s: the float32 product [block_n]
-    of the row x_ref [K, 1] (a column) with w_ref's [k_per_split, block_n] slab."""
+    of the row x_ref [K, 1] (a column) with w_ref's [k_per_split, block_n] slab. row(k0, bk), if
+    given, makes the row's K step [bk, 1] instead of loading it from x_ref."""
     f32 = jnp.float32
     bn, bk = cfg.block_n, cfg.block_k
     col, split = pl.program_id(0), pl.program_id(1)
     col0, k_base = col * bn, split * k_per_split
+    chunk = row or (lambda k0, n: load(x_ref, (pl.ds(k0, n), pl.ds(0, 1))))  # x passed as a column (_pallas)
 
     def step(i, acc):
         k0 = k_base + i * bk
         w = load(w_ref, (pl.ds(k0, bk), pl.ds(col0, bn)))
-        xk = load(x_ref, (pl.ds(k0, bk), pl.ds(0, 1)))  # [bk, 1]: x is passed as a column (_pallas)
+        xk = chunk(k0, bk)  # [bk, 1]
         if cfg.form == "fma":
             return acc + w.astype(f32) * xk.astype(f32)
         rows = jnp.where(lax.broadcasted_iota(jnp.int32, (MIN_BLOCK, bk), 0) == 0,
@@ -155,7 +224,7 @@ def slab_product(x_ref, w_ref, *, cfg: RowConfig, k_per_split: int, precision):
     if cfg.unroll and cfg.form == "fma":  # every load of the slab first, then the products
         k0s = [k_base + i * bk for i in range(steps)]
         ws = [load(w_ref, (pl.ds(k0, bk), pl.ds(col0, bn))) for k0 in k0s]
-        xs = [load(x_ref, (pl.ds(k0, bk), pl.ds(0, 1))) for k0 in k0s]
+        xs = [chunk(k0, bk) for k0 in k0s]
         acc = jnp.zeros(shape, f32)
         for w, xk in zip(ws, xs):
             acc = acc + w.astype(f32) * xk.astype(f32)
@@ -168,28 +237,35 @@ def slab_product(x_ref, w_ref, *, cfg: RowConfig, k_per_split: int, precision):
     return jnp.sum(acc, axis=0)  # the dot form's pad rows are zeros
 
 
-def _pallas(x_col, w, cfg: RowConfig, partials: bool, interpret: bool):
+def _pallas(x_col, w, cfg: RowConfig, partials: bool, interpret: bool, norm: NormedRow | None = None):
     """x_col [K, 1]: the row as a column, so that a [block_k, 1] load broadcasts over the weight
     tile's columns in the tile's own register layout (a 1-D [block_k] row would be converted to
-    that layout through shared memory, a barrier on every K step)."""
+    that layout through shared memory, a barrier on every K step). norm: the row's NormedRow (its
+    squares, gate and weight passed in place, as columns)."""
     k, n = w.shape
     if partials or cfg.split_k > 1:
         out_shape = jax.ShapeDtypeStruct((cfg.split_k, n), jnp.float32)
     else:
         out_shape = jax.ShapeDtypeStruct((n,), x_col.dtype)
     full = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+    extra, norm_args = (), None
+    if norm is not None:
+        squares = norm.squares.reshape(k // norm.group, norm.squares.shape[-1]).astype(jnp.float32)
+        extra = (squares, norm.gate.reshape(-1, 1), norm.weight.reshape(-1, 1))
+        norm_args = (norm.group, norm.gate_offset, float(norm.eps), squares.shape[-1])
     kernel = functools.partial(_kernel, cfg=cfg, k_per_split=k // cfg.split_k,
-                               partials=len(out_shape.shape) == 2, precision=dot_precision(x_col.dtype))
+                               partials=len(out_shape.shape) == 2, precision=dot_precision(x_col.dtype),
+                               norm=norm_args)
     out = pl.pallas_call(
         kernel,
         grid=(n // cfg.block_n, cfg.split_k),
-        in_specs=[full(x_col.shape), full(w.shape)],
+        in_specs=[full(a.shape) for a in (x_col, w, *extra)],
         out_specs=full(out_shape.shape),
         out_shape=out_shape,
         compiler_params=None if interpret else compiler_params(cfg.num_warps, cfg.num_stages),
         interpret=interpret,
         name="row_product",
-    )(x_col, w)
+    )(x_col, w, *extra)
     if partials or cfg.split_k == 1:
         return out
     return summed_partials(out, x_col.dtype)
@@ -197,8 +273,18 @@ def _pallas(x_col, w, cfg: RowConfig, partials: bool, interpret: bool):
 
 def row_product(x, w, *, config: RowConfig | None = None, partials: bool = False, impl: str = "xla"):
     """x [..., K] of one row @ w [K, N] -> [..., N] in x's dtype, or with `partials` float32
-    [S, ..., N] (S = the config's split_k after `fit`; module docstring). impl "xla": `reference`."""
+    [S, ..., N] (S = the config's split_k after `fit`; module docstring). impl "xla": `reference`.
+    x may be a NormedRow: the product of its normed row (the kernel norms each K step as it loads
+    it; K steps no wider than the norm's group; "xla": `NormedRow.value` first)."""
     check_impl(impl)
+    norm = x if isinstance(x, NormedRow) else None
+    if norm is not None:
+        bad = norm.problems()
+        if bad:
+            raise ValueError("row_product: " + "; ".join(bad))
+        x = norm.x
+        if impl == "xla":
+            return row_product(norm.value(), w, config=config, partials=partials, impl=impl)
     k, n = w.shape
     rows = 1
     for d in x.shape[:-1]:
@@ -217,5 +303,7 @@ def row_product(x, w, *, config: RowConfig | None = None, partials: bool = False
     if bad:
         raise ValueError("row_product kernel: " + "; ".join(bad) + " (use impl='xla')")
     cfg = cfg.fit(k, n)
-    out = _pallas(x.reshape(k, 1), w, cfg, partials, impl == "pallas_interpret")
+    if norm is not None:  # K steps within one group, their loads (and the norm's) all issued first
+        cfg = dataclasses.replace(cfg, block_k=min(cfg.block_k, norm.group), unroll=True).fit(k, n)
+    out = _pallas(x.reshape(k, 1), w, cfg, partials, impl == "pallas_interpret", norm)
     return out.reshape(cfg.split_k, *x.shape[:-1], n) if partials else out.reshape(*x.shape[:-1], n)

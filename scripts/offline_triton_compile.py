@@ -339,6 +339,21 @@ def row_product_cases(nodes: int):
             yield (dict(shape=shape, variant=name, num_stages=cfg.num_stages), {"row_product": (cfg.num_warps,
                                                                                                  cfg.num_stages)},
                    fn, (x, w))
+    # the GDN output projection with the split decode kernel's gated norm applied as it loads the
+    # row (NormedRow: 32 heads of 128, sums of squares from 4 splits, z in the 12352-wide product)
+    k, n, group, width, offset = 4096, 2048, 128, 12352, 8192
+    cfg = rp.default_config(k, n, partials=True)
+
+    def normed(x, w, squares, gate, weight):
+        return rp.row_product(rp.NormedRow(x, squares, gate, weight, group, offset, 1e-6), w, partials=True,
+                              impl="pallas")
+
+    bf = jnp.bfloat16
+    yield (dict(shape="out_proj_normed", variant="default", num_stages=cfg.num_stages),
+           {"row_product": (cfg.num_warps, cfg.num_stages)}, normed,
+           (jax.ShapeDtypeStruct((1, k), bf), jax.ShapeDtypeStruct((k, n), bf),
+            jax.ShapeDtypeStruct((k // group, 4), jnp.float32), jax.ShapeDtypeStruct((1, width), bf),
+            jax.ShapeDtypeStruct((group,), bf)))
 
 
 def compile_case(kernels, warps, stages: int) -> list[dict]:

@@ -23,7 +23,7 @@ from scripts.bench.kernels_gdn import gdn_decode_problem
 from scripts.bench.common import max_rel_err
 from scripts.bench.shapes import GDN_27B
 from tests.tiny_models import HYBRID, make_target
-from tests.tolerance import by_impl
+from tests.tolerance import assert_scaled_close, by_impl
 
 HK, HV, DK, DV, K, HID = 2, 4, 16, 32, 4, 48  # hidden 48: the a / b products in chunks of 16
 C = 2 * HK * DK + HV * DV
@@ -130,6 +130,44 @@ def test_model_announces_the_xla_route():
     assert any("GDN decode step uses the XLA form" in str(w.message) for w in caught)
     want = layer.append(x, cache, Step(None, jnp.ones((b,), jnp.int32), False))
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_a_deferred_norm_is_the_row_the_split_kernel_norms(impl, dtype):
+    """gdn_decode_packed(defer_norm=True) with a split returns y as a row_product.NormedRow (the
+    rounded o, the splits' sums of squares, z read from the product at its offset): its XLA form is
+    the split kernel's y, and the row-product kernel's product of it is that of y; unsplit it
+    returns y itself."""
+    from pallas_kernels import row_product as rp
+    from pallas_kernels.gdn_decode import gdn_decode_packed
+
+    args = draw(3, dtype)
+    mixed, z, x, w_a, w_b = args[:5]
+    b = mixed.shape[0]
+    ba = jnp.concatenate([jnp.einsum("bi,io->bo", x, w_b), jnp.einsum("bi,io->bo", x, w_a)], axis=-1).astype(dtype)
+    proj = jnp.concatenate([mixed, z.reshape(b, -1), ba], axis=-1)
+    w = jnp.asarray(np.random.default_rng(4).normal(size=(z.shape[1] * DV, 48)) * 0.1, dtype)
+
+    @functools.partial(jax.jit, static_argnames=("split", "defer"))
+    def run(proj, split, defer):
+        y, state, window = gdn_decode_packed(proj, *args[5:], num_k_heads=HK, head_v_dim=DV, eps=1e-6, impl=impl,
+                                             dv_block=16, dv_split=split, defer_norm=defer)
+        if isinstance(y, rp.NormedRow):
+            rows = [rp.row_product(y._replace(x=y.x[i : i + 1], squares=y.squares[i : i + 1], gate=y.gate[i : i + 1]),
+                                   w, impl=impl) for i in range(b)]
+            return y.value(), jnp.concatenate(rows), state, window
+        y = y.reshape(b, -1)
+        return y, jnp.concatenate([rp.row_product(y[i : i + 1], w, impl=impl) for i in range(b)]), state, window
+
+    value, product, state, window = run(proj, 2, True)
+    want_y, want_product, want_state, want_window = run(proj, 2, False)
+    tol = 1e-5 if dtype == jnp.float32 else 2**-7
+    assert_scaled_close(np.asarray(value, np.float32), np.asarray(want_y, np.float32), tol, "normed row")
+    assert_scaled_close(np.asarray(product, np.float32), np.asarray(want_product, np.float32), tol, "its product")
+    np.testing.assert_array_equal(np.asarray(state), np.asarray(want_state))
+    np.testing.assert_array_equal(np.asarray(window), np.asarray(want_window))
+    unsplit = run(proj, 1, True)[0]
+    np.testing.assert_array_equal(np.asarray(unsplit), np.asarray(run(proj, 1, False)[0]))
 
 
 @pytest.mark.script

@@ -113,6 +113,61 @@ def test_refusals_name_every_problem():
         rp.row_product(x[:1, :], jnp.ones((64, 40)), impl="pallas_interpret")
 
 
+# ---- a row gated-RMS-normed as the kernel loads it (NormedRow) --------------------------------------
+def _normed_row_args(seed, k, group, sums, dtype, offset):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.normal(size=(1, k)), dtype)
+    squares = jnp.asarray(rng.uniform(0.3, 3.0, size=(k // group, sums)) * group / sums, jnp.float32)
+    gate = jnp.asarray(rng.normal(size=(1, k + 2 * offset + 8)), dtype)
+    weight = jnp.asarray(rng.uniform(0.5, 1.5, size=(group,)), dtype)
+    return x, squares, gate, weight
+
+
+@pytest.mark.parametrize("partials", [False, True])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("group, sums, name", [(32, 1, "fma"), (16, 4, "fma_split4"), (32, 2, "dot_split2"),
+                                               (64, 4, "fma_unrolled"), (128, 4, "default")])
+def test_a_normed_row_equals_its_xla_form(impl, partials, dtype, group, sums, name):
+    """row_product(NormedRow): each K step normed as it is loaded (K steps cut to the group) equals
+    the product of NormedRow.value (XLA's norm); the norm's steps round to the row's dtype as XLA's
+    form does, where XLA's fusions may round an intermediate product differently (16-bit: within the
+    output's rounding)."""
+    k, n, offset = (256, 96, 24) if impl != "pallas" else (2048, 768, 4096)
+    x, squares, gate, weight = _normed_row_args(group + sums, k, group, sums, dtype, offset)
+    w = _operands(7, k, n, dtype)[1]
+    config = CONFIGS[name]
+
+    @functools.partial(jax.jit, static_argnames="how")
+    def run(x, squares, gate, weight, w, how):
+        row = rp.NormedRow(x, squares, gate, weight, group, offset, 1e-6)
+        if how == "xla":
+            return rp.row_product(row.value(), w, config=config, partials=partials, impl="xla")
+        return rp.row_product(row, w, config=config, partials=partials, impl=impl)
+
+    got, want = run(x, squares, gate, weight, w, "kernel"), run(x, squares, gate, weight, w, "xla")
+    assert got.shape == want.shape and got.dtype == want.dtype
+    total = lambda y: np.asarray(y, np.float64).sum(0) if partials else np.asarray(y, np.float64)
+    tol = 1e-5 if dtype == jnp.float32 and impl == "pallas_interpret" else 2**-7
+    assert_scaled_close(total(got), total(want), tol, "normed row")
+    # and the XLA route of a NormedRow is the product of its value
+    xla = jax.jit(lambda *a: rp.row_product(rp.NormedRow(*a[:4], group, offset, 1e-6), a[4], impl="xla"))
+    np.testing.assert_array_equal(np.asarray(xla(x, squares, gate, weight, w)),
+                                  np.asarray(jax.jit(lambda *a: rp.row_product(
+                                      rp.NormedRow(*a[:4], group, offset, 1e-6).value(), a[4]))(
+                                      x, squares, gate, weight, w)))
+
+
+def test_a_normed_row_names_every_problem():
+    x, squares, gate, weight = _normed_row_args(0, 96, 32, 3, jnp.float32, 8)
+    row = rp.NormedRow(x, squares[:2], gate[:, :100], weight[:16], 24, 8, 1e-6)
+    bad = row.problems()
+    assert len(bad) == 4, bad
+    assert "norm group 24" in bad[0] and "squares (2, 3)" in bad[1] and "norm weight (16,)" in bad[2]
+    assert "gate columns 8 .. 104 outside its 100" in bad[3]
+    with pytest.raises(ValueError, match="norm group 24"):
+        rp.row_product(row, jnp.ones((96, 32)), impl="pallas_interpret")
+
+
 # ---- the Linear route ------------------------------------------------------------------------------
 K, N = 64, 48
 ON = Routes(impl="pallas_interpret", row_product_weights=(1, 10**9))

@@ -11,10 +11,12 @@ from flax import nnx
 
 from ddtree_jax import decode
 from ddtree_jax.cache import KVCache, init_target_cache
+from ddtree_jax.config_fields import GDN
 from ddtree_jax.routes import REFERENCE
 from ddtree_jax.speculative.generate import generate
 from ddtree_jax.tree import make_tree, root_path
 from tests.scripted_proposers import ScriptedProposer
+from tests.jaxpr_eqns import equations, kernel_name
 from tests.tree_harness import INTERPRET
 from tests.tiny_models import HYBRID, HYBRID_MOE, make_target
 
@@ -145,6 +147,40 @@ def test_moe_generation_with_kernels_equals_plain_greedy(mode, routes, model):
 
 
 SPLIT_MODEL = make_target(dict(head_dim=16, linear_key_head_dim=16, linear_value_head_dim=32), seed=33, base=HYBRID)
+
+
+@pytest.mark.filterwarnings("ignore:a one-row product of a")  # tiny weights the kernel cannot take: announced
+def test_the_split_gdn_norm_runs_in_the_out_projection_kernel():
+    """Routes.gdn_norm_into_out_proj: with a value head's columns over two programs, a batch-1 decode
+    step hands the out projection the GDN output as a NormedRow and its row-product kernel norms it
+    as it loads it (one fewer XLA fusion; the kernel reads the sums of squares, the gate and the
+    norm weight): the same greedy tokens, hidden states within float32 rounding; at batch 2 (no
+    row kernel) the norm is XLA's as without the route."""
+    cfg, gd, params = SPLIT_MODEL
+    off = INTERPRET.replace(gdn_decode_dv_split=2, row_product_weights=(1, 10**9))
+    on = off.replace(gdn_norm_into_out_proj=True)
+    rng = np.random.default_rng(8)
+    prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, 7)), jnp.int32)
+    lens = jnp.asarray([7], jnp.int32)
+    ref = generate(gd, params, prompt, lens, mode="ar", max_new_tokens=12, routes=off)
+    got = generate(gd, params, prompt, lens, mode="ar", max_new_tokens=12, routes=on)
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
+
+    cache = decode.prefill(gd, params, init_target_cache(cfg, 1, CAP), prompt, lens).cache
+    step = lambda c, t, routes: nnx.merge(gd, params)(t[:, None], c, jnp.ones((1,), jnp.int32), chunked=False,
+                                                      routes=routes)[0]
+    tok = jnp.asarray([3], jnp.int32)
+    h_off, h_on = (jax.jit(step, static_argnums=2)(cache, tok, r) for r in (off, on))
+    np.testing.assert_allclose(np.asarray(h_on), np.asarray(h_off), rtol=1e-5, atol=1e-5)
+
+    def row_kernel_inputs(routes):  # operand counts of the step's row-product launches
+        jaxpr = jax.make_jaxpr(lambda c: step(c, tok, routes))(cache).jaxpr
+        return sorted(len(e.invars) for e in equations(jaxpr)
+                      if e.primitive.name == "pallas_call" and "row_product" in kernel_name(e))
+
+    gdn_layers = sum(t == GDN for t in cfg.layer_types)
+    with_norm = row_kernel_inputs(on)
+    assert with_norm.count(5) == gdn_layers and row_kernel_inputs(off).count(5) == 0, with_norm
 
 
 @pytest.mark.parametrize("model, routes, seed", [

@@ -29,6 +29,7 @@ from pallas_kernels.gdn_tree import gdn_tree_verify
 from pallas_kernels.ref import delta_rule
 from pallas_kernels.ref.conv import causal_conv, next_window, tree_conv
 from pallas_kernels.ref.delta_rule import gate_values, split_heads
+from pallas_kernels.row_product import NormedRow
 
 
 class RecurrentPending(NamedTuple):
@@ -132,8 +133,15 @@ class GatedDeltaNet(nnx.Module):
             self.conv_weight[...], cache.state, self.norm.weight[...], n_valid, num_k_heads=cfg.gdn_num_k_heads,
             head_v_dim=cfg.gdn_v_head_dim, eps=self.norm.eps, impl=routes.impl,
             dv_split=gdn_decode.fitting_split(x.shape[0], cfg.gdn_num_v_heads, cfg.gdn_v_head_dim,
-                                              routes.gdn_decode_dv_split))
-        return self.out_proj(y.reshape(x.shape[0], 1, -1), routes), RecurrentCache(conv=window, state=state)
+                                              routes.gdn_decode_dv_split),
+            defer_norm=routes.gdn_norm_into_out_proj)
+        b = x.shape[0]
+        if isinstance(y, NormedRow):  # the out projection norms it (models.layers.Linear)
+            y = y._replace(x=y.x.reshape(b, 1, -1), squares=y.squares.reshape(b, 1, *y.squares.shape[1:]),
+                           gate=y.gate.reshape(b, 1, -1))
+        else:
+            y = y.reshape(b, 1, -1)
+        return self.out_proj(y, routes), RecurrentCache(conv=window, state=state)
 
     # ---- speculative entry points -------------------------------------------------------
     def tree(self, x, cache: RecurrentCache, geo: TreeGeometry, start=None, routes: Routes = REFERENCE

@@ -101,10 +101,19 @@ class Linear(nnx.Module):
         self.w8a8 = False  # an int8 kernel's products quantize the activations too
         self.split_k_out = False
 
-    def __call__(self, x: jax.Array, routes: Routes = REFERENCE, *, one_row_parts: bool = False
-                 ) -> jax.Array | SplitKParts:
+    def __call__(self, x: jax.Array | row_product.NormedRow, routes: Routes = REFERENCE, *,
+                 one_row_parts: bool = False) -> jax.Array | SplitKParts:
         """x @ kernel (+ bias). one_row_parts: the caller takes SplitKParts where the row-product
-        kernel runs a one-row product (the MoE router: softmax_top_k sums them in its launch)."""
+        kernel runs a one-row product (the MoE router: softmax_top_k sums them in its launch).
+        x may be a row_product.NormedRow (a row still to be gated-normed): the row-product kernel
+        norms it as it loads it where that kernel runs this product, else its XLA form first."""
+        if isinstance(x, row_product.NormedRow):
+            if self._row_kernel_runs(x.x, routes) and not x.problems():
+                if (self.split_k_out or one_row_parts) and self.bias is None:
+                    return SplitKParts(row_product.row_product(x, self.kernel[...], partials=True, impl=routes.impl))
+                y = row_product.row_product(x, self.kernel[...], impl=routes.impl)
+                return y + self.bias[...] if self.bias is not None else y
+            x = x.value()
         kernel = self.kernel[...]
         if self.scale is not None:
             y = int8.product(x, kernel, self.scale[...], w8a8=self.w8a8)
@@ -121,8 +130,7 @@ class Linear(nnx.Module):
                 x.reshape(*x.shape[:-1], s, k // s), kernel.reshape(s, k // s, n),
                 (((lead + 1,), (1,)), ((lead,), (0,))), preferred_element_type=jnp.float32)
             return SplitKParts(parts)
-        if (rows == 1 and kernel.shape[1] > 1 and routes.row_product_kernel(kernel.size)
-                and _row_kernel_takes(kernel, x.dtype)):
+        if self._row_kernel_runs(x, routes):
             if (self.split_k_out or one_row_parts) and self.bias is None:
                 return SplitKParts(row_product.row_product(x, kernel, partials=True, impl=routes.impl))
             y = row_product.row_product(x, kernel, impl=routes.impl)
@@ -133,6 +141,21 @@ class Linear(nnx.Module):
         if self.bias is not None:
             y = y + self.bias[...]
         return y
+
+    def _row_kernel_runs(self, x: jax.Array, routes: Routes) -> bool:
+        """Whether a product of x runs as the row-product kernel: one row, a float kernel of more
+        than one column in routes.row_product_weights' window that the kernel takes, and no split-K
+        partials at this row count (they come first)."""
+        kernel = self.kernel[...]
+        rows = 1
+        for d in x.shape[:-1]:
+            rows *= d
+        if self.scale is not None or rows != 1 or kernel.shape[1] <= 1 or not routes.row_product_kernel(kernel.size):
+            return False
+        if self.split_k_out and self.bias is None and x.dtype == kernel.dtype and split_k_count(
+                rows, kernel.shape[0], routes) > 1:
+            return False
+        return _row_kernel_takes(kernel, x.dtype)
 
 
 def quantize_linears(module, scheme: int8.Int8Scheme) -> int:
