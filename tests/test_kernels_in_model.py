@@ -157,8 +157,9 @@ def test_the_split_gdn_norm_runs_in_the_out_projection_kernel():
     norm weight): the same greedy tokens, hidden states within float32 rounding; at batch 2 (no
     row kernel) the norm is XLA's as without the route."""
     cfg, gd, params = SPLIT_MODEL
-    off = INTERPRET.replace(gdn_decode_dv_split=2, row_product_weights=(1, 10**9))
-    on = off.replace(gdn_norm_into_out_proj=True)
+    on = INTERPRET.replace(gdn_decode_dv_split=2, row_product_weights=(1, 10**9))
+    assert on.gdn_norm_into_out_proj  # the default
+    off = on.replace(gdn_norm_into_out_proj=False)
     rng = np.random.default_rng(8)
     prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, 7)), jnp.int32)
     lens = jnp.asarray([7], jnp.int32)
