@@ -196,6 +196,30 @@ def test_linear_takes_the_kernel_for_one_row_only(bias):
         assert not _pallas_names(lambda x: lin(x, off), one)
 
 
+def test_linear_norms_a_normed_row_in_the_kernel_or_says_why_not():
+    """Linear given a NormedRow: the row kernel norms it where that kernel runs the product; at two
+    rows XLA's norm comes first (no kernel); a NormedRow the kernel cannot take (a group of 24)
+    warns naming why and runs XLA's norm. Every form equals the product of NormedRow.value."""
+    k, n, group = 96, 48, 32
+    lin = Linear(k, n, dtype=jnp.float32, rngs=nnx.Rngs(1))
+    x, squares, gate, weight = _normed_row_args(3, k, group, 2, jnp.float32, 8)
+    want = lin(rp.NormedRow(x, squares, gate, weight, group, 8, 1e-6).value(), REFERENCE)
+    row = lambda x: rp.NormedRow(x, squares, gate, weight, group, 8, 1e-6)
+    assert_scaled_close(np.asarray(jax.jit(lambda x: lin(row(x), ON))(x)), np.asarray(want), 1e-5, "kernel")
+    names = [kernel_name(e) for e in equations(jax.make_jaxpr(lambda x: lin(row(x), ON))(x).jaxpr)
+             if e.primitive.name == "pallas_call"]
+    assert len(names) == 1 and "row_product" in names[0]
+    two = lambda x: rp.NormedRow(jnp.concatenate([x, x]), jnp.concatenate([squares[None]] * 2),
+                                 jnp.concatenate([gate, gate]), weight, group, 8, 1e-6)
+    assert not _pallas_names(lambda x: lin(two(x), ON), x)
+    np.testing.assert_allclose(np.asarray(lin(two(x), ON))[0], np.asarray(want)[0], rtol=1e-6, atol=1e-6)
+    sq24 = jnp.asarray(np.random.default_rng(5).uniform(1, 2, size=(k // 24, 2)), jnp.float32)
+    odd = rp.NormedRow(x, sq24, gate, jnp.ones((24,), jnp.float32), 24, 8, 1e-6)
+    with pytest.warns(UserWarning, match="gated norm runs in XLA.*norm group 24"):
+        got = lin(odd, ON)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(lin(odd.value(), REFERENCE)), rtol=1e-6, atol=1e-6)
+
+
 def test_split_k_out_returns_the_kernels_partials():
     """A product the add + RMSNorm kernel consumes (split_k_out) returns the kernel's float32
     partials at one row; dense() of them is the product."""

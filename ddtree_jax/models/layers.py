@@ -107,13 +107,16 @@ class Linear(nnx.Module):
         kernel runs a one-row product (the MoE router: softmax_top_k sums them in its launch).
         x may be a row_product.NormedRow (a row still to be gated-normed): the row-product kernel
         norms it as it loads it where that kernel runs this product, else its XLA form first."""
+        row = x  # what the row-product kernel reads: x, or the NormedRow it norms as it loads it
         if isinstance(x, row_product.NormedRow):
-            if self._row_kernel_runs(x.x, routes) and not x.problems():
-                if (self.split_k_out or one_row_parts) and self.bias is None:
-                    return SplitKParts(row_product.row_product(x, self.kernel[...], partials=True, impl=routes.impl))
-                y = row_product.row_product(x, self.kernel[...], impl=routes.impl)
-                return y + self.bias[...] if self.bias is not None else y
-            x = x.value()
+            bad = x.problems()
+            if bad:
+                warnings.warn("a row's gated norm runs in XLA, not in the row-product kernel: " + "; ".join(bad),
+                              stacklevel=2)
+            if bad or not self._row_kernel_runs(x.x, routes):
+                x = row = x.value()  # XLA's norm, then the product as for any row
+            else:
+                x = x.x  # the kernel below norms `row` as it loads it
         kernel = self.kernel[...]
         if self.scale is not None:
             y = int8.product(x, kernel, self.scale[...], w8a8=self.w8a8)
@@ -132,8 +135,8 @@ class Linear(nnx.Module):
             return SplitKParts(parts)
         if self._row_kernel_runs(x, routes):
             if (self.split_k_out or one_row_parts) and self.bias is None:
-                return SplitKParts(row_product.row_product(x, kernel, partials=True, impl=routes.impl))
-            y = row_product.row_product(x, kernel, impl=routes.impl)
+                return SplitKParts(row_product.row_product(row, kernel, partials=True, impl=routes.impl))
+            y = row_product.row_product(row, kernel, impl=routes.impl)
         elif rows == 1 and kernel.shape[1] > 1 and routes.pads_row(kernel.size):
             y = _padded_row_product(x, kernel)
         else:
