@@ -12,7 +12,8 @@ the same y, bit for bit):
 - "persistent": two launches a layer, P programs each looping over units pid, pid + P, ...;
 - "barrier": one launch a layer, P programs: the first product's units, a grid-wide barrier
   (an acquire-release atomic counter with a generation flag, `grid_barrier`), the second's;
-- "barrier_prefetch": as "barrier", each program loading its first W2 tile before it waits;
+- "barrier_prefetch": as "barrier", each program loading its first W2 unit's first tile (a rolled
+  K loop) or all of its tiles (unrolled: the config's 8th field) before it waits;
 - "floor": one launch a layer reading both matrices with no dependency (g: W2's first row): the bytes'
   time with one launch and no wait.
 
