@@ -45,6 +45,10 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 4
     layout: str = "cols"
+    # the decode path's launch (1) only: its MMA row operand as one masked [MIN_BLOCK, block_k] load,
+    # which Triton pipelines with the weights' tiles, instead of the loaded row padded by a select
+    # (register loads waited on every K step: decision 0063; not yet timed, so off)
+    masked_row: bool = False
 
     def problems(self, name: str, layouts: tuple[str, ...] = GEMM_LAYOUTS) -> list[str]:
         bad = [f"{name}.{f} = {getattr(self, f)} (a power of two >= {MIN_BLOCK})" for f in ("block_n", "block_k")
@@ -53,6 +57,8 @@ class GemmConfig:
         bad += [] if self.layout in layouts else [f"{name}.layout = {self.layout!r} (one of {layouts})"]
         bad += [] if self.num_warps in (1, 2, 4, 8, 16) else [f"{name}.num_warps = {self.num_warps}"]
         bad += [] if self.num_stages >= 1 else [f"{name}.num_stages = {self.num_stages}"]
+        bad += [f"{name}.masked_row with layout 'fma' (an MMA layout's operand)"] if (
+            self.masked_row and self.layout == "fma") else []
         return bad
 
     def fit(self, n: int, k: int) -> GemmConfig:
@@ -76,6 +82,8 @@ class MoeConfig:
     def problems(self) -> list[str]:
         bad = [] if is_pow2(self.block_m) and self.block_m >= MIN_BLOCK else [
             f"block_m = {self.block_m} (a power of two >= {MIN_BLOCK})"]
+        bad += [f"{n}.masked_row (the decode path's launch (1) only)" for n, c in (("up", self.up), ("down", self.down))
+                if c.masked_row]
         return bad + self.up.problems("up") + self.down.problems("down")
 
 
@@ -99,6 +107,10 @@ class DecodeConfig:
 
     def problems(self) -> list[str]:
         bad = self.up.problems("up", DECODE_LAYOUTS) + self.down.problems("down", DECODE_LAYOUTS)
+        if self.down.masked_row:
+            bad.append("down.masked_row (launch (2)'s row is made from launch (1)'s outputs; launch (1) only)")
+        if self.up.masked_row and self.combine == "fused":
+            bad.append("up.masked_row with combine 'fused' (the two launches' form only)")
         if self.combine not in COMBINES:
             bad.append(f"combine = {self.combine!r} (one of {COMBINES})")
         elif self.combine == "kernel" and self.down.split_k != 1:

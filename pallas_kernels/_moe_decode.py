@@ -78,6 +78,18 @@ def _padded_row(row):
     return jnp.where(first, rows, jnp.zeros_like(rows))
 
 
+def _masked_rows(x_ref, tok, k0, bk: int):
+    """What _padded_row makes of x's row `tok` at K offset k0, as one masked load: every row's
+    pointers at that row, only row 0 read, zeros below. Triton pipelines this load with the
+    weights' tiles (cp.async, offline sm_90 compile); the loaded row padded by a select is read by
+    register loads that each K step waits for (decision 0063's profile)."""
+    shape = (MIN_BLOCK, bk)
+    rows = jnp.full(shape, tok, jnp.int32)
+    cols = k0 + lax.broadcasted_iota(jnp.int32, shape, 1)
+    first = lax.broadcasted_iota(jnp.int32, shape, 0) == 0
+    return load(x_ref, (rows, cols), mask=first, other=jnp.zeros(shape, x_ref.dtype))
+
+
 def _operand(row, layout: str):
     """A loaded row as the product's operand: [1, bk] padded to MIN_BLOCK rows for the MMA forms;
     for "fma" float32, [1, bk] (weights stored [E, out, in]) or a column [bk, 1] (loaded as one:
@@ -187,7 +199,9 @@ def _up_pair(x_ref, *, w_ref, o_ref, pair, tok, e, col_block, split, cfg: GemmCo
 
     def step(i, accs):
         k0 = k_base + i * bk
-        if _columns(cfg.layout, w_t):
+        if cfg.masked_row:
+            rows = _masked_rows(x_ref, tok, k0, bk)
+        elif _columns(cfg.layout, w_t):
             rows = _operand(load(x_ref, (tok, pl.ds(k0, bk), pl.ds(0, 1))), cfg.layout)
         else:
             rows = _operand(load(x_ref, (pl.ds(tok, 1), pl.ds(k0, bk))), cfg.layout)

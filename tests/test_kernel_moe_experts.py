@@ -7,6 +7,7 @@ k = E, odd sizes, both weight layouts, split K and both MMA layouts; a hypothesi
 random routing; the grouping's invariants; bad shapes and inputs named. Interpret mode by default
 (small shapes, one compilation a case), natively under -m gpu (hidden sizes x8)."""
 
+import dataclasses
 import functools
 
 import jax
@@ -444,3 +445,42 @@ def test_a_shared_expert_takes_one_of_weight_and_gate():
                          (moe.Shared(s.w_in, s.w_out, gate_w=jnp.ones((16,))), r"gate_w must be \[32\] float32")):
         with pytest.raises(ValueError, match=message):
             moe.expert_mlp(x, ids, w, w_in, w_out, act="silu_glu", shared=bad)
+
+
+@pytest.mark.parametrize("with_shared", [False, True])
+@pytest.mark.parametrize("layout,t,split", [("cols", 1, 2), ("rows", 1, 1), ("cols", 3, 1)])
+def test_masked_row_operand_equals_the_padded_row(layout, t, split, with_shared, impl):
+    """GemmConfig.masked_row (launch (1)'s MMA row operand as one masked load, decision 0063) gives
+    the decode path's output bit for bit as the loaded row padded by a select, with and without
+    a K split and the shared expert's pairs."""
+    k, e, h, inter, act, dtype = 4, 8, 32, 16, "silu_glu", "bfloat16"
+    if impl == "pallas":
+        h, inter = 8 * h, 8 * inter
+    x, ids, w, w_in, w_out = _problem(11 + t, t, k, e, h, inter, act, dtype, "random")
+    shared = _shared(5, t, h, inter, act, dtype, "in_out") if with_shared else None
+    padded = DecodeConfig(up=GemmConfig(block_n=16, block_k=16, split_k=split, layout=layout),
+                          down=GemmConfig(block_n=16, block_k=16), combine="xla")
+    masked = dataclasses.replace(padded, up=dataclasses.replace(padded.up, masked_row=True))
+    assert not masked.problems()
+    got, want = (moe.expert_mlp(x, ids, w, w_in, w_out, act=act, impl=impl, config=c, shared=shared)
+                 for c in (masked, padded))
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def test_masked_row_is_refused_where_it_has_no_meaning():
+    fma = DecodeConfig(up=GemmConfig(layout="fma", masked_row=True), down=GemmConfig(layout="fma"))
+    assert any("masked_row with layout 'fma'" in p for p in fma.problems())
+    down = DecodeConfig(up=GemmConfig(), down=GemmConfig(masked_row=True))
+    assert any("down.masked_row" in p for p in down.problems())
+    fused = DecodeConfig(up=GemmConfig(masked_row=True), down=GemmConfig(), combine="fused")
+    assert any("combine 'fused'" in p for p in fused.problems())
+    grouped = MoeConfig(up=GemmConfig(masked_row=True))
+    assert any("launch (1) only" in p for p in grouped.problems())
+
+
+def test_kernel_config_takes_the_masked_row_only_on_the_two_launch_decode_path():
+    on = moe.kernel_config(1, 8, 256, 2048, 512, decode_masked_row=True)
+    assert isinstance(on, DecodeConfig) and on.up.masked_row and not on.down.masked_row and not on.problems()
+    assert not moe.kernel_config(1, 8, 256, 2048, 512).up.masked_row  # off by default
+    assert moe.kernel_config(1, 8, 256, 2048, 512, decode_fused=True, decode_masked_row=True).combine == "fused"
+    assert isinstance(moe.kernel_config(2, 8, 256, 2048, 512, decode_masked_row=True), MoeConfig)

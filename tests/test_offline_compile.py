@@ -145,14 +145,20 @@ def test_moe_decode_path_lowers_for_cuda_without_spills():
         assert [name.split("_")[:3] for name, _ in kernels] == want, opts
         captured.append((opts, settings, kernels))
     assert {o["variant"] for o, _, _ in captured} >= {"decode", "decode_out_in", "decode_n16_kernel",
-                                                      "default_shared_gate_parts", "fused", "fused_out_in",
-                                                      "fused_shared_gate_parts"}
+                                                      "decode_masked_row", "default_shared_gate_parts", "fused",
+                                                      "fused_out_in", "fused_shared_gate_parts"}
     require_recorded_triton()
+    up_loads = {}
     for opts, settings, kernels in captured:
         for res in compile_case(kernels, settings, 1):
             layout = opts["down_layout" if "_down" in res["launch"] else "up_layout"]
             loads = res["ldg_128"] > 0 if layout == "fma" else res["ldgsts"] > 0
             assert res["stack_bytes"] == 0 and res["regs"] <= 255 and loads, (opts, res)
+            if "_up" in res["launch"]:
+                up_loads[opts["variant"]] = res
+    # the masked row operand (decision 0063): the row's register loads become cp.async beside the weights'
+    assert up_loads["decode_masked_row"]["ldg"] < up_loads["decode"]["ldg"]
+    assert up_loads["decode_masked_row"]["ldgsts"] > up_loads["decode"]["ldgsts"]
 
 
 def test_row_product_lowers_for_cuda_without_spills():

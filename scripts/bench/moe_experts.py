@@ -131,14 +131,15 @@ def sweep_configs(base, which: str):
 def decode_sweep(base, which: str):
     """{name: (DecodeConfig, w_layout)} of the decode path's variants timed (which as sweep_configs;
     "decode" = "small"): the default on both weight layouts, then one change each: the other
-    combine, K blocks of 128, the "rows" MMA form, 6 stages, launch (1)'s K split doubled, column
-    blocks of 32 (launch (1)'s split halved: as many programs), and column blocks of 16 with K
-    blocks of 128, no split and the combine in the kernel (most programs; on [E, out, in] weights
-    each reads whole contiguous rows). Column blocks under 64 take the "rows" form: with the
-    weight columns on the MMA's M side (< 64: no wgmma) sm_90 Triton 3.6 did not pipeline the
-    weight loads (no cp.async in the offline compile). Then the "fma" form (no MMA) with the
-    default blocks on both layouts, blocks of 128 x 32 (256-byte rows), K blocks of 128 (at 8 warps;
-    with twice the K split), twice the K split, 2 stages, and "fma" for launch (1) only."""
+    combine, K blocks of 128, the "rows" MMA form, launch (1)'s row as a masked load, 6 stages,
+    launch (1)'s K split doubled, column blocks of 32 (launch (1)'s split halved: as many programs),
+    and column blocks of 16 with K blocks of 128, no split and the combine in the kernel (most
+    programs; on [E, out, in] weights each reads whole contiguous rows). Column blocks under 64 take
+    the "rows" form: with the weight columns on the MMA's M side (< 64: no wgmma) sm_90 Triton 3.6
+    did not pipeline the weight loads (no cp.async in the offline compile). Then the "fma" form (no
+    MMA) with the default blocks on both layouts, blocks of 128 x 32 (256-byte rows), K blocks of
+    128 (at 8 warps; with twice the K split), twice the K split, 2 stages, and "fma" for launch (1)
+    only."""
     rep = dataclasses.replace
     both = lambda **kw: rep(base, up=rep(base.up, **kw), down=rep(base.down, **kw))
     out = {"decode": (base, "in_out"), "decode_out_in": (base, "out_in")}
@@ -150,6 +151,7 @@ def decode_sweep(base, which: str):
         return out
     out["decode_k128"] = (both(block_k=128), "in_out")
     out["decode_rows"] = (both(layout="rows"), "in_out")
+    out["decode_masked_row"] = (rep(base, up=rep(base.up, masked_row=True)), "in_out")  # decision 0063's lead
     out["decode_stages6"] = (both(num_stages=6), "in_out")
     out["decode_up_split_x2"] = (rep(base, up=rep(base.up, split_k=2 * base.up.split_k)), "in_out")
     out["decode_n32"] = (rep(base, up=rep(base.up, block_n=32, split_k=max(1, base.up.split_k // 2), layout="rows"),
