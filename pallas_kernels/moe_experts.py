@@ -93,7 +93,7 @@ def kernel_config(tokens: int, top_k: int, num_experts: int, hidden: int, inter:
         if decode_fused:
             return default_fused_config(tokens, top_k, num_experts, hidden, inter)
         config = default_decode_config(tokens, top_k, num_experts, hidden, inter)
-        if decode_masked_row and config.up.layout != "fma":
+        if decode_masked_row:  # an "fma" default would be refused by config.problems(), not ignored
             config = dataclasses.replace(config, up=dataclasses.replace(config.up, masked_row=True))
         return config
     return default_config(tokens, top_k, num_experts, hidden, inter)
