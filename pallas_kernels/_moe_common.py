@@ -47,7 +47,8 @@ class GemmConfig:
     layout: str = "cols"
     # the decode path's launch (1) only: its MMA row operand as one masked [MIN_BLOCK, block_k] load,
     # which Triton pipelines with the weights' tiles, instead of the loaded row padded by a select
-    # (register loads waited on every K step: decision 0063; not yet timed, so off)
+    # (register loads waited on every K step: decision 0063; faster on the H200 and the decode
+    # path's default: 0064, which also found launch (2)'s activation row no better masked)
     masked_row: bool = False
 
     def problems(self, name: str, layouts: tuple[str, ...] = GEMM_LAYOUTS) -> list[str]:
@@ -108,7 +109,7 @@ class DecodeConfig:
     def problems(self) -> list[str]:
         bad = self.up.problems("up", DECODE_LAYOUTS) + self.down.problems("down", DECODE_LAYOUTS)
         if self.down.masked_row:
-            bad.append("down.masked_row (launch (2)'s row is made from launch (1)'s outputs; launch (1) only)")
+            bad.append("down.masked_row (launch (1) only: launch (2)'s activation row masked was slower, 0064)")
         if self.up.masked_row and self.combine == "fused":
             bad.append("up.masked_row with combine 'fused' (the two launches' form only)")
         if self.combine not in COMBINES:

@@ -41,12 +41,13 @@ def default_decode_config(tokens: int, top_k: int, num_experts: int, hidden: int
     scripts.bench.moe_experts sets it). Column blocks of 64 (128-byte rows of [E, in, out]
     weights); launch (1) split in K until it has ~TARGET_PROGRAMS programs (T = 1, top-8, I = 512:
     8 pairs x 8 blocks x split 4). Launch (2) combines in the kernel once T x H / 64 programs reach
-    half of that (T >= 4 at H = 2048), else one program per pair and XLA's combine."""
+    half of that (T >= 4 at H = 2048), else one program per pair and XLA's combine. Launch (1)
+    loads x's row as the MMA's masked operand (`GemmConfig.masked_row`, decision 0064)."""
     del num_experts
     if hidden % MIN_BLOCK or inter % MIN_BLOCK:
         return DecodeConfig()  # the kernel refuses the shape (kernel_problems)
     pairs = tokens * top_k
-    up = GemmConfig(block_n=64, block_k=64).fit(inter, hidden)
+    up = GemmConfig(block_n=64, block_k=64, masked_row=True).fit(inter, hidden)  # x's row masked: 0064
     up = dataclasses.replace(up, split_k=_filling_split(pairs * (inter // up.block_n), hidden, up.block_k))
     down = GemmConfig(block_n=64, block_k=64).fit(hidden, inter)
     if tokens * (hidden // down.block_n) >= TARGET_PROGRAMS // 2:

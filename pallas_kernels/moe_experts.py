@@ -85,17 +85,17 @@ DECODE_MAX_PAIRS = 8  # the decode path up to this many (token, choice) pairs: o
 
 def kernel_config(tokens: int, top_k: int, num_experts: int, hidden: int, inter: int,
                   decode_max_pairs: int = DECODE_MAX_PAIRS, decode_fused: bool = False,
-                  decode_masked_row: bool = False) -> MoeConfig | DecodeConfig:
+                  decode_masked_row: bool = True) -> MoeConfig | DecodeConfig:
     """The kernel route's default: the decode path while T k <= decode_max_pairs (in one launch with
-    decode_fused: pallas_kernels/_moe_fused.py; with decode_masked_row its launch (1) takes the row
-    as a masked load, `GemmConfig.masked_row`), else the grouped kernel."""
+    decode_fused: pallas_kernels/_moe_fused.py), else the grouped kernel. decode_masked_row: the
+    decode path's launch (1) takes x's row as a masked load (`GemmConfig.masked_row`; faster on the
+    H200, decision 0064), or, off, as the loaded row padded by a select."""
     if tokens * top_k <= decode_max_pairs:
         if decode_fused:
             return default_fused_config(tokens, top_k, num_experts, hidden, inter)
         config = default_decode_config(tokens, top_k, num_experts, hidden, inter)
-        if decode_masked_row:  # an "fma" default would be refused by config.problems(), not ignored
-            config = dataclasses.replace(config, up=dataclasses.replace(config.up, masked_row=True))
-        return config
+        # set as asked: an "fma" default would be refused by config.problems(), not ignored
+        return dataclasses.replace(config, up=dataclasses.replace(config.up, masked_row=decode_masked_row))
     return default_config(tokens, top_k, num_experts, hidden, inter)
 
 
@@ -120,7 +120,7 @@ def takes_shared(tokens: int, top_k: int, num_experts: int, hidden: int, inter: 
 def expert_mlp(x, expert_ids, weights, w_in, w_out, *, act: str, impl: str = "xla",
                config: MoeConfig | DecodeConfig | None = None, w_layout: str = "in_out",
                decode_max_pairs: int = DECODE_MAX_PAIRS, shared: Shared | None = None, parts: bool = False,
-               decode_fused: bool = False, decode_masked_row: bool = False):
+               decode_fused: bool = False, decode_masked_row: bool = True):
     """y [T, H] = sum_j weights[t, j] * down_e(act(x[t] @ w_in[e])), e = expert_ids[t, j], rounded
     as the module docstring says. impl "xla": `xla_form`'s choice of reference / grouped_xla;
     "pallas" / "pallas_interpret": the decode path (config a DecodeConfig) or the grouped kernel

@@ -447,22 +447,30 @@ def test_a_shared_expert_takes_one_of_weight_and_gate():
             moe.expert_mlp(x, ids, w, w_in, w_out, act="silu_glu", shared=bad)
 
 
-@pytest.mark.parametrize("with_shared", [False, True])
-@pytest.mark.parametrize("layout,t,split", [("cols", 1, 2), ("rows", 1, 1), ("cols", 3, 1)])
-def test_masked_row_operand_equals_the_padded_row(layout, t, split, with_shared, impl):
-    """GemmConfig.masked_row (launch (1)'s MMA row operand as one masked load, decision 0063) gives
-    the decode path's output bit for bit as the loaded row padded by a select, with and without
-    a K split and the shared expert's pairs."""
+# (layout, tokens, launch (1)'s K split, combine, shared expert, parts): one token split and not, a
+# few tokens, launch (2) per token (combine "kernel"), the weighted parts the model's decode step takes
+MASKED_CASES = [("cols", 1, 2, "xla", False, False), ("cols", 1, 2, "xla", True, False),
+                ("rows", 1, 1, "xla", False, False), ("rows", 1, 1, "xla", True, False),
+                ("cols", 3, 1, "xla", True, False), ("cols", 2, 2, "kernel", False, False),
+                ("cols", 1, 4, "xla", True, True)]
+
+
+@pytest.mark.parametrize("layout,t,split,combine,with_shared,parts", MASKED_CASES)
+def test_masked_row_operand_equals_the_padded_row(layout, t, split, combine, with_shared, parts, impl):
+    """GemmConfig.masked_row (launch (1)'s MMA row operand as one masked load: decisions 0063,
+    0064) gives the decode path's output bit for bit as the loaded row padded by a select, with and
+    without a K split, launch (2) per token or per pair, with the shared expert's pairs and the
+    weighted parts."""
     k, e, h, inter, act, dtype = 4, 8, 32, 16, "silu_glu", "bfloat16"
     if impl == "pallas":
         h, inter = 8 * h, 8 * inter
     x, ids, w, w_in, w_out = _problem(11 + t, t, k, e, h, inter, act, dtype, "random")
     shared = _shared(5, t, h, inter, act, dtype, "in_out") if with_shared else None
     padded = DecodeConfig(up=GemmConfig(block_n=16, block_k=16, split_k=split, layout=layout),
-                          down=GemmConfig(block_n=16, block_k=16), combine="xla")
+                          down=GemmConfig(block_n=16, block_k=16, layout=layout), combine=combine)
     masked = dataclasses.replace(padded, up=dataclasses.replace(padded.up, masked_row=True))
     assert not masked.problems()
-    got, want = (moe.expert_mlp(x, ids, w, w_in, w_out, act=act, impl=impl, config=c, shared=shared)
+    got, want = (moe.expert_mlp(x, ids, w, w_in, w_out, act=act, impl=impl, config=c, shared=shared, parts=parts)
                  for c in (masked, padded))
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
@@ -479,8 +487,10 @@ def test_masked_row_is_refused_where_it_has_no_meaning():
 
 
 def test_kernel_config_takes_the_masked_row_only_on_the_two_launch_decode_path():
-    on = moe.kernel_config(1, 8, 256, 2048, 512, decode_masked_row=True)
-    assert isinstance(on, DecodeConfig) and on.up.masked_row and not on.down.masked_row and not on.problems()
-    assert not moe.kernel_config(1, 8, 256, 2048, 512).up.masked_row  # off by default
-    assert moe.kernel_config(1, 8, 256, 2048, 512, decode_fused=True, decode_masked_row=True).combine == "fused"
-    assert isinstance(moe.kernel_config(2, 8, 256, 2048, 512, decode_masked_row=True), MoeConfig)
+    default = moe.kernel_config(1, 8, 256, 2048, 512)
+    assert isinstance(default, DecodeConfig) and default.up.masked_row and not default.down.masked_row  # 0064
+    assert not default.problems() and moe.default_decode_config(1, 8, 256, 2048, 512) == default
+    off = moe.kernel_config(1, 8, 256, 2048, 512, decode_masked_row=False)
+    assert not off.up.masked_row and not off.problems()
+    assert moe.kernel_config(1, 8, 256, 2048, 512, decode_fused=True).combine == "fused"
+    assert isinstance(moe.kernel_config(2, 8, 256, 2048, 512), MoeConfig)

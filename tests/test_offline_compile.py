@@ -145,7 +145,7 @@ def test_moe_decode_path_lowers_for_cuda_without_spills():
         assert [name.split("_")[:3] for name, _ in kernels] == want, opts
         captured.append((opts, settings, kernels))
     assert {o["variant"] for o, _, _ in captured} >= {"decode", "decode_out_in", "decode_n16_kernel",
-                                                      "decode_masked_row", "default_shared_gate_parts", "fused",
+                                                      "decode_padded_row", "default_shared_gate_parts", "fused",
                                                       "fused_out_in", "fused_shared_gate_parts"}
     require_recorded_triton()
     up_loads = {}
@@ -156,9 +156,10 @@ def test_moe_decode_path_lowers_for_cuda_without_spills():
             assert res["stack_bytes"] == 0 and res["regs"] <= 255 and loads, (opts, res)
             if "_up" in res["launch"]:
                 up_loads[opts["variant"]] = res
-    # the masked row operand (decision 0063): the row's register loads become cp.async beside the weights'
-    assert up_loads["decode_masked_row"]["ldg"] < up_loads["decode"]["ldg"]
-    assert up_loads["decode_masked_row"]["ldgsts"] > up_loads["decode"]["ldgsts"]
+    # the masked row operand (decisions 0063, 0064; the default): the row's register loads become
+    # cp.async beside the weights'
+    assert up_loads["decode"]["ldg"] < up_loads["decode_padded_row"]["ldg"]
+    assert up_loads["decode"]["ldgsts"] > up_loads["decode_padded_row"]["ldgsts"]
 
 
 def test_row_product_lowers_for_cuda_without_spills():

@@ -131,7 +131,8 @@ def sweep_configs(base, which: str):
 def decode_sweep(base, which: str):
     """{name: (DecodeConfig, w_layout)} of the decode path's variants timed (which as sweep_configs;
     "decode" = "small"): the default on both weight layouts, then one change each: the other
-    combine, K blocks of 128, the "rows" MMA form, launch (1)'s row as a masked load, 6 stages,
+    combine, K blocks of 128, the "rows" MMA form, launch (1)'s row loaded and padded (not one
+    masked load), 6 stages,
     launch (1)'s K split doubled, column blocks of 32 (launch (1)'s split halved: as many programs),
     and column blocks of 16 with K blocks of 128, no split and the combine in the kernel (most
     programs; on [E, out, in] weights each reads whole contiguous rows). Column blocks under 64 take
@@ -151,7 +152,8 @@ def decode_sweep(base, which: str):
         return out
     out["decode_k128"] = (both(block_k=128), "in_out")
     out["decode_rows"] = (both(layout="rows"), "in_out")
-    out["decode_masked_row"] = (rep(base, up=rep(base.up, masked_row=True)), "in_out")  # decision 0063's lead
+    # launch (1)'s row loaded and padded by a select (the form before decision 0064)
+    out["decode_padded_row"] = (rep(base, up=rep(base.up, masked_row=False)), "in_out")
     out["decode_stages6"] = (both(num_stages=6), "in_out")
     out["decode_up_split_x2"] = (rep(base, up=rep(base.up, split_k=2 * base.up.split_k)), "in_out")
     out["decode_n32"] = (rep(base, up=rep(base.up, block_n=32, split_k=max(1, base.up.split_k // 2), layout="rows"),
@@ -162,7 +164,7 @@ def decode_sweep(base, which: str):
     out["decode_n16_kernel_out_in"] = (n16, "out_in")
     # "fma": no MMA, the row broadcast over the weight tile (a GEMV on the CUDA cores), its tiles
     # wider along the contiguous columns of [E, in, out] weights, more programs, more warps
-    fma = both(layout="fma")
+    fma = both(layout="fma", masked_row=False)
     out["decode_fma"] = (fma, "in_out")
     out["decode_fma_out_in"] = (fma, "out_in")
     out["decode_fma_n128_k32"] = (rep(fma, up=rep(fma.up, block_n=128, block_k=32),
