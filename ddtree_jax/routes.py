@@ -102,6 +102,9 @@ class Routes:
     # ... their first launch taking the row as a masked load Triton pipelines with the weights (the
     # padded row's per-step register loads held 38 % of its stalls, 0063; the step 2-3 % faster, 0064)
     moe_decode_masked_row: bool = True
+    # ... both their launches in the "rows" MMA form (the padded row on the MMA's M side): one layer
+    # 0.2-6.3 us faster than "cols" in four sweeps on the H200 (0064); the step not timed yet, so off
+    moe_decode_rows: bool = False
     # ---- tree build kernels (impl != "xla") ----
     bits_kernel_max_nodes: int = 64  # ancestor bitsets: the kernel up to this many nodes
     tree_select_kernel: bool = True  # the DDTree node selection in one launch (budgets it takes)

@@ -85,15 +85,19 @@ DECODE_MAX_PAIRS = 8  # the decode path up to this many (token, choice) pairs: o
 
 def kernel_config(tokens: int, top_k: int, num_experts: int, hidden: int, inter: int,
                   decode_max_pairs: int = DECODE_MAX_PAIRS, decode_fused: bool = False,
-                  decode_masked_row: bool = True) -> MoeConfig | DecodeConfig:
+                  decode_masked_row: bool = True, decode_rows: bool = False) -> MoeConfig | DecodeConfig:
     """The kernel route's default: the decode path while T k <= decode_max_pairs (in one launch with
     decode_fused: pallas_kernels/_moe_fused.py), else the grouped kernel. decode_masked_row: the
     decode path's launch (1) takes x's row as a masked load (`GemmConfig.masked_row`; faster on the
-    H200, decision 0064), or, off, as the loaded row padded by a select."""
+    H200, decision 0064), or, off, as the loaded row padded by a select. decode_rows: both decode
+    launches in the "rows" MMA form (the padded row on the MMA's M side) instead of "cols"."""
     if tokens * top_k <= decode_max_pairs:
         if decode_fused:
             return default_fused_config(tokens, top_k, num_experts, hidden, inter)
         config = default_decode_config(tokens, top_k, num_experts, hidden, inter)
+        if decode_rows:
+            config = dataclasses.replace(config, up=dataclasses.replace(config.up, layout="rows"),
+                                         down=dataclasses.replace(config.down, layout="rows"))
         # set as asked: an "fma" default would be refused by config.problems(), not ignored
         return dataclasses.replace(config, up=dataclasses.replace(config.up, masked_row=decode_masked_row))
     return default_config(tokens, top_k, num_experts, hidden, inter)
@@ -120,12 +124,13 @@ def takes_shared(tokens: int, top_k: int, num_experts: int, hidden: int, inter: 
 def expert_mlp(x, expert_ids, weights, w_in, w_out, *, act: str, impl: str = "xla",
                config: MoeConfig | DecodeConfig | None = None, w_layout: str = "in_out",
                decode_max_pairs: int = DECODE_MAX_PAIRS, shared: Shared | None = None, parts: bool = False,
-               decode_fused: bool = False, decode_masked_row: bool = True):
+               decode_fused: bool = False, decode_masked_row: bool = True, decode_rows: bool = False):
     """y [T, H] = sum_j weights[t, j] * down_e(act(x[t] @ w_in[e])), e = expert_ids[t, j], rounded
     as the module docstring says. impl "xla": `xla_form`'s choice of reference / grouped_xla;
     "pallas" / "pallas_interpret": the decode path (config a DecodeConfig) or the grouped kernel
     (a MoeConfig); default `kernel_config`: the decode path while T k <= decode_max_pairs (one
-    launch with decode_fused: its default `default_fused_config`; decode_masked_row: `kernel_config`). A layer
+    launch with decode_fused: its default `default_fused_config`; decode_masked_row, decode_rows:
+    `kernel_config`). A layer
     the kernels cannot take (`kernel_problems`) raises. Pure and jit-compatible (config, act, impl,
     w_layout and decode_max_pairs static). A `shared` expert (one more weighted choice of every
     token, summed before the one rounding) is taken by the forms `takes_shared` names; another
@@ -148,7 +153,8 @@ def expert_mlp(x, expert_ids, weights, w_in, w_out, *, act: str, impl: str = "xl
             return one(reference(x, expert_ids, weights, w_in, w_out, act=act, w_layout=w_layout, shared=shared))
         return one(grouped_xla(x, expert_ids, weights, w_in, w_out, act=act, w_layout=w_layout))
     e, h, _, inter, _ = _dims(w_in, w_out, w_layout)
-    config = config or kernel_config(t, k, e, h, inter, decode_max_pairs, decode_fused, decode_masked_row)
+    config = config or kernel_config(t, k, e, h, inter, decode_max_pairs, decode_fused, decode_masked_row,
+                                     decode_rows)
     interpret = impl == "pallas_interpret"
     if isinstance(config, DecodeConfig) and config.combine == "fused":
         return one_launch(x, expert_ids, weights, w_in, w_out, act=act, w_layout=w_layout, config=config,

@@ -452,7 +452,7 @@ def test_a_shared_expert_takes_one_of_weight_and_gate():
 MASKED_CASES = [("cols", 1, 2, "xla", False, False), ("cols", 1, 2, "xla", True, False),
                 ("rows", 1, 1, "xla", False, False), ("rows", 1, 1, "xla", True, False),
                 ("cols", 3, 1, "xla", True, False), ("cols", 2, 2, "kernel", False, False),
-                ("cols", 1, 4, "xla", True, True)]
+                ("cols", 1, 4, "xla", True, True), ("rows", 1, 4, "xla", True, True)]
 
 
 @pytest.mark.parametrize("layout,t,split,combine,with_shared,parts", MASKED_CASES)
@@ -492,5 +492,9 @@ def test_kernel_config_takes_the_masked_row_only_on_the_two_launch_decode_path()
     assert not default.problems() and moe.default_decode_config(1, 8, 256, 2048, 512) == default
     off = moe.kernel_config(1, 8, 256, 2048, 512, decode_masked_row=False)
     assert not off.up.masked_row and not off.problems()
+    rows = moe.kernel_config(1, 8, 256, 2048, 512, decode_rows=True)  # Routes.moe_decode_rows
+    assert (rows.up.layout, rows.down.layout) == ("rows", "rows") and rows.up.masked_row and not rows.problems()
+    assert dataclasses.replace(rows, up=dataclasses.replace(rows.up, layout="cols"),
+                               down=dataclasses.replace(rows.down, layout="cols")) == default
     assert moe.kernel_config(1, 8, 256, 2048, 512, decode_fused=True).combine == "fused"
     assert isinstance(moe.kernel_config(2, 8, 256, 2048, 512), MoeConfig)

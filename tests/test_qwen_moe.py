@@ -529,3 +529,7 @@ def test_decode_step_with_moe_parts_into_the_norm_matches_the_combine():
     # masked load: the same logits, bit for bit
     padded = Routes(impl="pallas_interpret", moe_decode_masked_row=False)
     np.testing.assert_array_equal(np.asarray(jax.jit(step, static_argnums=3)(params, cache, token, padded)), got)
+    # both launches in the "rows" MMA form (moe_decode_rows): the same logits
+    rows = np.asarray(jax.jit(step, static_argnums=3)(params, cache, token,
+                                                      Routes(impl="pallas_interpret", moe_decode_rows=True)))
+    np.testing.assert_allclose(rows, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))

@@ -75,7 +75,8 @@ def experts(x, expert_ids, weights, w_in, w_out, *, act: str, routes: Routes = R
             impl = routes.impl
     return moe_experts.expert_mlp(x, expert_ids, weights, w_in, w_out, act=act, impl=impl,
                                   decode_max_pairs=routes.moe_decode_max_pairs, shared=shared, parts=parts,
-                                  decode_fused=routes.moe_decode_fused, decode_masked_row=routes.moe_decode_masked_row)
+                                  decode_fused=routes.moe_decode_fused, decode_masked_row=routes.moe_decode_masked_row,
+                                  decode_rows=routes.moe_decode_rows)
 
 
 def fuses_shared(tokens: int, top_k: int, w_in, w_out, shared_inter: int, dtype, routes: Routes) -> bool:
