@@ -17,7 +17,7 @@ from typing import Any, Iterable
 
 import jax
 
-from pallas_kernels.moe_experts import DECODE_MAX_PAIRS
+from pallas_kernels.moe_experts import DECODE_MAX_PAIRS, DecodeForm
 from pallas_kernels.tree_attention import MIN_SPLIT_KEYS
 
 IMPLS = ("xla", "pallas", "pallas_interpret")
@@ -91,6 +91,10 @@ class Routes:
     # chooses; slower on the H200, decision 0059)
     moe_router_fused: bool = False
     moe_shared_in_decode_kernel: bool = True  # the shared expert as T more pairs of the experts' decode path
+    # ... and as one more expert of the grouped kernel's grouping (verify, prefill): its weights read
+    # in the grouped launches, summed with the routed choices before the one rounding (the DDTree-8 step
+    # 0.15-0.21 ms slower on the H200: 0066)
+    moe_shared_in_grouped_kernel: bool = False
     # ... whose second launch writes each choice's weighted product as float32 partials that the next
     # add + RMSNorm kernel sums (no combine launch), where the MoE block's output meets that kernel
     moe_parts_into_norm: bool = True
@@ -102,9 +106,9 @@ class Routes:
     # ... their first launch taking the row as a masked load Triton pipelines with the weights (the
     # padded row's per-step register loads held 38 % of its stalls, 0063; the step 2-3 % faster, 0064)
     moe_decode_masked_row: bool = True
-    # ... both their launches in the "rows" MMA form (the padded row on the MMA's M side): one layer
-    # 0.2-6.3 us faster than "cols" in four sweeps on the H200 (0064); the step not timed yet, so off
-    moe_decode_rows: bool = False
+    # ... both their launches in the "rows" MMA form (the padded row on the MMA's M side), else "cols":
+    # one layer 0.2-6.3 us faster in four sweeps on the H200 (0064), the step 11-18 us (0065)
+    moe_decode_rows: bool = True
     # ---- tree build kernels (impl != "xla") ----
     bits_kernel_max_nodes: int = 64  # ancestor bitsets: the kernel up to this many nodes
     tree_select_kernel: bool = True  # the DDTree node selection in one launch (budgets it takes)
@@ -157,6 +161,12 @@ class Routes:
         kernel (row_product_weights; kernels on)."""
         lo, hi = self.row_product_weights
         return self.kernels and hi > 0 and lo <= weight_elements <= hi
+
+    def moe_decode_form(self) -> DecodeForm:
+        """The experts' decode-path options these routes name (moe_decode_*), for
+        pallas_kernels.moe_experts."""
+        return DecodeForm(max_pairs=self.moe_decode_max_pairs, fused=self.moe_decode_fused,
+                          masked_row=self.moe_decode_masked_row, rows=self.moe_decode_rows)
 
     def compiler_options(self) -> tuple[tuple[str, Any], ...]:
         """XLA compiler options of a program compiled with these routes, as sorted (name, value)

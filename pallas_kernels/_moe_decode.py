@@ -1,6 +1,6 @@
 """The decode path of the routed-expert product (pallas_kernels/moe_experts.py: the API, the
 rounding, the route; impl "pallas" / "pallas_interpret" with a `DecodeConfig`, the kernel route's
-default while T k <= decode_max_pairs): no grouping at all. Each (token, choice) pair is its own
+default while T k <= DecodeForm.max_pairs): no grouping at all. Each (token, choice) pair is its own
 row (its expert read from expert_ids in the kernel: no sort, no scatter, no XLA prep). Launch (1)
 over (column block, K slice, pair): the pair's token row of x times its expert's w_in columns, the
 activation applied (or float32 partials with a K split); launch (2) over (column block, K slice,
@@ -42,14 +42,15 @@ def default_decode_config(tokens: int, top_k: int, num_experts: int, hidden: int
     weights); launch (1) split in K until it has ~TARGET_PROGRAMS programs (T = 1, top-8, I = 512:
     8 pairs x 8 blocks x split 4). Launch (2) combines in the kernel once T x H / 64 programs reach
     half of that (T >= 4 at H = 2048), else one program per pair and XLA's combine. Launch (1)
-    loads x's row as the MMA's masked operand (`GemmConfig.masked_row`, decision 0064)."""
+    loads x's row as the MMA's masked operand (`GemmConfig.masked_row`, decision 0064); both
+    launches take the "rows" MMA layout (decision 0065)."""
     del num_experts
     if hidden % MIN_BLOCK or inter % MIN_BLOCK:
         return DecodeConfig()  # the kernel refuses the shape (kernel_problems)
     pairs = tokens * top_k
-    up = GemmConfig(block_n=64, block_k=64, masked_row=True).fit(inter, hidden)  # x's row masked: 0064
+    up = GemmConfig(block_n=64, block_k=64, layout="rows", masked_row=True).fit(inter, hidden)  # 0065, 0064
     up = dataclasses.replace(up, split_k=_filling_split(pairs * (inter // up.block_n), hidden, up.block_k))
-    down = GemmConfig(block_n=64, block_k=64).fit(hidden, inter)
+    down = GemmConfig(block_n=64, block_k=64, layout="rows").fit(hidden, inter)
     if tokens * (hidden // down.block_n) >= TARGET_PROGRAMS // 2:
         return DecodeConfig(up=up, down=down, combine="kernel")
     down = dataclasses.replace(down, split_k=_filling_split(pairs * (hidden // down.block_n), inter, down.block_k))

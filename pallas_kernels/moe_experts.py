@@ -23,8 +23,9 @@ identity for float32):
     y = round(sum_j float32(weights[t, j]) * float32(o_j))   weighted and summed in float32, rounded once
 A `Shared` expert (w_in [1, ...], w_out [1, ...], a weight per token or its sigmoid gate's weight
 gate_w [H]: Qwen-MoE's shared expert) is one more choice of every token in that sum, where the form
-takes it (`takes_shared`: the gathered reference and the decode path, whose launches run it as T
-more pairs and the gate's product in the first).
+takes it (`takes_shared`: every form but the decode path's per-token combine; the decode path runs
+it as T more pairs and the gate's product in its first launch, the grouped forms as expert E of
+the grouping).
 HF's bf16 module multiplies o by the (bf16) weight and adds the k products into a bf16 buffer one
 by one; the float32 sum here rounds once instead (it differs from HF's by bf16 rounding steps).
 Float32 matmuls run at full precision (IEEE, no TF32) in every form. An expert id outside
@@ -40,7 +41,7 @@ Forms:
   (padded groups), the tiles' rows and their experts' weights gathered, two batched GEMMs. The
   XLA route from T k >= E.
 - the decode path (impl "pallas" / "pallas_interpret" with a `DecodeConfig`; the default while
-  T k <= decode_max_pairs): no grouping at all; each (token, choice) pair is its own row, its
+  T k <= DecodeForm.max_pairs): no grouping at all; each (token, choice) pair is its own row, its
   expert read from expert_ids in the kernel; two launches, the second of which can sum a token's
   k choices and write y itself; or with combine "fused" one launch whose programs each own a
   chunk of a row's intermediate columns (pallas_kernels/_moe_fused.py). Reads T k expert
@@ -51,7 +52,7 @@ Forms:
   expert's weight block once; the weighted sum over the k choices is one XLA gather + reduce.
 
 Where they live: this module is the entry point (`expert_mlp`, the routes `xla_form` and
-`kernel_config`, DECODE_MAX_PAIRS) and re-exports the public names of the three modules it is
+`kernel_config`, `DecodeForm`, DECODE_MAX_PAIRS) and re-exports the public names of the three modules it is
 built from: pallas_kernels/_moe_common.py (constants, tilings, operand checks, the shared rounding
 and activation, `reference`, `dense_reference`), pallas_kernels/_moe_grouped.py (the grouping,
 `grouped_xla`, the grouped kernel; its docstring details both) and pallas_kernels/_moe_decode.py
@@ -83,24 +84,36 @@ from pallas_kernels._moe_grouped import (  # noqa: F401 (re-exported: callers im
 DECODE_MAX_PAIRS = 8  # the decode path up to this many (token, choice) pairs: one token at top-8 (decision 0039)
 
 
+@dataclasses.dataclass(frozen=True)
+class DecodeForm:
+    """Which form few (token, choice) pairs take: the decode path (no grouping) while T k <=
+    max_pairs, else the grouped kernel. fused: the decode path in one launch
+    (pallas_kernels/_moe_fused.py; slower on the H200, decision 0059). masked_row: launch (1) takes
+    x's row as a masked load (`GemmConfig.masked_row`, decision 0064), else the loaded row padded by
+    a select. rows: both launches in the "rows" MMA form (the padded row on the MMA's M side),
+    else "cols" (decision 0065). The defaults are the H200's fastest; the model's routes set each
+    field (ddtree_jax.routes.Routes.moe_decode_form)."""
+
+    max_pairs: int = DECODE_MAX_PAIRS
+    fused: bool = False
+    masked_row: bool = True
+    rows: bool = True
+
+
 def kernel_config(tokens: int, top_k: int, num_experts: int, hidden: int, inter: int,
-                  decode_max_pairs: int = DECODE_MAX_PAIRS, decode_fused: bool = False,
-                  decode_masked_row: bool = True, decode_rows: bool = False) -> MoeConfig | DecodeConfig:
-    """The kernel route's default: the decode path while T k <= decode_max_pairs (in one launch with
-    decode_fused: pallas_kernels/_moe_fused.py), else the grouped kernel. decode_masked_row: the
-    decode path's launch (1) takes x's row as a masked load (`GemmConfig.masked_row`; faster on the
-    H200, decision 0064), or, off, as the loaded row padded by a select. decode_rows: both decode
-    launches in the "rows" MMA form (the padded row on the MMA's M side) instead of "cols"."""
-    if tokens * top_k <= decode_max_pairs:
-        if decode_fused:
-            return default_fused_config(tokens, top_k, num_experts, hidden, inter)
-        config = default_decode_config(tokens, top_k, num_experts, hidden, inter)
-        if decode_rows:
-            config = dataclasses.replace(config, up=dataclasses.replace(config.up, layout="rows"),
-                                         down=dataclasses.replace(config.down, layout="rows"))
-        # set as asked: an "fma" default would be refused by config.problems(), not ignored
-        return dataclasses.replace(config, up=dataclasses.replace(config.up, masked_row=decode_masked_row))
-    return default_config(tokens, top_k, num_experts, hidden, inter)
+                  form: DecodeForm = DecodeForm()) -> MoeConfig | DecodeConfig:
+    """The kernel route's config for T tokens at top-k: the decode path while T k <= form.max_pairs
+    (`default_decode_config`, or `default_fused_config` with form.fused, the MMA layout and the row
+    load as `form` says), else the grouped kernel (`default_config`)."""
+    if tokens * top_k > form.max_pairs:
+        return default_config(tokens, top_k, num_experts, hidden, inter)
+    if form.fused:
+        return default_fused_config(tokens, top_k, num_experts, hidden, inter)
+    config = default_decode_config(tokens, top_k, num_experts, hidden, inter)
+    layout = "rows" if form.rows else "cols"
+    # set as asked: an "fma" default would be refused by config.problems(), not ignored
+    return dataclasses.replace(config, up=dataclasses.replace(config.up, layout=layout, masked_row=form.masked_row),
+                               down=dataclasses.replace(config.down, layout=layout))
 
 
 def xla_form(tokens: int, top_k: int, num_experts: int) -> str:
@@ -111,34 +124,30 @@ def xla_form(tokens: int, top_k: int, num_experts: int) -> str:
 
 
 def takes_shared(tokens: int, top_k: int, num_experts: int, hidden: int, inter: int, *, impl: str,
-                 decode_max_pairs: int = DECODE_MAX_PAIRS, decode_fused: bool = False) -> bool:
-    """Whether expert_mlp's form for this call takes a `Shared` expert: the gathered reference
-    (impl "xla" while T k < E) and the decode path with XLA's combine or fused (kernels); the
-    grouped forms do not."""
+                 form: DecodeForm = DecodeForm()) -> bool:
+    """Whether expert_mlp's form for this call takes a `Shared` expert: every form but the decode
+    path with its per-token combine (combine "kernel", which sums the routed choices only)."""
     if impl == "xla":
-        return xla_form(tokens, top_k, num_experts) == "reference"
-    config = kernel_config(tokens, top_k, num_experts, hidden, inter, decode_max_pairs, decode_fused)
-    return isinstance(config, DecodeConfig) and config.combine in ("xla", "fused")
+        return True
+    config = kernel_config(tokens, top_k, num_experts, hidden, inter, form)
+    return not (isinstance(config, DecodeConfig) and config.combine == "kernel")
 
 
 def expert_mlp(x, expert_ids, weights, w_in, w_out, *, act: str, impl: str = "xla",
                config: MoeConfig | DecodeConfig | None = None, w_layout: str = "in_out",
-               decode_max_pairs: int = DECODE_MAX_PAIRS, shared: Shared | None = None, parts: bool = False,
-               decode_fused: bool = False, decode_masked_row: bool = True, decode_rows: bool = False):
+               form: DecodeForm = DecodeForm(), shared: Shared | None = None, parts: bool = False):
     """y [T, H] = sum_j weights[t, j] * down_e(act(x[t] @ w_in[e])), e = expert_ids[t, j], rounded
     as the module docstring says. impl "xla": `xla_form`'s choice of reference / grouped_xla;
     "pallas" / "pallas_interpret": the decode path (config a DecodeConfig) or the grouped kernel
-    (a MoeConfig); default `kernel_config`: the decode path while T k <= decode_max_pairs (one
-    launch with decode_fused: its default `default_fused_config`; decode_masked_row, decode_rows:
-    `kernel_config`). A layer
-    the kernels cannot take (`kernel_problems`) raises. Pure and jit-compatible (config, act, impl,
-    w_layout and decode_max_pairs static). A `shared` expert (one more weighted choice of every
-    token, summed before the one rounding) is taken by the forms `takes_shared` names; another
-    form raises. parts: y as float32 partials [n, T, H] whose sum in index order, rounded to x's
-    dtype, is y (an add + RMSNorm kernel's split-K input): the decode path's second launch then
-    writes each choice's weighted product itself (n = k, + 1 with a shared expert) and no combine
-    runs (`writes_parts`; so does the fused decode path's last program of each row); any other
-    form returns y as the one partial (n = 1)."""
+    (a MoeConfig); default `kernel_config(..., form)`: the decode path while T k <= form.max_pairs
+    (`DecodeForm`), else the grouped kernel. A layer the kernels cannot take (`kernel_problems`)
+    raises. Pure and jit-compatible (config, act, impl, w_layout and form static). A `shared` expert
+    (one more weighted choice of every token, summed before the one rounding) is taken by the forms
+    `takes_shared` names; another form raises. parts: y as float32 partials [n, T, H] whose sum in index
+    order, rounded to x's dtype, is y (an add + RMSNorm kernel's split-K input): the decode path's
+    second launch then writes each choice's weighted product itself (n = k, + 1 with a shared expert)
+    and no combine runs (`writes_parts`; so does the fused decode path's last program of each row); any
+    other form returns y as the one partial (n = 1)."""
     check_impl(impl)
     bad = check_operands(x, expert_ids, weights, w_in, w_out, act, w_layout, shared)
     if bad:
@@ -146,15 +155,11 @@ def expert_mlp(x, expert_ids, weights, w_in, w_out, *, act: str, impl: str = "xl
     t, k = expert_ids.shape
     one = (lambda y: y.astype(jnp.float32)[None]) if parts else (lambda y: y)
     if impl == "xla":
-        gathered = xla_form(t, k, w_in.shape[0]) == "reference"
-        if shared is not None and not gathered:
-            raise ValueError(f"expert_mlp: a shared expert is not taken by grouped_xla (T k = {t * k} >= E)")
-        if gathered:
+        if xla_form(t, k, w_in.shape[0]) == "reference":
             return one(reference(x, expert_ids, weights, w_in, w_out, act=act, w_layout=w_layout, shared=shared))
-        return one(grouped_xla(x, expert_ids, weights, w_in, w_out, act=act, w_layout=w_layout))
+        return one(grouped_xla(x, expert_ids, weights, w_in, w_out, act=act, w_layout=w_layout, shared=shared))
     e, h, _, inter, _ = _dims(w_in, w_out, w_layout)
-    config = config or kernel_config(t, k, e, h, inter, decode_max_pairs, decode_fused, decode_masked_row,
-                                     decode_rows)
+    config = config or kernel_config(t, k, e, h, inter, form)
     interpret = impl == "pallas_interpret"
     if isinstance(config, DecodeConfig) and config.combine == "fused":
         return one_launch(x, expert_ids, weights, w_in, w_out, act=act, w_layout=w_layout, config=config,
@@ -162,19 +167,17 @@ def expert_mlp(x, expert_ids, weights, w_in, w_out, *, act: str, impl: str = "xl
     if isinstance(config, DecodeConfig):
         return _decode(x, expert_ids, weights, w_in, w_out, act=act, w_layout=w_layout, config=config,
                        interpret=interpret, shared=shared, parts=parts)
-    if shared is not None:
-        raise ValueError("expert_mlp: a shared expert is not taken by the grouped kernel (the decode path takes it)")
     return one(_pallas(x, expert_ids, weights, w_in, w_out, act=act, w_layout=w_layout, config=config,
-                       interpret=interpret))
+                       interpret=interpret, shared=shared))
 
 
 def writes_parts(tokens: int, top_k: int, num_experts: int, hidden: int, inter: int, *, impl: str,
-                 decode_max_pairs: int = DECODE_MAX_PAIRS, decode_fused: bool = False) -> bool:
+                 form: DecodeForm = DecodeForm()) -> bool:
     """Whether expert_mlp(parts=True) of this call returns one weighted partial per choice
     written by the decode path's kernel (no combine launch), rather than y as one partial."""
     if impl == "xla":
         return False
-    config = kernel_config(tokens, top_k, num_experts, hidden, inter, decode_max_pairs, decode_fused)
+    config = kernel_config(tokens, top_k, num_experts, hidden, inter, form)
     if not isinstance(config, DecodeConfig):
         return False
     return config.combine == "fused" or (config.combine == "xla" and config.down.fit(hidden, inter).split_k == 1)

@@ -308,8 +308,8 @@ def moe_decode_cases(tokens: int):
     # the model's decode step: the shared expert and its gate in the launches, weighted parts out
     shapes = _moe_shapes(tokens, "in_out")
     one = lambda a: jax.ShapeDtypeStruct((1, *a.shape[1:]), a.dtype)
-    rows = moe.kernel_config(tokens, k, e, h, i, decode_rows=True)  # Routes.moe_decode_rows
-    for name, cfg in (("default", default), ("rows", rows), ("fused", fused)):
+    cols = moe.kernel_config(tokens, k, e, h, i, moe.DecodeForm(rows=False))  # Routes.moe_decode_rows=false
+    for name, cfg in (("default", default), ("cols", cols), ("fused", fused)):
         def shared_gate_parts(x, ids, w, w_in, w_out, s_in, s_out, gate_w, cfg=cfg):
             return moe.expert_mlp(x, ids, w, w_in, w_out, act="silu_glu", impl="pallas", config=cfg,
                                   shared=moe.Shared(s_in, s_out, gate_w=gate_w), parts=True)

@@ -221,11 +221,11 @@ def test_kernel_route_takes_the_decode_path_for_few_pairs():
     assert 8 * (512 // one.up.block_n) * one.up.split_k >= moe.TARGET_PROGRAMS
     assert 8 * (2048 // one.down.block_n) * one.down.split_k >= moe.TARGET_PROGRAMS
     assert isinstance(moe.kernel_config(2, 8, *shape), MoeConfig)
-    eight = moe.kernel_config(8, 8, *shape, decode_max_pairs=64)
+    eight = moe.kernel_config(8, 8, *shape, moe.DecodeForm(max_pairs=64))
     assert isinstance(eight, DecodeConfig) and eight.combine == "kernel" and eight.down.split_k == 1
-    assert isinstance(moe.kernel_config(9, 8, *shape, decode_max_pairs=64), MoeConfig)
-    assert isinstance(moe.kernel_config(9, 8, *shape, decode_max_pairs=72), DecodeConfig)
-    assert isinstance(moe.kernel_config(1, 8, *shape, decode_max_pairs=0), MoeConfig)
+    assert isinstance(moe.kernel_config(9, 8, *shape, moe.DecodeForm(max_pairs=64)), MoeConfig)
+    assert isinstance(moe.kernel_config(9, 8, *shape, moe.DecodeForm(max_pairs=72)), DecodeConfig)
+    assert isinstance(moe.kernel_config(1, 8, *shape, moe.DecodeForm(max_pairs=0)), MoeConfig)
 
 
 def test_kernel_problems_name_bad_shapes():
@@ -317,6 +317,10 @@ SHARED_CASES = {
     "one_token_fma_out_in": (1, 4, 8, 32, 32, "silu_glu", "bfloat16", "out_in", CONFIGS["decode_fma_split_xla"]),
     "one_token_fused": (1, 4, 8, 32, 32, "silu_glu", "bfloat16", "in_out", CONFIGS["fused"]),
     "two_tokens_fused_rows_out_in_f32": (2, 3, 5, 64, 32, "silu_glu", "float32", "out_in", CONFIGS["fused_rows"]),
+    # the grouped kernel: the shared expert as expert E of the grouping (tree verify, prefill)
+    "nine_tokens_grouped": (9, 4, 8, 32, 16, "silu_glu", "bfloat16", "in_out", CONFIGS["small"]),
+    "seventeen_tokens_grouped_split_f32": (17, 3, 6, 48, 32, "silu_glu", "float32", "in_out", CONFIGS["split"]),
+    "forty_tokens_grouped_rows32_out_in_relu2": (40, 2, 4, 32, 32, "relu2", "bfloat16", "out_in", CONFIGS["rows32"]),
 }
 
 
@@ -324,7 +328,8 @@ SHARED_CASES = {
 def test_shared_expert_is_one_more_choice(case, impl):
     """The gathered reference with a shared expert equals the routed sum plus the shared expert's
     weighted output (float32: one more term of the same sum); the decode path with the shared
-    expert as T more pairs equals that reference."""
+    expert as T more pairs, and the grouped kernel with it as expert E of the grouping (its T rows
+    in tiles of their own: two tiles at 40 tokens of block_m 32), equal that reference."""
     t, k, e, h, inter, act, dtype, w_layout, config = SHARED_CASES[case]
     if impl == "pallas":
         h, inter = 8 * h, 8 * inter
@@ -340,17 +345,39 @@ def test_shared_expert_is_one_more_choice(case, impl):
     tol = 1e-5 if dtype == "float32" else 2e-2  # bf16: the float32 recomputation skips its roundings
     assert np.abs(np.asarray(want, np.float32) - expect).max() <= tol * np.abs(expect).max()
     got = _run_shared(x, ids, w, w_in, w_out, shared, act=act, impl=impl, config=config, w_layout=w_layout)
-    _assert_close(got, want, dtype, "decode path with the shared expert")
+    _assert_close(got, want, dtype, f"{type(config).__name__} with the shared expert")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_grouped_forms_take_the_shared_expert_as_one_more_expert(dtype, impl):
+    """grouped_xla (impl "xla" from T k >= E) and the grouped kernel with a shared expert equal the
+    gathered reference, also where routed ids fall outside [0, E): an id E ("not on this rank")
+    adds nothing and does not join the shared expert's group (E of E + 1), nor does -1; the
+    shared expert's gate (gate_w) gives the same sum as its weight made from it."""
+    t, k, e, h, inter = 6, 3, 4, 32, 16
+    if impl == "pallas":
+        h, inter = 8 * h, 8 * inter
+    x, ids, w, w_in, w_out = _problem(7, t, k, e, h, inter, "silu_glu", dtype, "random", "in_out")
+    ids = ids.at[1, 2].set(e).at[4, 0].set(-1)
+    base = _shared(8, t, h, inter, "silu_glu", dtype, "in_out")
+    gate_w = jnp.asarray(np.random.default_rng(9).normal(size=(h,)) * h**-0.5, dtype)
+    gated = moe.Shared(base.w_in, base.w_out, gate_w=gate_w)
+    for shared in (base, gated):
+        want = moe.reference(x, ids, w, w_in, w_out, act="silu_glu", shared=shared)
+        assert moe.xla_form(t, k, e) == "grouped_xla"
+        got_xla = _run_shared(x, ids, w, w_in, w_out, shared, act="silu_glu", impl="xla")
+        _assert_close(got_xla, want, dtype, "grouped_xla with the shared expert")
+        got = _run_shared(x, ids, w, w_in, w_out, shared, act="silu_glu", impl=impl, config=CONFIGS["small"])
+        _assert_close(got, want, dtype, "grouped kernel with the shared expert")
+    # the invalid ids added nothing: the same sum with their weights zeroed and ids made valid
+    clean = moe.reference(x, ids.at[1, 2].set(0).at[4, 0].set(0), w.at[1, 2].set(0.0).at[4, 0].set(0.0), w_in,
+                          w_out, act="silu_glu", shared=base)
+    _assert_close(_run_shared(x, ids, w, w_in, w_out, base, act="silu_glu", impl="xla"), clean, dtype, "invalid ids")
 
 
 def test_forms_that_do_not_take_a_shared_expert_say_so():
     x, ids, w, w_in, w_out = _problem(0, 5, 2, 4, 32, 16, "silu_glu", "float32", "random", "in_out")
     shared = _shared(1, 5, 32, 16, "silu_glu", "float32", "in_out")
-    with pytest.raises(ValueError, match="not taken by grouped_xla"):
-        moe.expert_mlp(x, ids, w, w_in, w_out, act="silu_glu", shared=shared)
-    with pytest.raises(ValueError, match="not taken by the grouped kernel"):
-        moe.expert_mlp(x, ids, w, w_in, w_out, act="silu_glu", impl="pallas_interpret", config=CONFIGS["small"],
-                       shared=shared)
     with pytest.raises(ValueError, match="needs combine 'xla'"):
         moe.expert_mlp(x[:1], ids[:1], w[:1], w_in, w_out, act="silu_glu", impl="pallas_interpret",
                        config=CONFIGS["decode_kernel"], shared=moe.Shared(shared.w_in, shared.w_out, shared.weight[:1]))
@@ -358,8 +385,10 @@ def test_forms_that_do_not_take_a_shared_expert_say_so():
     with pytest.raises(ValueError, match=r"shared w_in must be one expert.*shared weight must be \[5\]"):
         moe.expert_mlp(x, ids, w, w_in, w_out, act="silu_glu", shared=bad)
     assert moe.takes_shared(1, 8, 256, 2048, 512, impl="pallas")  # the 35B-A3B decode step
-    assert not moe.takes_shared(2, 8, 256, 2048, 512, impl="pallas")  # 16 pairs: the grouped kernel
-    assert moe.takes_shared(3, 2, 8, 32, 16, impl="xla") and not moe.takes_shared(4, 2, 8, 32, 16, impl="xla")
+    assert moe.takes_shared(2, 8, 256, 2048, 512, impl="pallas")  # 16 pairs: the grouped kernel
+    assert moe.takes_shared(3, 2, 8, 32, 16, impl="xla") and moe.takes_shared(4, 2, 8, 32, 16, impl="xla")
+    # 4 tokens at top-2 on the decode path: its per-token combine (no shared expert)
+    assert not moe.takes_shared(4, 2, 256, 2048, 512, impl="pallas", form=moe.DecodeForm(max_pairs=8))
 
 
 @functools.partial(jax.jit, static_argnames=("act", "impl", "config", "w_layout", "with_shared"))
@@ -398,11 +427,12 @@ def test_weighted_parts_sum_to_the_combined_output(case, with_shared, impl):
 
 def test_writes_parts_names_the_decode_path_without_a_down_split():
     assert moe.writes_parts(1, 8, 256, 2048, 512, impl="pallas")  # the 35B-A3B decode step
-    assert moe.writes_parts(1, 8, 256, 2048, 512, impl="pallas", decode_fused=True)
-    assert moe.takes_shared(1, 8, 256, 2048, 512, impl="pallas", decode_fused=True)
-    fused = moe.kernel_config(1, 8, 256, 2048, 512, decode_fused=True)
+    one_launch = moe.DecodeForm(fused=True)
+    assert moe.writes_parts(1, 8, 256, 2048, 512, impl="pallas", form=one_launch)
+    assert moe.takes_shared(1, 8, 256, 2048, 512, impl="pallas", form=one_launch)
+    fused = moe.kernel_config(1, 8, 256, 2048, 512, one_launch)
     assert isinstance(fused, DecodeConfig) and fused.combine == "fused" and not fused.problems()
-    assert not isinstance(moe.kernel_config(2, 8, 256, 2048, 512, decode_fused=True), DecodeConfig)
+    assert not isinstance(moe.kernel_config(2, 8, 256, 2048, 512, one_launch), DecodeConfig)
     assert not moe.writes_parts(2, 8, 256, 2048, 512, impl="pallas")  # the grouped kernel
     assert not moe.writes_parts(1, 8, 256, 2048, 512, impl="xla")
     x, ids, w, w_in, w_out = _problem(0, 5, 2, 4, 32, 16, "silu_glu", "float32", "random", "in_out")
@@ -486,15 +516,18 @@ def test_masked_row_is_refused_where_it_has_no_meaning():
     assert any("launch (1) only" in p for p in grouped.problems())
 
 
-def test_kernel_config_takes_the_masked_row_only_on_the_two_launch_decode_path():
+def test_kernel_config_takes_the_decode_form_it_is_given():
+    """DecodeForm's fields each change the decode path's config as named: the masked row only on
+    the two-launch path's launch (1), the MMA layout on both launches, the one launch with fused."""
     default = moe.kernel_config(1, 8, 256, 2048, 512)
     assert isinstance(default, DecodeConfig) and default.up.masked_row and not default.down.masked_row  # 0064
+    assert (default.up.layout, default.down.layout) == ("rows", "rows")  # 0065
     assert not default.problems() and moe.default_decode_config(1, 8, 256, 2048, 512) == default
-    off = moe.kernel_config(1, 8, 256, 2048, 512, decode_masked_row=False)
+    off = moe.kernel_config(1, 8, 256, 2048, 512, moe.DecodeForm(masked_row=False))
     assert not off.up.masked_row and not off.problems()
-    rows = moe.kernel_config(1, 8, 256, 2048, 512, decode_rows=True)  # Routes.moe_decode_rows
-    assert (rows.up.layout, rows.down.layout) == ("rows", "rows") and rows.up.masked_row and not rows.problems()
-    assert dataclasses.replace(rows, up=dataclasses.replace(rows.up, layout="cols"),
-                               down=dataclasses.replace(rows.down, layout="cols")) == default
-    assert moe.kernel_config(1, 8, 256, 2048, 512, decode_fused=True).combine == "fused"
+    cols = moe.kernel_config(1, 8, 256, 2048, 512, moe.DecodeForm(rows=False))  # Routes.moe_decode_rows=false
+    assert (cols.up.layout, cols.down.layout) == ("cols", "cols") and cols.up.masked_row and not cols.problems()
+    assert dataclasses.replace(cols, up=dataclasses.replace(cols.up, layout="rows"),
+                               down=dataclasses.replace(cols.down, layout="rows")) == default
+    assert moe.kernel_config(1, 8, 256, 2048, 512, moe.DecodeForm(fused=True)).combine == "fused"
     assert isinstance(moe.kernel_config(2, 8, 256, 2048, 512), MoeConfig)

@@ -146,7 +146,7 @@ def test_moe_decode_path_lowers_for_cuda_without_spills():
         captured.append((opts, settings, kernels))
     assert {o["variant"] for o, _, _ in captured} >= {"decode", "decode_out_in", "decode_n16_kernel",
                                                       "decode_padded_row", "default_shared_gate_parts",
-                                                      "rows_shared_gate_parts", "fused", "fused_out_in",
+                                                      "cols_shared_gate_parts", "fused", "fused_out_in",
                                                       "fused_shared_gate_parts"}
     require_recorded_triton()
     up_loads = {}

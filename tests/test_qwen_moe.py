@@ -404,7 +404,7 @@ def test_export_writes_fused_experts_that_hf_loads(tmp_path):
 def test_moe_ffn_in_the_fused_residual_stream_matches_xla():
     """With kernels on, each residual add runs inside the next RMSNorm's kernel and the FFN output
     travels as the stream's pending delta: a sparse FFN there gives the XLA path's hidden states
-    (a chain verify of 5 nodes after a prompt)."""
+    (a chain verify of 5 nodes after a prompt), also with the shared expert in the grouped kernel."""
     from ddtree_jax.cache import init_target_cache
     from ddtree_jax.decode import prefill
     from tests.tiny_models import make_target
@@ -420,12 +420,16 @@ def test_moe_ffn_in_the_fused_residual_stream_matches_xla():
     ref = np.asarray(verify(params, cache, nodes, REFERENCE))
     got = np.asarray(verify(params, cache, nodes, INTERPRET))
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * float(np.abs(ref).max()))
+    # the shared expert inside the grouped kernel (moe_shared_in_grouped_kernel): the same logits
+    grouped = np.asarray(verify(params, cache, nodes, INTERPRET.replace(moe_shared_in_grouped_kernel=True)))
+    np.testing.assert_allclose(grouped, ref, rtol=1e-5, atol=1e-5 * float(np.abs(ref).max()))
 
 
 def test_shared_expert_runs_in_the_decode_kernels_at_one_token():
     """With kernels on, a one-token call (a batch-1 decode step) runs the shared expert as one more
     pair of the experts' decode launches (no product of its own); its output is the separate
-    shared expert's within bf16 rounding; more tokens (the grouped kernel) keep it separate."""
+    shared expert's within bf16 rounding; more tokens (the grouped kernel) keep it separate unless
+    moe_shared_in_grouped_kernel puts it into the grouped launches."""
     from ddtree_jax.routes import Routes
 
     cfg, gd, params = _block({"num_experts": 8, "num_experts_per_tok": 4, "moe_intermediate_size": 32,
@@ -457,6 +461,14 @@ def test_shared_expert_runs_in_the_decode_kernels_at_one_token():
         assert np.abs(got - want).max() <= 2e-2 * np.abs(want).max()
     many = jnp.asarray(rng.normal(size=(5, cfg.hidden_size)), jnp.bfloat16)
     assert jaxpr(many, fused) == jaxpr(many, apart)
+    # moe_shared_in_grouped_kernel: at 5 tokens (the grouped kernel) the shared expert is one more
+    # expert of its grouping; its two products are gone (its gate's product stays an XLA dot)
+    grouped = Routes(impl="pallas_interpret", moe_shared_in_grouped_kernel=True)
+    assert xla_dots(closed(many, grouped).jaxpr) == xla_dots(closed(many, apart).jaxpr) - 2
+    want = np.asarray(run(params, many, apart), np.float32)
+    got = np.asarray(run(params, many, grouped), np.float32)
+    assert np.abs(got - want).max() <= 2e-2 * np.abs(want).max()
+    assert jaxpr(one, grouped) == jaxpr(one, fused)  # one token: the decode path, as before
 
 
 def test_one_token_block_hands_the_norm_its_weighted_parts():
@@ -529,7 +541,7 @@ def test_decode_step_with_moe_parts_into_the_norm_matches_the_combine():
     # masked load: the same logits, bit for bit
     padded = Routes(impl="pallas_interpret", moe_decode_masked_row=False)
     np.testing.assert_array_equal(np.asarray(jax.jit(step, static_argnums=3)(params, cache, token, padded)), got)
-    # both launches in the "rows" MMA form (moe_decode_rows): the same logits
-    rows = np.asarray(jax.jit(step, static_argnums=3)(params, cache, token,
-                                                      Routes(impl="pallas_interpret", moe_decode_rows=True)))
-    np.testing.assert_allclose(rows, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+    # both launches in the "cols" MMA form (moe_decode_rows=false): the same logits
+    cols = np.asarray(jax.jit(step, static_argnums=3)(params, cache, token,
+                                                      Routes(impl="pallas_interpret", moe_decode_rows=False)))
+    np.testing.assert_allclose(cols, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))

@@ -84,6 +84,17 @@ def test_row_pad_window_parses_resolves_and_names_bad_values():
             Routes(row_pad_weights=bad)
 
 
+def test_moe_decode_form_carries_every_decode_route():
+    """The experts' decode-path routes reach pallas_kernels.moe_experts as one DecodeForm, each
+    field from its route (the defaults: the H200's fastest, decisions 0064 and 0065)."""
+    from pallas_kernels.moe_experts import DecodeForm
+
+    routes = Routes(moe_decode_max_pairs=16, moe_decode_fused=True, moe_decode_masked_row=False, moe_decode_rows=False)
+    assert routes.moe_decode_form() == DecodeForm(max_pairs=16, fused=True, masked_row=False, rows=False)
+    assert Routes().moe_decode_form() == DecodeForm() and DecodeForm().rows and DecodeForm().masked_row
+    assert REFERENCE.with_settings(["moe_decode_rows=false"]).moe_decode_form().rows is False
+
+
 def test_changing_a_route_changes_the_compiled_program():
     """Routes travel in GenSpec, a static argument of the jitted generation: a generation with
     another route is another cache entry and another program (here the GDN decode kernel leaves

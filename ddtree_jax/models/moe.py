@@ -74,22 +74,24 @@ def experts(x, expert_ids, weights, w_in, w_out, *, act: str, routes: Routes = R
         else:
             impl = routes.impl
     return moe_experts.expert_mlp(x, expert_ids, weights, w_in, w_out, act=act, impl=impl,
-                                  decode_max_pairs=routes.moe_decode_max_pairs, shared=shared, parts=parts,
-                                  decode_fused=routes.moe_decode_fused, decode_masked_row=routes.moe_decode_masked_row,
-                                  decode_rows=routes.moe_decode_rows)
+                                  form=routes.moe_decode_form(), shared=shared, parts=parts)
 
 
 def fuses_shared(tokens: int, top_k: int, w_in, w_out, shared_inter: int, dtype, routes: Routes) -> bool:
-    """Whether a shared expert of intermediate size shared_inter runs inside the expert kernels'
-    decode path as T more pairs (routes.moe_shared_in_decode_kernel, kernels on, the decode path
-    with XLA's combine, the routed experts' sizes): one launch pair for routed and shared experts
-    instead of the shared expert's own products, pads, gate and sum."""
+    """Whether a shared expert of intermediate size shared_inter runs inside the expert kernels
+    (kernels on, the routed experts' sizes): in the decode path as T more pairs
+    (routes.moe_shared_in_decode_kernel; the decode path with XLA's combine), or in the grouped
+    kernel as one more expert of the grouping (routes.moe_shared_in_grouped_kernel: tree verify,
+    prefill). One launch pair for routed and shared experts instead of the shared expert's own
+    products, pads, gate and sum."""
     e, h, inter = w_in.shape[0], w_in.shape[1], w_out.shape[1]
-    return (routes.kernels and routes.moe_experts_kernel and routes.moe_shared_in_decode_kernel
-            and shared_inter == inter and not moe_experts.kernel_problems(h, inter, e, top_k, dtype)
-            and moe_experts.takes_shared(tokens, top_k, e, h, inter, impl=routes.impl,
-                                         decode_max_pairs=routes.moe_decode_max_pairs,
-                                         decode_fused=routes.moe_decode_fused))
+    if not (routes.kernels and routes.moe_experts_kernel and shared_inter == inter
+            and not moe_experts.kernel_problems(h, inter, e, top_k, dtype)):
+        return False
+    form = routes.moe_decode_form()
+    decode = isinstance(moe_experts.kernel_config(tokens, top_k, e, h, inter, form), moe_experts.DecodeConfig)
+    wanted = routes.moe_shared_in_decode_kernel if decode else routes.moe_shared_in_grouped_kernel
+    return wanted and moe_experts.takes_shared(tokens, top_k, e, h, inter, impl=routes.impl, form=form)
 
 
 # ---- Qwen3.5-MoE / Qwen3-Next ---------------------------------------------------------------------

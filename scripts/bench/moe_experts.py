@@ -131,8 +131,8 @@ def sweep_configs(base, which: str):
 def decode_sweep(base, which: str):
     """{name: (DecodeConfig, w_layout)} of the decode path's variants timed (which as sweep_configs;
     "decode" = "small"): the default on both weight layouts, then one change each: the other
-    combine, K blocks of 128, the "rows" MMA form, launch (1)'s row loaded and padded (not one
-    masked load), 6 stages,
+    combine, K blocks of 128, the "cols" MMA form (the weight columns on the MMA's M side; the
+    default before decision 0065), launch (1)'s row loaded and padded (not one masked load), 6 stages,
     launch (1)'s K split doubled, column blocks of 32 (launch (1)'s split halved: as many programs),
     and column blocks of 16 with K blocks of 128, no split and the combine in the kernel (most
     programs; on [E, out, in] weights each reads whole contiguous rows). Column blocks under 64 take
@@ -151,7 +151,7 @@ def decode_sweep(base, which: str):
     if which == "smoke":
         return out
     out["decode_k128"] = (both(block_k=128), "in_out")
-    out["decode_rows"] = (both(layout="rows"), "in_out")
+    out["decode_cols"] = (both(layout="cols"), "in_out")
     # launch (1)'s row loaded and padded by a select (the form before decision 0064)
     out["decode_padded_row"] = (rep(base, up=rep(base.up, masked_row=False)), "in_out")
     out["decode_stages6"] = (both(num_stages=6), "in_out")
