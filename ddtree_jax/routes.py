@@ -17,7 +17,7 @@ from typing import Any, Iterable
 
 import jax
 
-from pallas_kernels.moe_experts import DECODE_MAX_PAIRS, DecodeForm
+from pallas_kernels.moe_experts import DECODE_MAX_PAIRS, KernelForm
 from pallas_kernels.tree_attention import MIN_SPLIT_KEYS
 
 IMPLS = ("xla", "pallas", "pallas_interpret")
@@ -109,6 +109,9 @@ class Routes:
     # ... both their launches in the "rows" MMA form (the padded row on the MMA's M side), else "cols":
     # one layer 0.2-6.3 us faster in four sweeps on the H200 (0064), the step 11-18 us (0065)
     moe_decode_rows: bool = True
+    # the grouped kernel's pairs (verify, prefill) grouped by one launch (pallas_kernels/pair_groups.py;
+    # up to PAIR_GROUPS_MAX_PAIRS pairs) instead of XLA's ~8 small fusions; built, not timed yet
+    moe_grouping_kernel: bool = False
     # ---- tree build kernels (impl != "xla") ----
     bits_kernel_max_nodes: int = 64  # ancestor bitsets: the kernel up to this many nodes
     tree_select_kernel: bool = True  # the DDTree node selection in one launch (budgets it takes)
@@ -162,11 +165,12 @@ class Routes:
         lo, hi = self.row_product_weights
         return self.kernels and hi > 0 and lo <= weight_elements <= hi
 
-    def moe_decode_form(self) -> DecodeForm:
-        """The experts' decode-path options these routes name (moe_decode_*), for
-        pallas_kernels.moe_experts."""
-        return DecodeForm(max_pairs=self.moe_decode_max_pairs, fused=self.moe_decode_fused,
-                          masked_row=self.moe_decode_masked_row, rows=self.moe_decode_rows)
+    def moe_kernel_form(self) -> KernelForm:
+        """The expert kernels' form options these routes name (moe_decode_*, moe_grouping_kernel),
+        for pallas_kernels.moe_experts."""
+        return KernelForm(max_pairs=self.moe_decode_max_pairs, fused=self.moe_decode_fused,
+                          masked_row=self.moe_decode_masked_row, rows=self.moe_decode_rows,
+                          grouping_kernel=self.moe_grouping_kernel)
 
     def compiler_options(self) -> tuple[tuple[str, Any], ...]:
         """XLA compiler options of a program compiled with these routes, as sorted (name, value)

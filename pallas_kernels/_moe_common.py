@@ -28,6 +28,7 @@ DTYPES = ("bfloat16", "float16", "float32")
 MIN_BLOCK = 16  # Triton's tl.dot needs every block dimension >= 16
 TARGET_PROGRAMS = 256  # ~two programs per SM of the H200's 132, all resident at once: loads in flight
 COMBINES = ("kernel", "xla", "fused")
+GROUPINGS = ("xla", "kernel")  # MoeConfig.grouping
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,15 +75,18 @@ class GemmConfig:
 @dataclasses.dataclass(frozen=True)
 class MoeConfig:
     """The kernel's tiling: block_m rows per tile (a power of two >= 16); `up` the first launch
-    (x @ w_in, activation), `down` the second (h @ w_out)."""
+    (x @ w_in, activation), `down` the second (h @ w_out); `grouping`: the pairs grouped by XLA's
+    fusions ("xla": `group_pairs`) or by one kernel launch ("kernel": pallas_kernels/pair_groups.py)."""
 
     block_m: int = 16
     up: GemmConfig = GemmConfig()
     down: GemmConfig = GemmConfig()
+    grouping: str = "xla"
 
     def problems(self) -> list[str]:
         bad = [] if is_pow2(self.block_m) and self.block_m >= MIN_BLOCK else [
             f"block_m = {self.block_m} (a power of two >= {MIN_BLOCK})"]
+        bad += [] if self.grouping in GROUPINGS else [f"grouping = {self.grouping!r} (one of {GROUPINGS})"]
         bad += [f"{n}.masked_row (the decode path's launch (1) only)" for n, c in (("up", self.up), ("down", self.down))
                 if c.masked_row]
         return bad + self.up.problems("up") + self.down.problems("down")

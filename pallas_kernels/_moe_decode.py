@@ -1,6 +1,6 @@
 """The decode path of the routed-expert product (pallas_kernels/moe_experts.py: the API, the
 rounding, the route; impl "pallas" / "pallas_interpret" with a `DecodeConfig`, the kernel route's
-default while T k <= DecodeForm.max_pairs): no grouping at all. Each (token, choice) pair is its own
+default while T k <= KernelForm.max_pairs): no grouping at all. Each (token, choice) pair is its own
 row (its expert read from expert_ids in the kernel: no sort, no scatter, no XLA prep). Launch (1)
 over (column block, K slice, pair): the pair's token row of x times its expert's w_in columns, the
 activation applied (or float32 partials with a K split); launch (2) over (column block, K slice,

@@ -292,7 +292,9 @@ def _launch(groups: PairGroups, lhs, w, *, n_out: int, k: int, cfg: GemmConfig, 
 
 
 def _pallas(x, expert_ids, weights, w_in, w_out, *, act: str, w_layout: str, config: MoeConfig | None,
-            interpret: bool, shared: Shared | None = None):
+            interpret: bool, shared: Shared | None = None, group=group_pairs):
+    """The grouped kernel's two launches; `group(ids, num_experts, block_m)` groups the pairs
+    (`group_pairs`, or the one-launch pallas_kernels/pair_groups.py: config.grouping)."""
     t, k = expert_ids.shape
     e, h, _, inter, _ = _dims(w_in, w_out, w_layout)
     cfg = config or default_config(t, k, e, h, inter)
@@ -302,7 +304,7 @@ def _pallas(x, expert_ids, weights, w_in, w_out, *, act: str, w_layout: str, con
     bm = cfg.block_m
     up, down = cfg.up.fit(inter, h), cfg.down.fit(h, inter)
     ids, weights, groups_of = with_shared(x, expert_ids, weights, shared, e)
-    groups = group_pairs(ids, groups_of, bm)
+    groups = group(ids, groups_of, bm)
     w_t = w_layout == "out_in"
     offsets = (0, inter) if act == "silu_glu" else (0,)
     common = dict(bm=bm, w_t=w_t, act=act, out_dtype=x.dtype, interpret=interpret)

@@ -41,7 +41,7 @@ Forms:
   (padded groups), the tiles' rows and their experts' weights gathered, two batched GEMMs. The
   XLA route from T k >= E.
 - the decode path (impl "pallas" / "pallas_interpret" with a `DecodeConfig`; the default while
-  T k <= DecodeForm.max_pairs): no grouping at all; each (token, choice) pair is its own row, its
+  T k <= KernelForm.max_pairs): no grouping at all; each (token, choice) pair is its own row, its
   expert read from expert_ids in the kernel; two launches, the second of which can sum a token's
   k choices and write y itself; or with combine "fused" one launch whose programs each own a
   chunk of a row's intermediate columns (pallas_kernels/_moe_fused.py). Reads T k expert
@@ -52,7 +52,7 @@ Forms:
   expert's weight block once; the weighted sum over the k choices is one XLA gather + reduce.
 
 Where they live: this module is the entry point (`expert_mlp`, the routes `xla_form` and
-`kernel_config`, `DecodeForm`, DECODE_MAX_PAIRS) and re-exports the public names of the three modules it is
+`kernel_config`, `KernelForm`, DECODE_MAX_PAIRS) and re-exports the public names of the three modules it is
 built from: pallas_kernels/_moe_common.py (constants, tilings, operand checks, the shared rounding
 and activation, `reference`, `dense_reference`), pallas_kernels/_moe_grouped.py (the grouping,
 `grouped_xla`, the grouped kernel; its docstring details both) and pallas_kernels/_moe_decode.py
@@ -68,6 +68,7 @@ weights. scripts/bench/moe_experts.py times every form here against the kernels.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax.numpy as jnp
 
@@ -78,6 +79,7 @@ from pallas_kernels._moe_common import (  # noqa: F401 (re-exported: callers imp
     shared_weight)
 from pallas_kernels._moe_decode import _decode, default_decode_config, default_fused_config
 from pallas_kernels._moe_fused import one_launch
+from pallas_kernels import pair_groups as pair_grouping
 from pallas_kernels._moe_grouped import (  # noqa: F401 (re-exported: callers import them from here)
     RANK_BY_COUNT_MAX_PAIRS, PairGroups, _pallas, default_config, group_pairs, grouped_xla, max_tiles)
 
@@ -85,28 +87,34 @@ DECODE_MAX_PAIRS = 8  # the decode path up to this many (token, choice) pairs: o
 
 
 @dataclasses.dataclass(frozen=True)
-class DecodeForm:
+class KernelForm:
     """Which form few (token, choice) pairs take: the decode path (no grouping) while T k <=
     max_pairs, else the grouped kernel. fused: the decode path in one launch
     (pallas_kernels/_moe_fused.py; slower on the H200, decision 0059). masked_row: launch (1) takes
     x's row as a masked load (`GemmConfig.masked_row`, decision 0064), else the loaded row padded by
     a select. rows: both launches in the "rows" MMA form (the padded row on the MMA's M side),
-    else "cols" (decision 0065). The defaults are the H200's fastest; the model's routes set each
-    field (ddtree_jax.routes.Routes.moe_decode_form)."""
+    else "cols" (decision 0065). grouping_kernel: the grouped kernel's pairs grouped by one launch
+    (pallas_kernels/pair_groups.py) where it takes them (up to PAIR_GROUPS_MAX_PAIRS pairs, counting
+    a shared expert's), else by XLA's fusions. The defaults are the H200's fastest; the model's
+    routes set each field (ddtree_jax.routes.Routes.moe_kernel_form)."""
 
     max_pairs: int = DECODE_MAX_PAIRS
     fused: bool = False
     masked_row: bool = True
     rows: bool = True
+    grouping_kernel: bool = False
 
 
 def kernel_config(tokens: int, top_k: int, num_experts: int, hidden: int, inter: int,
-                  form: DecodeForm = DecodeForm()) -> MoeConfig | DecodeConfig:
+                  form: KernelForm = KernelForm()) -> MoeConfig | DecodeConfig:
     """The kernel route's config for T tokens at top-k: the decode path while T k <= form.max_pairs
     (`default_decode_config`, or `default_fused_config` with form.fused, the MMA layout and the row
     load as `form` says), else the grouped kernel (`default_config`)."""
     if tokens * top_k > form.max_pairs:
-        return default_config(tokens, top_k, num_experts, hidden, inter)
+        config = default_config(tokens, top_k, num_experts, hidden, inter)
+        # the kernel where it takes the pairs with a shared expert's too (one more choice and expert)
+        fits = not pair_grouping.problems(tokens, top_k + 1, num_experts + 1, config.block_m)
+        return dataclasses.replace(config, grouping="kernel") if form.grouping_kernel and fits else config
     if form.fused:
         return default_fused_config(tokens, top_k, num_experts, hidden, inter)
     config = default_decode_config(tokens, top_k, num_experts, hidden, inter)
@@ -124,7 +132,7 @@ def xla_form(tokens: int, top_k: int, num_experts: int) -> str:
 
 
 def takes_shared(tokens: int, top_k: int, num_experts: int, hidden: int, inter: int, *, impl: str,
-                 form: DecodeForm = DecodeForm()) -> bool:
+                 form: KernelForm = KernelForm()) -> bool:
     """Whether expert_mlp's form for this call takes a `Shared` expert: every form but the decode
     path with its per-token combine (combine "kernel", which sums the routed choices only)."""
     if impl == "xla":
@@ -135,12 +143,12 @@ def takes_shared(tokens: int, top_k: int, num_experts: int, hidden: int, inter: 
 
 def expert_mlp(x, expert_ids, weights, w_in, w_out, *, act: str, impl: str = "xla",
                config: MoeConfig | DecodeConfig | None = None, w_layout: str = "in_out",
-               form: DecodeForm = DecodeForm(), shared: Shared | None = None, parts: bool = False):
+               form: KernelForm = KernelForm(), shared: Shared | None = None, parts: bool = False):
     """y [T, H] = sum_j weights[t, j] * down_e(act(x[t] @ w_in[e])), e = expert_ids[t, j], rounded
     as the module docstring says. impl "xla": `xla_form`'s choice of reference / grouped_xla;
     "pallas" / "pallas_interpret": the decode path (config a DecodeConfig) or the grouped kernel
     (a MoeConfig); default `kernel_config(..., form)`: the decode path while T k <= form.max_pairs
-    (`DecodeForm`), else the grouped kernel. A layer the kernels cannot take (`kernel_problems`)
+    (`KernelForm`), else the grouped kernel. A layer the kernels cannot take (`kernel_problems`)
     raises. Pure and jit-compatible (config, act, impl, w_layout and form static). A `shared` expert
     (one more weighted choice of every token, summed before the one rounding) is taken by the forms
     `takes_shared` names; another form raises. parts: y as float32 partials [n, T, H] whose sum in index
@@ -167,12 +175,19 @@ def expert_mlp(x, expert_ids, weights, w_in, w_out, *, act: str, impl: str = "xl
     if isinstance(config, DecodeConfig):
         return _decode(x, expert_ids, weights, w_in, w_out, act=act, w_layout=w_layout, config=config,
                        interpret=interpret, shared=shared, parts=parts)
+    group = pair_grouping.group_pairs
+    if config.grouping == "kernel":
+        n = 1 if shared is not None else 0
+        bad = pair_grouping.problems(t, k + n, e + n, config.block_m)
+        if bad:
+            raise ValueError("expert_mlp: the grouping kernel: " + "; ".join(bad) + " (use grouping 'xla')")
+        group = functools.partial(pair_grouping.pair_groups, impl=impl)
     return one(_pallas(x, expert_ids, weights, w_in, w_out, act=act, w_layout=w_layout, config=config,
-                       interpret=interpret, shared=shared))
+                       interpret=interpret, shared=shared, group=group))
 
 
 def writes_parts(tokens: int, top_k: int, num_experts: int, hidden: int, inter: int, *, impl: str,
-                 form: DecodeForm = DecodeForm()) -> bool:
+                 form: KernelForm = KernelForm()) -> bool:
     """Whether expert_mlp(parts=True) of this call returns one weighted partial per choice
     written by the decode path's kernel (no combine launch), rather than y as one partial."""
     if impl == "xla":

@@ -308,7 +308,7 @@ def moe_decode_cases(tokens: int):
     # the model's decode step: the shared expert and its gate in the launches, weighted parts out
     shapes = _moe_shapes(tokens, "in_out")
     one = lambda a: jax.ShapeDtypeStruct((1, *a.shape[1:]), a.dtype)
-    cols = moe.kernel_config(tokens, k, e, h, i, moe.DecodeForm(rows=False))  # Routes.moe_decode_rows=false
+    cols = moe.kernel_config(tokens, k, e, h, i, moe.KernelForm(rows=False))  # Routes.moe_decode_rows=false
     for name, cfg in (("default", default), ("cols", cols), ("fused", fused)):
         def shared_gate_parts(x, ids, w, w_in, w_out, s_in, s_out, gate_w, cfg=cfg):
             return moe.expert_mlp(x, ids, w, w_in, w_out, act="silu_glu", impl="pallas", config=cfg,
@@ -324,6 +324,18 @@ def moe_grouped_cases(tokens: int):
     cfg = moe.default_config(tokens, k, e, h, i)
     fn = functools.partial(moe.expert_mlp, act="silu_glu", impl="pallas", config=cfg)
     yield dict(variant="default", w_layout="in_out"), _launch_settings(cfg), fn, _moe_shapes(tokens, "in_out")
+
+
+def pair_groups_cases(tokens: int):
+    """The grouping kernel (pallas_kernels/pair_groups.py) at the 35B-A3B router (256 experts, top-8)
+    for `tokens` tokens (--nodes) and for the largest pair count it takes, at 1, 4 and 8 warps."""
+    from pallas_kernels.pair_groups import PAIR_GROUPS_MAX_PAIRS, pair_groups
+
+    e, k = MOE_35B_A3B["experts"], MOE_35B_A3B["top_k"]
+    for t in (tokens, PAIR_GROUPS_MAX_PAIRS // k):
+        for warps in (1, 4, 8):
+            fn = functools.partial(pair_groups, num_experts=e, block_m=16, impl="pallas", num_warps=warps)
+            yield dict(tokens=t, num_warps=warps), warps, fn, (jax.ShapeDtypeStruct((t, k), jnp.int32),)
 
 
 def row_product_cases(nodes: int):
@@ -372,7 +384,7 @@ def compile_case(kernels, warps, stages: int) -> list[dict]:
 CASES = {"ssd": ssd_cases, "gdn": gdn_cases, "select": select_cases, "topk": top_k_cases,
          "gdn_decode": gdn_decode_cases, "gdn_prologue": gdn_prologue_cases, "attention": attention_cases,
          "gdn_commit": gdn_commit_cases, "add_rms_norm": add_rms_norm_cases, "moe_decode": moe_decode_cases,
-         "moe_grouped": moe_grouped_cases, "row_product": row_product_cases}
+         "moe_grouped": moe_grouped_cases, "row_product": row_product_cases, "pair_groups": pair_groups_cases}
 
 
 def main(argv=None) -> int:

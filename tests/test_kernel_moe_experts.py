@@ -221,11 +221,11 @@ def test_kernel_route_takes_the_decode_path_for_few_pairs():
     assert 8 * (512 // one.up.block_n) * one.up.split_k >= moe.TARGET_PROGRAMS
     assert 8 * (2048 // one.down.block_n) * one.down.split_k >= moe.TARGET_PROGRAMS
     assert isinstance(moe.kernel_config(2, 8, *shape), MoeConfig)
-    eight = moe.kernel_config(8, 8, *shape, moe.DecodeForm(max_pairs=64))
+    eight = moe.kernel_config(8, 8, *shape, moe.KernelForm(max_pairs=64))
     assert isinstance(eight, DecodeConfig) and eight.combine == "kernel" and eight.down.split_k == 1
-    assert isinstance(moe.kernel_config(9, 8, *shape, moe.DecodeForm(max_pairs=64)), MoeConfig)
-    assert isinstance(moe.kernel_config(9, 8, *shape, moe.DecodeForm(max_pairs=72)), DecodeConfig)
-    assert isinstance(moe.kernel_config(1, 8, *shape, moe.DecodeForm(max_pairs=0)), MoeConfig)
+    assert isinstance(moe.kernel_config(9, 8, *shape, moe.KernelForm(max_pairs=64)), MoeConfig)
+    assert isinstance(moe.kernel_config(9, 8, *shape, moe.KernelForm(max_pairs=72)), DecodeConfig)
+    assert isinstance(moe.kernel_config(1, 8, *shape, moe.KernelForm(max_pairs=0)), MoeConfig)
 
 
 def test_kernel_problems_name_bad_shapes():
@@ -388,7 +388,7 @@ def test_forms_that_do_not_take_a_shared_expert_say_so():
     assert moe.takes_shared(2, 8, 256, 2048, 512, impl="pallas")  # 16 pairs: the grouped kernel
     assert moe.takes_shared(3, 2, 8, 32, 16, impl="xla") and moe.takes_shared(4, 2, 8, 32, 16, impl="xla")
     # 4 tokens at top-2 on the decode path: its per-token combine (no shared expert)
-    assert not moe.takes_shared(4, 2, 256, 2048, 512, impl="pallas", form=moe.DecodeForm(max_pairs=8))
+    assert not moe.takes_shared(4, 2, 256, 2048, 512, impl="pallas", form=moe.KernelForm(max_pairs=8))
 
 
 @functools.partial(jax.jit, static_argnames=("act", "impl", "config", "w_layout", "with_shared"))
@@ -427,7 +427,7 @@ def test_weighted_parts_sum_to_the_combined_output(case, with_shared, impl):
 
 def test_writes_parts_names_the_decode_path_without_a_down_split():
     assert moe.writes_parts(1, 8, 256, 2048, 512, impl="pallas")  # the 35B-A3B decode step
-    one_launch = moe.DecodeForm(fused=True)
+    one_launch = moe.KernelForm(fused=True)
     assert moe.writes_parts(1, 8, 256, 2048, 512, impl="pallas", form=one_launch)
     assert moe.takes_shared(1, 8, 256, 2048, 512, impl="pallas", form=one_launch)
     fused = moe.kernel_config(1, 8, 256, 2048, 512, one_launch)
@@ -517,17 +517,17 @@ def test_masked_row_is_refused_where_it_has_no_meaning():
 
 
 def test_kernel_config_takes_the_decode_form_it_is_given():
-    """DecodeForm's fields each change the decode path's config as named: the masked row only on
+    """KernelForm's fields each change the decode path's config as named: the masked row only on
     the two-launch path's launch (1), the MMA layout on both launches, the one launch with fused."""
     default = moe.kernel_config(1, 8, 256, 2048, 512)
     assert isinstance(default, DecodeConfig) and default.up.masked_row and not default.down.masked_row  # 0064
     assert (default.up.layout, default.down.layout) == ("rows", "rows")  # 0065
     assert not default.problems() and moe.default_decode_config(1, 8, 256, 2048, 512) == default
-    off = moe.kernel_config(1, 8, 256, 2048, 512, moe.DecodeForm(masked_row=False))
+    off = moe.kernel_config(1, 8, 256, 2048, 512, moe.KernelForm(masked_row=False))
     assert not off.up.masked_row and not off.problems()
-    cols = moe.kernel_config(1, 8, 256, 2048, 512, moe.DecodeForm(rows=False))  # Routes.moe_decode_rows=false
+    cols = moe.kernel_config(1, 8, 256, 2048, 512, moe.KernelForm(rows=False))  # Routes.moe_decode_rows=false
     assert (cols.up.layout, cols.down.layout) == ("cols", "cols") and cols.up.masked_row and not cols.problems()
     assert dataclasses.replace(cols, up=dataclasses.replace(cols.up, layout="rows"),
                                down=dataclasses.replace(cols.down, layout="rows")) == default
-    assert moe.kernel_config(1, 8, 256, 2048, 512, moe.DecodeForm(fused=True)).combine == "fused"
+    assert moe.kernel_config(1, 8, 256, 2048, 512, moe.KernelForm(fused=True)).combine == "fused"
     assert isinstance(moe.kernel_config(2, 8, 256, 2048, 512), MoeConfig)

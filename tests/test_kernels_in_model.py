@@ -117,15 +117,18 @@ MOE16_MODEL = make_target(dict(MOE_SIZES, num_experts=16), seed=7, base=HYBRID_M
     ("ar", INTERPRET.replace(moe_decode_fused=True, moe_router_fused=True), MOE16_MODEL),
     pytest.param("ddtree", INTERPRET.replace(moe_shared_in_grouped_kernel=not INTERPRET.moe_shared_in_grouped_kernel),
                  MOE_MODEL, marks=pytest.mark.slow),
-], ids=["ar", "ddtree", "dflash", "ar_one_launch_router_and_experts", "ddtree_shared_in_grouped_flipped"])
+    pytest.param("ddtree", INTERPRET.replace(moe_grouping_kernel=not INTERPRET.moe_grouping_kernel), MOE_MODEL,
+                 marks=pytest.mark.slow),
+], ids=["ar", "ddtree", "dflash", "ar_one_launch_router_and_experts", "ddtree_shared_in_grouped_flipped",
+        "ddtree_grouping_kernel_flipped"])
 def test_moe_generation_with_kernels_equals_plain_greedy(mode, routes, model):
     """A Qwen3.5-MoE target with expert sizes the kernels take (intermediate 32, 8 experts, top 4):
     with every kernel on, plain decoding runs the router kernel and the experts' decode path with
     the shared expert inside it (one token: 4 pairs; in one launch with moe_decode_fused; the
     router's product and choice in one with moe_router_fused),
-    DDTree's verify the grouped expert kernel (the shared expert inside it or apart: the default
-    and, under -m slow, the other); the greedy tokens equal plain greedy decoding through the XLA
-    forms (DFlash under -m slow)."""
+    DDTree's verify the grouped expert kernel (the shared expert inside it or apart, its pairs
+    grouped by XLA or by one launch: the defaults and, under -m slow, the others); the greedy
+    tokens equal plain greedy decoding through the XLA forms (DFlash under -m slow)."""
     cfg, gd, params = model
     if routes.moe_router_fused:  # the one-launch router is in the program
         block = nnx.merge(gd, params).layers[0].mlp

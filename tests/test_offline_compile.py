@@ -54,6 +54,26 @@ def test_tree_select_lowers_for_cuda_without_spills():
         assert res["regs"] <= 255 and res["stack_bytes"] == 0, (budget, res)
 
 
+def test_pair_groups_lowers_for_cuda_without_spills():
+    """The one-launch grouping of an MoE verify's pairs lowers to Triton for CUDA here; where pip's
+    triton is installed it compiles for sm_90 without spilling at its default warps, for a 35B-A3B
+    DDTree-8 verify (9 tokens) and for the most pairs it takes."""
+    from scripts.offline_triton_compile import pair_groups_cases
+    from pallas_kernels.pair_groups import DEFAULT_WARPS
+
+    captured = []
+    for opts, warps, fn, shapes in pair_groups_cases(9):
+        [(name, ttir)] = capture_ttir(fn, *shapes)
+        assert "pair_groups" in name and "scf.for" in ttir  # the comparison chunks: a loop
+        captured.append((opts, warps, ttir))
+    require_recorded_triton()
+    for opts, warps, ttir in captured:
+        res = compile_ttir(ttir, num_warps=warps, num_stages=1)
+        assert res["regs"] <= 255, (opts, res)
+        if warps == DEFAULT_WARPS:
+            assert res["stack_bytes"] == 0, (opts, res)
+
+
 def test_row_top_k_lowers_for_cuda_without_spills():
     """The row top-k kernel lowers to Triton for CUDA here; where pip's triton is installed, the
     demo's rows (8192 entries, k = 16) compile for sm_90 at the default warps without spilling

@@ -404,7 +404,8 @@ def test_export_writes_fused_experts_that_hf_loads(tmp_path):
 def test_moe_ffn_in_the_fused_residual_stream_matches_xla():
     """With kernels on, each residual add runs inside the next RMSNorm's kernel and the FFN output
     travels as the stream's pending delta: a sparse FFN there gives the XLA path's hidden states
-    (a chain verify of 5 nodes after a prompt), also with the shared expert in the grouped kernel."""
+    (a chain verify of 5 nodes after a prompt), also with the shared expert in the grouped kernel
+    and with the pairs grouped by one launch."""
     from ddtree_jax.cache import init_target_cache
     from ddtree_jax.decode import prefill
     from tests.tiny_models import make_target
@@ -423,6 +424,9 @@ def test_moe_ffn_in_the_fused_residual_stream_matches_xla():
     # the shared expert inside the grouped kernel (moe_shared_in_grouped_kernel): the same logits
     grouped = np.asarray(verify(params, cache, nodes, INTERPRET.replace(moe_shared_in_grouped_kernel=True)))
     np.testing.assert_allclose(grouped, ref, rtol=1e-5, atol=1e-5 * float(np.abs(ref).max()))
+    # the pairs grouped by one kernel launch (moe_grouping_kernel): the same logits as XLA's grouping
+    one_launch = np.asarray(verify(params, cache, nodes, INTERPRET.replace(moe_grouping_kernel=True)))
+    np.testing.assert_array_equal(one_launch, got)
 
 
 def test_shared_expert_runs_in_the_decode_kernels_at_one_token():

@@ -74,7 +74,7 @@ def experts(x, expert_ids, weights, w_in, w_out, *, act: str, routes: Routes = R
         else:
             impl = routes.impl
     return moe_experts.expert_mlp(x, expert_ids, weights, w_in, w_out, act=act, impl=impl,
-                                  form=routes.moe_decode_form(), shared=shared, parts=parts)
+                                  form=routes.moe_kernel_form(), shared=shared, parts=parts)
 
 
 def fuses_shared(tokens: int, top_k: int, w_in, w_out, shared_inter: int, dtype, routes: Routes) -> bool:
@@ -88,7 +88,7 @@ def fuses_shared(tokens: int, top_k: int, w_in, w_out, shared_inter: int, dtype,
     if not (routes.kernels and routes.moe_experts_kernel and shared_inter == inter
             and not moe_experts.kernel_problems(h, inter, e, top_k, dtype)):
         return False
-    form = routes.moe_decode_form()
+    form = routes.moe_kernel_form()
     decode = isinstance(moe_experts.kernel_config(tokens, top_k, e, h, inter, form), moe_experts.DecodeConfig)
     wanted = routes.moe_shared_in_decode_kernel if decode else routes.moe_shared_in_grouped_kernel
     return wanted and moe_experts.takes_shared(tokens, top_k, e, h, inter, impl=routes.impl, form=form)
