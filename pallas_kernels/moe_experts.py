@@ -88,8 +88,8 @@ DECODE_MAX_PAIRS = 8  # the decode path up to this many (token, choice) pairs: o
 
 @dataclasses.dataclass(frozen=True)
 class KernelForm:
-    """Which form few (token, choice) pairs take: the decode path (no grouping) while T k <=
-    max_pairs, else the grouped kernel. fused: the decode path in one launch
+    """Which forms the expert kernels take for a call's (token, choice) pairs: the decode path (no
+    grouping) while T k <= max_pairs, else the grouped kernel. fused: the decode path in one launch
     (pallas_kernels/_moe_fused.py; slower on the H200, decision 0059). masked_row: launch (1) takes
     x's row as a masked load (`GemmConfig.masked_row`, decision 0064), else the loaded row padded by
     a select. rows: both launches in the "rows" MMA form (the padded row on the MMA's M side),
@@ -109,7 +109,8 @@ def kernel_config(tokens: int, top_k: int, num_experts: int, hidden: int, inter:
                   form: KernelForm = KernelForm()) -> MoeConfig | DecodeConfig:
     """The kernel route's config for T tokens at top-k: the decode path while T k <= form.max_pairs
     (`default_decode_config`, or `default_fused_config` with form.fused, the MMA layout and the row
-    load as `form` says), else the grouped kernel (`default_config`)."""
+    load as `form` says), else the grouped kernel (`default_config`, its pairs grouped by one launch
+    where form.grouping_kernel asks and pallas_kernels/pair_groups.py takes them)."""
     if tokens * top_k > form.max_pairs:
         config = default_config(tokens, top_k, num_experts, hidden, inter)
         # the kernel where it takes the pairs with a shared expert's too (one more choice and expert)
