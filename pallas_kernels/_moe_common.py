@@ -291,6 +291,20 @@ def activate(pre, act: str, dtype):
     return _round(r * r, dtype)
 
 
+def _act_rounded(sums, act: str, dtype):
+    """Inside a kernel: act of the float32 sums [gate, up] (or [up]), each rounded to dtype first, as
+    `activate` rounds (with casts: Triton's lowering has no reduce_precision). The epilogue of the
+    decode path's, the fused path's and the grouped kernel's first launch."""
+    f32 = jnp.float32
+    if act == "silu_glu":
+        g = sums[0].astype(dtype).astype(f32)
+        u = sums[1].astype(dtype).astype(f32)
+        s = (g * jax.nn.sigmoid(g)).astype(dtype).astype(f32)
+        return (s * u).astype(dtype)
+    r = jnp.maximum(sums[0].astype(dtype).astype(f32), 0.0)
+    return (r * r).astype(dtype)
+
+
 def _mm(a, w, lhs: str, batch: str, out: str, w_layout: str):
     """einsum of a (subscripts lhs, contracted over its last) with a weight stored [batch.., in, out]
     (w_layout "out_in": [batch.., out, in]), rounded to a's dtype: XLA accumulates a 16-bit dot in

@@ -32,8 +32,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import compiler_params, dot_precision, load, next_pow2, store
-from pallas_kernels._moe_common import (MIN_BLOCK, TARGET_PROGRAMS, DecodeConfig, GemmConfig, Shared, _dims,
-                                        _filling_split, _round, _valid, combine_choices, gate_weight, kernel_problems)
+from pallas_kernels._moe_common import (MIN_BLOCK, TARGET_PROGRAMS, DecodeConfig, GemmConfig, Shared, _act_rounded,
+                                        _dims, _filling_split, _round, _valid, combine_choices, gate_weight,
+                                        kernel_problems)
 
 
 def default_decode_config(tokens: int, top_k: int, num_experts: int, hidden: int, inter: int) -> DecodeConfig:
@@ -219,18 +220,6 @@ def _up_pair(x_ref, *, w_ref, o_ref, pair, tok, e, col_block, split, cfg: GemmCo
             store(o_ref, (split, pair, pl.ds(off + col0, bn)), v)
         return
     store(o_ref, (pair, pl.ds(col0, bn)), _act_rounded(sums, act, o_ref.dtype))
-
-
-def _act_rounded(sums, act: str, dtype):
-    """act of the float32 sums [gate, up] (or [up]), each rounded to dtype first (moe_experts.py's docstring)."""
-    f32 = jnp.float32
-    if act == "silu_glu":
-        g = sums[0].astype(dtype).astype(f32)
-        u = sums[1].astype(dtype).astype(f32)
-        s = (g * jax.nn.sigmoid(g)).astype(dtype).astype(f32)
-        return (s * u).astype(dtype)
-    r = jnp.maximum(sums[0].astype(dtype).astype(f32), 0.0)
-    return (r * r).astype(dtype)
 
 
 def _decode_down_kernel(ids_ref, wts_ref, h_ref, w_ref, *refs, top_k, pairs, kp, num_experts, cfg: GemmConfig,

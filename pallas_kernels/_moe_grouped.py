@@ -42,8 +42,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import cdiv, compiler_params, dot_precision, load, next_pow2, store
-from pallas_kernels._moe_common import (MIN_BLOCK, GemmConfig, MoeConfig, Shared, _dims, _filling_split, _mm, _round,
-                                        _valid, activate, combine_choices, kernel_problems, shared_weight)
+from pallas_kernels._moe_common import (MIN_BLOCK, GemmConfig, MoeConfig, Shared, _act_rounded, _dims, _filling_split,
+                                        _mm, _round, _valid, activate, combine_choices, kernel_problems, shared_weight)
 
 RANK_BY_COUNT_MAX_PAIRS = 16384  # up to here a pair's sorted row is a comparison count (P^2 compares)
 
@@ -242,17 +242,7 @@ def _tile_product(row_ref, tok_ref, x_ref, o_ref, w_ref, e, *, tile, col_block, 
         for off, acc in zip(col_offsets, accs):
             store(o_ref, (pl.ds(r0, bm), pl.ds(off + col0, bn)), acc, mask=mask)
         return
-    dtype = o_ref.dtype
-    if epilogue == "round":
-        y = accs[0].astype(dtype)
-    elif act == "silu_glu":
-        g = accs[0].astype(dtype).astype(f32)
-        u = accs[1].astype(dtype).astype(f32)
-        s = (g * jax.nn.sigmoid(g)).astype(dtype).astype(f32)
-        y = (s * u).astype(dtype)
-    else:
-        r = jnp.maximum(accs[0].astype(dtype).astype(f32), 0.0)
-        y = (r * r).astype(dtype)
+    y = accs[0].astype(o_ref.dtype) if epilogue == "round" else _act_rounded(accs, act, o_ref.dtype)
     store(o_ref, (pl.ds(r0, bm), pl.ds(col0, bn)), y, mask=mask)
 
 
