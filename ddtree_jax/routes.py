@@ -93,7 +93,7 @@ class Routes:
     moe_shared_in_decode_kernel: bool = True  # the shared expert as T more pairs of the experts' decode path
     # ... and as one more expert of the grouped kernel's grouping (verify, prefill): its weights read
     # in the grouped launches, summed with the routed choices before the one rounding (the DDTree-8 step
-    # 0.15-0.21 ms slower on the H200: 0066)
+    # 0.15-0.21 ms slower on the H200: 0066; 0.12-0.14 ms with the grouping kernel, 0067)
     moe_shared_in_grouped_kernel: bool = False
     # ... whose second launch writes each choice's weighted product as float32 partials that the next
     # add + RMSNorm kernel sums (no combine launch), where the MoE block's output meets that kernel
@@ -110,8 +110,9 @@ class Routes:
     # one layer 0.2-6.3 us faster in four sweeps on the H200 (0064), the step 11-18 us (0065)
     moe_decode_rows: bool = True
     # the grouped kernel's pairs (verify, prefill) grouped by one launch (pallas_kernels/pair_groups.py;
-    # up to PAIR_GROUPS_MAX_PAIRS pairs) instead of XLA's ~8 small fusions; built, not timed yet
-    moe_grouping_kernel: bool = False
+    # up to PAIR_GROUPS_MAX_PAIRS pairs) instead of XLA's ~10 small launches: the 35B-A3B DDTree-8 step
+    # 0.07-0.24 ms faster on the H200 (0067)
+    moe_grouping_kernel: bool = True
     # ---- tree build kernels (impl != "xla") ----
     bits_kernel_max_nodes: int = 64  # ancestor bitsets: the kernel up to this many nodes
     tree_select_kernel: bool = True  # the DDTree node selection in one launch (budgets it takes)

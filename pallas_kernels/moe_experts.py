@@ -95,14 +95,14 @@ class KernelForm:
     a select. rows: both launches in the "rows" MMA form (the padded row on the MMA's M side),
     else "cols" (decision 0065). grouping_kernel: the grouped kernel's pairs grouped by one launch
     (pallas_kernels/pair_groups.py) where it takes them (up to PAIR_GROUPS_MAX_PAIRS pairs, counting
-    a shared expert's), else by XLA's fusions. The defaults are the H200's fastest; the model's
+    a shared expert's), else by XLA's fusions (decision 0067). The defaults are the H200's fastest; the model's
     routes set each field (ddtree_jax.routes.Routes.moe_kernel_form)."""
 
     max_pairs: int = DECODE_MAX_PAIRS
     fused: bool = False
     masked_row: bool = True
     rows: bool = True
-    grouping_kernel: bool = False
+    grouping_kernel: bool = True
 
 
 def kernel_config(tokens: int, top_k: int, num_experts: int, hidden: int, inter: int,

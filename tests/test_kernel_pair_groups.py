@@ -61,8 +61,8 @@ def test_kernel_equals_the_reference_at_named_shapes(impl, t, k, e, block_m):
 
 def test_grouped_kernel_gives_the_same_output_with_either_grouping(impl):
     """The grouped expert kernel with config.grouping "kernel" equals "xla", bit for bit (the same
-    tiles), with and without a shared expert; kernel_config takes the kernel only where asked and
-    where it takes the pairs (a shared expert's counted)."""
+    tiles), with and without a shared expert; kernel_config takes the kernel where the form asks (by
+    default) and where it takes the pairs (a shared expert's counted)."""
     rng = np.random.default_rng(3)
     t, k, e, h, inter = 9, 4, 8, 32, 16
     if impl == "pallas":
@@ -82,9 +82,9 @@ def test_grouped_kernel_gives_the_same_output_with_either_grouping(impl):
         want = np.asarray(run(ids, s, cfg))
         got = np.asarray(run(ids, s, dataclasses.replace(cfg, grouping="kernel")))
         np.testing.assert_array_equal(got, want)
-    form = moe.KernelForm(grouping_kernel=True)
+    form = moe.KernelForm()  # the kernel by default (decision 0067)
     assert moe.kernel_config(9, 8, 256, 2048, 512, form).grouping == "kernel"
-    assert moe.kernel_config(9, 8, 256, 2048, 512).grouping == "xla"  # off unless asked
+    assert moe.kernel_config(9, 8, 256, 2048, 512, moe.KernelForm(grouping_kernel=False)).grouping == "xla"
     assert moe.kernel_config(PAIR_GROUPS_MAX_PAIRS // 9, 8, 256, 2048, 512, form).grouping == "kernel"
     assert moe.kernel_config(PAIR_GROUPS_MAX_PAIRS // 9 + 1, 8, 256, 2048, 512, form).grouping == "xla"
 
@@ -103,3 +103,17 @@ def test_what_the_kernel_cannot_take_is_named():
         moe.expert_mlp(x, ids, jnp.ones_like(ids, jnp.float32), w_in, w_out, act="silu_glu", impl="pallas_interpret",
                        config=config)
     assert any("grouping = 'fast'" in p for p in moe.MoeConfig(grouping="fast").problems())
+
+
+@pytest.mark.script
+def test_bench_cpu_smoke(tmp_path):
+    """scripts.bench.kernels pair_groups --cpu-smoke: the kernel equals the XLA form in the
+    interpreter and both land in the report."""
+    import json
+
+    from scripts.bench import kernels as bench
+
+    out = tmp_path / "pg.json"
+    assert bench.main(["pair_groups", "--cpu-smoke", "--out", str(out)]) == 0
+    [row] = json.loads(out.read_text())["rows"]
+    assert row["ok"] and row["xla_ok"] and row["kernel_w4_ok"] and row["kernel_w4_wall_us"] > 0

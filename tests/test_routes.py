@@ -86,13 +86,13 @@ def test_row_pad_window_parses_resolves_and_names_bad_values():
 
 def test_moe_kernel_form_carries_every_decode_route():
     """The expert kernels' form routes reach pallas_kernels.moe_experts as one KernelForm, each
-    field from its route (the defaults: the H200's fastest, decisions 0064 and 0065)."""
+    field from its route (the defaults: the H200's fastest, decisions 0064, 0065 and 0067)."""
     from pallas_kernels.moe_experts import KernelForm
 
     routes = Routes(moe_decode_max_pairs=16, moe_decode_fused=True, moe_decode_masked_row=False, moe_decode_rows=False,
-                    moe_grouping_kernel=True)
+                    moe_grouping_kernel=False)
     assert routes.moe_kernel_form() == KernelForm(max_pairs=16, fused=True, masked_row=False, rows=False,
-                                                  grouping_kernel=True)
+                                                  grouping_kernel=False)
     assert Routes().moe_kernel_form() == KernelForm() and KernelForm().rows and KernelForm().masked_row
     assert REFERENCE.with_settings(["moe_decode_rows=false"]).moe_kernel_form().rows is False
 

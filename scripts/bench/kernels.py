@@ -32,6 +32,9 @@ NAME (one registry entry each; `python -m scripts.bench.kernels NAME --help` lis
                   (softmax_top_k.py) against XLA's launches, per num_warps; kernel time from a trace
   row_product     one-row products of the 35B-A3B decode step (row_product.py) against XLA's padded
                   GEMM (the output projection with its add + RMSNorm), per tiling; kernel time from a trace
+  pair_groups     an MoE layer's (token, choice) pairs grouped by expert in one launch (pair_groups.py)
+                  against XLA's fusions (group_pairs), per num_warps; kernel time and launches from a
+                  trace, wall time of 64 calls in one jit
 
 Each row holds the XLA form's and every kernel variant's time (`<variant>_us`), the kernel's
 error against the reference on the same inputs (a check of what was timed: the strict checks at

@@ -2,7 +2,8 @@
 kernel time from a profiler trace: add_rms_norm (residual add + RMSNorm over split-K partial sums
 against XLA's reduce + the plain kernel, per tiling) and softmax_top_k (an MoE softmax router's
 softmax + top-k + renormalisation in one launch against XLA's launches, per num_warps) and
-row_product (one-row products in one launch against XLA's padded GEMM, per tiling)."""
+row_product (one-row products in one launch against XLA's padded GEMM, per tiling) and pair_groups (an MoE
+layer's pairs grouped by expert in one launch against XLA's fusions)."""
 
 from __future__ import annotations
 
@@ -190,3 +191,60 @@ def _padded_row(x, w):
     """The XLA route of a one-row product on a GPU today (models.layers._padded_row_product)."""
     from ddtree_jax.models.layers import _padded_row_product
     return _padded_row_product(x, w)
+
+
+def pair_groups_options(ap):
+    ap.add_argument("--tokens", default="9,17,33,65,72",
+                    help="tokens (batch-1 DDTree verifies of budgets 8 / 16 / 32 / 64; batch 8 at budget 8)")
+    ap.add_argument("--experts", type=int, default=256, help="experts (Qwen3.6-35B-A3B: 256)")
+    ap.add_argument("--k", type=int, default=8, help="choices a token")
+    ap.add_argument("--block-m", type=int, default=16, help="the grouped kernel's row tile")
+    ap.add_argument("--warps", default="1,2,4,8", help="num_warps of the kernel variants")
+
+
+@kernel("pair_groups", [("tokens", "tokens", 6, None), ("experts", "E", 4, None)],
+        "an MoE layer's (token, choice) pairs grouped by expert in one launch (pair_groups.py) against "
+        "XLA's fusions (group_pairs); kernel time from a trace, launches, and wall time of 64 calls in one jit",
+        pair_groups_options)
+def run_pair_groups(run: Run) -> None:
+    import time
+
+    from pallas_kernels import pair_groups as pg
+    from scripts.bench.common import trace_kernels
+    a = run.args
+    e, k, bm = (40, 4, 16) if run.smoke else (a.experts, a.k, a.block_m)
+    calls = 64 if run.gpu else 2
+    for t in [3] if run.smoke else ints(a.tokens):
+        row = {"tokens": t, "experts": e, "k": k, "block_m": bm}
+        rng = np.random.default_rng(t)
+        sets = [jnp.asarray(np.stack([rng.choice(e, k, replace=False) for _ in range(t)]), jnp.int32)
+                for _ in range(calls)]
+        want = pg.reference(sets[0], e, bm)
+        forms = {"xla": lambda ids: pg.pair_groups(ids, e, bm, impl="xla")}
+        for warps in [4] if run.smoke else ints(a.warps):
+            forms[f"kernel_w{warps}"] = (lambda w: lambda ids: pg.pair_groups(ids, e, bm, impl=run.impl,
+                                                                             num_warps=w))(warps)
+        for name, f in forms.items():
+            try:
+                got = jax.jit(f)(sets[0])
+                row[name + "_ok"] = all(np.array_equal(np.asarray(g), np.asarray(w)) for g, w in zip(got, want))
+                many = jax.jit(lambda s, f=f: [f(ids) for ids in s])
+                jax.block_until_ready(many(sets))
+                walls = []
+                for _ in range(7 if run.gpu else 1):
+                    t0 = time.perf_counter()
+                    jax.block_until_ready(many(sets))
+                    walls.append(time.perf_counter() - t0)
+                row[name + "_wall_us"] = float(np.median(walls)) / calls * 1e6
+                if run.gpu:
+                    import tempfile
+                    d = tempfile.mkdtemp(prefix="pair_groups_trace_")
+                    with jax.profiler.trace(d):
+                        jax.block_until_ready(many(sets))
+                    ks = trace_kernels(d)
+                    row[name + "_us"] = sum(us for _, _, us in ks) / calls
+                    row[name + "_launches"] = len(ks) / calls
+            except Exception as ex:
+                row[name + "_error"] = err_str(ex)
+        row["ok"] = all(v for kk, v in row.items() if kk.endswith("_ok"))
+        run.record(row)
