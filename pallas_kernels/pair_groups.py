@@ -9,10 +9,10 @@ id outside [0, E) sorts after every valid one), each sorted row's token, the row
 rows (expert, first row, rows; 0 for the unused tiles of the static count `max_tiles`) and each
 expert's first tile and first row.
 
-Why a kernel: XLA makes `group_pairs` eight small fusions (the rank count, the token scatter, the
-expert counts, their cumulative sum, the tiles' experts, the selects and slices): ~0.4 ms of the
-Qwen3.6-35B-A3B-shape DDTree-8 verify on the H200, 40 layers at ~10 us
-(docs/results/2026-12-03_profile_35b_a3b_verify_b8.json). Here comparison counts compute them all
+Why a kernel: XLA makes `group_pairs` eight small fusions in a verify (ten launches alone: the
+rank count, the token scatter, the expert counts, their cumulative sum, the tiles' experts, the
+selects and slices): ~0.4 ms of the Qwen3.6-35B-A3B-shape DDTree-8 verify on the H200, 40 layers at
+~10 us (docs/results/2026-12-03_profile_35b_a3b_verify_b8.json). Here comparison counts compute them all
 in one launch of G = cdiv(max(P, tiles), CHUNK) programs. Every program counts each expert's pairs
 (a loop over chunks of COUNT_CHUNK pairs) and takes their cumulative sums (a scan); program g then
 ranks pairs g CHUNK .. (g + 1) CHUNK - 1 (a pair's rank is the number of smaller (expert, pair)
