@@ -255,9 +255,10 @@ def trace_kernels(trace_dir: str) -> list[tuple[str, str, float]]:
     return out
 
 
-def trace_kernel_us(fn, arg_sets, gpu: bool, calls: int = 3) -> float | None:
-    """GPU kernel time per fn(args) from a profiler trace of calls over the rotated sets, summed over
-    every kernel fn launches (what a profile of the model reports for them; None off the GPU)."""
+def trace_kernel_stats(fn, arg_sets, gpu: bool, calls: int = 3) -> tuple[float, float] | None:
+    """(GPU kernel time us, kernel launches) per fn(args) from a profiler trace of calls over the
+    rotated sets, summed over every kernel fn launches (what a profile of the model reports for
+    them; None off the GPU)."""
     if not gpu:
         return None
     run = jax.jit(lambda sets: [fn(a) for a in sets])
@@ -266,7 +267,15 @@ def trace_kernel_us(fn, arg_sets, gpu: bool, calls: int = 3) -> float | None:
     with jax.profiler.trace(d):
         for _ in range(calls):
             jax.block_until_ready(run(arg_sets))
-    return sum(us for _, _, us in trace_kernels(d)) / (calls * len(arg_sets))
+    events = trace_kernels(d)
+    per_call = calls * len(arg_sets)
+    return sum(us for _, _, us in events) / per_call, len(events) / per_call
+
+
+def trace_kernel_us(fn, arg_sets, gpu: bool, calls: int = 3) -> float | None:
+    """The kernel time of `trace_kernel_stats` (None off the GPU)."""
+    stats = trace_kernel_stats(fn, arg_sets, gpu, calls)
+    return None if stats is None else stats[0]
 
 
 # ---------------------------------------------------------------------------------------------

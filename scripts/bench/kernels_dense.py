@@ -16,7 +16,7 @@ import numpy as np
 from pallas_kernels import add_rms_norm as arn
 from pallas_kernels import softmax_top_k as stk
 from pallas_kernels._common import summed_partials
-from scripts.bench.common import err_str, trace_kernel_us
+from scripts.bench.common import err_str, trace_kernel_stats
 from scripts.bench.kernels_harness import Kernel, Run, ints, registrar
 from scripts.bench.shapes import GDN_27B
 
@@ -29,14 +29,14 @@ ADD_NORM_TILINGS = ((1024, 8), (2048, 16), (4096, 16), (4096, 32))  # (PARTS_CHU
 
 def check_and_time(run: Run, row: dict, forms: dict, sets: list, agrees) -> None:
     """Each form run on sets[0] and checked (`agrees(output) -> bool` into row[name_ok]), then its GPU
-    kernel time from a trace over `sets` (row[name_us]); a form that fails records its error. Then
-    row["ok"] and the row is recorded."""
+    kernel time and launches from a trace over `sets` (row[name_us], row[name_launches]); a form that
+    fails records its error. Then row["ok"] and the row is recorded."""
     for name, f in forms.items():
         try:
             row[name + "_ok"] = bool(agrees(jax.jit(f)(sets[0])))
-            us = trace_kernel_us(f, sets, run.gpu)
-            if us is not None:
-                row[name + "_us"] = us
+            stats = trace_kernel_stats(f, sets, run.gpu)
+            if stats is not None:
+                row[name + "_us"], row[name + "_launches"] = stats
         except Exception as e:
             row[name + "_error"] = err_str(e)
     row["ok"] = all(v for k, v in row.items() if k.endswith("_ok"))
@@ -210,7 +210,6 @@ def run_pair_groups(run: Run) -> None:
     import time
 
     from pallas_kernels import pair_groups as pg
-    from scripts.bench.common import trace_kernels
     a = run.args
     e, k, bm = (40, 4, 16) if run.smoke else (a.experts, a.k, a.block_m)
     calls = 64 if run.gpu else 2
@@ -224,10 +223,8 @@ def run_pair_groups(run: Run) -> None:
         for warps in [4] if run.smoke else ints(a.warps):
             forms[f"kernel_w{warps}"] = (lambda w: lambda ids: pg.pair_groups(ids, e, bm, impl=run.impl,
                                                                              num_warps=w))(warps)
-        for name, f in forms.items():
+        for name, f in forms.items():  # wall time of the calls back to back in one jit, dispatch included
             try:
-                got = jax.jit(f)(sets[0])
-                row[name + "_ok"] = all(np.array_equal(np.asarray(g), np.asarray(w)) for g, w in zip(got, want))
                 many = jax.jit(lambda s, f=f: [f(ids) for ids in s])
                 jax.block_until_ready(many(sets))
                 walls = []
@@ -236,15 +233,7 @@ def run_pair_groups(run: Run) -> None:
                     jax.block_until_ready(many(sets))
                     walls.append(time.perf_counter() - t0)
                 row[name + "_wall_us"] = float(np.median(walls)) / calls * 1e6
-                if run.gpu:
-                    import tempfile
-                    d = tempfile.mkdtemp(prefix="pair_groups_trace_")
-                    with jax.profiler.trace(d):
-                        jax.block_until_ready(many(sets))
-                    ks = trace_kernels(d)
-                    row[name + "_us"] = sum(us for _, _, us in ks) / calls
-                    row[name + "_launches"] = len(ks) / calls
             except Exception as ex:
                 row[name + "_error"] = err_str(ex)
-        row["ok"] = all(v for kk, v in row.items() if kk.endswith("_ok"))
-        run.record(row)
+        check_and_time(run, row, forms, sets, lambda got: all(
+            np.array_equal(np.asarray(g), np.asarray(w)) for g, w in zip(got, want)))
