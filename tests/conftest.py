@@ -85,7 +85,8 @@ def _release_compiled_code():
 
 def _native_pallas(request) -> str:
     if request.param == "pallas" and jax.default_backend() != "gpu":
-        pytest.skip("native Pallas needs a GPU (run with -m gpu on the GPU machine)")
+        pytest.fail(f"native Pallas needs a GPU and jax sees {jax.default_backend()!r}: run -m gpu on the GPU "
+                    "machine (the default run deselects these)")
     return request.param
 
 
@@ -97,5 +98,16 @@ def impl(request):
 
 @pytest.fixture(scope="module", params=[pytest.param("pallas", marks=pytest.mark.gpu)])
 def gpu_impl(request):
-    """Native Pallas only: the checks at real layer shapes (selected by -m gpu, skipped without a GPU)."""
+    """Native Pallas only: the checks at real layer shapes (selected by -m gpu; they fail without a GPU)."""
     return _native_pallas(request)
+
+
+@pytest.fixture(params=[False, pytest.param(True, marks=pytest.mark.triton)], ids=["lowering", "sm90"])
+def sm90(request) -> bool:
+    """An offline-compile test's scope: False (the default run) stops after its lowering to Triton
+    IR, which needs no triton; True (-m triton) goes on to its sm_90 register / spill checks, and
+    fails at once without pip's triton of the recorded version (tests/triton_limits.py)."""
+    if request.param:
+        from tests.triton_limits import require_recorded_triton
+        require_recorded_triton()
+    return request.param

@@ -21,7 +21,6 @@ from pallas_kernels.add_rms_norm import DEFAULT_WARPS, MODES, PARTS_CHUNK, PARTS
 from scripts.bench import kernels as bench
 from scripts.bench.shapes import GDN_27B
 from scripts.offline_triton_compile import add_rms_norm_cases, capture_ttir, compile_ttir
-from tests.triton_limits import require_recorded_triton
 
 
 @functools.partial(jax.jit, static_argnames=("mode", "impl"))
@@ -123,7 +122,7 @@ def test_add_rms_norm_names_bad_inputs():
         add_rms_norm(x, x, jnp.zeros(8), eps=1e-6, mode="plain", impl="cuda")
 
 
-def test_partials_lower_for_sm90_without_spills():
+def test_partials_lower_for_sm90_without_spills(sm90):
     """The 27B stream (5120 wide, bf16, zero_centered) with plain delta and S = 4 / 8 float32 partial
     sums lowers for CUDA here; with pip's triton it compiles for sm_90 at the default warps and
     PARTS_CHUNK without spilling (scripts/offline_triton_compile.py add_rms_norm sweeps the rest)."""
@@ -136,7 +135,8 @@ def test_partials_lower_for_sm90_without_spills():
         [(name, ttir)] = capture_ttir(fn, *shapes)
         assert "add_rms_norm" in name
         ttirs.append((label, warps, ttir))
-    require_recorded_triton()
+    if not sm90:  # the default run: the lowering above; -m triton: the sm_90 checks below
+        return
     for label, warps, ttir in ttirs:
         res = compile_ttir(ttir, num_warps=warps, num_stages=1)
         assert res["regs"] <= 255 and res["stack_bytes"] == 0, (label, res)

@@ -16,7 +16,6 @@ from hypothesis import strategies as st
 from pallas_kernels.ref.rope import rope_cos_sin
 from pallas_kernels.attn_prologue import attn_prologue, kernel_problems, row_block
 from scripts.offline_triton_compile import capture_ttir, compile_ttir
-from tests.triton_limits import require_recorded_triton
 
 B, NH, KV, HD, ROT = 2, 4, 2, 32, 8
 
@@ -70,7 +69,7 @@ def test_row_blocks_and_refusals():
 
 
 @pytest.mark.parametrize("t", [65, 1])
-def test_lowers_for_sm90_at_the_27b_layer(t):
+def test_lowers_for_sm90_at_the_27b_layer(t, sm90):
     """The 27B attention layer (24 q heads gated, 4 kv heads of 256, rotary 64) at a DDTree-64
     verify's 65 rows and a decode step's 1 lowers to one Triton kernel; with pip's triton,
     compiled for sm_90 without spills."""
@@ -82,7 +81,8 @@ def test_lowers_for_sm90_at_the_27b_layer(t):
                            zero_centered=True, impl="pallas")
     [(name, ttir)] = capture_ttir(fn, *shapes)
     assert "attn_prologue" in name
-    require_recorded_triton()
+    if not sm90:  # the default run: the lowering above; -m triton: the sm_90 checks below
+        return
     res = compile_ttir(ttir, num_warps=4, num_stages=1)
     assert res["regs"] <= 255 and res["stack_bytes"] == 0, res
 
