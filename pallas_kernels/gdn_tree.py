@@ -29,6 +29,11 @@ u_0 to its output; the other N - 1 nodes run through the blocked solve above wit
 words shifted by one. Exact for any tree; taken when it halves the padded size (N - 1 a power
 of two) or when asked (`peel_root=True`).
 
+Masked rows: an unpeeled tree of N nodes, N not a power of two >= 16 (DDTree-4 / -8: 5 / 9
+nodes), runs in blocks covering the padded row count, but q / k / v / g / beta stay N rows: the
+kernel loads each block's rows with a mask (rows past N read as zeros, which is what padding rows
+held) and stores only the N real rows, so XLA pads nothing before it (five pads a layer otherwise).
+
 impl="xla" is the reference (dense visibility + delta_rule.block), "pallas" the Triton kernel,
 "pallas_interpret" the same kernel run by the Pallas interpreter (CPU tests).
 """
@@ -51,7 +56,7 @@ except ImportError:  # pragma: no cover
     pltriton = None
 
 from pallas_kernels._common import (  # noqa: E402
-    SCALAR_LANES, check_impl, expand_heads, join_root, pack_scalars, pow2_at_least, shift_bits, store,
+    SCALAR_LANES, check_impl, expand_heads, join_root, load, pack_scalars, pow2_at_least, shift_bits, store,
     unpack_scalars,
 )
 
@@ -110,10 +115,13 @@ def _state_products(xs, s_c, p32, split: bool):
     return [_dot(x, hi, None) + _dot(x, lo, None) for x in xs]
 
 
-def _tree_kernel(*refs, n, c, bk, p_in, p32, peel, in_place=False, split_state=False, root_tiles=False):
+def _tree_kernel(*refs, n, c, bk, p_in, p32, peel, in_place=False, split_state=False, root_tiles=False,
+                 n_valid=None):
     """in_place (root peel only): q / k / v / g / beta / o hold all N + 1 rows, node 0 first, and
     the blocked tree reads and writes rows 1.. (no slices of the inputs, no packed root scalars,
-    no concatenation of the outputs outside the kernel)."""
+    no concatenation of the outputs outside the kernel). n_valid (unpeeled only): the row refs hold
+    that many rows, fewer than the n the blocks cover; rows past them load as zeros (what padding
+    rows hold) and are not stored ("Masked rows" in the module docstring)."""
     if in_place:
         q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, bits_ref, m0_ref, o_ref = refs
     elif peel:
@@ -127,8 +135,37 @@ def _tree_kernel(*refs, n, c, bk, p_in, p32, peel, in_place=False, split_state=F
     row = lax.broadcasted_iota(jnp.int32, (c, c), 0)
     col = lax.broadcasted_iota(jnp.int32, (c, c), 1)
     eye = row == col
-    g_blk = [g_ref[pl.ds(off + s * c, c)] for s in range(nb)]
     kchunks = [pl.ds(i * bk, bk) for i in range(dk // bk)]
+
+    def row_index(r, width):
+        """Block r's rows as indices [c, width] and which of them exist. The rows past n_valid are
+        left out of bounds, not clamped: masked off, Triton reads and writes nothing there, and the
+        interpreter's scatter drops them (clamped, they would write row n_valid - 1 again)."""
+        node = r * c + lax.broadcasted_iota(jnp.int32, (c, width), 0)
+        return node, node < n_valid
+
+    def load_rows(ref, r, cols=None):
+        """Block r's rows of a row ref: [c] of g / beta, or [c, width] of q / k / v at the columns
+        `cols` (a pl.ds; None: all). With n_valid, one masked load (rows past it: zeros)."""
+        if n_valid is None:
+            rows = pl.ds(off + r * c, c)
+            return ref[rows] if len(ref.shape) == 1 else ref[rows, slice(None) if cols is None else cols]
+        if len(ref.shape) == 1:
+            node, ok = row_index(r, 1)
+            return load(ref, (node[:, 0],), mask=ok[:, 0], other=jnp.zeros((c,), ref.dtype))
+        start, width = (0, ref.shape[1]) if cols is None else (cols.start, cols.size)
+        node, ok = row_index(r, width)
+        col = start + lax.broadcasted_iota(jnp.int32, (c, width), 1)
+        return load(ref, (node, col), mask=ok, other=jnp.zeros((c, width), ref.dtype))
+
+    def store_rows(r, o):
+        if n_valid is None:
+            o_ref[pl.ds(off + r * c, c), :] = o
+            return
+        node, ok = row_index(r, o.shape[1])
+        store(o_ref, (node, lax.broadcasted_iota(jnp.int32, o.shape, 1)), o, mask=ok)
+
+    g_blk = [load_rows(g_ref, s) for s in range(nb)]
 
     def mask(r, s):
         """M_rs [c, c] bool: column node s*c + j is an ancestor-or-self of row node r*c + i."""
@@ -156,16 +193,13 @@ def _tree_kernel(*refs, n, c, bk, p_in, p32, peel, in_place=False, split_state=F
             count = count + lax.population_count(word)
         return count - 1
 
-    def rows_of(r):
-        return pl.ds(off + r * c, c)
-
-    def gram(rows_a, rows_b):
-        """(K_a K_b^T, Q_a K_b^T) [c, c], contracted over dk in chunks of bk."""
+    def gram(ra, rb):
+        """(K_a K_b^T, Q_a K_b^T) [c, c] of row blocks ra, rb, contracted over dk in chunks of bk."""
         kk = qk = None
         for kc in kchunks:
-            k_b = k_ref[rows_b, kc]
-            kk_c = _dot(k_ref[rows_a, kc], k_b, p_in, trans_b=True)
-            qk_c = _dot(q_ref[rows_a, kc], k_b, p_in, trans_b=True)
+            k_b = load_rows(k_ref, rb, kc)
+            kk_c = _dot(load_rows(k_ref, ra, kc), k_b, p_in, trans_b=True)
+            qk_c = _dot(load_rows(q_ref, ra, kc), k_b, p_in, trans_b=True)
             kk, qk = (kk_c, qk_c) if kk is None else (kk + kk_c, qk + qk_c)
         return kk, qk
 
@@ -218,7 +252,6 @@ def _tree_kernel(*refs, n, c, bk, p_in, p32, peel, in_place=False, split_state=F
 
     big_g, big_u = [], []
     for r in range(nb):
-        rows = rows_of(r)  # in the row refs (q, k, v, g, beta, o)
         g_r = 0.0  # path sums of the block's rows
         for s in range(r + 1):
             g_r = g_r + jnp.sum(jnp.where(mask(r, s), g_blk[s][None, :], 0.0), axis=1)
@@ -226,13 +259,13 @@ def _tree_kernel(*refs, n, c, bk, p_in, p32, peel, in_place=False, split_state=F
         if peel:
             under0 = m0_ref[pl.ds(r * c, c)] > 0  # row descends from node 0 (node-relative rows)
             g_r = g_r + jnp.where(under0, g0, 0.0)
-        beta_r = beta_ref[rows]
+        beta_r = load_rows(beta_ref, r)
         eg = jnp.exp(g_r)
         ks = qs = None  # K_r S0 and Q_r S0, contracted over dk in chunks (state chunks reloaded)
         kk0 = qk0 = None  # K_r k_0 and Q_r k_0 (peel only; tiles: [c, ROOT_ROWS], column 0)
         for i, kc in enumerate(kchunks):
             s_c = s_ref[kc, :].astype(f32)
-            k_in, q_in = k_ref[rows, kc], q_ref[rows, kc]
+            k_in, q_in = load_rows(k_ref, r, kc), load_rows(q_ref, r, kc)
             ks_c, qs_c = _state_products((k_in, q_in), s_c, p32, split_state)
             ks, qs = (ks_c, qs_c) if ks is None else (ks + ks_c, qs + qs_c)
             if peel and root_tiles:
@@ -242,7 +275,7 @@ def _tree_kernel(*refs, n, c, bk, p_in, p32, peel, in_place=False, split_state=F
                 qk_c = jnp.sum(q_in.astype(f32) * k0[i][None, :], axis=1)
             if peel:
                 kk0, qk0 = (kk_c, qk_c) if kk0 is None else (kk0 + kk_c, qk0 + qk_c)
-        rhs = beta_r[:, None] * (v_ref[rows, :].astype(f32) - eg[:, None] * ks)
+        rhs = beta_r[:, None] * (load_rows(v_ref, r).astype(f32) - eg[:, None] * ks)
         o = eg[:, None] * qs
         if peel:  # node 0's rank-1 parts (tiles: [c, ROOT_ROWS] x [ROOT_ROWS, dv]); mask before exp
             d0 = jnp.exp(jnp.where(under0, g_r - g0, -jnp.inf))
@@ -255,7 +288,7 @@ def _tree_kernel(*refs, n, c, bk, p_in, p32, peel, in_place=False, split_state=F
         for s in range(r + 1):
             # Mask BEFORE exp: non-ancestor pairs can carry large positive exponents.
             decay = jnp.exp(jnp.where(mask(r, s), g_r[:, None] - (g_r if s == r else big_g[s])[None, :], -jnp.inf))
-            kk, qk = gram(rows, rows_of(s))
+            kk, qk = gram(r, s)
             if s < r:
                 rhs = rhs - _dot(beta_r[:, None] * kk * decay, big_u[s], p32)
                 o = o + _dot(qk * decay, big_u[s], p32)
@@ -268,7 +301,7 @@ def _tree_kernel(*refs, n, c, bk, p_in, p32, peel, in_place=False, split_state=F
 
                 u = lax.fori_loop(jnp.min(depth), jnp.max(depth), level, rhs)
                 o = o + _dot(qk * decay, u, p32)
-        o_ref[rows, :] = o.astype(o_ref.dtype)
+        store_rows(r, o.astype(o_ref.dtype))
         big_g.append(g_r)
         big_u.append(u)
 
@@ -295,7 +328,7 @@ def default_blocks(n_pad: int, dk_pad: int, dv_pad: int, programs: int = 1):
 
 
 def _pallas(q, k, v, g, beta, state, ancestor_bits, *, interpret, block_n, block_dv, block_k, num_warps,
-            num_stages, precision, out_dtype, peel_root):
+            num_stages, precision, out_dtype, peel_root, masked_rows):
     b, h, n, dv = v.shape
     hk, dk = q.shape[1], q.shape[3]
     if h % hk:
@@ -320,6 +353,10 @@ def _pallas(q, k, v, g, beta, state, ancestor_bits, *, interpret, block_n, block
         q, k, v, g, beta = (a[:, :, 1:] for a in (q, k, v, g, beta))
         n = n - 1
     n_pad, dk_pad, dv_pad = pow2_at_least(n), pow2_at_least(dk), pow2_at_least(dv)
+    if masked_rows is None:
+        masked_rows = not peel and n < n_pad
+    elif masked_rows and peel:
+        raise ValueError("masked_rows is the unpeeled form: pass peel_root=False with it")
     bn, bdv, bk, nw = default_blocks(n_pad, dk_pad, dv_pad, b * h)
     bn = min(n_pad, block_n or bn)
     bdv = min(dv_pad, block_dv or bdv)
@@ -338,7 +375,7 @@ def _pallas(q, k, v, g, beta, state, ancestor_bits, *, interpret, block_n, block
     in_dtype = jnp.promote_types(q.dtype, k.dtype)
     if in_dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
         in_dtype = jnp.float32
-    rows = n_rows if in_place else n_pad  # rows of the q / k / v / g / beta / o blocks
+    rows = n_rows if in_place else n if masked_rows else n_pad  # rows of the q / k / v / g / beta / o blocks
     q = pad(pad(q.astype(in_dtype), 2, rows), 3, dk_pad)
     k = pad(pad(k.astype(in_dtype), 2, rows), 3, dk_pad)
     v = pad(pad(v, 2, rows), 3, dv_pad)
@@ -355,7 +392,8 @@ def _pallas(q, k, v, g, beta, state, ancestor_bits, *, interpret, block_n, block
     p_in = p32 if in_dtype == jnp.float32 else None
     sixteen_bit = in_dtype in (jnp.bfloat16, jnp.float16)
     kernel = functools.partial(_tree_kernel, n=n_pad, c=bn, bk=bk, p_in=p_in, p32=p32, peel=peel, in_place=in_place,
-                               split_state=SPLIT_STATE and sixteen_bit, root_tiles=sixteen_bit)
+                               split_state=SPLIT_STATE and sixteen_bit, root_tiles=sixteen_bit,
+                               n_valid=n if masked_rows else None)
     qk_spec = pl.BlockSpec((None, None, rows, dk_pad), lambda i, j, t: (i, j // rep, 0, 0))
     vec_spec = pl.BlockSpec((None, None, rows), lambda i, j, t: (i, j, 0))
     tile_spec = lambda nr: pl.BlockSpec((None, None, nr, bdv), lambda i, j, t: (i, j, 0, t))
@@ -395,7 +433,7 @@ def _pallas(q, k, v, g, beta, state, ancestor_bits, *, interpret, block_n, block
     if peel:
         o_rest, o0 = o
         return join_root(o_rest[..., :dv], o0[..., :dv], n, axis=2)
-    return o[:, :, :n, :dv]
+    return o[:, :, :n, :dv]  # masked rows: o has n rows already
 
 
 def gdn_tree_verify(
@@ -416,6 +454,7 @@ def gdn_tree_verify(
     precision: str | None = None,
     out_dtype=jnp.float32,
     peel_root: bool | None = None,
+    masked_rows: bool | None = None,
 ):
     """Outputs o [B, H, N, dv] of all N tree nodes of one GDN layer, from the state before the step.
 
@@ -430,6 +469,9 @@ def gdn_tree_verify(
     error is below the bf16 rounding the layer applies to o), "bf16x3". The interpreter is exact.
     peel_root: solve node 0 on its own first (None: when N - 1 is a power of two, e.g. DDTree's
     root + 64 drafts, so the other nodes fill 64 rows instead of padding to 128). Exact either way.
+    masked_rows (unpeeled trees whose N is not a power of two >= 16): the kernel reads the N rows
+    with masked loads instead of XLA padding q / k / v / g / beta to the blocks' rows (None: when
+    it applies; False: the padded form). Same arithmetic either way.
     """
     if impl == "xla":
         return reference(q, k, v, g, beta, state, ancestor_bits).astype(out_dtype)
@@ -440,4 +482,5 @@ def gdn_tree_verify(
         q, k, v, g, beta, state, ancestor_bits,
         interpret=impl == "pallas_interpret", block_n=block_n, block_dv=block_dv, block_k=block_k,
         num_warps=num_warps, num_stages=num_stages, precision=precision, out_dtype=out_dtype, peel_root=peel_root,
+        masked_rows=masked_rows,
     )

@@ -18,6 +18,7 @@ from hypothesis import given, settings, strategies as st
 from ddtree_jax.tree import ancestor_bits_from_parents, root_path
 from pallas_kernels.gdn_tree import gdn_tree_verify
 from scripts.bench.kernels_gdn import gdn_args, gdn_problem
+from tests.jaxpr_eqns import equations
 from tests.tolerance import by_impl
 
 B, HK, H = 2, 2, 4  # two value heads per key head
@@ -165,6 +166,46 @@ def test_kernel_pads_odd_shapes(impl, seed, kind, n):
     out = kernel(impl)(*args)
     assert out.shape == (B, H, 23, 20)
     assert_close(out, ref_fn()(*args), 1e-5)
+
+
+@settings(max_examples=6)
+@given(seed=st.integers(0, 2**31 - 1), kind=st.sampled_from(SHAPES), n=st.sampled_from([1, 5, 9, 13, 23, 40]),
+       bf16=st.booleans())
+def test_masked_rows_equal_the_padded_form(impl, seed, kind, n, bf16):
+    """An unpeeled tree of N nodes, N not a power of two >= 16 (DDTree-4 / -8: 5 / 9): the kernel
+    reads the N rows masked (no XLA pads before it, N output rows) and gives the padded form's
+    outputs (40 nodes in blocks of 16: the last block holds no node at all). The same arithmetic,
+    but not bit for bit: the two programs' products are compiled apart (differences of float32
+    rounding, ~3e-8, on the CPU)."""
+    _, bits = tree_case(seed, kind, n, n)
+    q, k, v, g, beta, state = draw_inputs(seed, n, DK, DV)
+    cast = (lambda a: jnp.asarray(a, jnp.bfloat16)) if bf16 else (lambda a: jnp.asarray(a, jnp.float32))
+    args = (cast(q), cast(k), cast(v), *f32(g, beta, state), bits)
+    tiles = dict(block_n=16, block_dv=16) if n == 40 else {}
+    masked = kernel(impl, **tiles)(*args)
+    padded = kernel(impl, masked_rows=False, **tiles)(*args)
+    assert masked.shape == (B, H, n, DV)
+    assert_close(masked, padded, 1e-6)
+    assert_close(masked, ref_fn()(*args), by_impl(impl, 1e-5, 1e-2) if bf16 else 1e-5)
+
+
+def test_masked_rows_take_the_arrays_unpadded():
+    """The masked form's kernel gets q / k / v / g / beta of N rows and writes N rows: no pad of
+    them, no slice after it (the padded form pads all five); a peel refuses it."""
+    def program(n, **kw):
+        _, bits = tree_case(0, "random", n, n)
+        args = (*f32(*draw_inputs(0, n, DK, DV)), bits)
+        fn = functools.partial(gdn_tree_verify, impl="pallas_interpret", **kw)
+        return jax.make_jaxpr(fn)(*args).jaxpr, args
+
+    jaxpr, args = program(9)
+    [eqn] = [e for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
+    assert [v.aval.shape for v in eqn.invars[:5]] == [(B, HK, 9, DK)] * 2 + [(B, H, 9, DV), (B, H, 9), (B, H, 9)]
+    assert [v.aval.shape for v in eqn.outvars] == [(B, H, 9, DV)]
+    pads = lambda jx: sum(e.primitive.name == "pad" for e in equations(jx))
+    assert pads(program(9, masked_rows=False)[0]) - pads(jaxpr) == 5
+    with pytest.raises(ValueError, match="masked_rows is the unpeeled form"):
+        gdn_tree_verify(*args, impl="pallas_interpret", masked_rows=True, peel_root=True)
 
 
 def test_single_node_and_all_padding(impl):
@@ -342,12 +383,14 @@ def test_split_state_products(impl, seed, kind, n):
 
 
 # ---- -m gpu: the 27B GDN layer (16 k / 48 v heads of 128) --------------------------------------
-@pytest.mark.parametrize("n, kind", [(16, "ddtree"), (64, "ddtree"), (128, "ddtree"), (256, "ddtree"), (16, "chain")])
+@pytest.mark.parametrize("n, kind", [(9, "ddtree"), (16, "ddtree"), (64, "ddtree"), (128, "ddtree"), (256, "ddtree"),
+                                     (16, "chain")])
 @pytest.mark.parametrize("b", [1, 8])
 def test_native_at_the_27b_layer(gpu_impl, n, kind, b):
-    """DDTree-like trees (depth <= 15, a different tree per sequence) and a 16-chain (linear DFlash),
-    batch 1 and 8: bf16 q / k / v (TF32 products) within 1e-2 of the float32 reference, float32
-    inputs (tf32x3 products) within 1e-5; the bf16 form also writes bf16 outputs."""
+    """DDTree-like trees (depth <= 15, a different tree per sequence; 9 nodes: the masked rows) and
+    a 16-chain (linear DFlash), batch 1 and 8: bf16 q / k / v (TF32 products) within 1e-2 of the
+    float32 reference, float32 inputs (tf32x3 products) within 1e-5; the bf16 form also writes bf16
+    outputs."""
     pb = gdn_problem(1000 + n + b, b, n, kind)
     for dtype, tol in ((jnp.bfloat16, 1e-2), (jnp.float32, 1e-5)):
         args = gdn_args(pb, dtype)

@@ -66,6 +66,33 @@ def test_tree_kernels_match_reference_in_the_model():
             np.testing.assert_allclose(a.conv, r.conv, rtol=1e-4, atol=1e-5)
 
 
+def test_budget_8_tree_reads_its_rows_masked():
+    """A DDTree-8 verify (9 nodes: not peeled, not a power of two) runs the GDN tree kernel on its 9
+    rows (gdn_tree_masked_rows, the default): five fewer pads a GDN layer than the padded form, the
+    same logits and committed state."""
+    cfg, gd, params = MODEL
+    rng = np.random.default_rng(5)
+    n = 9
+    prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, 10)), jnp.int32)
+    cache = decode.prefill(gd, params, init_target_cache(cfg, B, CAP), prompt, jnp.asarray([10, 7], jnp.int32)).cache
+    parents = np.array([[-1] + [int(rng.integers(0, i)) for i in range(1, n)] for _ in range(B)], np.int32)
+    path = [root_path(p, n - 1) for p in parents]
+    paths = np.array([p + [p[-1]] * (n - len(p)) for p in path], np.int32)
+    args = (gd, params, cache, jnp.asarray(rng.integers(0, cfg.vocab_size, (B, n)), jnp.int32), jnp.asarray(parents),
+            jnp.ones((B, n), bool), jnp.asarray(paths), jnp.asarray([len(p) for p in path], jnp.int32))
+    padded_routes = INTERPRET.replace(gdn_tree_masked_rows=False)
+    masked_logits, masked_cache = verify_and_commit(*args, routes=INTERPRET)
+    padded_logits, padded_cache = verify_and_commit(*args, routes=padded_routes)
+    np.testing.assert_allclose(np.asarray(masked_logits), np.asarray(padded_logits), rtol=1e-5, atol=1e-5)
+    for a, r in zip(masked_cache.layers, padded_cache.layers):
+        if not isinstance(r, KVCache):
+            np.testing.assert_allclose(a.state, r.state, rtol=1e-6, atol=1e-6)
+    pads = lambda routes: sum(e.primitive.name == "pad" for e in equations(
+        jax.make_jaxpr(lambda *a: verify_and_commit(gd, *a, routes=routes))(*args[1:]).jaxpr))
+    gdn_layers = sum(kind == GDN for kind in cfg.layer_types)
+    assert gdn_layers and pads(padded_routes) - pads(INTERPRET) == 5 * gdn_layers
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "routes"))
 def chain_verify_and_commit(graphdef, params, cache, tokens, count, routes):
     model = nnx.merge(graphdef, params)
@@ -195,7 +222,9 @@ def test_the_split_gdn_norm_runs_in_the_out_projection_kernel():
     # a value head's columns over two programs (the gated norm after the kernel), the decode
     # attention's cache in splits of >= 16 keys
     (SPLIT_MODEL, INTERPRET.replace(gdn_decode_dv_split=2, attention_split_keys=16), 5),
-], ids=["defaults", "split_heads_short_splits"])
+    # ... and the GDN decode kernel loading the state's tiles first
+    (SPLIT_MODEL, INTERPRET.replace(gdn_decode_dv_split=2, gdn_decode_state_first=True), 6),
+], ids=["defaults", "split_heads_short_splits", "split_heads_state_first"])
 def test_plain_decoding_through_the_kernels(model, routes, seed):
     """Single-token steps with kernels attend through the tree-attention kernel (one node over the
     cache up to each row's length) and run the GDN core as one kernel (pallas_kernels/gdn_decode.py):

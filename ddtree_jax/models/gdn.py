@@ -134,7 +134,7 @@ class GatedDeltaNet(nnx.Module):
             head_v_dim=cfg.gdn_v_head_dim, eps=self.norm.eps, impl=routes.impl,
             dv_split=gdn_decode.fitting_split(x.shape[0], cfg.gdn_num_v_heads, cfg.gdn_v_head_dim,
                                               routes.gdn_decode_dv_split),
-            defer_norm=routes.gdn_norm_into_out_proj)
+            defer_norm=routes.gdn_norm_into_out_proj, state_first=routes.gdn_decode_state_first)
         b = x.shape[0]
         if isinstance(y, NormedRow):  # the out projection norms it (models.layers.Linear)
             y = y._replace(x=y.x.reshape(b, 1, -1), squares=y.squares.reshape(b, 1, *y.squares.shape[1:]),
@@ -170,7 +170,8 @@ class GatedDeltaNet(nnx.Module):
             # docs/decisions/0020-gdn-tree-root-peel-bf16-inputs.md); the state stays exact: the
             # commit replays the float32 k / v.
             lo = (lambda a: a.astype(x.dtype)) if x.dtype in (jnp.bfloat16, jnp.float16) else (lambda a: a)
-            o = gdn_tree_verify(lo(q), lo(k), lo(v), g, beta, cache.state, bits, impl=routes.impl)
+            o = gdn_tree_verify(lo(q), lo(k), lo(v), g, beta, cache.state, bits, impl=routes.impl,
+                                masked_rows=None if routes.gdn_tree_masked_rows else False)
             return self.output(o, z, x.dtype, routes), pending
         if conv_src is None:
             path_g = jnp.cumsum(g, axis=-1)
@@ -196,7 +197,8 @@ class GatedDeltaNet(nnx.Module):
             mixed, cache.conv, w, conv_src, num_k_heads=cfg.gdn_num_k_heads, head_k_dim=cfg.gdn_k_head_dim,
             head_v_dim=cfg.gdn_v_head_dim, out_dtype=x.dtype, impl=routes.impl,
             gates=(self.A_log[...], self.dt_bias[...]), ba_col=cfg.gdn_conv_dim + cfg.gdn_value_dim)
-        o = gdn_tree_verify(q, k, v, g, beta, cache.state, bits, impl=routes.impl)
+        o = gdn_tree_verify(q, k, v, g, beta, cache.state, bits, impl=routes.impl,
+                            masked_rows=None if routes.gdn_tree_masked_rows else False)
         return self.output(o, z, x.dtype, routes), RecurrentPending(mixed, k32, v, g, beta)
 
     def _prologue_takes(self, x: jax.Array) -> bool:

@@ -11,11 +11,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ddtree_jax.routes import GDN_DECODE_DV_SPLIT_GPU
 from ddtree_jax.tree import geometry, make_tree, root_path
 from pallas_kernels._common import pow2_at_least
 from pallas_kernels.gdn_commit import gdn_path_commit
 from pallas_kernels.gdn_decode import DEFAULT_WARPS as GDN_DECODE_WARPS
-from pallas_kernels.gdn_decode import gdn_decode, gdn_decode_packed
+from pallas_kernels.gdn_decode import fitting_split, gdn_decode, gdn_decode_packed
 from pallas_kernels.gdn_tree import default_blocks, gdn_tree_verify
 from pallas_kernels.gdn_tree_prologue import gdn_tree_prologue
 from scripts.bench import peers
@@ -81,7 +82,8 @@ def gdn_tree_bytes(b, n, itemsize=2, hk=GDN_27B["hk"], hv=GDN_27B["hv"], dk=GDN_
 
 
 def gdn_layer(run: Run) -> dict:
-    return dict(hk=2, hv=4, dk=32, dv=32) if run.smoke else {k: GDN_27B[k] for k in ("hk", "hv", "dk", "dv")}
+    layer = LAYERS[getattr(run.args, "layer", "27b")][0]
+    return dict(hk=2, hv=4, dk=32, dv=32) if run.smoke else {k: layer[k] for k in ("hk", "hv", "dk", "dv")}
 
 
 def leaf_path(tree, p: int):
@@ -93,7 +95,9 @@ def leaf_path(tree, p: int):
 
 def gdn_tree_options(ap):
     add_batches(ap)
-    ap.add_argument("--sizes", default="16,64,128,256", help="tree sizes (nodes; --quick: 16,64)")
+    ap.add_argument("--sizes", default="16,64,128,256", help="tree sizes (nodes; --quick: 16,64); a size that is "
+                    "not a power of two >= 16 (9: DDTree-8) also times the padded form (masked_rows=False)")
+    ap.add_argument("--layer", choices=tuple(LAYERS), default="27b", help="the GDN layer's shape")
     add_sweep(ap)
     add_peers(ap)
     ap.add_argument("--budget-s", type=float, default=190.0, help="skip the sweep and FLA chain peers past this")
@@ -106,7 +110,7 @@ def gdn_tree_options(ap):
 def run_gdn_tree(run: Run) -> None:
     a = run.args
     dims = gdn_layer(run)
-    sizes = [16, 32] if run.smoke else ([16, 64] if a.quick else ints(a.sizes))
+    sizes = [9, 16, 32] if run.smoke else ([16, 64] if a.quick else ints(a.sizes))
     batches = [1, 2] if run.smoke else ints(a.batches)
     fla_ops = None
     if run.gpu and not a.no_peers:
@@ -137,6 +141,8 @@ def run_gdn_tree(run: Run) -> None:
                     variants += [{"precision": "tf32x3"}, {"num_warps": 4 if nw == 8 else 8}]
             elif best.get((n, kind)):
                 variants.append(best[(n, kind)])
+            if pow2_at_least(n) != n and not (n - 1 >= 16 and pow2_at_least(n - 1) == n - 1):  # masked rows
+                variants.append({"masked_rows": False})  # the XLA pads before the kernel, timed with it
             timings = []
             for tv in variants:
                 name = variant_name("kernel", tv)
@@ -296,6 +302,9 @@ def gdn_decode_options(ap):
     ap.add_argument("--layer", choices=tuple(LAYERS), default="27b", help="the GDN layer's shape")
     ap.add_argument("--dv-splits", default="4", help="also time the kernel with a head's columns over these many "
                     "programs (dv_split; the gated norm after it), e.g. 2,4,8")
+    ap.add_argument("--model-split", type=int, default=GDN_DECODE_DV_SPLIT_GPU,
+                    help="the largest dv_split the model takes (Routes.gdn_decode_dv_split on the GPU): the "
+                    "state-first variant runs at the split fitting_split gives under it")
     ap.add_argument("--packed", action="store_true", help="time the models' form: one qkv | z | b | a product read "
                     "in place (gdn_decode_packed); the errors are the x form's either way")
 
@@ -342,6 +351,10 @@ def run_gdn_decode(run: Run) -> None:
                          if nw != GDN_DECODE_WARPS})
         variants.update({f"kernel_s{sp}": dict(impl=run.impl, dv_split=sp)
                          for sp in ([2] if run.smoke else ints(a.dv_splits)) if sp != 1 and dv // sp >= 16})
+        # the state's tiles loaded first (gdn_decode._kernel), at the split the model takes at this batch
+        split = fitting_split(batch, shape["hv"], dv, a.model_split)
+        variants.setdefault(f"kernel_s{split}", dict(impl=run.impl, dv_split=split))
+        variants[f"kernel_s{split}_state_first"] = dict(impl=run.impl, dv_split=split, state_first=True)
         for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)):
             args = gdn_decode_problem(batch, batch, **shape, dtype=dtype)
             name = jnp.dtype(dtype).name

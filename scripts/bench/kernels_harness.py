@@ -96,7 +96,8 @@ def ints(text: str) -> list[int]:
 def variant_name(base: str, opts: dict) -> str:
     """'kernel' for the defaults, else e.g. 'kernel_dv32_w4' / 'kernel_tf32x3'."""
     short = {"block_dv": "dv", "block_n": "n", "block_p": "p", "block_k": "k", "block_r": "r", "num_warps": "w",
-             "num_stages": "s", "precision": "", "split_scale": "split", "window": "window"}
+             "num_stages": "s", "precision": "", "split_scale": "split", "window": "window",
+             "masked_rows": "masked_rows_"}
     parts = [f"{short.get(k, k)}{'' if v is True else v}" for k, v in opts.items() if v is not None]
     return "_".join([base] + parts)
 
