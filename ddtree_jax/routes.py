@@ -69,9 +69,6 @@ class Routes:
     # the row (pallas_kernels/row_product.NormedRow), instead of an XLA fusion of its own (decision
     # 0062: the 35B-A3B decode step 2.80 vs 2.81-2.82 ms)
     gdn_norm_into_out_proj: bool = True
-    # ... and the kernel loads the state's tiles before the gates and conv (their latency overlapping
-    # that chain of loads and reductions instead of following it; pallas_kernels/gdn_decode._kernel)
-    gdn_decode_state_first: bool = False
     gdn_tree_prologue_kernel: bool = True  # GDN tree conv .. casts as one kernel
     # GDN tree verify of an unpeeled tree whose node count is not a power of two >= 16 (DDTree-4 / -8):
     # the kernel loads its rows masked instead of XLA padding q / k / v / g / beta (gdn_tree.py)

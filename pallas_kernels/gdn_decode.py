@@ -81,14 +81,11 @@ def reference(mixed, z, x, w_a, w_b, a_log, dt_bias, window, conv_w, state, norm
     return y, new_state, next_window(mixed[:, None], window, n_valid)
 
 
-def _kernel(*refs, kd, dk, dv, rep, hv, taps, eps, hidden, chunk, packed, dv_block, dv_split, state_first):
+def _kernel(*refs, kd, dk, dv, rep, hv, taps, eps, hidden, chunk, packed, dv_block, dv_split):
     """Program (row b, value head h, column split j): head h's columns j P .. (j + 1) P of the
     state (P = dv / dv_split), in blocks of dv_block. dv_split 1: y gated-normed here; else the
     rounded o of its columns into y_ref and their float32 sum of squares into ss_ref [B, Hv,
-    dv_split] (the norm needs every column: `_finish_norm` applies it). state_first: the state's
-    tiles are loaded before anything else, so their memory latency overlaps the gates', conv's and
-    norms' chain of loads and reductions instead of following it (Triton issues loads where the
-    program has them and waits at the first use)."""
+    dv_split] (the norm needs every column: `_finish_norm` applies it)."""
     if dv_split > 1:
         refs, ss_ref = refs[:-3] + refs[-2:], refs[-3]
     if packed:  # one [B, conv_dim + Hv dv + 2 Hv] product: qkv | z | b | a
@@ -106,8 +103,6 @@ def _kernel(*refs, kd, dk, dv, rep, hv, taps, eps, hidden, chunk, packed, dv_blo
     dtype, wdtype, cdtype = mixed_ref.dtype, w_ref.dtype, win_ref.dtype
     xdtype = dtype if packed else x_ref.dtype
     live = nv_ref[b] > 0
-    blocks = range(0, width, dv_block)
-    early = [load(s_ref, (pl.ds(0, dk), pl.ds(c0, dv_block))) for c0 in blocks] if state_first else None
 
     if packed:  # the layer's product made them: this head's b and a columns
         b_x = mixed_ref[b, conv_dim + hv * dv + h].astype(f32)
@@ -157,10 +152,10 @@ def _kernel(*refs, kd, dk, dv, rep, hv, taps, eps, hidden, chunk, packed, dv_blo
     # the state in column blocks of dv_block (every column's update is independent): a block's
     # [dk, dv_block] tile, not the whole [dk, dv] one, is live in registers at a time
     outs = []
-    for i, c0 in enumerate(blocks):
+    for c0 in range(0, width, dv_block):
         cols = pl.ds(c0, dv_block)  # within this program's tiles
         v, v_rows, v_new = conv(2 * kd + h * dv + col0 + c0, dv_block)
-        st = (early[i] if state_first else load(s_ref, (pl.ds(0, dk), cols))) * decay  # [dk, dv_block]
+        st = load(s_ref, (pl.ds(0, dk), cols)) * decay  # [dk, dv_block]
         u = beta * (v - jnp.sum(st * k[:, None], axis=0))
         st = st + k[:, None] * u[None, :]
         store(s_out, (pl.ds(0, dk), cols), st)
@@ -221,7 +216,7 @@ def kernel_problems(conv_dim: int, num_k_heads: int, num_v_heads: int, dk: int, 
 
 
 def _pallas(mixed, z, x, w_a, w_b, a_log, dt_bias, window, conv_w, state, norm_w, n_valid, *, num_k_heads, eps,
-            interpret, num_warps, head_v_dim=None, dv_block=None, dv_split=1, defer_norm=False, state_first=False):
+            interpret, num_warps, head_v_dim=None, dv_block=None, dv_split=1, defer_norm=False):
     """z None: `mixed` is the packed product qkv | z | b | a (gdn_decode_packed), else the x form.
     defer_norm (packed, dv_split > 1): y as a row_product.NormedRow [B, Hv dv] for its consumer."""
     packed = z is None
@@ -260,8 +255,7 @@ def _pallas(mixed, z, x, w_a, w_b, a_log, dt_bias, window, conv_w, state, norm_w
         lead_specs = [full((b, c)), head(dv), full(x.shape), full(w_a.shape), full(w_b.shape)]
     kernel = functools.partial(_kernel, kd=kd, dk=dk, dv=dv, rep=hv // num_k_heads, hv=hv, taps=taps, eps=eps,
                                hidden=hidden, chunk=hidden_chunk(hidden), packed=packed, dv_block=dv_block,
-                               dv_split=dv_split,
-                               state_first=bool(state_first))
+                               dv_split=dv_split)
     state_pos = 1 + len(lead_args) + 4  # n_valid, the lead inputs, a_log, dt_bias, window, conv_w
     split = dv_split > 1
     squares = [jax.ShapeDtypeStruct((b, hv, dv_split), jnp.float32)] if split else []
@@ -300,24 +294,22 @@ def _finish_norm(o, squares, z, norm_w, eps: float):
 
 def gdn_decode(mixed, z, x, w_a, w_b, a_log, dt_bias, window, conv_w, state, norm_w, n_valid, *, num_k_heads: int,
                eps: float, impl: str = "xla", num_warps: int | None = None, dv_block: int | None = None,
-               dv_split: int = 1, state_first: bool = False):
+               dv_split: int = 1):
     """(y [B, Hv, dv], state [B, Hv, dk, dv] float32, window [B, K-1, conv_dim]) after one token.
     Kernels: dv_block, the state's column block a program updates at a time (default
     DEFAULT_DV_BLOCK, or all its columns); dv_split, programs a head's columns are split over
-    (B Hv dv_split programs; above 1 the gated norm runs after the kernel, `_finish_norm`);
-    state_first, the state's tiles loaded before the gates and conv (Routes.gdn_decode_state_first)."""
+    (B Hv dv_split programs; above 1 the gated norm runs after the kernel, `_finish_norm`)."""
     check_impl(impl)
     args = (mixed, z, x, w_a, w_b, a_log, dt_bias, window, conv_w, state, norm_w, n_valid)
     if impl == "xla":
         return reference(*args, num_k_heads=num_k_heads, eps=eps)
     return _pallas(*args, num_k_heads=num_k_heads, eps=eps, interpret=impl == "pallas_interpret",
-                   num_warps=num_warps, dv_block=dv_block, dv_split=dv_split, state_first=state_first)
+                   num_warps=num_warps, dv_block=dv_block, dv_split=dv_split)
 
 
 def gdn_decode_packed(proj, a_log, dt_bias, window, conv_w, state, norm_w, n_valid, *, num_k_heads: int,
                       head_v_dim: int, eps: float, impl: str = "xla", num_warps: int | None = None,
-                      dv_block: int | None = None, dv_split: int = 1, defer_norm: bool = False,
-                      state_first: bool = False):
+                      dv_block: int | None = None, dv_split: int = 1, defer_norm: bool = False):
     """`gdn_decode` of a layer whose one product proj [B, conv_dim + Hv dv + 2 Hv] holds the conv
     inputs, z and the b | a products (the models' in_proj_qkvzba); the kernel reads them all in place.
     defer_norm: with a split (kernels, dv_split > 1) y is returned as a row_product.NormedRow
@@ -336,5 +328,4 @@ def gdn_decode_packed(proj, a_log, dt_bias, window, conv_w, state, norm_w, n_val
                          num_k_heads=num_k_heads, eps=eps, ba=ba)
     return _pallas(proj, None, None, None, None, a_log, dt_bias, window, conv_w, state, norm_w, n_valid,
                    num_k_heads=num_k_heads, eps=eps, interpret=impl == "pallas_interpret", num_warps=num_warps,
-                   head_v_dim=dv, dv_block=dv_block, dv_split=dv_split, defer_norm=defer_norm,
-                   state_first=state_first)
+                   head_v_dim=dv, dv_block=dv_block, dv_split=dv_split, defer_norm=defer_norm)

@@ -199,13 +199,9 @@ def gdn_decode_cases(batch: int):
         yield opts, warps, functools.partial(gdn_decode, num_k_heads=hk, eps=1e-6, impl="pallas", **opts), shapes
     # the models' one product qkv | z | b | a, read in place (gdn_decode_packed)
     packed_shapes = (jax.ShapeDtypeStruct((batch, c + hv * dv + 2 * hv), bf),) + shapes[5:]
-    for warps, dv_block, dv_split, first in ((4, None, 1, False), (4, 64, 1, False), (4, 32, 1, False),
-                                             (8, 64, 1, False), (8, 32, 1, False), (4, None, 2, False),
-                                             (4, None, 4, False), (4, None, 4, True), (2, None, 4, False),
-                                             (4, 32, 2, False)):
+    for warps, dv_block, dv_split in ((4, None, 1), (4, 64, 1), (4, 32, 1), (8, 64, 1), (8, 32, 1), (4, None, 2),
+                                      (4, None, 4), (2, None, 4), (4, 32, 2)):
         opts = dict(num_warps=warps, dv_block=dv_block, dv_split=dv_split)
-        if first:  # the state's tiles loaded before the gates and conv
-            opts["state_first"] = True
         yield dict(opts, packed=True), warps, functools.partial(
             gdn_decode_packed, num_k_heads=hk, head_v_dim=dv, eps=1e-6, impl="pallas", **opts), packed_shapes
 

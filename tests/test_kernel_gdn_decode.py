@@ -39,24 +39,21 @@ def draw(seed, dtype, b=3):
             (1 + 0.1 * r(DV)).astype(dtype), jnp.asarray([1, 0, 1][:b], jnp.int32))
 
 
-@functools.partial(jax.jit, static_argnames=("impl", "dv_block", "dv_split", "state_first"))
-def _decode(*args, impl, dv_block=None, dv_split=1, state_first=False):
-    return gdn_decode(*args, num_k_heads=HK, eps=1e-6, impl=impl, dv_block=dv_block, dv_split=dv_split,
-                      state_first=state_first)
+@functools.partial(jax.jit, static_argnames=("impl", "dv_block", "dv_split"))
+def _decode(*args, impl, dv_block=None, dv_split=1):
+    return gdn_decode(*args, num_k_heads=HK, eps=1e-6, impl=impl, dv_block=dv_block, dv_split=dv_split)
 
 
 @pytest.mark.parametrize("dtype, tol", [(jnp.float32, 2e-6), (jnp.bfloat16, 2e-2)])
-@pytest.mark.parametrize("seed, dv_block, dv_split, state_first", [
-    (0, None, 1, False), (1, None, 1, False), (2, None, 1, False), (0, 16, 1, False), (1, None, 2, False),
-    (2, 16, 2, False), (0, None, 2, True), (1, 16, 1, True), (2, None, 1, True)])
-def test_gdn_decode_kernel_equals_reference(impl, dtype, tol, seed, dv_block, dv_split, state_first):
+@pytest.mark.parametrize("seed, dv_block, dv_split", [(0, None, 1), (1, None, 1), (2, None, 1), (0, 16, 1),
+                                                      (1, None, 2), (2, 16, 2)])
+def test_gdn_decode_kernel_equals_reference(impl, dtype, tol, seed, dv_block, dv_split):
     """dv_block 16: the state updated in two column blocks (the norm over both); dv_split 2: each
-    head's columns over two programs, the gated norm after the kernel from their sums of squares;
-    state_first both ways: the state's tiles loaded before the gates and conv, or where used."""
+    head's columns over two programs, the gated norm after the kernel from their sums of squares."""
     tol = by_impl(impl, tol, max(tol, 1e-5))
     args = draw(seed, dtype)
     want = _decode(*args, impl="xla")
-    got = _decode(*args, impl=impl, dv_block=dv_block, dv_split=dv_split, state_first=state_first)
+    got = _decode(*args, impl=impl, dv_block=dv_block, dv_split=dv_split)
     for name, w, g in zip(("y", "state", "window"), want, got):
         w, g = np.asarray(w, np.float32), np.asarray(g, np.float32)
         assert g.dtype == w.dtype and g.shape == w.shape
@@ -210,18 +207,16 @@ def test_packed_product_form_equals_the_x_form(impl, dtype, tol, split):
         run(impl, proj[:, :-1])
 
 
-@pytest.mark.parametrize("batch, dv_block, dv_split, state_first", [
-    (1, None, 1, False), (8, None, 1, False), (1, 32, 1, False), (8, 64, 1, False), (1, None, 4, False),
-    (8, 32, 2, False), (1, None, 4, True), (8, None, 1, True)])
-def test_native_at_the_27b_layer(gpu_impl, batch, dv_block, dv_split, state_first):
+@pytest.mark.parametrize("batch, dv_block, dv_split", [(1, None, 1), (8, None, 1), (1, 32, 1), (8, 64, 1), (1, None, 4),
+                                                       (8, 32, 2)])
+def test_native_at_the_27b_layer(gpu_impl, batch, dv_block, dv_split):
     """The 27B GDN layer (hidden 5120, 16 k / 48 v heads of 128, conv 4): y, state and window within
     1e-5 of the reference in float32 (its a / b products at full precision), 3e-2 in bf16; idle
     rows (every 4th) keep their state."""
     for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)):
         args = gdn_decode_problem(batch, batch, **GDN_27B, dtype=dtype)
         run = lambda impl: jax.jit(lambda *a: gdn_decode(*a, num_k_heads=GDN_27B["hk"], eps=1e-6, impl=impl,
-                                                         dv_block=dv_block, dv_split=dv_split,
-                                                         state_first=state_first))(*args)
+                                                         dv_block=dv_block, dv_split=dv_split))(*args)
         with jax.default_matmul_precision("highest"):
             want = run("xla")
         got = run(gpu_impl)

@@ -222,9 +222,7 @@ def test_the_split_gdn_norm_runs_in_the_out_projection_kernel():
     # a value head's columns over two programs (the gated norm after the kernel), the decode
     # attention's cache in splits of >= 16 keys
     (SPLIT_MODEL, INTERPRET.replace(gdn_decode_dv_split=2, attention_split_keys=16), 5),
-    # ... and the GDN decode kernel loading the state's tiles first
-    (SPLIT_MODEL, INTERPRET.replace(gdn_decode_dv_split=2, gdn_decode_state_first=True), 6),
-], ids=["defaults", "split_heads_short_splits", "split_heads_state_first"])
+], ids=["defaults", "split_heads_short_splits"])
 def test_plain_decoding_through_the_kernels(model, routes, seed):
     """Single-token steps with kernels attend through the tree-attention kernel (one node over the
     cache up to each row's length) and run the GDN core as one kernel (pallas_kernels/gdn_decode.py):

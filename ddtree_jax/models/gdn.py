@@ -134,7 +134,7 @@ class GatedDeltaNet(nnx.Module):
             head_v_dim=cfg.gdn_v_head_dim, eps=self.norm.eps, impl=routes.impl,
             dv_split=gdn_decode.fitting_split(x.shape[0], cfg.gdn_num_v_heads, cfg.gdn_v_head_dim,
                                               routes.gdn_decode_dv_split),
-            defer_norm=routes.gdn_norm_into_out_proj, state_first=routes.gdn_decode_state_first)
+            defer_norm=routes.gdn_norm_into_out_proj)
         b = x.shape[0]
         if isinstance(y, NormedRow):  # the out projection norms it (models.layers.Linear)
             y = y._replace(x=y.x.reshape(b, 1, -1), squares=y.squares.reshape(b, 1, *y.squares.shape[1:]),

@@ -11,12 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax.routes import GDN_DECODE_DV_SPLIT_GPU
 from ddtree_jax.tree import geometry, make_tree, root_path
 from pallas_kernels._common import pow2_at_least
 from pallas_kernels.gdn_commit import gdn_path_commit
 from pallas_kernels.gdn_decode import DEFAULT_WARPS as GDN_DECODE_WARPS
-from pallas_kernels.gdn_decode import fitting_split, gdn_decode, gdn_decode_packed
+from pallas_kernels.gdn_decode import gdn_decode, gdn_decode_packed
 from pallas_kernels.gdn_tree import default_blocks, gdn_tree_verify
 from pallas_kernels.gdn_tree_prologue import gdn_tree_prologue
 from scripts.bench import peers
@@ -302,9 +301,6 @@ def gdn_decode_options(ap):
     ap.add_argument("--layer", choices=tuple(LAYERS), default="27b", help="the GDN layer's shape")
     ap.add_argument("--dv-splits", default="4", help="also time the kernel with a head's columns over these many "
                     "programs (dv_split; the gated norm after it), e.g. 2,4,8")
-    ap.add_argument("--model-split", type=int, default=GDN_DECODE_DV_SPLIT_GPU,
-                    help="the largest dv_split the model takes (Routes.gdn_decode_dv_split on the GPU): the "
-                    "state-first variant runs at the split fitting_split gives under it")
     ap.add_argument("--packed", action="store_true", help="time the models' form: one qkv | z | b | a product read "
                     "in place (gdn_decode_packed); the errors are the x form's either way")
 
@@ -351,10 +347,6 @@ def run_gdn_decode(run: Run) -> None:
                          if nw != GDN_DECODE_WARPS})
         variants.update({f"kernel_s{sp}": dict(impl=run.impl, dv_split=sp)
                          for sp in ([2] if run.smoke else ints(a.dv_splits)) if sp != 1 and dv // sp >= 16})
-        # the state's tiles loaded first (gdn_decode._kernel), at the split the model takes at this batch
-        split = fitting_split(batch, shape["hv"], dv, a.model_split)
-        variants.setdefault(f"kernel_s{split}", dict(impl=run.impl, dv_split=split))
-        variants[f"kernel_s{split}_state_first"] = dict(impl=run.impl, dv_split=split, state_first=True)
         for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)):
             args = gdn_decode_problem(batch, batch, **shape, dtype=dtype)
             name = jnp.dtype(dtype).name
