@@ -65,6 +65,7 @@ class Routes:
     # ... over up to this many programs a value head while the grid fits two a SM (> 1: the gated
     # norm after the kernel; gdn_decode.fitting_split)
     gdn_decode_dv_split: int = 1
+    gdn_decode_programs_per_sm: int = 2  # ... the split's cap on the grid, in programs an SM
     # ... and with a split the output projection's row-product kernel applies that norm as it loads
     # the row (pallas_kernels/row_product.NormedRow), instead of an XLA fusion of its own (decision
     # 0062: the 35B-A3B decode step 2.80 vs 2.81-2.82 ms)
@@ -143,6 +144,8 @@ class Routes:
                 out.append(f"{f.name} must be true or false, got {v!r}")
             if f.type == "int" and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
                 out.append(f"{f.name} must be an integer >= 0, got {v!r}")
+        if isinstance(self.gdn_decode_programs_per_sm, int) and self.gdn_decode_programs_per_sm < 1:
+            out.append(f"gdn_decode_programs_per_sm must be >= 1, got {self.gdn_decode_programs_per_sm}")
         for name in ("gdn_decode_dv_split", "attention_split_keys"):
             v = getattr(self, name)
             if isinstance(v, int) and not isinstance(v, bool) and (v < 1 or v & (v - 1)):

@@ -181,13 +181,13 @@ def _kernel(*refs, kd, dk, dv, rep, hv, taps, eps, hidden, chunk, packed, dv_blo
     slide(kd + kh * dk, dk, k_rows, k_new, first)
 
 
-def fitting_split(batch: int, num_v_heads: int, dv: int, most: int, num_sms: int = H200_SMS) -> int:
+def fitting_split(batch: int, num_v_heads: int, dv: int, most: int, num_sms: int = H200_SMS, per_sm: int = 2) -> int:
     """The dv_split a call takes: the largest power of two <= most that leaves >= 16 columns a
-    program and keeps the grid within two programs per SM (a decode step at batch 1 has fewer
-    programs than SMs: 32 at the 35B-A3B layer; at batch 8, 256, it takes none)."""
+    program and keeps the grid within `per_sm` programs per SM (a decode step at batch 1 has fewer
+    programs than SMs: 32 at the 35B-A3B layer; at batch 8, 256, it takes none with two an SM)."""
     split = 1
     while (split * 2 <= most and dv // (split * 2) >= 16 and dv % (split * 2) == 0
-           and batch * num_v_heads * split * 2 <= 2 * num_sms):
+           and batch * num_v_heads * split * 2 <= per_sm * num_sms):
         split *= 2
     return split
 

@@ -112,6 +112,7 @@ def test_fitting_split_fills_the_gpu_without_crowding_it():
     assert fitting_split(1, 32, 128, 4) == 4 and fitting_split(1, 32, 128, 8) == 8
     assert fitting_split(8, 32, 128, 4) == 1 and fitting_split(4, 32, 128, 4) == 2
     assert fitting_split(1, 4, 32, 8) == 2 and fitting_split(1, 32, 128, 1) == 1
+    assert fitting_split(8, 32, 128, 4, per_sm=8) == 4 and fitting_split(8, 32, 128, 4, per_sm=4) == 2
 
 
 def test_model_announces_the_xla_route():

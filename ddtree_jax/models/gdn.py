@@ -133,7 +133,7 @@ class GatedDeltaNet(nnx.Module):
             self.conv_weight[...], cache.state, self.norm.weight[...], n_valid, num_k_heads=cfg.gdn_num_k_heads,
             head_v_dim=cfg.gdn_v_head_dim, eps=self.norm.eps, impl=routes.impl,
             dv_split=gdn_decode.fitting_split(x.shape[0], cfg.gdn_num_v_heads, cfg.gdn_v_head_dim,
-                                              routes.gdn_decode_dv_split),
+                                              routes.gdn_decode_dv_split, per_sm=routes.gdn_decode_programs_per_sm),
             defer_norm=routes.gdn_norm_into_out_proj)
         b = x.shape[0]
         if isinstance(y, NormedRow):  # the out projection norms it (models.layers.Linear)
