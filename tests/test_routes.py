@@ -59,6 +59,9 @@ def test_settings_parse_and_every_bad_one_is_named():
                                          "attention_split_keys must be a power of two >= 1, got 0"):
         Routes(gdn_decode_dv_split=3, attention_split_keys=0)
     assert REFERENCE.with_settings(["gdn_decode_dv_split=4"]).gdn_decode_dv_split == 4
+    with pytest.raises(ValueError, match="gdn_decode_programs_per_sm must be >= 1, got 0"):
+        Routes(gdn_decode_programs_per_sm=0)
+    assert REFERENCE.with_settings(["gdn_decode_programs_per_sm=8"]).gdn_decode_programs_per_sm == 8
     assert set(IMPLS) == {"xla", "pallas", "pallas_interpret"}
 
 
