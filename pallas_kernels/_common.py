@@ -47,6 +47,35 @@ def store(ref, idx, val, *, mask=None):
     return pl.store(ref, idx, val, mask=mask)  # pragma: no cover
 
 
+def load_rows(ref, start, rows: int, n_valid: int | None = None, cols=None):
+    """Inside a kernel: rows start .. start + rows - 1 of a row ref, [rows] of a 1-D ref or
+    [rows, width] of a 2-D one at the columns `cols` (a pl.ds; None: all). With n_valid (the
+    rows the ref holds, fewer than a block covers) one masked load: rows at or past n_valid read
+    as zeros. Their indices are left out of bounds, not clamped: masked off, Triton reads
+    nothing there, and a clamped index would make `store_rows`' interpreter scatter write the
+    last real row twice (the tree kernels' masked rows, docs/decisions/0068-gdn-tree-masked-rows.md)."""
+    two_d = len(ref.shape) == 2
+    if n_valid is None:
+        return ref[pl.ds(start, rows), slice(None) if cols is None else cols] if two_d else ref[pl.ds(start, rows)]
+    if not two_d:
+        node = start + lax.broadcasted_iota(jnp.int32, (rows,), 0)
+        return load(ref, (node,), mask=node < n_valid, other=jnp.zeros((rows,), ref.dtype))
+    col0, width = (0, ref.shape[1]) if cols is None else (cols.start, cols.size)
+    node = start + lax.broadcasted_iota(jnp.int32, (rows, width), 0)
+    col = col0 + lax.broadcasted_iota(jnp.int32, (rows, width), 1)
+    return load(ref, (node, col), mask=node < n_valid, other=jnp.zeros((rows, width), ref.dtype))
+
+
+def store_rows(ref, start, val, n_valid: int | None = None):
+    """Inside a kernel: val [rows, width] into rows start .. of a 2-D row ref (all its columns);
+    with n_valid only the rows before it are written (`load_rows`)."""
+    if n_valid is None:
+        ref[pl.ds(start, val.shape[0]), :] = val
+        return
+    node = start + lax.broadcasted_iota(jnp.int32, val.shape, 0)
+    store(ref, (node, lax.broadcasted_iota(jnp.int32, val.shape, 1)), val, mask=node < n_valid)
+
+
 def compiler_params(num_warps: int, num_stages: int):
     return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 

@@ -56,8 +56,8 @@ except ImportError:  # pragma: no cover
     pltriton = None
 
 from pallas_kernels._common import (  # noqa: E402
-    SCALAR_LANES, check_impl, expand_heads, join_root, load, pack_scalars, pow2_at_least, shift_bits, store,
-    unpack_scalars,
+    SCALAR_LANES, check_impl, expand_heads, join_root, load_rows, pack_scalars, pow2_at_least, shift_bits, store,
+    store_rows, unpack_scalars,
 )
 
 PRECISIONS = ("ieee", "tf32x3", "tf32", "bf16x3")
@@ -137,35 +137,10 @@ def _tree_kernel(*refs, n, c, bk, p_in, p32, peel, in_place=False, split_state=F
     eye = row == col
     kchunks = [pl.ds(i * bk, bk) for i in range(dk // bk)]
 
-    def row_index(r, width):
-        """Block r's rows as indices [c, width] and which of them exist. The rows past n_valid are
-        left out of bounds, not clamped: masked off, Triton reads and writes nothing there, and the
-        interpreter's scatter drops them (clamped, they would write row n_valid - 1 again)."""
-        node = r * c + lax.broadcasted_iota(jnp.int32, (c, width), 0)
-        return node, node < n_valid
+    def rows(ref, r, cols=None):  # block r's rows of a row ref (q, k, v, g, beta)
+        return load_rows(ref, off + r * c, c, n_valid, cols)
 
-    def load_rows(ref, r, cols=None):
-        """Block r's rows of a row ref: [c] of g / beta, or [c, width] of q / k / v at the columns
-        `cols` (a pl.ds; None: all). With n_valid, one masked load (rows past it: zeros)."""
-        if n_valid is None:
-            rows = pl.ds(off + r * c, c)
-            return ref[rows] if len(ref.shape) == 1 else ref[rows, slice(None) if cols is None else cols]
-        if len(ref.shape) == 1:
-            node, ok = row_index(r, 1)
-            return load(ref, (node[:, 0],), mask=ok[:, 0], other=jnp.zeros((c,), ref.dtype))
-        start, width = (0, ref.shape[1]) if cols is None else (cols.start, cols.size)
-        node, ok = row_index(r, width)
-        col = start + lax.broadcasted_iota(jnp.int32, (c, width), 1)
-        return load(ref, (node, col), mask=ok, other=jnp.zeros((c, width), ref.dtype))
-
-    def store_rows(r, o):
-        if n_valid is None:
-            o_ref[pl.ds(off + r * c, c), :] = o
-            return
-        node, ok = row_index(r, o.shape[1])
-        store(o_ref, (node, lax.broadcasted_iota(jnp.int32, o.shape, 1)), o, mask=ok)
-
-    g_blk = [load_rows(g_ref, s) for s in range(nb)]
+    g_blk = [rows(g_ref, s) for s in range(nb)]
 
     def mask(r, s):
         """M_rs [c, c] bool: column node s*c + j is an ancestor-or-self of row node r*c + i."""
@@ -197,9 +172,9 @@ def _tree_kernel(*refs, n, c, bk, p_in, p32, peel, in_place=False, split_state=F
         """(K_a K_b^T, Q_a K_b^T) [c, c] of row blocks ra, rb, contracted over dk in chunks of bk."""
         kk = qk = None
         for kc in kchunks:
-            k_b = load_rows(k_ref, rb, kc)
-            kk_c = _dot(load_rows(k_ref, ra, kc), k_b, p_in, trans_b=True)
-            qk_c = _dot(load_rows(q_ref, ra, kc), k_b, p_in, trans_b=True)
+            k_b = rows(k_ref, rb, kc)
+            kk_c = _dot(rows(k_ref, ra, kc), k_b, p_in, trans_b=True)
+            qk_c = _dot(rows(q_ref, ra, kc), k_b, p_in, trans_b=True)
             kk, qk = (kk_c, qk_c) if kk is None else (kk + kk_c, qk + qk_c)
         return kk, qk
 
@@ -259,13 +234,13 @@ def _tree_kernel(*refs, n, c, bk, p_in, p32, peel, in_place=False, split_state=F
         if peel:
             under0 = m0_ref[pl.ds(r * c, c)] > 0  # row descends from node 0 (node-relative rows)
             g_r = g_r + jnp.where(under0, g0, 0.0)
-        beta_r = load_rows(beta_ref, r)
+        beta_r = rows(beta_ref, r)
         eg = jnp.exp(g_r)
         ks = qs = None  # K_r S0 and Q_r S0, contracted over dk in chunks (state chunks reloaded)
         kk0 = qk0 = None  # K_r k_0 and Q_r k_0 (peel only; tiles: [c, ROOT_ROWS], column 0)
         for i, kc in enumerate(kchunks):
             s_c = s_ref[kc, :].astype(f32)
-            k_in, q_in = load_rows(k_ref, r, kc), load_rows(q_ref, r, kc)
+            k_in, q_in = rows(k_ref, r, kc), rows(q_ref, r, kc)
             ks_c, qs_c = _state_products((k_in, q_in), s_c, p32, split_state)
             ks, qs = (ks_c, qs_c) if ks is None else (ks + ks_c, qs + qs_c)
             if peel and root_tiles:
@@ -275,7 +250,7 @@ def _tree_kernel(*refs, n, c, bk, p_in, p32, peel, in_place=False, split_state=F
                 qk_c = jnp.sum(q_in.astype(f32) * k0[i][None, :], axis=1)
             if peel:
                 kk0, qk0 = (kk_c, qk_c) if kk0 is None else (kk0 + kk_c, qk0 + qk_c)
-        rhs = beta_r[:, None] * (load_rows(v_ref, r).astype(f32) - eg[:, None] * ks)
+        rhs = beta_r[:, None] * (rows(v_ref, r).astype(f32) - eg[:, None] * ks)
         o = eg[:, None] * qs
         if peel:  # node 0's rank-1 parts (tiles: [c, ROOT_ROWS] x [ROOT_ROWS, dv]); mask before exp
             d0 = jnp.exp(jnp.where(under0, g_r - g0, -jnp.inf))
@@ -301,7 +276,7 @@ def _tree_kernel(*refs, n, c, bk, p_in, p32, peel, in_place=False, split_state=F
 
                 u = lax.fori_loop(jnp.min(depth), jnp.max(depth), level, rhs)
                 o = o + _dot(qk * decay, u, p32)
-        store_rows(r, o.astype(o_ref.dtype))
+        store_rows(o_ref, off + r * c, o.astype(o_ref.dtype), n_valid)
         big_g.append(g_r)
         big_u.append(u)
 
