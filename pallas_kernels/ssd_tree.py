@@ -24,7 +24,8 @@ includes a_0 there); nodes 1.. run through the blocks above with the words shift
 
 impl="xla": the reference; "pallas": the Triton-lowered kernel (GPU); "pallas_interpret": the
 same kernel run by the Pallas interpreter (CPU tests). Kernel constraints: head_dim and state
-size powers of two (>= 16 for the verify kernel's matmuls); N is padded to a power of two.
+size powers of two (>= 16 for the verify kernel's matmuls); N is padded to a power of two (by
+XLA, or with `masked_rows` by the kernel's masked loads of the N rows).
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ except ImportError:  # pragma: no cover
     pltriton = None
 
 from pallas_kernels._common import (  # noqa: E402
-    SCALAR_LANES, check_impl, is_pow2, join_root, pack_scalars, pow2_at_least, shift_bits, unpack_scalars,
+    SCALAR_LANES, check_impl, is_pow2, join_root, load_rows, pack_scalars, pow2_at_least, shift_bits, store_rows,
+    unpack_scalars,
 )
 
 PRECISIONS = ("ieee", "tf32x3", "tf32", "bf16x3")
@@ -116,7 +118,9 @@ def ssd_path_commit_reference(x, dt, A, B, state, path, count):
 # ------------------------------------------------------------------------------------------------
 # tree verify kernel
 # ------------------------------------------------------------------------------------------------
-def _verify_kernel(*refs, n, c, prec, peel):
+def _verify_kernel(*refs, n, c, prec, peel, n_valid=None):
+    """n_valid (unpeeled only): the node refs hold that many rows, fewer than the n the blocks
+    cover; rows past them load as zeros (what padding nodes hold) and are not stored."""
     if peel:
         (x_ref, dt_ref, a_ref, b_ref, c_ref, d_ref, s_ref, bits_ref, x0_ref, b0_ref, c0_ref, da0_ref, m0_ref,
          y_ref, y0_ref) = refs
@@ -150,34 +154,34 @@ def _verify_kernel(*refs, n, c, prec, peel):
         x0, b0, c0 = x0_ref[...].astype(f32), b0_ref[...].astype(f32), c0_ref[...].astype(f32)
         y0 = jnp.exp(a0) * jnp.sum(c0[None, :] * state, axis=1) + (dvec + jnp.sum(c0 * b0) * dt0) * x0
         y0_ref[...] = y0.astype(y0_ref.dtype)
-    a_blk = [a_ref[pl.ds(s * c, c)] for s in range(nb)]
-    dt_blk = [dt_ref[pl.ds(s * c, c)] for s in range(nb)]
+    rows = lambda ref, r: load_rows(ref, r * c, c, n_valid)  # block r's rows of a node ref
+    a_blk = [rows(a_ref, s) for s in range(nb)]
+    dt_blk = [rows(dt_ref, s) for s in range(nb)]
     acs_blk = []
     for r in range(nb):
-        rows = pl.ds(r * c, c)
         masks = [mask(r, s) for s in range(r + 1)]
         acs = 0.0
         for s, m in enumerate(masks):
             acs = acs + jnp.sum(jnp.where(m, a_blk[s][None, :], 0.0), axis=1)
-        c_r = c_ref[rows, :].astype(f32)
+        c_r = rows(c_ref, r).astype(f32)
         if peel:
-            under0 = m0_ref[rows] > 0  # row descends from node 0
+            under0 = m0_ref[pl.ds(r * c, c)] > 0  # row descends from node 0
             acs = acs + jnp.where(under0, a0, 0.0)
-        y = jnp.exp(acs)[:, None] * _dot(c_r, state, prec, trans_b=True) + dvec[None, :] * x_ref[rows, :].astype(f32)
+        y = jnp.exp(acs)[:, None] * _dot(c_r, state, prec, trans_b=True) + dvec[None, :] * rows(x_ref, r).astype(f32)
         if peel:  # node 0's term, masked before exp
             w0 = jnp.exp(jnp.where(under0, acs - a0, -jnp.inf)) * jnp.sum(c_r * b0[None, :], axis=1) * dt0
             y = y + w0[:, None] * x0[None, :]
         for s, m in enumerate(masks):
             acs_s = acs if s == r else acs_blk[s]
             decay = jnp.exp(jnp.where(m, acs[:, None] - acs_s[None, :], -jnp.inf))  # mask BEFORE exp
-            cb = _dot(c_r, b_ref[pl.ds(s * c, c), :].astype(f32), prec, trans_b=True)
-            y = y + _dot(cb * decay * dt_blk[s][None, :], x_ref[pl.ds(s * c, c), :].astype(f32), prec)
-        y_ref[rows, :] = y.astype(y_ref.dtype)
+            cb = _dot(c_r, rows(b_ref, s).astype(f32), prec, trans_b=True)
+            y = y + _dot(cb * decay * dt_blk[s][None, :], rows(x_ref, s).astype(f32), prec)
+        store_rows(y_ref, r * c, y.astype(y_ref.dtype), n_valid)
         acs_blk.append(acs)
 
 
 def _verify_pallas(x, dt, A, B, C, D, state, ancestor_bits, *, interpret, block_n, block_p, num_warps, num_stages,
-                   precision, out_dtype, peel_root):
+                   precision, out_dtype, peel_root, masked_rows):
     b, n, h, hd = x.shape
     g, ns = B.shape[2], B.shape[3]
     if h % g:
@@ -197,6 +201,10 @@ def _verify_pallas(x, dt, A, B, C, D, state, ancestor_bits, *, interpret, block_
         x, dt, B, C = x[:, 1:], dt[:, 1:], B[:, 1:], C[:, 1:]
         n = n - 1
     n_pad = pow2_at_least(n)
+    if masked_rows and peel:
+        raise ValueError("masked_rows is the unpeeled form: pass peel_root=False with it")
+    masked_rows = bool(masked_rows) and n < n_pad
+    rows = n if masked_rows else n_pad  # the node refs' rows
     # Defaults from ptxas (scripts/offline_triton_compile.py ssd, 128 heads x 64, state 128): 64-row
     # blocks x 32-wide tiles x 8 warps compile without spills at 64 nodes (32-row blocks x 64-wide
     # tiles spilled); 16 nodes keep 16 x 64 x 4-warp tiles (docs/decisions/0027-ssd-kernel-max-nodes.md).
@@ -208,10 +216,10 @@ def _verify_pallas(x, dt, A, B, C, D, state, ancestor_bits, *, interpret, block_
         raise ValueError(f"block_n={bn} must be a power of two >= 16 and block_p={bp} a power of two dividing {hd}")
     words = max(1, n_pad // WORD)
     f32 = jnp.float32
-    dtf = _pad(dt.astype(f32), 1, n_pad)  # padding nodes: dt = 0
+    dtf = _pad(dt.astype(f32), 1, rows)  # padding nodes: dt = 0
     a = dtf * A.astype(f32)[None, None, :]
-    x = _pad(x, 1, n_pad)
-    B, C = _pad(B, 1, n_pad), _pad(C, 1, n_pad)
+    x = _pad(x, 1, rows)
+    B, C = _pad(B, 1, rows), _pad(C, 1, rows)
     d = jnp.broadcast_to(D.astype(f32)[:, None], (h, hd))
     bits = lax.bitcast_convert_type(ancestor_bits.astype(jnp.uint32), jnp.int32)
     bits = _pad(_pad(bits[:, :, :words], 1, n_pad), 2, words)  # padding rows: the kernel forces self
@@ -222,9 +230,9 @@ def _verify_pallas(x, dt, A, B, C, D, state, ancestor_bits, *, interpret, block_
     params = {}
     if pltriton is not None and not interpret:
         params["compiler_params"] = pltriton.CompilerParams(num_warps=warps, num_stages=num_stages)
-    node_tile = pl.BlockSpec((None, n_pad, None, bp), lambda i, j, t: (i, 0, j, t))
-    per_node = pl.BlockSpec((None, n_pad, None), lambda i, j, t: (i, 0, j))
-    grouped = pl.BlockSpec((None, n_pad, None, ns), lambda i, j, t: (i, 0, j // rep, 0))
+    node_tile = pl.BlockSpec((None, rows, None, bp), lambda i, j, t: (i, 0, j, t))
+    per_node = pl.BlockSpec((None, rows, None), lambda i, j, t: (i, 0, j))
+    grouped = pl.BlockSpec((None, rows, None, ns), lambda i, j, t: (i, 0, j // rep, 0))
     in_specs = [
         node_tile,
         per_node,
@@ -237,7 +245,7 @@ def _verify_pallas(x, dt, A, B, C, D, state, ancestor_bits, *, interpret, block_
     ]
     args = [x, dtf, a, B, C, d, state.astype(f32), bits]
     out_specs = node_tile
-    out_shape = jax.ShapeDtypeStruct((b, n_pad, h, hd), out_dtype)
+    out_shape = jax.ShapeDtypeStruct((b, rows, h, hd), out_dtype)
     if peel:
         head_tile = pl.BlockSpec((None, None, bp), lambda i, j, t: (i, j, t))
         group_row = pl.BlockSpec((None, None, ns), lambda i, j, t: (i, j // rep, 0))
@@ -248,7 +256,8 @@ def _verify_pallas(x, dt, A, B, C, D, state, ancestor_bits, *, interpret, block_
         out_specs = [out_specs, head_tile]
         out_shape = [out_shape, jax.ShapeDtypeStruct((b, h, hd), out_dtype)]
     y = pl.pallas_call(
-        functools.partial(_verify_kernel, n=n_pad, c=bn, prec=prec, peel=peel),
+        functools.partial(_verify_kernel, n=n_pad, c=bn, prec=prec, peel=peel,
+                          n_valid=n if masked_rows else None),
         grid=(b, h, hd // bp),
         in_specs=in_specs,
         out_specs=out_specs,
@@ -260,12 +269,13 @@ def _verify_pallas(x, dt, A, B, C, D, state, ancestor_bits, *, interpret, block_
     if peel:
         y_rest, y0 = y
         return join_root(y_rest, y0, n, axis=1)
-    return y[:, :n]
+    return y[:, :n]  # masked rows: y has n rows already
 
 
 def ssd_tree_verify(x, dt, A, B, C, D, state, ancestor_bits, *, impl: str = "xla", block_n: int | None = None,
                     block_p: int | None = None, num_warps: int | None = None, num_stages: int = 1,
-                    precision: str | None = None, out_dtype=jnp.float32, peel_root: bool | None = None):
+                    precision: str | None = None, out_dtype=jnp.float32, peel_root: bool | None = None,
+                    masked_rows: bool = False):
     """Outputs y [B, N, H, Hd] of all N tree nodes of one Mamba2 layer (before the gate / norm).
 
     x [B, N, H, Hd] SSM inputs (after conv + silu); dt [B, N, H] float32 per node (softplus'ed and
@@ -278,6 +288,10 @@ def ssd_tree_verify(x, dt, A, B, C, D, state, ancestor_bits, *, impl: str = "xla
     products are exact in TF32 and the rest stays below y's 16-bit rounding), "ieee" (exact),
     "bf16x3". The interpreter is exact. peel_root: node 0 on its own first (None: when N - 1 is
     a power of two, e.g. DDTree's root + 64 drafts fill 64 rows instead of 128). Exact either way.
+    masked_rows (unpeeled trees whose N is not a power of two >= 16, e.g. DDTree-8's 9 nodes): the
+    kernel reads the N rows with masked loads instead of XLA padding x / dt / B / C to the blocks'
+    rows (the GDN tree kernel's form, docs/decisions/0068-gdn-tree-masked-rows.md); off until the
+    H200 times it here (`Routes.ssd_tree_masked_rows`). Same arithmetic either way.
     """
     _check(impl, precision)
     if impl == "xla":
@@ -285,7 +299,7 @@ def ssd_tree_verify(x, dt, A, B, C, D, state, ancestor_bits, *, impl: str = "xla
     return _verify_pallas(
         x, dt, A, B, C, D, state, ancestor_bits, interpret=impl == "pallas_interpret", block_n=block_n,
         block_p=block_p, num_warps=num_warps, num_stages=num_stages, precision=precision, out_dtype=out_dtype,
-        peel_root=peel_root,
+        peel_root=peel_root, masked_rows=masked_rows,
     )
 
 

@@ -58,6 +58,7 @@ from jax._src.pallas.triton import lowering
 from ddtree_jax import atomic
 from pallas_kernels import add_rms_norm as arn
 from pallas_kernels._common import is_pow2, pow2_at_least
+from scripts.bench.kernels_harness import masked_rows_apply
 from pallas_kernels.gdn_commit import gdn_path_commit
 from pallas_kernels.gdn_decode import gdn_decode, gdn_decode_packed
 from pallas_kernels.gdn_tree import default_blocks, gdn_tree_verify
@@ -144,6 +145,9 @@ def ssd_cases(nodes: int):
                 for prec in ("tf32x3", "tf32"):
                     opts = dict(block_n=bn, block_p=bp, num_warps=warps, precision=prec)
                     yield opts, warps, functools.partial(ssd_tree_verify, impl="pallas", **opts), shapes
+    if masked_rows_apply(nodes):  # neither peeled nor a power of two (9 nodes): the rows read masked
+        opts = dict(num_warps=4, masked_rows=True)
+        yield opts, 4, functools.partial(ssd_tree_verify, impl="pallas", **opts), shapes
 
 
 def gdn_cases(nodes: int):

@@ -22,6 +22,7 @@ from ddtree_jax.tree import make_tree
 from pallas_kernels.ssd_tree import ssd_path_commit, ssd_tree_verify
 from scripts.bench.kernels_ssd import ssd_problem
 from scripts.bench.shapes import SSD_NEMOTRON_H_8B
+from tests.jaxpr_eqns import equations
 from tests.tolerance import by_impl
 
 B, H, G, HD, NS = 2, 4, 2, 16, 16
@@ -49,24 +50,29 @@ def random_tree(rng, n, kind):
     return jnp.asarray(parents, jnp.int32), jnp.asarray(valid)
 
 
-@functools.partial(jax.jit, static_argnames=("impl", "block_n", "block_p", "peel_root"))
-def verify(x, dt, a, bm, cm, d, s0, parents, valid, *, impl, block_n=None, block_p=None, peel_root=None):
+@functools.partial(jax.jit, static_argnames=("impl", "block_n", "block_p", "peel_root", "masked_rows"))
+def verify(x, dt, a, bm, cm, d, s0, parents, valid, *, impl, block_n=None, block_p=None, peel_root=None,
+           masked_rows=False):
     n = x.shape[1]
     tree = make_tree(jnp.zeros(parents.shape, jnp.int32), parents, valid, jnp.zeros((B,), jnp.int32), max_depth=n - 1)
     dt = jnp.where(valid[..., None], dt, 0.0)
     return ssd_tree_verify(x, dt, a, bm, cm, d, s0, tree.ancestor_bits, impl=impl, block_n=block_n, block_p=block_p,
-                           peel_root=peel_root)
+                           peel_root=peel_root, masked_rows=masked_rows)
 
 
+@pytest.mark.parametrize("masked", [False, True], ids=["padded", "masked_rows"])
 @pytest.mark.parametrize("config", list(CONFIGS))
 @given(seed=st.integers(0, 2**31 - 1), kind=st.sampled_from(["random", "chain", "star"]))
 @settings(max_examples=4)
-def test_tree_verify_kernel_matches_reference(impl, config, seed, kind):
+def test_tree_verify_kernel_matches_reference(impl, config, masked, seed, kind):
+    """Padded by XLA or read masked (`masked_rows`: 37 nodes in 16-row blocks leave the last
+    block without a node)."""
     c = CONFIGS[config]
     rng, x, dt, a, bm, cm, d, s0 = draw(seed, c["n"])
     parents, valid = random_tree(rng, c["n"], kind)
     want = verify(x, dt, a, bm, cm, d, s0, parents, valid, impl="xla")
-    got = verify(x, dt, a, bm, cm, d, s0, parents, valid, impl=impl, block_n=c["block_n"], block_p=c["block_p"])
+    got = verify(x, dt, a, bm, cm, d, s0, parents, valid, impl=impl, block_n=c["block_n"], block_p=c["block_p"],
+                 masked_rows=masked)
     got, want = np.asarray(got), np.asarray(want)
     assert np.all(np.isfinite(got))
     scale = max(1.0, float(np.abs(want).max()))
@@ -86,6 +92,27 @@ def test_tree_verify_kernel_root_peel(impl, n, peel_root, block_n, seed, kind):
     got, want = np.asarray(got), np.asarray(want)
     assert got.shape == want.shape and np.all(np.isfinite(got))
     assert float(np.abs(got - want).max()) <= by_impl(impl, 2e-5, 1e-4) * max(1.0, float(np.abs(want).max()))
+
+
+def test_masked_rows_take_the_node_arrays_unpadded():
+    """With masked_rows the kernel gets x / dt / B / C of N rows and writes N rows: four pads fewer
+    than the padded form; a peel refuses it; a power-of-two N needs no mask (the same program)."""
+    def program(n, **kw):
+        rng, x, dt, a, bm, cm, d, s0 = draw(0, n)
+        parents, valid = random_tree(rng, n, "random")
+        tree = make_tree(jnp.zeros((B, n), jnp.int32), parents, valid, jnp.zeros((B,), jnp.int32), max_depth=n - 1)
+        args = (x, dt, a, bm, cm, d, s0, tree.ancestor_bits)
+        fn = functools.partial(ssd_tree_verify, impl="pallas_interpret", **kw)
+        return jax.make_jaxpr(fn)(*args).jaxpr, args
+
+    pads = lambda jx: sum(e.primitive.name == "pad" for e in equations(jx))
+    jaxpr, args = program(9, masked_rows=True)
+    [eqn] = [e for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
+    assert eqn.invars[0].aval.shape == (B, 9, H, HD) and [v.aval.shape for v in eqn.outvars] == [(B, 9, H, HD)]
+    assert pads(program(9)[0]) - pads(jaxpr) == 4
+    assert str(program(16, masked_rows=True)[0]) == str(program(16)[0])
+    with pytest.raises(ValueError, match="masked_rows is the unpeeled form"):
+        ssd_tree_verify(*args, impl="pallas_interpret", masked_rows=True, peel_root=True)
 
 
 @functools.partial(jax.jit, static_argnames=("impl",))
@@ -142,9 +169,10 @@ def test_mamba2_mixer_tree_and_commit_with_the_kernels(impl):
                            state=jnp.asarray(rng.normal(size=cache.state.shape), jnp.float32))
     x = jnp.asarray(rng.normal(size=(B, n, cfg.hidden_size)), jnp.float32)
     y_ref, pending = mixer.tree(x, cache, geo)
-    y_pl, _ = mixer.tree(x, cache, geo, routes=routes_for(impl))
     tol = by_impl(impl, 2e-5, 1e-4)
-    np.testing.assert_allclose(np.asarray(y_pl), np.asarray(y_ref), rtol=tol, atol=tol)
+    for routes in (routes_for(impl), routes_for(impl).replace(ssd_tree_masked_rows=True)):
+        y_pl, _ = mixer.tree(x, cache, geo, routes=routes)
+        np.testing.assert_allclose(np.asarray(y_pl), np.asarray(y_ref), rtol=tol, atol=tol)
     path = jnp.asarray([[0, 1, 2, 2], [0, 3, 3, 3]], jnp.int32)
     path = jnp.minimum(path, jnp.sum(valid, axis=1, keepdims=True) - 1)
     count = jnp.asarray([3, 2], jnp.int32)
@@ -156,17 +184,19 @@ def test_mamba2_mixer_tree_and_commit_with_the_kernels(impl):
     np.testing.assert_array_equal(np.asarray(got.conv), np.asarray(ref.conv))
 
 
-@pytest.mark.parametrize("n", [16, 64, 128, 256])
+@pytest.mark.parametrize("n", [9, 16, 64, 128, 256])
 @pytest.mark.parametrize("kind", ["ddtree", "chain"])
 def test_native_at_the_nemotron_h_layer(gpu_impl, n, kind):
     """The Nemotron-H 8B Mamba2 layer (128 heads x 64, 8 groups, state 128), batch 2, DDTree-like
-    trees and chains: float32 outputs finite and within 1e-4 of the reference (of its magnitude,
-    at least 1) with tf32x3 products, 2e-5 with IEEE float32 ones."""
+    trees and chains (9 nodes: read with masked rows): float32 outputs finite and within 1e-4 of
+    the reference (of its magnitude, at least 1) with tf32x3 products, 2e-5 with IEEE float32 ones."""
     inputs = ssd_problem(np.random.default_rng(n), 2, n, **SSD_NEMOTRON_H_8B, kind=kind)
     want = np.asarray(ssd_tree_verify(*inputs, impl="xla"))
     scale = max(1.0, float(np.abs(want).max()))
+    masked = n == 9
     for precision, tol in (("tf32x3", 1e-4), ("ieee", 2e-5)):
-        got = np.asarray(jax.jit(lambda *a: ssd_tree_verify(*a, impl=gpu_impl, precision=precision))(*inputs))
+        got = np.asarray(jax.jit(lambda *a: ssd_tree_verify(*a, impl=gpu_impl, precision=precision,
+                                                            masked_rows=masked))(*inputs))
         assert np.all(np.isfinite(got)), precision
         assert float(np.abs(got - want).max()) <= tol * scale, precision
 

@@ -169,7 +169,8 @@ class Mamba2Mixer(nnx.Module):
                 stacklevel=2,
             )
         if use_kernel:  # trees and chains (linear DFlash)
-            y = ssd_tree_verify(xs, dt, a, bm, cm, d, cache.state, bits, impl=routes.impl)
+            y = ssd_tree_verify(xs, dt, a, bm, cm, d, cache.state, bits, impl=routes.impl,
+                                masked_rows=routes.ssd_tree_masked_rows)
         else:
             acs = ssd.path_sums(dt, a, None if conv_src is None else visible)
             y = ssd.block(xs, dt, a, bm, cm, d, cache.state, visible, acs)

@@ -21,7 +21,8 @@ from pallas_kernels.gdn_tree_prologue import gdn_tree_prologue
 from scripts.bench import peers
 from scripts.bench.common import err_str, max_rel_err, time_torch
 from scripts.bench.kernels_harness import (Kernel, Run, add_batches, add_peers, add_sweep, add_warps, ancestor_words,
-                                           ints, registrar, rel_err, tree_parents, variant_name)
+                                           ints, masked_rows_apply, registrar, rel_err, tree_parents,
+                                           variant_name)
 from scripts.bench.shapes import GDN_27B, LAYERS
 
 KERNELS: dict[str, Kernel] = {}
@@ -140,7 +141,7 @@ def run_gdn_tree(run: Run) -> None:
                     variants += [{"precision": "tf32x3"}, {"num_warps": 4 if nw == 8 else 8}]
             elif best.get((n, kind)):
                 variants.append(best[(n, kind)])
-            if pow2_at_least(n) != n and not (n - 1 >= 16 and pow2_at_least(n - 1) == n - 1):  # masked rows
+            if masked_rows_apply(n):  # the default reads the rows masked: the padded form too
                 variants.append({"masked_rows": False})  # the XLA pads before the kernel, timed with it
             timings = []
             for tv in variants:

@@ -15,6 +15,7 @@ import numpy as np
 
 from ddtree_jax.bench import deep_parents
 from ddtree_jax.tree import ancestor_bits_from_parents
+from pallas_kernels._common import pow2_at_least
 from scripts.bench.common import fmt, jax_rates, max_rel_err, record_row, rotations_for, time_jax
 from scripts.bench.shapes import DRAFT_DEPTHS
 
@@ -93,12 +94,20 @@ def ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
+def masked_rows_apply(n: int) -> bool:
+    """Whether an n-node tree is neither a power of two >= 16 nor peeled by the tree kernels (root
+    peel: n - 1 a power of two that halves the padded rows): the trees whose rows the kernels can
+    read masked instead of padded (`masked_rows`, decision 0068), e.g. DDTree-8's 9 nodes."""
+    return pow2_at_least(n) != n and pow2_at_least(n - 1) == pow2_at_least(n)
+
+
 def variant_name(base: str, opts: dict) -> str:
-    """'kernel' for the defaults, else e.g. 'kernel_dv32_w4' / 'kernel_tf32x3'."""
+    """'kernel' for the defaults, else e.g. 'kernel_dv32_w4' / 'kernel_tf32x3'; a flag as its name
+    when true, 'no_' and its name when false ('kernel_masked_rows', 'kernel_no_masked_rows')."""
     short = {"block_dv": "dv", "block_n": "n", "block_p": "p", "block_k": "k", "block_r": "r", "num_warps": "w",
-             "num_stages": "s", "precision": "", "split_scale": "split", "window": "window",
-             "masked_rows": "masked_rows_"}
-    parts = [f"{short.get(k, k)}{'' if v is True else v}" for k, v in opts.items() if v is not None]
+             "num_stages": "s", "precision": "", "split_scale": "split", "window": "window"}
+    parts = [short.get(k, k) if v is True else f"no_{short.get(k, k)}" if v is False else f"{short.get(k, k)}{v}"
+             for k, v in opts.items() if v is not None]
     return "_".join([base] + parts)
 
 

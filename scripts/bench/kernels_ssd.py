@@ -10,8 +10,8 @@ import numpy as np
 from ddtree_jax.tree import make_tree
 from pallas_kernels.ssd_tree import ssd_path_commit, ssd_tree_verify
 from scripts.bench.common import err_str
-from scripts.bench.kernels_harness import (Kernel, Run, add_batches, add_sweep, ints, registrar, tree_parents,
-                                           variant_name)
+from scripts.bench.kernels_harness import (Kernel, Run, add_batches, add_sweep, ints, masked_rows_apply, registrar,
+                                           tree_parents, variant_name)
 from scripts.bench.shapes import DRAFT_DEPTHS, SSD_NEMOTRON_H_8B
 
 KERNELS: dict[str, Kernel] = {}
@@ -47,7 +47,8 @@ def ssd_options(ap):
 
 def ssd_tree_options(ap):
     ssd_options(ap)
-    ap.add_argument("--sizes", default="16,64,128,256", help="tree sizes (--quick: 16,64)")
+    ap.add_argument("--sizes", default="16,64,128,256", help="tree sizes (--quick: 16,64); a size neither a power "
+                    "of two nor peeled (9: DDTree-8) also times the masked rows (masked_rows=True)")
     add_sweep(ap)
 
 
@@ -60,7 +61,7 @@ def run_ssd_tree(run: Run) -> None:
     run.report["shape"] = L
     rng = np.random.default_rng(0)
     h, hd, g, ns = L["heads"], L["head_dim"], L["groups"], L["state"]
-    sizes = [16, 40] if run.smoke else ([16, 64] if a.quick else ints(a.sizes))
+    sizes = [9, 16, 40] if run.smoke else ([16, 64] if a.quick else ints(a.sizes))
     batches = [1] if run.smoke or a.quick else ints(a.batches)
 
     def call(impl, **kw):
@@ -81,6 +82,8 @@ def run_ssd_tree(run: Run) -> None:
             variants = [{}]
             if not (a.no_sweep or run.quick) and b == batches[0]:
                 variants += [dict(block_n=bn, block_p=bp) for bn in (None, 16, 32, 64) for bp in (None, 32)][1:]
+            if masked_rows_apply(n):
+                variants.append({"masked_rows": True})  # the rows read masked, no XLA pads (decision 0068)
             for kw in variants:
                 name = variant_name("kernel", kw)
                 try:
