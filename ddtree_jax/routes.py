@@ -62,10 +62,12 @@ class Routes:
     attention_split_keys: int = MIN_SPLIT_KEYS  # the tree-attention kernel's fewest cache keys a split
     attention_prologue_kernel: bool = True  # q / k norms + RoPE of the merged q | k | v product
     gdn_decode_kernel: bool = True  # a GDN decode step's core as one kernel
-    # ... over up to this many programs a value head while the grid fits two a SM (> 1: the gated
-    # norm after the kernel; gdn_decode.fitting_split)
+    # ... over up to this many programs a value head while the grid fits gdn_decode_programs_per_sm
+    # programs an SM (> 1: the gated norm after the kernel; gdn_decode.fitting_split)
     gdn_decode_dv_split: int = 1
-    gdn_decode_programs_per_sm: int = 2  # ... the split's cap on the grid, in programs an SM
+    # ... that cap: at batch 8 a split of 4 under a cap of 8 made the kernel faster alone but the
+    # 35B-A3B decode step slower (6.72 against 6.58 ms, decision 0069)
+    gdn_decode_programs_per_sm: int = 2
     # ... and with a split the output projection's row-product kernel applies that norm as it loads
     # the row (pallas_kernels/row_product.NormedRow), instead of an XLA fusion of its own (decision
     # 0062: the 35B-A3B decode step 2.80 vs 2.81-2.82 ms)
