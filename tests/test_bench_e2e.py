@@ -34,6 +34,21 @@ def test_e2e_smoke_writes_every_figure(tmp_path):
     assert row["phase_inner"] == 2 and row["phases_sum_ms"] == sum(row["phases_ms"].values())
 
 
+@pytest.mark.script
+def test_e2e_mamba2_hybrid_smoke(tmp_path):
+    """--shape nemotron-h-8b --smoke (the nemotron-h-smoke shape: Mamba2, MLP and attention blocks):
+    the decode and DDTree loop steps and the roofline of a Mamba2 hybrid."""
+    from scripts.bench.e2e import main
+
+    out = tmp_path / "e2e.json"
+    assert main(["--smoke", "--shape", "nemotron-h-8b", "--batches", "2", "--budget", "8", "--repeats", "1",
+                 "--loop-steps", "2", "--no-phases", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    [row] = report["runs"]
+    assert report["shape"] == "nemotron-h-smoke" and row["roofline_ms"] > 0
+    assert set(row["step_ms_by_choice"]) == {"ar", "8"}
+
+
 @pytest.mark.script  # ~70 s on this machine's CPU
 def test_e2e_moe_smoke_reports_experts_roofline_and_the_budget_table(tmp_path, capsys):
     """--shape 35b-a3b --smoke (the moe-smoke shape: 16 experts, top-4) at batch 2 and budgets 4 / 8:

@@ -11,11 +11,16 @@ Model shapes (`SHAPES`, chosen with `--shape`):
         parameters, 70 GB) and a 5-layer DFlash drafter of hidden 2048, block 16 (z-lab's 35B-A3B
         drafters use block 16; their layer sizes are not in our sources: 16 q / 8 kv heads of 128
         and intermediate 6144 here, a Qwen3-1.7B-like layer); its smoke size is `moe-smoke`;
+  nemotron-h-8b  the Nemotron-H-8B-shaped Mamba2 hybrid (nemotron_h: hidden 4096, 52 blocks of one
+        mixer each: 24 Mamba2 (128 heads of 64, 8 groups, state 128, conv 4), 24 relu^2 MLPs of
+        21504, 4 attention (32 q / 8 kv heads of 128, no RoPE); vocab 131072; bf16; ~8 B parameters)
+        and a 5-layer DFlash drafter of its width (32 q / 8 kv heads of 128, block 16); its smoke
+        size is `nemotron-h-smoke`;
   demo  the embedded demo pair's configs (ddtree_jax/assets/demo: 8 layers of 256, vocab 8192) with
         random weights: a small model, whose step is bound by its kernel count;
   smoke tiny widths of the 27B's layer pattern, to check a tool on any machine in seconds
         (`--smoke` picks a shape's own smoke size: `moe-smoke` for 35b-a3b, tiny widths of its
-        pattern with 16 experts, top-4).
+        pattern with 16 experts, top-4; `nemotron-h-smoke` for nemotron-h-8b).
 
 Random weights: normal with std fan_in^-1/2 (stacked experts [E, in, out]: in^-1/2), norm weights
 1 + N(0, 0.1), the GDN gate parameters (A_log, dt_bias) uniform in [-1, 1]; never zeros (a kernel
@@ -42,7 +47,7 @@ import numpy as np
 from flax import nnx
 
 from ddtree_jax.cache import KVCache, RecurrentCache, TargetCache
-from ddtree_jax.config import TargetConfig
+from ddtree_jax.config import ATTENTION, FFN_KINDS, MAMBA2, TargetConfig
 from ddtree_jax.demo import DEMO_DIR
 from ddtree_jax.drafter_config import DrafterConfig
 from ddtree_jax.models.drafter import DrafterCache, DrafterModel
@@ -64,6 +69,21 @@ QWEN36_35B_A3B = dict(
     rms_norm_eps=1e-6, tie_word_embeddings=False, dtype="bfloat16", max_position_embeddings=262144,
 )
 DRAFTER_35B_A3B = dict(layers=5, heads=16, kv=8, head_dim=128, block=16, inter=6144)
+# Nemotron-H 8B's shape: transformers' NemotronHConfig defaults (NVIDIA's 8B: hidden 4096, MLP
+# relu^2 21504, 32 q / 8 kv heads of 128 without RoPE, Mamba2 128 heads of 64 in 8 groups, state
+# 128, conv 4, vocab 131072) and the 52-layer pattern of 24 Mamba2, 24 MLP and 4 attention blocks
+# (Megatron-Bridge's Nemotron-H docs give this string for the 52-layer models).
+NEMOTRON_H_8B_PATTERN = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
+NEMOTRON_H_8B = dict(
+    model_type="nemotron_h", vocab_size=131072, hidden_size=4096, intermediate_size=21504, num_hidden_layers=52,
+    hybrid_override_pattern=NEMOTRON_H_8B_PATTERN, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+    mamba_num_heads=128, mamba_head_dim=64, ssm_state_size=128, n_groups=8, conv_kernel=4, expand=2,
+    chunk_size=128, mlp_hidden_act="relu2", use_bias=False, mlp_bias=False, use_conv_bias=True,
+    layer_norm_epsilon=1e-5, tie_word_embeddings=False, dtype="bfloat16", max_position_embeddings=8192,
+)
+SMOKE_NEMOTRON_H = dict(NEMOTRON_H_8B, vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=8,
+                        hybrid_override_pattern="M-M*M-M-", num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=32, mamba_num_heads=8, mamba_head_dim=32, ssm_state_size=16, n_groups=2)
 SMOKE_MOE = dict(QWEN36_35B_A3B, vocab_size=512, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
                  linear_key_head_dim=32, linear_value_head_dim=32, num_experts=16, num_experts_per_tok=4,
@@ -130,6 +150,10 @@ SHAPES = {
                        lambda cfg: DrafterConfig.from_file(os.path.join(DEMO_DIR, "drafter")), 512),
     "35b-a3b": ModelShape("35b-a3b", lambda: TargetConfig.from_hf_dict(QWEN36_35B_A3B),
                           lambda cfg: dflash_drafter(cfg, **DRAFTER_35B_A3B), 4096, smoke="moe-smoke"),
+    "nemotron-h-8b": ModelShape("nemotron-h-8b", lambda: TargetConfig.from_hf_dict(NEMOTRON_H_8B),
+                                lambda cfg: dflash_drafter(cfg, 5, 32, 8, 128, 16), 4096, smoke="nemotron-h-smoke"),
+    "nemotron-h-smoke": ModelShape("nemotron-h-smoke", lambda: TargetConfig.from_hf_dict(SMOKE_NEMOTRON_H),
+                                   lambda cfg: dflash_drafter(cfg, 5, 4, 2, 32, 16), 64, smoke="nemotron-h-smoke"),
     "smoke": ModelShape("smoke", lambda: TargetConfig.from_hf_dict(SMOKE),
                         lambda cfg: dflash_drafter(cfg, 5, 4, 2, 32, 16), 64),
     "moe-smoke": ModelShape("moe-smoke", lambda: TargetConfig.from_hf_dict(SMOKE_MOE),
@@ -180,9 +204,15 @@ def filled_caches(cfg: TargetConfig, dcfg: DrafterConfig, batch: int, context: i
     layers = []
     for i, kind in enumerate(cfg.layer_types):
         k1, k2 = jax.random.split(jax.random.fold_in(key, i))
-        if kind == "attention":
+        if kind == ATTENTION:
             shape = (batch, cfg.num_kv_heads, capacity, cfg.head_dim)
             layers.append(KVCache(normal(k1, shape, jnp.bfloat16, 1.0), normal(k2, shape, jnp.bfloat16, 1.0)))
+        elif kind in FFN_KINDS:
+            layers.append(None)
+        elif kind == MAMBA2:
+            layers.append(RecurrentCache(
+                normal(k1, (batch, cfg.conv_kernel - 1, cfg.mamba_conv_dim), jnp.bfloat16, 1.0),
+                normal(k2, (batch, cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.mamba_state_size), jnp.float32, 0.05)))
         else:
             layers.append(RecurrentCache(
                 normal(k1, (batch, cfg.conv_kernel - 1, cfg.gdn_conv_dim), jnp.bfloat16, 1.0),
