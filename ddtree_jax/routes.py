@@ -92,8 +92,8 @@ class Routes:
     drafter_attention_kernel: bool = True  # the drafter's non-causal attention through the tree kernel
     ssd_kernel_max_nodes: int = 16  # Mamba2 tree verify: the SSD kernel up to this many nodes
     # ... reading an unpeeled tree's rows masked instead of XLA padding x / dt / B / C (the GDN tree
-    # kernel's masked rows, decision 0068; off until the H200 times it on a Mamba2 target)
-    ssd_tree_masked_rows: bool = False
+    # kernel's masked rows, decision 0068; timed on a Mamba2 hybrid in decision 0070)
+    ssd_tree_masked_rows: bool = True
     moe_experts_kernel: bool = True  # MoE expert products through the expert kernels
     moe_router_kernel: bool = True  # a softmax router's softmax + top-k + renormalisation in one launch
     # ... and at one row its product too (pallas_kernels/router_choice.py: the product's last program

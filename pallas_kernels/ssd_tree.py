@@ -180,6 +180,20 @@ def _verify_kernel(*refs, n, c, prec, peel, n_valid=None):
         acs_blk.append(acs)
 
 
+def verify_kernel_problems(head_dim: int, state_size: int, *, interpret: bool = False) -> list[str]:
+    """Why the verify kernel cannot take a layer of these sizes (empty: it can): powers of two, at
+    least 16 natively (tl.dot's smallest side)."""
+    return [f"{name}={val} must be a power of two (>= 16 on GPU) for the Pallas SSD kernel"
+            for name, val in (("head_dim", head_dim), ("state size", state_size))
+            if not is_pow2(val) or (val < 16 and not interpret)]
+
+
+def commit_kernel_problems(head_dim: int, state_size: int) -> list[str]:
+    """Why the path-commit kernel cannot take a layer of these sizes (empty: it can)."""
+    return [f"{name}={val} must be a power of two for the Pallas SSD commit"
+            for name, val in (("head_dim", head_dim), ("state size", state_size)) if not is_pow2(val)]
+
+
 def _verify_pallas(x, dt, A, B, C, D, state, ancestor_bits, *, interpret, block_n, block_p, num_warps, num_stages,
                    precision, out_dtype, peel_root, masked_rows):
     b, n, h, hd = x.shape
@@ -187,9 +201,9 @@ def _verify_pallas(x, dt, A, B, C, D, state, ancestor_bits, *, interpret, block_
     if h % g:
         raise ValueError(f"{h} heads do not divide into {g} groups")
     rep = h // g
-    for name, val in (("head_dim", hd), ("state size", ns)):
-        if not is_pow2(val) or (val < 16 and not interpret):
-            raise ValueError(f"{name}={val} must be a power of two (>= 16 on GPU) for the Pallas SSD kernel")
+    bad = verify_kernel_problems(hd, ns, interpret=interpret)
+    if bad:
+        raise ValueError("; ".join(bad))
     peel = bool(n > 1 and pow2_at_least(n - 1) < pow2_at_least(n)) if peel_root is None else bool(peel_root)
     if peel and n < 2:
         raise ValueError("peel_root needs at least 2 nodes")
@@ -201,7 +215,9 @@ def _verify_pallas(x, dt, A, B, C, D, state, ancestor_bits, *, interpret, block_
         x, dt, B, C = x[:, 1:], dt[:, 1:], B[:, 1:], C[:, 1:]
         n = n - 1
     n_pad = pow2_at_least(n)
-    if masked_rows and peel:
+    if masked_rows is None:
+        masked_rows = not peel and n < n_pad
+    elif masked_rows and peel:
         raise ValueError("masked_rows is the unpeeled form: pass peel_root=False with it")
     masked_rows = bool(masked_rows) and n < n_pad
     rows = n if masked_rows else n_pad  # the node refs' rows
@@ -275,7 +291,7 @@ def _verify_pallas(x, dt, A, B, C, D, state, ancestor_bits, *, interpret, block_
 def ssd_tree_verify(x, dt, A, B, C, D, state, ancestor_bits, *, impl: str = "xla", block_n: int | None = None,
                     block_p: int | None = None, num_warps: int | None = None, num_stages: int = 1,
                     precision: str | None = None, out_dtype=jnp.float32, peel_root: bool | None = None,
-                    masked_rows: bool = False):
+                    masked_rows: bool | None = None):
     """Outputs y [B, N, H, Hd] of all N tree nodes of one Mamba2 layer (before the gate / norm).
 
     x [B, N, H, Hd] SSM inputs (after conv + silu); dt [B, N, H] float32 per node (softplus'ed and
@@ -290,8 +306,9 @@ def ssd_tree_verify(x, dt, A, B, C, D, state, ancestor_bits, *, impl: str = "xla
     a power of two, e.g. DDTree's root + 64 drafts fill 64 rows instead of 128). Exact either way.
     masked_rows (unpeeled trees whose N is not a power of two >= 16, e.g. DDTree-8's 9 nodes): the
     kernel reads the N rows with masked loads instead of XLA padding x / dt / B / C to the blocks'
-    rows (the GDN tree kernel's form, docs/decisions/0068-gdn-tree-masked-rows.md); off until the
-    H200 times it here (`Routes.ssd_tree_masked_rows`). Same arithmetic either way.
+    rows (None: when it applies; False: the padded form; the GDN tree kernel's form, decision 0068;
+    timed here in docs/decisions/0070-ssd-tree-masked-rows-and-a-mamba2-hybrid-shape.md). Same
+    arithmetic either way.
     """
     _check(impl, precision)
     if impl == "xla":
@@ -321,9 +338,9 @@ def _commit_pallas(x, dt, A, B, state, path, count, *, interpret, block_p, num_w
     if h % g:
         raise ValueError(f"{h} heads do not divide into {g} groups")
     rep = h // g
-    for name, val in (("head_dim", hd), ("state size", ns)):
-        if not is_pow2(val):
-            raise ValueError(f"{name}={val} must be a power of two for the Pallas SSD commit")
+    bad = commit_kernel_problems(hd, ns)
+    if bad:
+        raise ValueError("; ".join(bad))
     bp = min(hd, block_p or 16)
     if not is_pow2(bp) or hd % bp:
         raise ValueError(f"block_p={bp} must be a power of two dividing head_dim={hd}")

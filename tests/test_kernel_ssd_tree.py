@@ -95,8 +95,9 @@ def test_tree_verify_kernel_root_peel(impl, n, peel_root, block_n, seed, kind):
 
 
 def test_masked_rows_take_the_node_arrays_unpadded():
-    """With masked_rows the kernel gets x / dt / B / C of N rows and writes N rows: four pads fewer
-    than the padded form; a peel refuses it; a power-of-two N needs no mask (the same program)."""
+    """With masked_rows (the default where it applies) the kernel gets x / dt / B / C of N rows and
+    writes N rows: four pads fewer than the padded form (masked_rows=False); a peel refuses it; a
+    power-of-two N needs no mask (the same program)."""
     def program(n, **kw):
         rng, x, dt, a, bm, cm, d, s0 = draw(0, n)
         parents, valid = random_tree(rng, n, "random")
@@ -109,8 +110,9 @@ def test_masked_rows_take_the_node_arrays_unpadded():
     jaxpr, args = program(9, masked_rows=True)
     [eqn] = [e for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
     assert eqn.invars[0].aval.shape == (B, 9, H, HD) and [v.aval.shape for v in eqn.outvars] == [(B, 9, H, HD)]
-    assert pads(program(9)[0]) - pads(jaxpr) == 4
-    assert str(program(16, masked_rows=True)[0]) == str(program(16)[0])
+    assert pads(program(9, masked_rows=False)[0]) - pads(jaxpr) == 4
+    assert str(program(9)[0]) == str(jaxpr)
+    assert str(program(16, masked_rows=True)[0]) == str(program(16)[0]) == str(program(16, masked_rows=False)[0])
     with pytest.raises(ValueError, match="masked_rows is the unpeeled form"):
         ssd_tree_verify(*args, impl="pallas_interpret", masked_rows=True, peel_root=True)
 
@@ -146,9 +148,13 @@ def test_bad_arguments():
                         impl="pallas_interpret", block_p=3)
 
 
+MIXER_16 = dict(hidden_size=64, head_dim=16, state_size=16)  # 8 heads of 16 (expand 2)
+
+
 def test_mamba2_mixer_tree_and_commit_with_the_kernels(impl):
-    """The Mamba2 mixer's kernel route: tree outputs and committed states through the interpreted
-    kernels equal the XLA path (random tree with padding, ragged accepted paths)."""
+    """The Mamba2 mixer's kernel route: tree outputs and committed states through the kernels
+    (interpreted, or natively under -m gpu) equal the XLA path (random tree with padding, ragged
+    accepted paths). Heads of 16 and a state of 16: what the native verify kernel takes."""
     from flax import nnx
 
     from tests.tree_harness import routes_for
@@ -157,7 +163,7 @@ def test_mamba2_mixer_tree_and_commit_with_the_kernels(impl):
     from ddtree_jax.tree import geometry
     from tests.hf_mamba_models import make_jax_target
 
-    cfg, gd, params = make_jax_target("mamba2", seed=4)
+    cfg, gd, params = make_jax_target("mamba2", seed=4, overrides=MIXER_16)
     mixer = nnx.merge(gd, params).layers[0].mamba
     n = 13
     rng = np.random.default_rng(0)
@@ -170,7 +176,7 @@ def test_mamba2_mixer_tree_and_commit_with_the_kernels(impl):
     x = jnp.asarray(rng.normal(size=(B, n, cfg.hidden_size)), jnp.float32)
     y_ref, pending = mixer.tree(x, cache, geo)
     tol = by_impl(impl, 2e-5, 1e-4)
-    for routes in (routes_for(impl), routes_for(impl).replace(ssd_tree_masked_rows=True)):
+    for routes in (routes_for(impl), routes_for(impl).replace(ssd_tree_masked_rows=False)):
         y_pl, _ = mixer.tree(x, cache, geo, routes=routes)
         np.testing.assert_allclose(np.asarray(y_pl), np.asarray(y_ref), rtol=tol, atol=tol)
     path = jnp.asarray([[0, 1, 2, 2], [0, 3, 3, 3]], jnp.int32)
@@ -188,17 +194,18 @@ def test_mamba2_mixer_tree_and_commit_with_the_kernels(impl):
 @pytest.mark.parametrize("kind", ["ddtree", "chain"])
 def test_native_at_the_nemotron_h_layer(gpu_impl, n, kind):
     """The Nemotron-H 8B Mamba2 layer (128 heads x 64, 8 groups, state 128), batch 2, DDTree-like
-    trees and chains (9 nodes: read with masked rows): float32 outputs finite and within 1e-4 of
-    the reference (of its magnitude, at least 1) with tf32x3 products, 2e-5 with IEEE float32 ones."""
+    trees and chains (9 nodes: read with masked rows, and padded): float32 outputs finite and within
+    1e-4 of the reference (of its magnitude, at least 1) with tf32x3 products, 2e-5 with IEEE
+    float32 ones."""
     inputs = ssd_problem(np.random.default_rng(n), 2, n, **SSD_NEMOTRON_H_8B, kind=kind)
     want = np.asarray(ssd_tree_verify(*inputs, impl="xla"))
     scale = max(1.0, float(np.abs(want).max()))
-    masked = n == 9
-    for precision, tol in (("tf32x3", 1e-4), ("ieee", 2e-5)):
-        got = np.asarray(jax.jit(lambda *a: ssd_tree_verify(*a, impl=gpu_impl, precision=precision,
-                                                            masked_rows=masked))(*inputs))
-        assert np.all(np.isfinite(got)), precision
-        assert float(np.abs(got - want).max()) <= tol * scale, precision
+    for masked in (None, False) if n == 9 else (None,):
+        for precision, tol in (("tf32x3", 1e-4), ("ieee", 2e-5)):
+            got = np.asarray(jax.jit(lambda *a: ssd_tree_verify(*a, impl=gpu_impl, precision=precision,
+                                                                masked_rows=masked))(*inputs))
+            assert np.all(np.isfinite(got)), (precision, masked)
+            assert float(np.abs(got - want).max()) <= tol * scale, (precision, masked)
 
 
 def test_native_commit_at_the_nemotron_h_layer(gpu_impl):
@@ -211,3 +218,37 @@ def test_native_commit_at_the_nemotron_h_layer(gpu_impl):
     want = np.asarray(commit(x, dt, a, bm, s0, path, count, impl="xla"))
     got = np.asarray(commit(x, dt, a, bm, s0, path, count, impl=gpu_impl))
     assert float(np.abs(got - want).max()) <= 1e-5 * max(1.0, float(np.abs(want).max()))
+
+
+def test_a_layer_the_native_kernel_refuses_takes_the_xla_form_with_a_warning():
+    """Heads of 8 (the tiny fixture): the native verify kernel needs 16 (tl.dot's smallest side), so
+    a GPU's routes verify such a layer in XLA and say so when traced, instead of failing; the
+    path-commit kernel (powers of two only) still runs. Traced on a CPU, never run."""
+    import warnings
+
+    from flax import nnx
+
+    from ddtree_jax.cache import init_target_cache
+    from ddtree_jax.routes import Routes
+    from ddtree_jax.tree import geometry
+    from tests.hf_mamba_models import make_jax_target
+
+    cfg, gd, params = make_jax_target("mamba2", seed=4)
+    assert cfg.mamba_head_dim == 8
+    mixer = nnx.merge(gd, params).layers[0].mamba
+    n = 9
+    parents, valid = random_tree(np.random.default_rng(0), n, "random")
+    tree = make_tree(jnp.zeros((B, n), jnp.int32), parents, valid, jnp.asarray([3, 5], jnp.int32), max_depth=n - 1)
+    geo = geometry(tree, cfg.conv_kernel)
+    cache = init_target_cache(cfg, B, 16).layers[0]
+    x = jnp.ones((B, n, cfg.hidden_size), jnp.float32)
+    routes = Routes.resolve(impl="pallas", platform="gpu")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        text = str(jax.make_jaxpr(lambda v: mixer.tree(v, cache, geo, routes=routes))(x))
+    assert "name=ssd_tree_verify" not in text
+    assert any("head_dim=8 must be a power of two (>= 16 on GPU)" in str(w.message) for w in caught)
+    path, count = jnp.zeros((B, 2), jnp.int32), jnp.ones((B,), jnp.int32)
+    pending = mixer.tree(x, cache, geo)[1]
+    text = str(jax.make_jaxpr(lambda c: mixer.commit(pending, path, count, c, routes=routes))(cache))
+    assert "name=ssd_path_commit" in text

@@ -42,7 +42,8 @@ from ddtree_jax.tree import TreeGeometry
 from pallas_kernels.ref import ssd
 from pallas_kernels.ref.conv import causal_conv, next_window, tree_conv
 from pallas_kernels.ref.norms import rms_normalize
-from pallas_kernels.ssd_tree import ssd_path_commit, ssd_tree_verify
+from pallas_kernels.ssd_tree import (commit_kernel_problems, ssd_path_commit, ssd_tree_verify,
+                                     verify_kernel_problems)
 
 
 class Mamba2Pending(NamedTuple):
@@ -161,16 +162,18 @@ class Mamba2Mixer(nnx.Module):
             conv = tree_conv(xbc, cache.conv, w, conv_src, self._conv_bias())
         xs, bm, cm = self.ssm_inputs(conv, x.dtype)
         a, d = self.constants()
-        use_kernel = routes.kernels and x.shape[1] <= routes.ssd_kernel_max_nodes
-        if routes.kernels and not use_kernel:
-            warnings.warn(
-                f"Mamba2 tree verify of {x.shape[1]} nodes uses the XLA form, not the Pallas SSD kernel: "
-                f"routes.ssd_kernel_max_nodes is {routes.ssd_kernel_max_nodes} (the path-commit kernel is still used)",
-                stacklevel=2,
-            )
+        cfg = self.cfg
+        problems = verify_kernel_problems(cfg.mamba_head_dim, cfg.mamba_state_size,
+                                          interpret=routes.impl == "pallas_interpret") if routes.kernels else []
+        if x.shape[1] > routes.ssd_kernel_max_nodes:
+            problems.append(f"{x.shape[1]} nodes, and routes.ssd_kernel_max_nodes is {routes.ssd_kernel_max_nodes}")
+        use_kernel = routes.kernels and not problems
+        if routes.kernels and problems:
+            warnings.warn("Mamba2 tree verify uses the XLA form, not the Pallas SSD kernel: " + "; ".join(problems)
+                          + " (the path-commit kernel is still used where it applies)", stacklevel=2)
         if use_kernel:  # trees and chains (linear DFlash)
             y = ssd_tree_verify(xs, dt, a, bm, cm, d, cache.state, bits, impl=routes.impl,
-                                masked_rows=routes.ssd_tree_masked_rows)
+                                masked_rows=None if routes.ssd_tree_masked_rows else False)
         else:
             acs = ssd.path_sums(dt, a, None if conv_src is None else visible)
             y = ssd.block(xs, dt, a, bm, cm, d, cache.state, visible, acs)
@@ -184,7 +187,11 @@ class Mamba2Mixer(nnx.Module):
         take = lambda arr: jnp.take_along_axis(arr, path.reshape(*path.shape, *([1] * (arr.ndim - 2))), axis=1)
         window = next_window(take(pending.conv_in), cache.conv, count)
         a, _ = self.constants()
-        if routes.kernels:
+        problems = commit_kernel_problems(self.cfg.mamba_head_dim, self.cfg.mamba_state_size) if routes.kernels else []
+        if problems:
+            warnings.warn("Mamba2 path commit uses the XLA scan, not the Pallas kernel: " + "; ".join(problems),
+                          stacklevel=2)
+        if routes.kernels and not problems:
             state = ssd_path_commit(pending.x, pending.dt, a, pending.b, cache.state, path, count, impl=routes.impl)
             return RecurrentCache(conv=window, state=state)
         on = jnp.arange(path.shape[1])[None, :] < count[:, None]
