@@ -21,7 +21,7 @@ import pytest
 from flax import nnx
 
 from ddtree_jax.cache import init_target_cache
-from ddtree_jax.models.layers import Linear
+from ddtree_jax.models.layers import Linear, SplitKParts
 from ddtree_jax.routes import REFERENCE, Routes
 from tests.hf_mamba_models import make_jax_target
 from tests.jaxpr_eqns import equations
@@ -192,3 +192,24 @@ def test_gpu_routes_pad_the_moe_shape_and_leave_the_demo_pair_alone():
     found = _weight_products(engine.graphdef, engine.params, engine.cfg, gpu)
     assert found and all(rows == 1 for rows, _ in found), found
     assert max(w[0] * w[1] for _, w in found) < 1 << 19
+
+
+def test_the_row_kernel_takes_a_wide_output_only_as_partials():
+    """A one-row product in the GPU window runs as the row-product kernel where it was measured to
+    win (decision 0054): a narrow output (a router), or a wide one as float32 partials for the add +
+    RMSNorm kernel. A wide output wanted whole (a Nemotron-H 8B k / v projection, 4096 x 1024)
+    stays XLA's padded GEMM: the kernel's unsplit form ran it in 16 programs (decision 0070)."""
+    gpu = Routes.resolve(platform="gpu", impl="pallas_interpret")
+    x = jnp.ones((1, 1, 4096), jnp.bfloat16)
+
+    def launches(layer, **kw):
+        jaxpr = jax.make_jaxpr(lambda v: layer(v, gpu, **kw))(x)
+        return [e.params.get("name") or e.params["name_and_src_info"].name
+                for e in equations(jaxpr.jaxpr) if e.primitive.name == "pallas_call"]
+
+    wide = Linear(4096, 1024, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    assert gpu.row_product_kernel(wide.kernel.size) and launches(wide) == []
+    wide.split_k_out = True
+    assert launches(wide) == ["row_product"] and isinstance(wide(x, gpu), SplitKParts)
+    router = Linear(4096, 256, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    assert launches(router) == ["row_product"] and launches(router, one_row_parts=True) == ["row_product"]

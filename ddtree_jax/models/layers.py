@@ -113,7 +113,7 @@ class Linear(nnx.Module):
             if bad:
                 warnings.warn("a row's gated norm runs in XLA, not in the row-product kernel: " + "; ".join(bad),
                               stacklevel=2)
-            if bad or not self._row_kernel_runs(x.x, routes):
+            if bad or not self._row_kernel_runs(x.x, routes, one_row_parts):
                 x = row = x.value()  # XLA's norm, then the product as for any row
             else:
                 x = x.x  # the kernel below norms `row` as it loads it
@@ -133,7 +133,7 @@ class Linear(nnx.Module):
                 x.reshape(*x.shape[:-1], s, k // s), kernel.reshape(s, k // s, n),
                 (((lead + 1,), (1,)), ((lead,), (0,))), preferred_element_type=jnp.float32)
             return SplitKParts(parts)
-        if self._row_kernel_runs(x, routes):
+        if self._row_kernel_runs(x, routes, one_row_parts):
             if (self.split_k_out or one_row_parts) and self.bias is None:
                 return SplitKParts(row_product.row_product(row, kernel, partials=True, impl=routes.impl))
             y = row_product.row_product(row, kernel, impl=routes.impl)
@@ -145,15 +145,22 @@ class Linear(nnx.Module):
             y = y + self.bias[...]
         return y
 
-    def _row_kernel_runs(self, x: jax.Array, routes: Routes) -> bool:
+    def _row_kernel_runs(self, x: jax.Array, routes: Routes, one_row_parts: bool = False) -> bool:
         """Whether a product of x runs as the row-product kernel: one row, a float kernel of more
-        than one column in routes.row_product_weights' window that the kernel takes, and no split-K
-        partials at this row count (they come first)."""
+        than one column in routes.row_product_weights' window that the kernel takes, no split-K
+        partials at this row count (they come first), and one of the forms the kernel was measured
+        to win in (decision 0054): a narrow output (a router) or float32 partials for their
+        consumer. A wide output wanted whole stays XLA's GEMM: the kernel's unsplit form has one
+        program per 64 columns (a Nemotron-H 8B k / v projection, 4096 x 1024: 16 programs, 96 us a
+        call on the H200; docs/decisions/0070-ssd-tree-masked-rows-and-a-mamba2-hybrid-shape.md)."""
         kernel = self.kernel[...]
         rows = 1
         for d in x.shape[:-1]:
             rows *= d
         if self.scale is not None or rows != 1 or kernel.shape[1] <= 1 or not routes.row_product_kernel(kernel.size):
+            return False
+        parts = (self.split_k_out or one_row_parts) and self.bias is None
+        if kernel.shape[1] >= row_product.NARROW and not parts:
             return False
         if self.split_k_out and self.bias is None and x.dtype == kernel.dtype and split_k_count(
                 rows, kernel.shape[0], routes) > 1:
