@@ -88,6 +88,8 @@ class Routes:
     # One-row Linear products whose weight holds lo..hi elements (inclusive; (0, 0): never) run as
     # one launch of pallas_kernels/row_product.py, the row read in place (no pad, no slice), a
     # split_k_out product writing the add + RMSNorm kernel's partials. Takes precedence over the pad.
+    # Only the forms measured to win take it: narrow outputs (routers) and partials; a wide output
+    # wanted whole keeps the pad (Linear._row_kernel_runs, decision 0070).
     row_product_weights: tuple[int, int] = (0, 0)
     drafter_attention_kernel: bool = True  # the drafter's non-causal attention through the tree kernel
     ssd_kernel_max_nodes: int = 16  # Mamba2 tree verify: the SSD kernel up to this many nodes
