@@ -61,6 +61,9 @@ class Routes:
     attention_decode_kernel: bool = True  # decode-step attention through the tree-attention kernel
     attention_split_keys: int = MIN_SPLIT_KEYS  # the tree-attention kernel's fewest cache keys a split
     attention_prologue_kernel: bool = True  # q / k norms + RoPE of the merged q | k | v product
+    # ... whose k / v programs also write the appended rows into the K / V cache in place (decode,
+    # prefill), instead of XLA's cast + update slice after it (decision 0071)
+    attention_prologue_writes_kv: bool = True
     gdn_decode_kernel: bool = True  # a GDN decode step's core as one kernel
     # ... over up to this many programs a value head while the grid fits gdn_decode_programs_per_sm
     # programs an SM (> 1: the gated norm after the kernel; gdn_decode.fitting_split)

@@ -83,25 +83,33 @@ class Attention(nnx.Module):
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, zero_centered=zc, dtype=dtype, rngs=rngs)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, zero_centered=zc, dtype=dtype, rngs=rngs)
 
-    def project(self, x: jax.Array, positions: jax.Array, routes: Routes = REFERENCE):
+    def project(self, x: jax.Array, positions: jax.Array, routes: Routes = REFERENCE, cache: KVCache | None = None):
         """q [B,T,nh,hd], k, v [B,T,kv,hd] with norms and RoPE applied, and the output gate (or None).
         With kernels on, the q / k norms and RoPE run as one kernel reading the q | k | v product in
-        place (routes.attention_prologue_kernel), instead of ~6 XLA launches."""
+        place (routes.attention_prologue_kernel), instead of ~6 XLA launches. Given the layer's
+        cache (positions' first column: each row's write offset), also returns it with k / v
+        written: by the prologue kernel in place where it runs and
+        routes.attention_prologue_writes_kv, else by `write_kv`."""
         cfg = self.cfg
         b, t, _ = x.shape
         proj = self.qkv_proj(x, routes)
         if routes.kernels and routes.attention_prologue_kernel and cfg.qk_norm and self._prologue_takes():
             cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta)
-            q, k, v = attn_prologue.attn_prologue(
+            writes = cache is not None and routes.attention_prologue_writes_kv
+            out = attn_prologue.attn_prologue(
                 proj, self.q_norm.weight[...], self.k_norm.weight[...], cos, sin, num_heads=cfg.num_heads,
                 num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, gated=cfg.attn_output_gate,
-                eps=self.q_norm.eps, zero_centered=self.q_norm.zero_centered, impl=routes.impl)
+                eps=self.q_norm.eps, zero_centered=self.q_norm.zero_centered, impl=routes.impl,
+                cache=tuple(cache) if writes else None, start=positions[:, 0] if writes else None)
+            q, k, v = out[:3]
             gate = None
             if cfg.attn_output_gate:
                 nq = 2 * cfg.num_heads * cfg.head_dim
                 gate = proj[..., :nq].reshape(b, t, cfg.num_heads, 2 * cfg.head_dim)[..., cfg.head_dim :]
                 gate = gate.reshape(b, t, -1)
-            return q, k, v, gate
+            if cache is None:
+                return q, k, v, gate
+            return q, k, v, gate, KVCache(*out[3:]) if writes else write_kv(cache, k, v, positions[:, 0])
         q, k_lin, v_lin = self._split_qkv(proj)
         gate = None
         if cfg.attn_output_gate:
@@ -111,7 +119,10 @@ class Attention(nnx.Module):
         k = self.k_norm(k_lin.reshape(b, t, cfg.num_kv_heads, cfg.head_dim))
         v = v_lin.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
         cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, gate
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is None:
+            return q, k, v, gate
+        return q, k, v, gate, write_kv(cache, k, v, positions[:, 0])
 
     def _prologue_takes(self) -> bool:
         """Whether the prologue kernel takes this layer; if not, say why (a warning when traced)."""
@@ -148,13 +159,14 @@ class Attention(nnx.Module):
         chunks) use the XLA form."""
         t, start = x.shape[1], step.start
         positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
-        q, k, v, gate = self.project(x, positions, routes)
+        q, k, v, gate, cache = self.project(x, positions, routes, cache=cache)  # the cache with k / v written
         if routes.kernels and t == 1 and routes.attention_decode_kernel:
+            # the kernel reads the cache's first start[b] rows and k / v as the one node (the
+            # written cache, so that XLA need not keep the old one: no copy)
             attn = tree_attention(q, cache.k, cache.v, start, k, v, all_visible_bits(x.shape[0], 1),  # sees itself
                                   scale=self.cfg.head_dim**-0.5, impl=routes.impl,
                                   min_split=routes.attention_split_keys)
-            return self.output(attn, gate, routes), write_kv(cache, k, v, start)
-        cache = write_kv(cache, k, v, start)
+            return self.output(attn, gate, routes), cache
         key_pos = jnp.arange(cache.capacity, dtype=jnp.int32)
         visible = key_pos[None, None, :] <= positions[:, :, None]
         attn = attend(q, [(cache.k, cache.v, visible)], self.cfg.head_dim**-0.5)

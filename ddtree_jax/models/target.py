@@ -19,9 +19,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ddtree_jax.cache import TargetCache
+from ddtree_jax.cache import KVCache, TargetCache
 from ddtree_jax.config import ATTENTION, GDN, MAMBA2, MLP, MOE, TargetConfig
-from ddtree_jax.models.attention import Attention
+from ddtree_jax.models.attention import Attention, write_kv
 from ddtree_jax.models.gdn import GatedDeltaNet
 from ddtree_jax.models.layers import Embedding, Linear, RMSNorm, Relu2MLP, SplitKParts, SwiGLU, dense
 from ddtree_jax.models.mamba2 import Mamba2Mixer
@@ -71,7 +71,7 @@ class PlainAttention(Attention):
         self.v_proj = Linear(h, kv * hd, bias=bias, dtype=dtype, rngs=rngs)
         self.o_proj = Linear(nh * hd, h, bias=bias, dtype=dtype, rngs=rngs)
 
-    def project(self, x: jax.Array, positions: jax.Array, routes: Routes = REFERENCE):
+    def project(self, x: jax.Array, positions: jax.Array, routes: Routes = REFERENCE, cache: KVCache | None = None):
         cfg = self.cfg
         b, t, _ = x.shape
         q = self.q_proj(x, routes).reshape(b, t, cfg.num_heads, cfg.head_dim)
@@ -80,7 +80,9 @@ class PlainAttention(Attention):
         if cfg.rotary_dim:
             cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        return q, k, v, None
+        if cache is None:
+            return q, k, v, None
+        return q, k, v, None, write_kv(cache, k, v, positions[:, 0])
 
 
 def _ffn(cfg: TargetConfig, inter: int, *, dtype, rngs, kind: str = MLP):
