@@ -104,6 +104,9 @@ class Routes:
     # ... and at one row its product too (pallas_kernels/router_choice.py: the product's last program
     # chooses; slower on the H200, decision 0059)
     moe_router_fused: bool = False
+    # ... or, where the experts' two-launch decode path runs, made inside its first launch (each
+    # routed program chooses its token's experts from the router's logits; decision 0071)
+    moe_choice_in_experts: bool = True
     moe_shared_in_decode_kernel: bool = True  # the shared expert as T more pairs of the experts' decode path
     # ... and as one more expert of the grouped kernel's grouping (verify, prefill): its weights read
     # in the grouped launches, summed with the routed choices before the one rounding (the DDTree-8 step

@@ -10,13 +10,14 @@ A module of its own so that the grouped path (_moe_grouped.py) and the decode pa
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels._common import dot_precision, is_pow2, rounded
+from pallas_kernels.softmax_top_k import SOFTMAX_TOP_K_MAX_K, SOFTMAX_TOP_K_MAX_LEN, softmax_top_k
 
 ACTS = ("silu_glu", "relu2")
 W_LAYOUTS = ("in_out", "out_in")  # [E, in, out] (the project's Linear layout) or [E, out, in] (HF's)
@@ -168,6 +169,36 @@ class Shared(NamedTuple):
     w_out: jax.Array
     weight: jax.Array | None = None
     gate_w: jax.Array | None = None
+
+
+class Choice(NamedTuple):
+    """A softmax router's logits, from which the decode path's first launch chooses each token's
+    experts itself (pallas_kernels/softmax_top_k.py's arithmetic: softmax in float32, the top_k
+    largest, lower index on ties, renormalised if norm, weights rounded to weights_dtype), instead
+    of a launch of its own before it: logits [T, E] (the router's dtype, taken as float32), or with
+    logits_dtype float32 split-K partial sums [S, T, E] (added in index order, rounded to it)."""
+
+    logits: jax.Array
+    top_k: int
+    norm: bool
+    weights_dtype: Any = jnp.float32
+    logits_dtype: Any = None
+
+    def problems(self) -> list[str]:
+        lg, bad = self.logits, []
+        if lg.ndim != (3 if self.logits_dtype is not None else 2):
+            bad.append(f"router logits {tuple(lg.shape)}: [T, E], or float32 partial sums [S, T, E] with logits_dtype")
+        elif self.logits_dtype is not None and lg.dtype != jnp.float32:
+            bad.append(f"router partial sums must be float32, got {lg.dtype}")
+        if lg.shape[-1] > SOFTMAX_TOP_K_MAX_LEN or not 1 <= self.top_k <= min(lg.shape[-1], SOFTMAX_TOP_K_MAX_K):
+            bad.append(f"top-{self.top_k} of {lg.shape[-1]} experts (the choice takes up to {SOFTMAX_TOP_K_MAX_LEN} "
+                       f"experts, k up to {SOFTMAX_TOP_K_MAX_K})")
+        return bad
+
+    def reference(self):
+        """(ids [T, k] int32, weights [T, k] float32): softmax_top_k's XLA form of the same choice."""
+        return softmax_top_k(self.logits, self.top_k, norm=self.norm, weights_dtype=self.weights_dtype,
+                             logits_dtype=self.logits_dtype)
 
 
 def gate_weight(g, dtype, cast: bool = False):

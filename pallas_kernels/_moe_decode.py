@@ -18,7 +18,10 @@ before the one rounding. Given by its gate's weight (`Shared.gate_w`), the share
 column block of launch (1) also sums x . gate_w over its K slice, and its combine weight is made
 from those sums where it is used. With `parts` launch (2) writes each pair's weighted round(o) as
 float32 partials [k (+ 1), T, H] that the caller sums (the add + RMSNorm kernel), so the layer is
-the two launches and nothing else.
+the two launches and nothing else. With a `Choice` (a softmax router's logits) launch (1) also
+chooses the experts: each routed program runs softmax_top_k's arithmetic on its token's logits and
+takes its pair's expert (the same code on the same data in every program, so all agree), and one
+program a token writes the ids and weights launch (2) reads: no launch of the choice's own.
 """
 
 from __future__ import annotations
@@ -31,10 +34,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels import softmax_top_k as stk
 from pallas_kernels._common import compiler_params, dot_precision, load, next_pow2, store
-from pallas_kernels._moe_common import (MIN_BLOCK, TARGET_PROGRAMS, DecodeConfig, GemmConfig, Shared, _act_rounded,
-                                        _dims, _filling_split, _round, _valid, combine_choices, gate_weight,
-                                        kernel_problems)
+from pallas_kernels._moe_common import (MIN_BLOCK, TARGET_PROGRAMS, Choice, DecodeConfig, GemmConfig, Shared,
+                                        _act_rounded, _dims, _filling_split, _round, _valid, combine_choices,
+                                        gate_weight, kernel_problems)
 
 
 def default_decode_config(tokens: int, top_k: int, num_experts: int, hidden: int, inter: int) -> DecodeConfig:
@@ -154,18 +158,45 @@ def _pair_expert(ids_ref, pair, *, top_k, pairs, num_experts):
     return tok, e, (pair < pairs) & (e >= 0) & (e < num_experts)
 
 
+def _token_choice(logits_ref, tok, choice: Choice, interpret: bool):
+    """Inside launch (1): token tok's (ids [kp], weights [kp]) chosen from the router's logits ref
+    ([S, T, E] partial sums, or [1, T, E] logits), by softmax_top_k's arithmetic (`stk.choose`)."""
+    n, k = logits_ref.shape[-1], choice.top_k
+    n_pad, kp = max(16, next_pow2(n)), max(16, next_pow2(k))
+    real = lax.broadcasted_iota(jnp.int32, (n_pad,), 0) < n
+    zeros = jnp.zeros((n_pad,), logits_ref.dtype)
+    rows = [load(logits_ref, (jnp.int32(p), tok, pl.ds(0, n_pad)), mask=real, other=zeros)
+            for p in range(logits_ref.shape[0])]
+    x = rows[0]
+    for r in rows[1:]:
+        x = x + r  # index order, as softmax_top_k adds them
+    return stk.choose(x.astype(jnp.float32), real, k=k, kp=kp, norm=choice.norm, dtype=jnp.dtype(choice.weights_dtype),
+                      interpret=interpret, round_to=choice.logits_dtype and jnp.dtype(choice.logits_dtype))
+
+
 def _decode_up_kernel(ids_ref, x_ref, w_ref, *refs, top_k, pairs, num_experts, cfg: GemmConfig, k_per_split,
-                      col_offsets, w_t, precision, act, shared=False, gate=False):
+                      col_offsets, w_t, precision, act, shared=False, gate=False, choice: Choice | None = None,
+                      interpret=False):
     """Program (column block, K slice, pair): the pair's token row of x times its expert's w_in
     columns (gate and up, or up). Without a K split: act(round(.)) into o_ref [P, I]; with one:
     the float32 sums into o_ref [S, P, N1]. A pair with an id outside [0, E) writes nothing. With a
     shared expert (refs: its w_in [1, ...] first) rows P .. P + T - 1 are its pairs, one per
     token; with its gate (refs: then gate_w shaped like a row of x, the outputs o_ref, g_ref
     [S, T]) each shared pair's first column block also writes the float32 sum of x . gate_w over
-    its K slice."""
+    its K slice. With a `choice` ids_ref holds the router's logits: each routed program chooses
+    its token's experts itself (`_token_choice`) and takes its pair's; the token's first pair's
+    first program writes the token's ids and weights into the last two outputs [T, k]."""
+    if choice is not None:
+        *refs, cids_ref, cwts_ref = refs
     o_ref = refs[-2] if gate else refs[-1]
     col_block, split, pair = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    tok, e, routed = _pair_expert(ids_ref, pair, top_k=top_k, pairs=pairs, num_experts=num_experts)
+    if choice is None:
+        tok, e, routed = _pair_expert(ids_ref, pair, top_k=top_k, pairs=pairs, num_experts=num_experts)
+    else:
+        p = jnp.minimum(pair, pairs - 1)
+        tok, j = p // top_k, p % top_k
+        routed = pair < pairs
+        e = None  # chosen inside the routed branch below
     run = functools.partial(_up_pair, x_ref, col_block=col_block, split=split, o_ref=o_ref, pair=pair, cfg=cfg,
                             k_per_split=k_per_split, col_offsets=col_offsets, w_t=w_t, precision=precision, act=act)
     if shared:
@@ -190,7 +221,21 @@ def _decode_up_kernel(ids_ref, x_ref, w_ref, *refs, top_k, pairs, num_experts, c
             store(g_ref, (split, pl.ds(s_tok, 1)), jnp.sum(acc).reshape(1))
 
         pl.when((pair >= pairs) & (col_block == 0))(gate_sum)
-    pl.when(routed)(lambda: run(w_ref=w_ref, tok=tok, e=e))
+    if choice is None:
+        pl.when(routed)(lambda: run(w_ref=w_ref, tok=tok, e=e))
+        return
+
+    @pl.when(routed)
+    def _():
+        ids, wts = _token_choice(ids_ref, tok, choice, interpret)
+        lane = lax.broadcasted_iota(jnp.int32, ids.shape, 0)
+        run(w_ref=w_ref, tok=tok, e=jnp.sum(jnp.where(lane == j, ids, 0)))
+
+        @pl.when((col_block == 0) & (split == 0) & (j == 0))
+        def _():
+            keep = lane < top_k
+            store(cids_ref, (tok, pl.ds(0, ids.shape[0])), ids, mask=keep)
+            store(cwts_ref, (tok, pl.ds(0, ids.shape[0])), wts, mask=keep)
 
 
 def _up_pair(x_ref, *, w_ref, o_ref, pair, tok, e, col_block, split, cfg: GemmConfig, k_per_split, col_offsets, w_t,
@@ -334,15 +379,22 @@ def _call(kernel, grid, operands, out_shape, cfg: GemmConfig, interpret: bool, n
 
 
 def _decode(x, expert_ids, weights, w_in, w_out, *, act: str, w_layout: str, config: DecodeConfig, interpret: bool,
-            shared: Shared | None = None, parts: bool = False):
+            shared: Shared | None = None, parts: bool = False, choice: Choice | None = None):
     """The decode path (this module's docstring): two launches, plus XLA's combine with combine "xla".
     A shared expert runs as T more pairs of both launches (combine "xla" only). parts: float32
     partials [n, T, H] whose sum in index order, rounded to x's dtype, is y: with combine "xla"
     and no K split in launch (2) that launch writes each choice's weighted round(o) (n = k, + 1
-    for the shared expert) and no combine runs; otherwise y itself (n = 1)."""
-    t, k = expert_ids.shape
+    for the shared expert) and no combine runs; otherwise y itself (n = 1). With a `choice`
+    (expert_ids and weights None) launch (1) chooses the experts from the router's logits and
+    writes the ids and weights that launch (2) reads: returns (y, ids, weights)."""
+    if choice is not None:
+        t, k = choice.logits.shape[-2], choice.top_k
+    else:
+        t, k = expert_ids.shape
     e, h, _, inter, _ = _dims(w_in, w_out, w_layout)
     bad = kernel_problems(h, inter, e, k, x.dtype, config)
+    if choice is not None:
+        bad += choice.problems()
     if shared is not None and config.combine != "xla":
         bad.append("a shared expert needs combine 'xla' (the per-token combine sums the routed choices only)")
     if bad:
@@ -351,8 +403,11 @@ def _decode(x, expert_ids, weights, w_in, w_out, *, act: str, w_layout: str, con
     per_token = config.combine == "kernel"
     if per_token:
         down = dataclasses.replace(down, split_k=1)
-    ids = expert_ids.astype(jnp.int32)
-    wts = weights.astype(jnp.float32)
+    if choice is None:
+        ids, wts = expert_ids.astype(jnp.int32), weights.astype(jnp.float32)
+        route_in = ids
+    else:  # launch (1) reads the logits ([1, T, E] when not partial sums) and writes ids / weights
+        route_in = choice.logits if choice.logits_dtype is not None else choice.logits[None]
     w_t = w_layout == "out_in"
     p = t * k
     rows = p + (t if shared is not None else 0)  # the routed pairs, then the shared expert's
@@ -366,19 +421,26 @@ def _decode(x, expert_ids, weights, w_in, w_out, *, act: str, w_layout: str, con
     gate = shared is not None and shared.gate_w is not None  # the gate's product in launch (1)
     up_kernel = functools.partial(_decode_up_kernel, top_k=k, pairs=p, num_experts=e, cfg=up,
                                   k_per_split=h // up.split_k, col_offsets=offsets, w_t=w_t, precision=precision,
-                                  act=act, shared=shared is not None, gate=gate)
+                                  act=act, shared=shared is not None, gate=gate, interpret=interpret,
+                                  choice=None if choice is None else choice._replace(logits=None))  # its statics
     cols = _columns(up.layout, w_t)
     extra_in = () if shared is None else (shared.w_in,)
     if gate:
         extra_in += (shared.gate_w[:, None] if cols else shared.gate_w[None, :],)
     x_op = x[..., None] if cols else x
-    hid = _call(up_kernel, (inter // up.block_n, up.split_k, rows), (ids, x_op, w_in, *extra_in),
-                (hid_shape, jax.ShapeDtypeStruct((up.split_k, t), f32)) if gate else hid_shape, up, interpret,
-                "moe_decode_up")
+    up_out = [hid_shape] + ([jax.ShapeDtypeStruct((up.split_k, t), f32)] if gate else [])
+    if choice is not None:
+        up_out += [jax.ShapeDtypeStruct((t, k), jnp.int32), jax.ShapeDtypeStruct((t, k), f32)]
+    hid = _call(up_kernel, (inter // up.block_n, up.split_k, rows), (route_in, x_op, w_in, *extra_in),
+                up_out if len(up_out) > 1 else hid_shape, up, interpret, "moe_decode_up")
+    if choice is not None:
+        *hid, ids, wts = hid
+        hid = hid if gate else hid[0]
     if gate:
         hid, gate_sums = hid
         weight = gate_weight(jnp.sum(gate_sums, axis=0), x.dtype)  # XLA's form, for the combines below
     weighted = parts and not per_token and down.split_k == 1  # launch (2) writes the weighted parts
+    done = (lambda y: (y, ids, wts)) if choice is not None else (lambda y: y)
     down_kernel = functools.partial(_decode_down_kernel, top_k=k, pairs=p, kp=next_pow2(k), num_experts=e, cfg=down,
                                     k_per_split=inter // down.split_k, per_token=per_token,
                                     h_split=up.split_k if up.split_k > 1 else 0, inter=inter, w_t=w_t,
@@ -389,12 +451,12 @@ def _decode(x, expert_ids, weights, w_in, w_out, *, act: str, w_layout: str, con
     if per_token:
         y = _call(down_kernel, (h // down.block_n, 1, t), (ids, wts, hid, w_out),
                   jax.ShapeDtypeStruct((t, h), x.dtype), down, interpret, "moe_decode_down")
-        return y.astype(f32)[None] if parts else y
+        return done(y.astype(f32)[None] if parts else y)
     if weighted:
         extra = () if shared is None else (shared.w_out, gate_sums if gate else shared.weight.astype(f32))
         n = k + (shared is not None)
-        return _call(down_kernel, (h // down.block_n, 1, rows), (ids, wts, hid, w_out, *extra),
-                     jax.ShapeDtypeStruct((n, t, h), f32), down, interpret, "moe_decode_down")
+        return done(_call(down_kernel, (h // down.block_n, 1, rows), (ids, wts, hid, w_out, *extra),
+                          jax.ShapeDtypeStruct((n, t, h), f32), down, interpret, "moe_decode_down"))
     if down.split_k > 1:
         out_shape = jax.ShapeDtypeStruct((down.split_k, rows, h), f32)
     else:
@@ -413,4 +475,4 @@ def _decode(x, expert_ids, weights, w_in, w_out, *, act: str, w_layout: str, con
         routed = jnp.sum(jnp.where(_valid(ids, e)[..., None], prod, 0.0), axis=1)
         w_shared = weight if gate else shared.weight.astype(f32)
         y = _round(routed + w_shared[:, None] * out[p:].astype(f32), x.dtype)
-    return y.astype(f32)[None] if parts else y
+    return done(y.astype(f32)[None] if parts else y)

@@ -71,10 +71,12 @@ import dataclasses
 import functools
 
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels._common import check_impl
 from pallas_kernels._moe_common import (  # noqa: F401 (re-exported: callers import them from here)
-    ACTS, COMBINES, DTYPES, GEMM_LAYOUTS, MIN_BLOCK, TARGET_PROGRAMS, W_LAYOUTS, DecodeConfig, GemmConfig, MoeConfig,
+    ACTS, COMBINES, DTYPES, GEMM_LAYOUTS, MIN_BLOCK, TARGET_PROGRAMS, W_LAYOUTS, Choice, DecodeConfig, GemmConfig,
+    MoeConfig,
     Shared, _dims, activate, check_operands, combine_choices, dense_reference, gate_weight, kernel_problems, reference,
     shared_weight)
 from pallas_kernels._moe_decode import _decode, default_decode_config, default_fused_config
@@ -185,6 +187,39 @@ def expert_mlp(x, expert_ids, weights, w_in, w_out, *, act: str, impl: str = "xl
         group = functools.partial(pair_grouping.pair_groups, impl=impl)
     return one(_pallas(x, expert_ids, weights, w_in, w_out, act=act, w_layout=w_layout, config=config,
                        interpret=interpret, shared=shared, group=group))
+
+
+def takes_choice(tokens: int, top_k: int, num_experts: int, hidden: int, inter: int, *, impl: str,
+                 form: KernelForm = KernelForm()) -> bool:
+    """Whether `chosen_expert_mlp` takes this call: the kernels' two-launch decode path."""
+    if impl == "xla" or kernel_problems(hidden, inter, num_experts, top_k, jnp.bfloat16):
+        return False
+    config = kernel_config(tokens, top_k, num_experts, hidden, inter, form)
+    return isinstance(config, DecodeConfig) and config.combine != "fused"
+
+
+def chosen_expert_mlp(x, choice: Choice, w_in, w_out, *, act: str, impl: str, config: DecodeConfig | None = None,
+                      w_layout: str = "in_out", form: KernelForm = KernelForm(), shared: Shared | None = None,
+                      parts: bool = False):
+    """expert_mlp's decode path with the router's choice made inside its first launch: (y, ids [T, k]
+    int32, weights [T, k] float32), y as expert_mlp(x, *choice.reference(), ...) gives it (ids and
+    weights equal to softmax_top_k's: the same arithmetic). One launch fewer than the choice's own
+    kernel before the experts' (decision 0071). impl "pallas" / "pallas_interpret" and the decode
+    path (`takes_choice`) only: another call raises."""
+    check_impl(impl)
+    t, k = choice.logits.shape[-2], choice.top_k
+    bad = check_operands(x, np.zeros((t, k), np.int32), np.zeros((t, k), np.float32), w_in, w_out, act, w_layout,
+                         shared)  # the choice's shapes (its ids are in range by construction)
+    bad += choice.problems()
+    e, h, _, inter, _ = _dims(w_in, w_out, w_layout)
+    config = config or (kernel_config(t, k, e, h, inter, form) if impl != "xla" else None)
+    if not isinstance(config, DecodeConfig) or config.combine == "fused":
+        bad.append(f"the choice runs in the decode path's first launch (impl 'pallas' / 'pallas_interpret', a "
+                   f"two-launch DecodeConfig), not impl {impl!r} with {type(config).__name__}")
+    if bad:
+        raise ValueError("chosen_expert_mlp: " + "; ".join(bad))
+    return _decode(x, None, None, w_in, w_out, act=act, w_layout=w_layout, config=config,
+                   interpret=impl == "pallas_interpret", shared=shared, parts=parts, choice=choice)
 
 
 def writes_parts(tokens: int, top_k: int, num_experts: int, hidden: int, inter: int, *, impl: str,

@@ -65,11 +65,12 @@ def _kernel(x_ref, ids_ref, w_ref, *, n, k, n_pad, kp, norm, dtype, parts, logit
         store_choice(ids_ref, w_ref, x, real, k=k, kp=kp, norm=norm, dtype=dtype, interpret=interpret)
 
 
-def store_choice(ids_ref, w_ref, x, real, *, k, kp, norm, dtype, interpret, round_to=None, at=()):
+def choose(x, real, *, k, kp, norm, dtype, interpret, round_to=None):
     """Inside a kernel: the softmax top-k of one row of float32 logits x [n_pad] (lanes where `real`
-    is false ignored; first rounded to `round_to` when given: a sum of partial products) stored
-    into ids_ref / w_ref at index prefix `at`, k lanes (the module's arithmetic;
-    pallas_kernels/router_choice.py's last program runs it too)."""
+    is false ignored; first rounded to `round_to` when given: a sum of partial products): (ids
+    [kp] int32, weights [kp] float32 rounded to dtype), lanes past k zero. The module's arithmetic,
+    which every kernel that routes a token runs (pallas_kernels/router_choice.py's last program,
+    the experts' first decode launch: pallas_kernels/_moe_decode.py), so all route it alike."""
     if round_to is not None:
         x = _rounded(x, round_to, interpret)
     x = jnp.where(real, x, -jnp.inf)
@@ -77,12 +78,18 @@ def store_choice(ids_ref, w_ref, x, real, *, k, kp, norm, dtype, interpret, roun
     p = e / jnp.sum(e)  # jax.nn.softmax's formula
     key = jnp.where(real, p, -1.0)  # below every probability
     vals, picks = take_top_k(key, k, kp, removed=-2.0)
-    lane = lax.broadcasted_iota(jnp.int32, (kp,), 0)
     if norm:
         vals = vals / jnp.sum(vals)  # lanes past k hold zeros
-    keep = lane < k
+    return picks, _rounded(vals, dtype, interpret)
+
+
+def store_choice(ids_ref, w_ref, x, real, *, k, kp, norm, dtype, interpret, round_to=None, at=()):
+    """Inside a kernel: `choose`'s ids and weights of the row x stored into ids_ref / w_ref at index
+    prefix `at`, k lanes."""
+    picks, weights = choose(x, real, k=k, kp=kp, norm=norm, dtype=dtype, interpret=interpret, round_to=round_to)
+    keep = lax.broadcasted_iota(jnp.int32, (kp,), 0) < k
     store(ids_ref, (*at, pl.ds(0, kp)), picks, mask=keep)
-    store(w_ref, (*at, pl.ds(0, kp)), _rounded(vals, dtype, interpret), mask=keep)
+    store(w_ref, (*at, pl.ds(0, kp)), weights, mask=keep)
 
 
 def _pallas(logits, k: int, *, norm: bool, weights_dtype, interpret: bool, num_warps: int | None,

@@ -506,6 +506,40 @@ def test_one_token_block_hands_the_norm_its_weighted_parts():
                                atol=1e-5 * float(np.abs(parts.parts).max()))
 
 
+def test_one_token_block_chooses_its_experts_in_the_experts_launch():
+    """Kernels on, one token (the decode path): the router's softmax top-k runs inside the experts'
+    first launch (routes.moe_choice_in_experts), so the block has one kernel launch fewer and no
+    softmax_top_k; bf16, with and without the weighted parts: the block's output within one bf16
+    rounding of the choice's own launch (the softmax's float32 sum in another order; on these inputs
+    bit-equal). Several tokens (the grouped kernel) keep the choice's own launch."""
+    from ddtree_jax.models.layers import SplitKParts, dense
+    from ddtree_jax.routes import Routes
+
+    from tests.jaxpr_eqns import equations, kernel_name
+
+    cfg, gd, params = _block({"num_experts": 8, "num_experts_per_tok": 4, "moe_intermediate_size": 32,
+                              "shared_expert_intermediate_size": 32}, dtype=jnp.bfloat16)
+    on, off = Routes(impl="pallas_interpret"), Routes(impl="pallas_interpret", moe_choice_in_experts=False)
+    rng = np.random.default_rng(11)
+    one = jnp.asarray(rng.normal(size=(1, cfg.hidden_size)), jnp.bfloat16)
+    many = jnp.asarray(rng.normal(size=(3, cfg.hidden_size)), jnp.bfloat16)
+
+    def kernels(gd, x, routes):
+        jaxpr = jax.make_jaxpr(lambda p, x: nnx.merge(gd, p)(x, routes))(params, x).jaxpr
+        return [kernel_name(e) for e in equations(jaxpr) if e.primitive.name == "pallas_call"]
+
+    for graph in (gd, nnx.split(_with_parts_out(nnx.merge(gd, params)))[0]):
+        run = jax.jit(lambda p, x, routes, graph=graph: dense(nnx.merge(graph, p)(x, routes), jnp.float32),
+                      static_argnums=2)
+        k_on, k_off = kernels(graph, one, on), kernels(graph, one, off)
+        assert len(k_on) == len(k_off) - 1 and not any("softmax_top_k" in k for k in k_on), (k_on, k_off)
+        assert any("softmax_top_k" in k for k in k_off)
+        got, want = np.asarray(run(params, one, on)), np.asarray(run(params, one, off))
+        assert np.abs(got - want).max() <= 2**-7 * np.abs(want).max()
+        assert kernels(graph, many, on) == kernels(graph, many, off)
+    assert isinstance(nnx.merge(nnx.split(_with_parts_out(nnx.merge(gd, params)))[0], params)(one, on), SplitKParts)
+
+
 def _with_parts_out(block):
     block.parts_out = True
     return block
@@ -542,9 +576,16 @@ def test_decode_step_with_moe_parts_into_the_norm_matches_the_combine():
     one = np.asarray(jax.jit(step, static_argnums=3)(params, cache, token, fused))
     np.testing.assert_allclose(one, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
     # the first launch's row loaded and padded (moe_decode_masked_row=false) instead of the default's
-    # masked load: the same logits, bit for bit
-    padded = Routes(impl="pallas_interpret", moe_decode_masked_row=False)
-    np.testing.assert_array_equal(np.asarray(jax.jit(step, static_argnums=3)(params, cache, token, padded)), got)
+    # masked load: the same logits, bit for bit (the router's choice made by its own launch in both, so
+    # that no reduction order differs between the two programs)
+    apart = Routes(impl="pallas_interpret", moe_choice_in_experts=False)
+    padded = apart.replace(moe_decode_masked_row=False)
+    np.testing.assert_array_equal(np.asarray(jax.jit(step, static_argnums=3)(params, cache, token, padded)),
+                                  np.asarray(jax.jit(step, static_argnums=3)(params, cache, token, apart)))
+    # the choice inside the experts' first launch (the default) against its own launch: the same
+    # logits within float32 rounding (the softmax's sum in another program's order)
+    np.testing.assert_allclose(np.asarray(jax.jit(step, static_argnums=3)(params, cache, token, apart)), got,
+                               rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
     # both launches in the "cols" MMA form (moe_decode_rows=false): the same logits
     cols = np.asarray(jax.jit(step, static_argnums=3)(params, cache, token,
                                                       Routes(impl="pallas_interpret", moe_decode_rows=False)))

@@ -54,7 +54,8 @@ SILU_GLU, RELU2 = moe_experts.ACTS
 
 # ---- expert products --------------------------------------------------------------------------
 def experts(x, expert_ids, weights, w_in, w_out, *, act: str, routes: Routes = REFERENCE,
-            shared: moe_experts.Shared | None = None, parts: bool = False) -> jax.Array:
+            shared: moe_experts.Shared | None = None, parts: bool = False,
+            choice: moe_experts.Choice | None = None) -> jax.Array:
     """The expert products y [T, H] (module docstring) through pallas_kernels/moe_experts.py: with
     kernels on (routes.moe_experts_kernel) the kernels: their decode path (one row per (token,
     choice), no grouping) while T * k <= routes.moe_decode_max_pairs, else the grouped kernel,
@@ -63,7 +64,12 @@ def experts(x, expert_ids, weights, w_in, w_out, *, act: str, routes: Routes = R
     by expert). A layer the kernels cannot take is announced by a warning when traced and runs the
     XLA form. `shared`: a shared expert summed as one more choice (callers pass it where
     `fuses_shared` says the form takes it). parts: y as float32 partials [n, T, H]
-    (moe_experts.expert_mlp's `parts`)."""
+    (moe_experts.expert_mlp's `parts`). choice (expert_ids and weights None; where `takes_choice`
+    says): the router's logits, the experts chosen inside the decode path's first launch
+    (moe_experts.chosen_expert_mlp)."""
+    if choice is not None:
+        return moe_experts.chosen_expert_mlp(x, choice, w_in, w_out, act=act, impl=routes.impl,
+                                             form=routes.moe_kernel_form(), shared=shared, parts=parts)[0]
     impl = "xla"
     if routes.kernels and routes.moe_experts_kernel:
         problems = moe_experts.kernel_problems(w_in.shape[1], w_out.shape[1], w_in.shape[0], expert_ids.shape[-1],
@@ -169,9 +175,32 @@ class SparseMoeBlock(StatelessMixer, nnx.Module):
         return route_softmax_top_k(self.router(x, routes, one_row_parts=kernel), top_k=self.top_k,
                                    norm=self.norm_topk_prob, weights_dtype=x.dtype, routes=routes)
 
+    def choice_in_experts(self, x: jax.Array, routes: Routes) -> moe_experts.Choice | None:
+        """The router's logits of tokens x [T, H] as the experts' decode launch takes them to choose
+        from (routes.moe_choice_in_experts, where moe_experts.takes_choice says), else None: the
+        choice is then its own launch (`route`)."""
+        w_in = self.experts.gate_up_proj
+        e, h, inter = w_in.shape[0], w_in.shape[1], self.experts.down_proj.shape[1]
+        if not (routes.kernels and routes.moe_router_kernel and routes.moe_choice_in_experts
+                and not (routes.moe_router_fused and x.shape[0] == 1)
+                and moe_experts.takes_choice(x.shape[0], self.top_k, e, h, inter, impl=routes.impl,
+                                             form=routes.moe_kernel_form())):
+            return None
+        logits = self.router(x, routes, one_row_parts=True)
+        if isinstance(logits, SplitKParts):
+            choice = moe_experts.Choice(logits.parts, self.top_k, self.norm_topk_prob, x.dtype, logits_dtype=x.dtype)
+        else:
+            choice = moe_experts.Choice(logits, self.top_k, self.norm_topk_prob, x.dtype)
+        if choice.problems():
+            warnings.warn("the MoE router's choice runs as a launch of its own, not in the experts' decode launch: "
+                          + "; ".join(choice.problems()), stacklevel=3)
+            return None
+        return choice
+
     def __call__(self, x: jax.Array, routes: Routes = REFERENCE) -> jax.Array:
         flat = x.reshape(-1, x.shape[-1])
-        idx, weights = self.route(flat, routes)
+        choice = self.choice_in_experts(flat, routes)
+        idx, weights = self.route(flat, routes) if choice is None else (None, None)
         w_in, w_out = self.experts.gate_up_proj[...], self.experts.down_proj[...]
         gate = lambda: jax.nn.sigmoid(self.shared_expert_gate(flat, routes))  # [T, 1]
         mlp, g = self.shared_expert, self.shared_expert_gate
@@ -183,11 +212,13 @@ class SparseMoeBlock(StatelessMixer, nnx.Module):
             else:
                 shared = moe_experts.Shared(w_in1, w_out1, gate()[:, 0].astype(jnp.float32))
             if self.parts_out and routes.moe_parts_into_norm:
-                parts = experts(flat, idx, weights, w_in, w_out, act=SILU_GLU, routes=routes, shared=shared, parts=True)
+                parts = experts(flat, idx, weights, w_in, w_out, act=SILU_GLU, routes=routes, shared=shared, parts=True,
+                                choice=choice)
                 return SplitKParts(parts.reshape(parts.shape[0], *x.shape))
-            y = experts(flat, idx, weights, w_in, w_out, act=SILU_GLU, routes=routes, shared=shared)
+            y = experts(flat, idx, weights, w_in, w_out, act=SILU_GLU, routes=routes, shared=shared, choice=choice)
         else:
-            y = experts(flat, idx, weights, w_in, w_out, act=SILU_GLU, routes=routes) + gate() * mlp(flat, routes)
+            y = (experts(flat, idx, weights, w_in, w_out, act=SILU_GLU, routes=routes, choice=choice)
+                 + gate() * mlp(flat, routes))
         return y.reshape(x.shape)
 
 
