@@ -80,6 +80,10 @@ class Routes:
     # the kernel loads its rows masked instead of XLA padding q / k / v / g / beta (gdn_tree.py)
     gdn_tree_masked_rows: bool = True
     add_norm_kernel: bool = True  # residual add + RMSNorm as one kernel
+    # ... in one-mixer blocks (NemotronH) from this many tokens a row: at the Nemotron-H-8B shape on the
+    # H200 the DDTree-8 step (9 a row) 8.70 against 8.83 ms at batch 8, the decode step (1 a row)
+    # 4.81 against 4.75 ms (decision 0072)
+    add_norm_one_mixer_min_tokens: int = 2
     split_k_parts: bool = True  # residual-stream products at verify rows return split-K partials
     split_k_rows: tuple[int, int] = (32, 128)  # row counts (inclusive) that return partials
     # One-row Linear products (a decode step at batch 1) whose weight holds lo..hi elements

@@ -349,3 +349,44 @@ def test_drafter_attention_through_the_kernel():
     res = generate(gd, params, prompt, lens, proposer=proposer, drafter_params=dparams, mode="ddtree", budget=8,
                    max_new_tokens=12, routes=INTERPRET)
     np.testing.assert_array_equal(np.asarray(res.tokens), np.asarray(ref.tokens))
+
+
+@pytest.mark.parametrize("name", ["nemotron_h", "bamba"])
+def test_one_mixer_blocks_add_the_residual_in_the_norm_kernel(name):
+    """NemotronH's one-mixer blocks (and Bamba's mixer + MLP blocks) with kernels on: the residual
+    adds run inside the next norm's add + RMSNorm kernel (decision 0072), which takes the mixers'
+    split-K partials where their output products write them (the Mamba2 out_proj, an MLP block's
+    down_proj): a decode step and a tree verify give the XLA adds' hidden states within float32
+    rounding. One-mixer blocks fuse from routes.add_norm_one_mixer_min_tokens tokens a row (2: the
+    verify, not the decode step; 1: both): one launch per layer with the final norm's (Bamba, whose
+    blocks have an FFN, always: two per block)."""
+    from tests.hf_mamba_models import make_jax_target
+
+    heads = {"nemotron_h": dict(head_dim=16), "bamba": dict(num_attention_heads=2, num_key_value_heads=2)}[name]
+    cfg, gd, params = make_jax_target(name, seed=7, overrides=heads)  # attention heads of 16 (the kernels')
+    prompt = jnp.asarray(np.random.default_rng(3).integers(0, cfg.vocab_size, (2, 9)), jnp.int32)
+    cache = decode.prefill(gd, params, init_target_cache(cfg, 2, CAP), prompt, jnp.asarray([9, 6], jnp.int32)).cache
+    tok = jnp.asarray([3, 7], jnp.int32)
+    nodes = jnp.asarray(np.random.default_rng(4).integers(0, cfg.vocab_size, (2, 5)), jnp.int32)
+    tree = make_tree(nodes, jnp.asarray([[-1, 0, 0, 1, 2]] * 2, jnp.int32), jnp.ones((2, 5), bool), cache.lengths,
+                     max_depth=4)
+
+    def fn(p, c, routes):
+        model = nnx.merge(gd, p)
+        h, _, _ = model(tok[:, None], c, jnp.ones((2,), jnp.int32), chunked=False, routes=routes)
+        return h, model.verify(nodes, c, tree, routes=routes)[0]
+
+    def norms(routes):
+        jaxpr = jax.make_jaxpr(lambda p, c: fn(p, c, routes))(params, cache).jaxpr
+        return sum("add_rms_norm" in kernel_name(e) for e in equations(jaxpr) if e.primitive.name == "pallas_call")
+
+    off, every_call = INTERPRET.replace(add_norm_kernel=False), INTERPRET.replace(add_norm_one_mixer_min_tokens=1)
+    run = jax.jit(fn, static_argnums=2)
+    want = run(params, cache, off)
+    for routes in (INTERPRET, every_call):
+        for got, w in zip(run(params, cache, routes), want):
+            got, w = np.asarray(got), np.asarray(w)
+            np.testing.assert_allclose(got, w, rtol=1e-4, atol=1e-4 * float(np.abs(w).max()))
+    per_call = (2 if cfg.block_ffn else 1) * cfg.num_layers
+    assert norms(off) == 0 and norms(every_call) == 2 * per_call
+    assert norms(INTERPRET) == (2 if cfg.block_ffn else 1) * per_call, (name, norms(INTERPRET))

@@ -52,10 +52,14 @@ def add_norm(norm: RMSNorm, x: jax.Array, delta, routes: Routes):
     return add_rms_norm(x, delta, norm.weight[...], eps=norm.eps, mode=mode, impl=routes.impl)
 
 
-def fuses_add_norm(cfg: TargetConfig, routes: Routes) -> bool:
-    """Whether the residual adds run inside the norms' kernels: with kernels on, in blocks with an
-    MLP and a stream in the params dtype (Qwen3 / Qwen3.5 / Bamba)."""
-    return routes.kernels and routes.add_norm_kernel and cfg.block_ffn and not cfg.residual_in_fp32
+def fuses_add_norm(cfg: TargetConfig, routes: Routes, tokens: int) -> bool:
+    """Whether the residual adds of a call of `tokens` tokens a row run inside the norms' kernels:
+    with kernels on and a stream in the params dtype (not Mamba2ForCausalLM's float32 stream), in
+    blocks with an FFN (Qwen3 / Qwen3.5 / Bamba) always, in one-mixer blocks (NemotronH) from
+    routes.add_norm_one_mixer_min_tokens tokens a row (decision 0072)."""
+    if not (routes.kernels and routes.add_norm_kernel) or cfg.residual_in_fp32:
+        return False
+    return cfg.block_ffn or tokens >= routes.add_norm_one_mixer_min_tokens
 
 
 class PlainAttention(Attention):
@@ -134,13 +138,13 @@ class DecoderLayer(nnx.Module):
         if cfg.block_ffn:
             self.post_attention_layernorm = norm()
             self.mlp = _ffn(cfg, cfg.intermediate_size, dtype=dtype, rngs=rngs, kind=ffn)
-        if cfg.block_ffn and not cfg.residual_in_fp32:  # the add + norm kernels take split-K partials
-            out = {ATTENTION: "o_proj", GDN: "out_proj"}.get(kind)
-            down = [self.mlp.down_proj] if isinstance(self.mlp, (SwiGLU, Relu2MLP)) else []
+        if not cfg.residual_in_fp32:  # the add + norm kernels take split-K partials
+            out = {ATTENTION: "o_proj", GDN: "out_proj", MAMBA2: "out_proj", MLP: "down_proj"}.get(kind)
+            down = [self.mlp.down_proj] if cfg.block_ffn and isinstance(self.mlp, (SwiGLU, Relu2MLP)) else []
             for proj in ([getattr(self.mixer(), out)] if out else []) + down:
                 proj.split_k_out = True
-            if isinstance(self.mlp, SparseMoeBlock):  # its experts' weighted products (NemotronH's MoE sums its own)
-                self.mlp.parts_out = True
+            if cfg.block_ffn and isinstance(self.mlp, SparseMoeBlock):  # its experts' weighted products
+                self.mlp.parts_out = True  # (NemotronH's MoE sums its own)
 
     def mixer(self):
         return getattr(self, MIXER_ATTRS[self.kind])
@@ -155,6 +159,8 @@ class DecoderLayer(nnx.Module):
         return residual, self.input_layernorm(x.astype(w.dtype) if self.residual_in_fp32 else x)
 
     def _post(self, residual, h, routes: Routes, fused: bool):
+        if fused and not self.block_ffn:
+            return Stream(residual, h)  # the next norm adds the mixer's output
         if fused:
             x, normed = add_norm(self.post_attention_layernorm, residual, h, routes)
             return Stream(x, self.mlp(normed, routes))  # the next norm adds the MLP's output
@@ -203,7 +209,7 @@ class TargetModel(nnx.Module):
     def _run(self, x, step, hidden_ids, routes: Routes):
         """Embed -> every layer via step(i, layer, x, fused) -> final norm; collects chosen hidden
         states. fused: the stream between layers is a Stream (`fuses_add_norm`)."""
-        fused = fuses_add_norm(self.cfg, routes)
+        fused = fuses_add_norm(self.cfg, routes, x.shape[1])
         saved = {0: x} if 0 in hidden_ids else {}
         outs = []
         for i, layer in enumerate(self.layers):
