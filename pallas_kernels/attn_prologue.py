@@ -3,6 +3,7 @@ Triton kernel + its pure-jnp reference).
 
     q, k, v = attn_prologue(proj, q_weight, k_weight, cos, sin, num_heads=, num_kv_heads=, head_dim=,
                             gated=, eps=, zero_centered=, impl="xla" | "pallas" | "pallas_interpret")
+    q, k, v, k_cache, v_cache = attn_prologue(..., cache=(k_cache, v_cache), start=start)
 
 Between the q | k | v projection and the attention kernel a Qwen3 / Qwen3.5 layer slices the
 product into heads, RMS-normalizes q and k per head (`ref.norms.rms_norm`) and rotates their
