@@ -5,7 +5,8 @@ of experts per token), next to its reference.
                                  impl="xla" | "pallas" | "pallas_interpret")
 
 logits [T, n] -> ids [T, k] int32: the k largest of p = softmax(float32(logits)) in descending
-order, equal probabilities to the lower index (lax.top_k's rule); weights [T, k] float32: those
+order, ranked by exp(x - max x) (p's order before the division by the sum rounds: two entries of
+equal exps go to the lower index, lax.top_k's rule); weights [T, k] float32: those
 probabilities, divided by their sum if `norm`, rounded to `weights_dtype` (float32 holding values
 of that dtype: what a router that rounds its weights to the params dtype hands the experts).
 With `logits_dtype` the logits come as float32 split-K partial sums [S, T, n] (a router's one-row
@@ -17,9 +18,9 @@ softmax, a sort for the top-k, the renormalisation, the rounding): 6.6 us a laye
 Qwen3.6-35B-A3B-shape decode step on the H200, a fifth of the step's small launches
 (docs/results/2026-12-02_profile_35b_a3b_decode_row_pad.json: sort 3.9 us, the two softmax-like
 fusions 1.6 + 1.1 us). Here one program per row holds the row in registers: max, exp, sum, then
-the k largest one at a time (a max, the lowest index holding it, that entry masked out), the
-renormalisation and the rounding. Rows up to SOFTMAX_TOP_K_MAX_LEN entries, k up to
-SOFTMAX_TOP_K_MAX_K.
+the k largest exps one at a time (a max, the lowest index holding it, that entry masked out; the
+probabilities' order, but not moved by the sum's rounding), the renormalisation and the
+rounding. Rows up to SOFTMAX_TOP_K_MAX_LEN entries, k up to SOFTMAX_TOP_K_MAX_K.
 """
 
 from __future__ import annotations
@@ -75,11 +76,14 @@ def choose(x, real, *, k, kp, norm, dtype, interpret, round_to=None):
         x = _rounded(x, round_to, interpret)
     x = jnp.where(real, x, -jnp.inf)
     e = jnp.exp(x - jnp.max(x))
-    p = e / jnp.sum(e)  # jax.nn.softmax's formula
-    key = jnp.where(real, p, -1.0)  # below every probability
+    key = jnp.where(real, e, -1.0)  # below every exp
     vals, picks = take_top_k(key, k, kp, removed=-2.0)
+    # the chosen probabilities, p = e / sum(e) (jax.nn.softmax's formula); chosen by e, whose order p
+    # keeps, so the choice does not depend on the sum's reduction order, which follows a kernel's
+    # layout: every kernel that runs this routes a token alike (decision 0071)
+    vals = vals / jnp.sum(e)  # lanes past k hold zeros
     if norm:
-        vals = vals / jnp.sum(vals)  # lanes past k hold zeros
+        vals = vals / jnp.sum(vals)
     return picks, _rounded(vals, dtype, interpret)
 
 
@@ -142,9 +146,13 @@ def softmax_top_k(logits: jax.Array, k: int, *, norm: bool, weights_dtype=jnp.fl
 
 
 def reference(logits: jax.Array, k: int, *, norm: bool, weights_dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
-    """The kernel's reference: jax.nn.softmax in float32, lax.top_k, the renormalisation, the rounding."""
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    top, ids = lax.top_k(probs, k)
+    """The kernel's reference: the softmax in float32 (jax.nn.softmax's formula), lax.top_k of its
+    exps (the probabilities' order, free of the sum's rounding), the chosen probabilities, the
+    renormalisation, the rounding."""
+    x = logits.astype(jnp.float32)
+    e = jnp.exp(x - jnp.max(x, axis=-1, keepdims=True))
+    top, ids = lax.top_k(e, k)
+    top = top / jnp.sum(e, axis=-1, keepdims=True)
     if norm:
         top = top / jnp.sum(top, axis=-1, keepdims=True)
     return ids.astype(jnp.int32), _rounded(top, weights_dtype, interpret=True)

@@ -59,6 +59,32 @@ def test_ties_go_to_the_lower_index(impl):
     np.testing.assert_allclose(np.asarray(weights), 0.5)
 
 
+def test_near_ties_rank_by_the_exps_in_every_kernel_that_chooses(impl):
+    """Logits a few ulps apart (their probabilities may round equal after the division by the sum,
+    or not, depending on the sum's reduction order): the kernel ranks the exps, which no sum's order
+    moves, so it equals lax.top_k of exp(x - max x) exactly, and the experts' decode launch that
+    chooses for itself (moe_experts.chosen_expert_mlp, decision 0071) picks the same experts."""
+    from pallas_kernels import moe_experts as moe
+
+    rng = np.random.default_rng(0)
+    e, k, h, inter = 16, 8, 32, 16
+    steps = rng.permutation(e)[None, :] + rng.integers(0, 3, (2, e))  # many equal, the rest 1-2 ulps apart
+    x = np.float32(0.5) + np.float32(2**-23) * steps.astype(np.float32)
+    logits = jnp.asarray(x, jnp.float32)
+    ids, _ = softmax_top_k(logits, k, norm=True, impl=impl)
+    ex = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(jax.lax.top_k(ex, k)[1]))
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(softmax_top_k(logits, k, norm=True)[0]))
+    xs = jnp.asarray(rng.normal(size=(2, h)), jnp.float32)
+    w_in = jnp.asarray(rng.normal(size=(e, h, 2 * inter)) * h**-0.5, jnp.float32)
+    w_out = jnp.asarray(rng.normal(size=(e, inter, h)) * inter**-0.5, jnp.float32)
+    config = moe.DecodeConfig(up=moe.GemmConfig(block_n=16, block_k=16), down=moe.GemmConfig(block_n=16, block_k=16),
+                              combine="kernel")
+    _, chosen, _ = moe.chosen_expert_mlp(xs, moe.Choice(logits, k, True), w_in, w_out, act="silu_glu", impl=impl,
+                                         config=config)
+    np.testing.assert_array_equal(np.asarray(chosen), np.asarray(ids))
+
+
 def test_refuses_what_it_cannot_hold():
     with pytest.raises(ValueError, match=f"rows up to {SOFTMAX_TOP_K_MAX_LEN}"):
         softmax_top_k(jnp.zeros((1, SOFTMAX_TOP_K_MAX_LEN + 1)), 4, norm=True, impl="pallas_interpret")
