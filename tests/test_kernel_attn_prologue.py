@@ -1,7 +1,8 @@
 """pallas_kernels/attn_prologue.py: the q / k norms and RoPE of an attention layer from its merged
-q | k | v product in one kernel, against its jnp reference (`impl`: the interpreter, natively under
--m gpu), its sm_90 lowering (offline, no GPU), and the model route
-(`models.attention.PROLOGUE_KERNEL`) against the XLA form."""
+q | k | v product in one kernel, and its K / V written into the cache in place, against its jnp
+reference (`impl`: the interpreter, natively under -m gpu), its sm_90 lowering (offline, no GPU),
+and the model routes (routes.attention_prologue_kernel, attention_prologue_writes_kv) against the
+XLA forms."""
 
 import functools
 import warnings
