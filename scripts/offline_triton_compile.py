@@ -322,6 +322,17 @@ def moe_decode_cases(tokens: int):
                     down_layout=cfg.down.layout), _launch_settings(cfg), shared_gate_parts,
                (*shapes, one(shapes[3]), one(shapes[4]), jax.ShapeDtypeStruct((h,), jnp.bfloat16)))
 
+    # ... and with the router's choice made in the first launch from its split-K partial sums (decision 0071)
+    def choice_shared_gate_parts(x, logits, w_in, w_out, s_in, s_out, gate_w):
+        choice = moe.Choice(logits, k, True, jnp.bfloat16, logits_dtype=jnp.bfloat16)
+        return moe.chosen_expert_mlp(x, choice, w_in, w_out, act="silu_glu", impl="pallas", config=default,
+                                     shared=moe.Shared(s_in, s_out, gate_w=gate_w), parts=True)
+
+    yield (dict(variant="choice_shared_gate_parts", w_layout="in_out", up_layout=default.up.layout,
+                down_layout=default.down.layout), _launch_settings(default), choice_shared_gate_parts,
+           (shapes[0], jax.ShapeDtypeStruct((8, tokens, e), jnp.float32), shapes[3], shapes[4], one(shapes[3]),
+            one(shapes[4]), jax.ShapeDtypeStruct((h,), jnp.bfloat16)))
+
 
 def moe_grouped_cases(tokens: int):
     h, e, k, i = (MOE_35B_A3B[f] for f in ("hidden", "experts", "top_k", "inter"))

@@ -162,8 +162,9 @@ def test_moe_decode_path_lowers_for_cuda_without_spills(sm90):
     (cp.async, LDGSTS in the SASS: the column blocks under 64 with the weight on the MMA's M side
     were not, so the sweep runs those in the "rows" form). The "fma" form has no MMA and Triton
     gives its loads no cp.async: its launches load straight to registers in 16-byte vectors. The
-    model's form (the shared expert and its gate in the launches, weighted parts out) too, and the
-    one-launch form's variants (combine "fused": one kernel)."""
+    model's form (the shared expert and its gate in the launches, weighted parts out; with the
+    router's choice made in the first launch) too, and the one-launch form's variants (combine
+    "fused": one kernel)."""
     from scripts.offline_triton_compile import compile_case, moe_decode_cases
 
     captured = []
@@ -176,7 +177,7 @@ def test_moe_decode_path_lowers_for_cuda_without_spills(sm90):
     assert {o["variant"] for o, _, _ in captured} >= {"decode", "decode_out_in", "decode_n16_kernel",
                                                       "decode_padded_row", "default_shared_gate_parts",
                                                       "cols_shared_gate_parts", "fused", "fused_out_in",
-                                                      "fused_shared_gate_parts"}
+                                                      "fused_shared_gate_parts", "choice_shared_gate_parts"}
     if not sm90:  # the default run: the lowering above; -m triton: the sm_90 checks below
         return
     up_loads = {}
