@@ -189,10 +189,10 @@ def expert_mlp(x, expert_ids, weights, w_in, w_out, *, act: str, impl: str = "xl
                        interpret=interpret, shared=shared, group=group))
 
 
-def takes_choice(tokens: int, top_k: int, num_experts: int, hidden: int, inter: int, *, impl: str,
+def takes_choice(tokens: int, top_k: int, num_experts: int, hidden: int, inter: int, *, dtype, impl: str,
                  form: KernelForm = KernelForm()) -> bool:
-    """Whether `chosen_expert_mlp` takes this call: the kernels' two-launch decode path."""
-    if impl == "xla" or kernel_problems(hidden, inter, num_experts, top_k, jnp.bfloat16):
+    """Whether `chosen_expert_mlp` takes this call (tokens of `dtype`): the kernels' two-launch decode path."""
+    if impl == "xla" or kernel_problems(hidden, inter, num_experts, top_k, dtype):
         return False
     config = kernel_config(tokens, top_k, num_experts, hidden, inter, form)
     return isinstance(config, DecodeConfig) and config.combine != "fused"

@@ -593,7 +593,9 @@ def test_choice_in_the_first_launch_is_refused_where_it_cannot_run():
     bad = moe.Choice(jnp.zeros((1, 8), jnp.bfloat16), 9, True, logits_dtype=jnp.bfloat16)
     with pytest.raises(ValueError, match=r"\[T, E\], or float32 partial sums.*top-9 of 8 experts"):
         moe.chosen_expert_mlp(x, bad, w_in, w_out, act="silu_glu", impl="pallas_interpret")
-    assert moe.takes_choice(1, 8, 256, 2048, 512, impl="pallas")
-    assert not moe.takes_choice(1, 8, 256, 2048, 512, impl="xla")
-    assert not moe.takes_choice(2, 8, 256, 2048, 512, impl="pallas")  # 16 pairs: the grouped kernel
-    assert not moe.takes_choice(1, 8, 256, 2048, 512, impl="pallas", form=moe.KernelForm(fused=True))
+    bf = jnp.bfloat16
+    assert moe.takes_choice(1, 8, 256, 2048, 512, dtype=bf, impl="pallas")
+    assert not moe.takes_choice(1, 8, 256, 2048, 512, dtype=bf, impl="xla")
+    assert not moe.takes_choice(2, 8, 256, 2048, 512, dtype=bf, impl="pallas")  # 16 pairs: the grouped kernel
+    assert not moe.takes_choice(1, 8, 256, 2048, 512, dtype=bf, impl="pallas", form=moe.KernelForm(fused=True))
+    assert not moe.takes_choice(1, 8, 256, 2048, 512, dtype=jnp.int8, impl="pallas")  # a dtype the kernels refuse

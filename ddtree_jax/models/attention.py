@@ -28,12 +28,9 @@ NEG_INF = -1e30
 
 
 def write_kv(cache: KVCache, k_new: jax.Array, v_new: jax.Array, start: jax.Array) -> KVCache:
-    """Write k_new/v_new [B, T, kv, hd] at per-sequence offsets `start` [B]."""
-
-    def put(buf, new, s):
-        return jax.lax.dynamic_update_slice(buf, new.transpose(1, 0, 2).astype(buf.dtype), (0, s, 0))
-
-    return KVCache(jax.vmap(put)(cache.k, k_new, start), jax.vmap(put)(cache.v, v_new, start))
+    """Write k_new/v_new [B, T, kv, hd] at per-sequence offsets `start` [B] (the prologue kernel's
+    reference form, which the kernel's in-place write equals: attn_prologue.written_cache)."""
+    return KVCache(*attn_prologue.written_cache((cache.k, cache.v), k_new, v_new, start))
 
 
 class KVPending(NamedTuple):

@@ -183,7 +183,7 @@ class SparseMoeBlock(StatelessMixer, nnx.Module):
         e, h, inter = w_in.shape[0], w_in.shape[1], self.experts.down_proj.shape[1]
         if not (routes.kernels and routes.moe_router_kernel and routes.moe_choice_in_experts
                 and not (routes.moe_router_fused and x.shape[0] == 1)
-                and moe_experts.takes_choice(x.shape[0], self.top_k, e, h, inter, impl=routes.impl,
+                and moe_experts.takes_choice(x.shape[0], self.top_k, e, h, inter, dtype=x.dtype, impl=routes.impl,
                                              form=routes.moe_kernel_form())):
             return None
         logits = self.router(x, routes, one_row_parts=True)
