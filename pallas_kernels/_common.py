@@ -260,3 +260,16 @@ def as_int32_bits(bits: jax.Array) -> jax.Array:
     if bits.dtype == jnp.int32:
         return bits
     return lax.bitcast_convert_type(bits.astype(jnp.uint32), jnp.int32)
+
+
+def fitting_split(batch: int, num_v_heads: int, dv: int, most: int, num_sms: int = H200_SMS, per_sm: int = 2) -> int:
+    """The split of a decode kernel's heads a call takes (gdn_decode's dv_split, mamba2_decode's
+    p_split): the largest power of two <= most that leaves >= 16 columns (rows) of a head's dv
+    a program and keeps the grid of batch x heads x split within `per_sm` programs per SM (a
+    decode step at batch 1 has fewer programs than SMs: 32 at the 35B-A3B GDN layer; at batch 8,
+    256, it takes none with two an SM)."""
+    split = 1
+    while (split * 2 <= most and dv // (split * 2) >= 16 and dv % (split * 2) == 0
+           and batch * num_v_heads * split * 2 <= per_sm * num_sms):
+        split *= 2
+    return split

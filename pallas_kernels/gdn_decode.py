@@ -45,7 +45,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import H200_SMS, check_impl, compiler_params, load, store
+from pallas_kernels._common import check_impl, compiler_params, load, store
+from pallas_kernels._common import fitting_split  # noqa: F401 (the models' dv_split: gdn_decode.fitting_split)
 from pallas_kernels.ref import delta_rule
 from pallas_kernels.ref.conv import causal_conv, next_window
 from pallas_kernels.ref.delta_rule import gate_values, split_heads
@@ -179,17 +180,6 @@ def _kernel(*refs, kd, dk, dv, rep, hv, taps, eps, hidden, chunk, packed, dv_blo
     first = jnp.full((dk,), (h % rep == 0) & (split == 0))
     slide(kh * dk, dk, q_rows, q_new, first)
     slide(kd + kh * dk, dk, k_rows, k_new, first)
-
-
-def fitting_split(batch: int, num_v_heads: int, dv: int, most: int, num_sms: int = H200_SMS, per_sm: int = 2) -> int:
-    """The dv_split a call takes: the largest power of two <= most that leaves >= 16 columns a
-    program and keeps the grid within `per_sm` programs per SM (a decode step at batch 1 has fewer
-    programs than SMs: 32 at the 35B-A3B layer; at batch 8, 256, it takes none with two an SM)."""
-    split = 1
-    while (split * 2 <= most and dv // (split * 2) >= 16 and dv % (split * 2) == 0
-           and batch * num_v_heads * split * 2 <= per_sm * num_sms):
-        split *= 2
-    return split
 
 
 def hidden_chunk(hidden: int) -> int:

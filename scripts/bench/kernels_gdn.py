@@ -21,7 +21,7 @@ from pallas_kernels.gdn_tree_prologue import gdn_tree_prologue
 from scripts.bench import peers
 from scripts.bench.common import err_str, max_rel_err, time_torch
 from scripts.bench.kernels_harness import (Kernel, Run, add_batches, add_peers, add_sweep, add_warps, ancestor_words,
-                                           ints, masked_rows_apply, registrar, rel_err, tree_parents,
+                                           ints, masked_rows_apply, registrar, rel_err, time_carried, tree_parents,
                                            variant_name)
 from scripts.bench.shapes import GDN_27B, LAYERS
 
@@ -367,11 +367,7 @@ def run_gdn_decode(run: Run) -> None:
             args, step, carried = packed_args(args, batch), carried_packed_step, GDN_PACKED_CARRIED
         else:
             step, carried = carried_step, GDN_DECODE_CARRIED
-        for name, opts in variants.items():
-            try:
-                row[name + "_us"] = run.time(step(opts), [args], 20e-6, carry=carried)[0] * 1e6
-            except Exception as e:
-                row[name + "_error"] = err_str(e)
+        time_carried(run, row, variants, step, args, 20e-6, carried)
         run.record(row)
 
 

@@ -16,7 +16,7 @@ import numpy as np
 from ddtree_jax.bench import deep_parents
 from ddtree_jax.tree import ancestor_bits_from_parents
 from pallas_kernels._common import pow2_at_least
-from scripts.bench.common import fmt, jax_rates, max_rel_err, record_row, rotations_for, time_jax
+from scripts.bench.common import err_str, fmt, jax_rates, max_rel_err, record_row, rotations_for, time_jax
 from scripts.bench.shapes import DRAFT_DEPTHS
 
 
@@ -68,6 +68,16 @@ class Kernel:
     lead: tuple  # the table's leading columns: (row key, title, width, number format or None)
     options: Callable[[argparse.ArgumentParser], None]
     help: str
+
+
+def time_carried(run: Run, row: dict, variants: dict, step, args: tuple, est_s: float, carry) -> None:
+    """row[name + "_us"]: each variant's carried decode step (step(opts) maps the arguments to the
+    carried ones, at positions `carry`) timed on args; a variant that fails records its error."""
+    for name, opts in variants.items():
+        try:
+            row[name + "_us"] = run.time(step(opts), [args], est_s, carry=carry)[0] * 1e6
+        except Exception as e:
+            row[name + "_error"] = err_str(e)
 
 
 def registrar(registry: dict[str, Kernel]):
