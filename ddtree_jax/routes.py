@@ -79,6 +79,18 @@ class Routes:
     # GDN tree verify of an unpeeled tree whose node count is not a power of two >= 16 (DDTree-4 / -8):
     # the kernel loads its rows masked instead of XLA padding q / k / v / g / beta (gdn_tree.py)
     gdn_tree_masked_rows: bool = True
+    # a Mamba2 decode step's dt, conv, state update, gate and window slide as one kernel, the group
+    # norm one fusion after it (pallas_kernels/mamba2_decode.py; decision 0073: Nemotron-H-8B decode
+    # at batch 1 4.14-4.20 against 4.20-4.27 ms, at batches 4 / 8 within the runs' noise)
+    mamba2_decode_kernel: bool = True
+    # ... over up to this many programs a head (its P rows split) while the grid fits
+    # mamba2_decode_programs_per_sm programs an SM (pallas_kernels._common.fitting_split); 1: no
+    # split, the H200's measure (one layer, batch 1: 9.78 us unsplit, 10.4 in 4; batch 8: 22.2 / 23.7)
+    mamba2_decode_p_split: int = 1
+    mamba2_decode_programs_per_sm: int = 4
+    # ... its group norm run by each group's last program (a counter per group) instead of two XLA
+    # fusions after the kernel: one layer 10.3 / 24.9 us against 9.78 / 22.2 (batch 1 / 8; 0073)
+    mamba2_decode_norm_in_kernel: bool = False
     add_norm_kernel: bool = True  # residual add + RMSNorm as one kernel
     # ... in one-mixer blocks (NemotronH) from this many tokens a row: at the Nemotron-H-8B shape on the
     # H200 the DDTree-8 step (9 a row) 8.70 against 8.83 ms at batch 8, the decode step (1 a row)

@@ -12,6 +12,7 @@ compiled by pip's triton (ptxas included) for GPUTarget("cuda", 90, 32); `cuobjd
     python -m scripts.offline_triton_compile select --nodes 16    # budget 16
     python -m scripts.offline_triton_compile topk --nodes 8192    # rows of 8192
     python -m scripts.offline_triton_compile gdn_decode --nodes 1 # batch 1
+    python -m scripts.offline_triton_compile mamba2_decode --nodes 1 # batch 1
     python -m scripts.offline_triton_compile gdn_prologue --nodes 65
     python -m scripts.offline_triton_compile attention --nodes 65 # 4k cache
     python -m scripts.offline_triton_compile gdn_commit --nodes 65
@@ -24,7 +25,8 @@ Kernels: "ssd" (pallas_kernels/ssd_tree.py verify, NemotronH-8B-like layer: 128 
 8 groups, state 128), "gdn" (pallas_kernels/gdn_tree.py, Qwen3.6-27B layer: 16 k / 48 v heads
 of 128) "select" (pallas_kernels/tree_select.py, 15 draft depths, --nodes = the budget) and "topk"
 (pallas_kernels/row_top_k.py, --nodes = the row length, k = 16 and 32), "gdn_decode"
-(pallas_kernels/gdn_decode.py at the 27B GDN layer, --nodes = the batch), "gdn_prologue"
+(pallas_kernels/gdn_decode.py at the 27B GDN layer, --nodes = the batch), "mamba2_decode"
+(pallas_kernels/mamba2_decode.py at the Nemotron-H-8B Mamba2 layer, --nodes = the batch), "gdn_prologue"
 (pallas_kernels/gdn_tree_prologue.py at the 27B GDN layer, batch 1), "attention"
 (pallas_kernels/tree_attention.py at the 27B attention layer, 4k context, batch 1), "gdn_commit"
 (pallas_kernels/gdn_commit.py at the 27B GDN layer, --nodes tree nodes, with and without the conv
@@ -208,6 +210,23 @@ def gdn_decode_cases(batch: int):
         opts = dict(num_warps=warps, dv_block=dv_block, dv_split=dv_split)
         yield dict(opts, packed=True), warps, functools.partial(
             gdn_decode_packed, num_k_heads=hk, head_v_dim=dv, eps=1e-6, impl="pallas", **opts), packed_shapes
+
+
+def mamba2_decode_cases(batch: int):
+    from pallas_kernels.mamba2_decode import mamba2_decode
+
+    h, p, g, n, taps = 128, 64, 8, 128, 4  # Nemotron-H-8B Mamba2 layer
+    inter, c = h * p, h * p + 2 * g * n
+    bf, f32 = jnp.bfloat16, jnp.float32
+    shapes = (jax.ShapeDtypeStruct((batch, inter + c + h), bf), jax.ShapeDtypeStruct((batch, taps - 1, c), bf),
+              jax.ShapeDtypeStruct((taps, c), bf), jax.ShapeDtypeStruct((c,), bf),
+              *(jax.ShapeDtypeStruct((h,), bf) for _ in range(3)), jax.ShapeDtypeStruct((batch, h, p, n), f32),
+              jax.ShapeDtypeStruct((inter,), bf), jax.ShapeDtypeStruct((batch,), jnp.int32))
+    for warps, p_split, norm in ((2, 1, False), (4, 1, False), (8, 1, False), (2, 2, False), (4, 2, False),
+                                 (2, 4, False), (4, 4, False), (2, 1, True), (4, 4, True)):
+        opts = dict(num_warps=warps, p_split=p_split, norm_in_kernel=norm)
+        yield opts, warps, functools.partial(mamba2_decode, num_heads=h, groups=g, eps=1e-5,
+                                             dt_limit=(0.001, float("inf")), impl="pallas", **opts), shapes
 
 
 def gdn_commit_cases(nodes: int):
@@ -397,7 +416,8 @@ def compile_case(kernels, warps, stages: int) -> list[dict]:
 
 
 CASES = {"ssd": ssd_cases, "gdn": gdn_cases, "select": select_cases, "topk": top_k_cases,
-         "gdn_decode": gdn_decode_cases, "gdn_prologue": gdn_prologue_cases, "attention": attention_cases,
+         "gdn_decode": gdn_decode_cases, "mamba2_decode": mamba2_decode_cases, "gdn_prologue": gdn_prologue_cases,
+         "attention": attention_cases,
          "gdn_commit": gdn_commit_cases, "add_rms_norm": add_rms_norm_cases, "moe_decode": moe_decode_cases,
          "moe_grouped": moe_grouped_cases, "row_product": row_product_cases, "pair_groups": pair_groups_cases}
 

@@ -39,6 +39,7 @@ from ddtree_jax.models.layers import Linear
 from ddtree_jax.models.mixer import Step
 from ddtree_jax.routes import REFERENCE, Routes
 from ddtree_jax.tree import TreeGeometry
+from pallas_kernels.mamba2_decode import fitting_split, mamba2_decode
 from pallas_kernels.ref import ssd
 from pallas_kernels.ref.conv import causal_conv, next_window, tree_conv
 from pallas_kernels.ref.norms import rms_normalize
@@ -125,8 +126,14 @@ class Mamba2Mixer(nnx.Module):
     # ---- append tokens to the committed state -----------------------------------------
     def append(self, x: jax.Array, cache: RecurrentCache, step: Step, routes: Routes = REFERENCE
                ) -> tuple[jax.Array, RecurrentCache]:
-        """Consume the first step.n_valid[b] of T tokens; later (padding) tokens leave the state alone."""
+        """Consume the first step.n_valid[b] of T tokens; later (padding) tokens leave the state alone.
+
+        With kernels on, a single-token step (decoding) runs its dt, conv, state update, gate and
+        window slide as one kernel between the projections, the group norm as one fusion after it
+        (routes.mamba2_decode_kernel; pallas_kernels/mamba2_decode.py)."""
         t, n_valid, chunked = x.shape[1], step.n_valid, step.chunked
+        if routes.kernels and routes.mamba2_decode_kernel and t == 1 and not chunked:
+            return self._decode_kernel(x, cache, n_valid, routes)
         z, xbc, dt = self.project(x, routes)
         conv = causal_conv(xbc, cache.conv, self.conv_weight[...], self._conv_bias())
         xs, bm, cm = self.ssm_inputs(conv, x.dtype)
@@ -139,6 +146,19 @@ class Mamba2Mixer(nnx.Module):
             y, state = ssd.recurrent(xs, dt, a, bm, cm, d, cache.state)
         new_cache = RecurrentCache(conv=next_window(xbc, cache.conv, n_valid), state=state)
         return self.output(y, z, x.dtype, routes), new_cache
+
+    def _decode_kernel(self, x: jax.Array, cache: RecurrentCache, n_valid, routes: Routes):
+        """One token through the layer with the core as one kernel, which reads z, the conv inputs
+        and dt from the input product in place."""
+        cfg = self.cfg
+        y, state, window = mamba2_decode(
+            self.in_proj(x, routes)[:, 0], cache.conv, self.conv_weight[...], self._conv_bias(), self.dt_bias[...],
+            self.A_log[...], self.D[...], cache.state, self.norm.weight[...], n_valid, num_heads=cfg.mamba_num_heads,
+            groups=cfg.mamba_n_groups, eps=self.norm.eps, dt_limit=cfg.mamba_dt_limit, impl=routes.impl,
+            p_split=fitting_split(x.shape[0], cfg.mamba_num_heads, cfg.mamba_head_dim, routes.mamba2_decode_p_split,
+                                  per_sm=routes.mamba2_decode_programs_per_sm),
+            norm_in_kernel=routes.mamba2_decode_norm_in_kernel)
+        return self.out_proj(y[:, None], routes), RecurrentCache(conv=window, state=state)
 
     # ---- speculative entry points -------------------------------------------------------
     def tree(self, x, cache: RecurrentCache, geo: TreeGeometry, start=None, routes: Routes = REFERENCE

@@ -23,6 +23,8 @@ NAME (one registry entry each; `python -m scripts.bench.kernels NAME --help` lis
   ssd_tree        Mamba2 / SSD tree verify (ssd_tree.py), Nemotron-H 8B layer (128 heads x 64, 8
                   groups, state 128); a small block sweep
   ssd_commit      SSD path commit (all P = 16 nodes accepted)
+  mamba2_decode   Mamba2 decode step (mamba2_decode.py) against the model's XLA path: state, window
+                  and input product carried from step to step as decoding does
   row_top_k       row top-k of the draft's log-probabilities (row_top_k.py) against the staged XLA
                   top-k of the DDTree build and plain lax.top_k
   tree_select     DDTree node selection in one launch (tree_select.py) against the XLA form

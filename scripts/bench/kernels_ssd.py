@@ -1,5 +1,5 @@
-"""The Mamba2 / SSD runs of scripts.bench.kernels (ssd_tree, ssd_commit): random problems at the
-Nemotron-H 8B layer (or the --heads / --head-dim / --groups / --state given) and the timed calls."""
+"""The Mamba2 / SSD runs of scripts.bench.kernels (ssd_tree, ssd_commit, mamba2_decode): random problems
+at the Nemotron-H 8B layer (or the --heads / --head-dim / --groups / --state given) and the timed calls."""
 
 from __future__ import annotations
 
@@ -8,10 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax.tree import make_tree
+from pallas_kernels.mamba2_decode import DEFAULT_WARPS as MAMBA2_DECODE_WARPS
+from pallas_kernels.mamba2_decode import mamba2_decode
 from pallas_kernels.ssd_tree import ssd_path_commit, ssd_tree_verify
-from scripts.bench.common import err_str
-from scripts.bench.kernels_harness import (Kernel, Run, add_batches, add_sweep, ints, masked_rows_apply, registrar,
-                                           tree_parents, variant_name)
+from scripts.bench.common import err_str, max_rel_err
+from scripts.bench.kernels_harness import (Kernel, Run, add_batches, add_sweep, add_warps, ints, masked_rows_apply,
+                                           registrar, time_carried, tree_parents, variant_name)
 from scripts.bench.shapes import DRAFT_DEPTHS, SSD_NEMOTRON_H_8B
 
 KERNELS: dict[str, Kernel] = {}
@@ -128,4 +130,75 @@ def run_ssd_commit(run: Run) -> None:
         row["ok"] = row.get("kernel_err", 1.0) <= 1e-5
         if "kernel_us" in row:
             row["kernel_GBps"] = moved / row["kernel_us"] / 1e3
+        run.record(row)
+
+
+def mamba2_decode_problem(seed: int, batch: int, heads: int, head_dim: int, groups: int, state: int, taps: int,
+                          dtype):
+    """mamba2_decode's arguments: a random step of `batch` rows, every 4th row idle (n_valid 0)."""
+    rng = np.random.default_rng(seed)
+    inter, c = heads * head_dim, heads * head_dim + 2 * groups * state
+    r = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)
+    n_valid = jnp.asarray((np.arange(batch) % 4 != 3).astype(np.int32))
+    return (r(batch, inter + c + heads).astype(dtype), r(batch, taps - 1, c).astype(dtype),
+            (r(taps, c) * 0.5).astype(dtype), (0.1 * r(c)).astype(dtype), (0.5 * r(heads)).astype(dtype),
+            (0.3 * r(heads)).astype(dtype), (1.0 + 0.2 * r(heads)).astype(dtype),
+            0.1 * r(batch, heads, head_dim, state), (1.0 + 0.1 * r(inter)).astype(dtype), n_valid)
+
+
+MAMBA2_DECODE_STATE, MAMBA2_DECODE_CARRIED = 7, (0, 1, 7)  # state; proj, window, state: carried step to step
+
+
+def mamba2_decode_options(ap):
+    ssd_options(ap)
+    add_warps(ap)
+    ap.add_argument("--p-splits", default="2,4", help="also time the kernel with a head's rows over these many "
+                    "programs (p_split), at the default warps and at each of --warps")
+
+
+@kernel("mamba2_decode", [("batch", "B", 2, None), ("float32_rel_err", "fp32 err", 9, ".1e"),
+                          ("bfloat16_rel_err", "bf16 err", 9, ".1e")],
+        "Mamba2 decode step against the model's XLA decode path", mamba2_decode_options)
+def run_mamba2_decode(run: Run) -> None:
+    a = run.args
+    L = ssd_layer(run)
+    run.report["shape"] = L
+    shape = dict(L, taps=4)
+    kw = dict(num_heads=L["heads"], groups=L["groups"], eps=1e-5, dt_limit=(0.001, float("inf")))
+    decode = lambda impl, **opts: jax.jit(lambda *args: mamba2_decode(*args, impl=impl, **kw, **opts))
+
+    def carried_step(opts):
+        def f(args):
+            y, state, window = mamba2_decode(*args, **kw, **opts)
+            proj = args[0]  # the input product changes every step, as in decoding
+            proj = (proj.astype(jnp.float32) * 0.999 + 1e-3 * y[:, :1].astype(jnp.float32)).astype(proj.dtype)
+            return proj, window, state
+        return f
+
+    for batch in [2] if run.smoke else ints(a.batches):
+        row = {"batch": batch}
+        variants = {"xla": dict(impl="xla"), "kernel": dict(impl=run.impl)}
+        warps = [None] + [nw for nw in ints(a.warps) if nw != MAMBA2_DECODE_WARPS]
+        for sp in [1] + ([2] if run.smoke else [s for s in ints(a.p_splits) if s > 1 and L["head_dim"] % s == 0]):
+            for nw in warps:
+                for norm in (False, True):  # the group norm after the kernel (XLA) or in its last programs
+                    if sp > 1 or nw or norm:
+                        variants[variant_name("kernel", dict(s=sp if sp > 1 else None, w=nw, norm=norm or None))] = \
+                            dict(impl=run.impl, num_warps=nw, p_split=sp, norm_in_kernel=norm)
+        for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)):
+            args = mamba2_decode_problem(batch, batch, **shape, dtype=dtype)
+            name = jnp.dtype(dtype).name
+            want = decode("xla")(*args)
+            try:
+                got = decode(run.impl)(*args)
+                row[f"{name}_rel_err"] = err = max_rel_err(want, got)
+                idle = [i for i in range(batch) if int(args[-1][i]) == 0]
+                same = all(bool((np.asarray(got[1][i]) == np.asarray(args[MAMBA2_DECODE_STATE][i])).all())
+                           for i in idle)
+                row[f"{name}_ok"] = bool(err <= tol and same)
+            except Exception as e:
+                row[f"{name}_error"] = err_str(e)
+        row["ok"] = bool(row.get("float32_ok") and row.get("bfloat16_ok"))
+        args = mamba2_decode_problem(batch * 10, batch, **shape, dtype=jnp.bfloat16)
+        time_carried(run, row, variants, carried_step, args, 10e-6, MAMBA2_DECODE_CARRIED)
         run.record(row)
