@@ -44,6 +44,14 @@ from pallas_kernels.ref.conv import causal_conv, next_window
 from pallas_kernels.ref.norms import rms_normalize
 
 DEFAULT_WARPS = 2  # the H200's fastest at batches 1 and 8: 9.78 / 22.2 us a layer against 10.5 / 24.6 at 4 (0073)
+TILE_PER_WARP = 4096  # state elements a warp holds (64 x 128 at 2 warps): larger tiles take more warps
+
+
+def default_warps(pp: int, nn: int) -> int:
+    """Warps for a padded [pp, nn] state tile: DEFAULT_WARPS up to 2 x TILE_PER_WARP elements (the
+    measured Nemotron-H-8B tile), more for larger ones (a state of 256: 4) so that the tile's
+    registers a thread stay where they were measured; at most 8."""
+    return min(8, max(DEFAULT_WARPS, pp * nn // TILE_PER_WARP))
 
 
 def _softplus(x):
@@ -156,12 +164,12 @@ def _kernel(nv_ref, proj_ref, win_ref, w_ref, *refs, heads, p, n, pr, pp, nn, re
     def window_at(m, ch):
         return (bi * (taps - 1) + m) * c + ch
 
-    def conv(col0, size, padded):
-        """SiLU(causal conv + bias) of channels col0 .. col0 + size of xBC ([padded], zeros past
+    def conv(start, size, padded):
+        """SiLU(causal conv + bias) of channels start .. start + size of xBC ([padded], zeros past
         size), rounded as the model rounds it; the window rows and the new input as stored."""
         lanes = lax.broadcasted_iota(i32, (padded,), 0)
         ok = lanes < size
-        ch = col0 + lanes
+        ch = start + lanes
         zero = lambda ref: jnp.zeros((padded,), ref.dtype)
         rows = [load(win_ref, (window_at(m, ch),), mask=ok, other=zero(win_ref)) for m in range(taps - 1)]
         new = load(proj_ref, (row0 + inter + ch,), mask=ok, other=zero(proj_ref))
@@ -186,7 +194,7 @@ def _kernel(nv_ref, proj_ref, win_ref, w_ref, *refs, heads, p, n, pr, pp, nn, re
 
     st = st * jnp.exp(dt * a) + (dt * x)[:, None] * bv[None, :]
     store(s_out, at, st, mask=tile_ok)
-    y = jnp.sum(st * cv[None, :], axis=1) + dcoef * x  # [pp], zeros past p
+    y = jnp.sum(st * cv[None, :], axis=1) + dcoef * x  # [pp], zeros past pr
 
     zf = z.astype(f32)
     gated = y * (zf * jax.nn.sigmoid(zf))
@@ -269,7 +277,8 @@ def _pallas(proj, window, conv_w, conv_b, dt_bias, a_log, d, state, norm_w, n_va
         # the state in place (each program reads and writes only its head's tile); the window to a new
         # buffer: programs of one group read B / C columns that its first program rewrites
         input_output_aliases=aliases,
-        compiler_params=None if interpret else compiler_params(num_warps or DEFAULT_WARPS, 1),
+        compiler_params=None if interpret else compiler_params(num_warps or default_warps(pow2_at_least(pr),
+                                                                                          pow2_at_least(n)), 1),
         interpret=interpret,
         name="mamba2_decode",
     )(*operands)

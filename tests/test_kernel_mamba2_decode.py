@@ -94,6 +94,14 @@ def test_decode_kernel_refuses_what_is_no_mamba2_layer():
         mamba2_decode(*bad, num_heads=2, groups=1, eps=1e-5, impl="pallas_interpret", p_split=3)
 
 
+def test_default_warps_keep_the_tile_per_thread():
+    """2 warps for the measured 64 x 128 state tile and smaller ones; more for larger tiles, at most 8."""
+    from pallas_kernels.mamba2_decode import default_warps
+
+    assert default_warps(64, 128) == 2 and default_warps(16, 16) == 2 and default_warps(16, 128) == 2
+    assert default_warps(64, 256) == 4 and default_warps(128, 256) == 8 and default_warps(256, 256) == 8
+
+
 @pytest.mark.parametrize("batch, p_split, norm", [(1, 1, False), (1, 1, True), (1, 4, True), (8, 1, True),
                                                   (8, 2, False)])
 def test_nemotron_h_8b_layer_natively(gpu_impl, batch, p_split, norm):
