@@ -16,8 +16,8 @@ from scripts.bench import kernels as bench
 
 def test_every_kernel_has_a_subcommand_and_a_docstring_line():
     assert set(bench.KERNELS) == {"gdn_tree", "gdn_commit", "gdn_decode", "gdn_prologue", "tree_attention",
-                                  "ancestor_bits", "ssd_tree", "ssd_commit", "mamba2_decode", "row_top_k", "tree_select",
-                                  "add_rms_norm", "softmax_top_k", "row_product", "pair_groups"}
+                                  "ancestor_bits", "ssd_tree", "ssd_commit", "mamba2_decode", "row_top_k",
+                                  "tree_select", "add_rms_norm", "softmax_top_k", "row_product", "pair_groups"}
     doc_names = {line.split()[0] for line in bench.__doc__.splitlines() if line.startswith("  ") and line.split()}
     assert set(bench.KERNELS) <= doc_names
     for name in bench.KERNELS:
