@@ -114,13 +114,13 @@ def test_nemotron_h_8b_layer_natively(gpu_impl, batch, p_split, norm):
 
 # ---- in the model ----------------------------------------------------------------------------------
 
-def _tiny(name):
+def _tiny(name, **overrides):
     from tests.hf_mamba_models import make_jax_target
 
     # attention heads of 16 where the family has attention (the attention kernels' smallest)
     heads = {"nemotron_h": dict(head_dim=16), "bamba": dict(num_attention_heads=2, num_key_value_heads=2),
              "mamba2": {}}[name]
-    return make_jax_target(name, seed=11, overrides=heads)
+    return make_jax_target(name, seed=11, overrides={**heads, **overrides})
 
 
 def test_reference_is_the_model_decode_path():
@@ -171,8 +171,14 @@ def test_decoding_through_the_kernel(name, routes):
     from tests.jaxpr_eqns import equations, kernel_name
     from tests.tree_harness import INTERPRET
 
-    cfg, gd, params = _tiny(name)
+    # the split case's Mamba2 heads of 32 (two programs of >= 16 rows each: fitting_split)
+    cfg, gd, params = _tiny(name, **({"mamba_head_dim": 32} if routes else {}))
     interpret = INTERPRET.replace(**routes)
+    if routes:
+        from pallas_kernels.mamba2_decode import fitting_split
+
+        assert fitting_split(2, cfg.mamba_num_heads, cfg.mamba_head_dim, interpret.mamba2_decode_p_split,
+                             per_sm=interpret.mamba2_decode_programs_per_sm) == 2
     rng = np.random.default_rng(2)
     prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 9)), jnp.int32)
     lens = jnp.asarray([9, 5], jnp.int32)

@@ -21,8 +21,8 @@ from pallas_kernels.gdn_tree_prologue import gdn_tree_prologue
 from scripts.bench import peers
 from scripts.bench.common import err_str, max_rel_err, time_torch
 from scripts.bench.kernels_harness import (Kernel, Run, add_batches, add_peers, add_sweep, add_warps, ancestor_words,
-                                           ints, masked_rows_apply, registrar, rel_err, time_carried, tree_parents,
-                                           variant_name)
+                                           check_decode_step, ints, masked_rows_apply, registrar, rel_err,
+                                           time_carried, tree_parents, variant_name)
 from scripts.bench.shapes import GDN_27B, LAYERS
 
 KERNELS: dict[str, Kernel] = {}
@@ -348,20 +348,8 @@ def run_gdn_decode(run: Run) -> None:
                          if nw != GDN_DECODE_WARPS})
         variants.update({f"kernel_s{sp}": dict(impl=run.impl, dv_split=sp)
                          for sp in ([2] if run.smoke else ints(a.dv_splits)) if sp != 1 and dv // sp >= 16})
-        for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)):
-            args = gdn_decode_problem(batch, batch, **shape, dtype=dtype)
-            name = jnp.dtype(dtype).name
-            with jax.default_matmul_precision("highest"):  # no TF32 in the reference's float32 a / b products
-                want = decode("xla")(*args)
-            try:
-                got = decode(run.impl)(*args)
-                row[f"{name}_rel_err"] = err = max_rel_err(want, got)
-                idle = [i for i in range(batch) if int(args[-1][i]) == 0]
-                same = all(bool((np.asarray(got[1][i]) == np.asarray(args[GDN_DECODE_STATE][i])).all()) for i in idle)
-                row[f"{name}_ok"] = bool(err <= tol and same)
-            except Exception as e:
-                row[f"{name}_error"] = err_str(e)
-        row["ok"] = bool(row.get("float32_ok") and row.get("bfloat16_ok"))
+        check_decode_step(row, lambda dtype: gdn_decode_problem(batch, batch, **shape, dtype=dtype), decode("xla"),
+                          decode(run.impl), GDN_DECODE_STATE)
         args = gdn_decode_problem(batch * 10, batch, **shape, dtype=jnp.bfloat16)
         if a.packed:
             args, step, carried = packed_args(args, batch), carried_packed_step, GDN_PACKED_CARRIED

@@ -70,6 +70,28 @@ class Kernel:
     help: str
 
 
+def check_decode_step(row: dict, problem, reference, kernel, state_pos: int) -> None:
+    """A decode kernel's correctness columns of row: for a float32 and a bf16 problem (problem(dtype)
+    -> the arguments, n_valid last), the kernel's outputs against the reference's (row[dtype +
+    "_rel_err"]; "_ok" within 1e-5 / 3e-2 and every idle row's state, output 1, its input at
+    state_pos bit for bit; "_error" if the kernel fails), and row["ok"] for both. The reference
+    runs at "highest" matmul precision (no TF32 in its float32 products)."""
+    for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)):
+        args = problem(dtype)
+        name = jnp.dtype(dtype).name
+        with jax.default_matmul_precision("highest"):
+            want = reference(*args)
+        try:
+            got = kernel(*args)
+            row[f"{name}_rel_err"] = err = max_rel_err(want, got)
+            idle = [i for i in range(args[-1].shape[0]) if int(args[-1][i]) == 0]
+            same = all(bool((np.asarray(got[1][i]) == np.asarray(args[state_pos][i])).all()) for i in idle)
+            row[f"{name}_ok"] = bool(err <= tol and same)
+        except Exception as e:
+            row[f"{name}_error"] = err_str(e)
+    row["ok"] = bool(row.get("float32_ok") and row.get("bfloat16_ok"))
+
+
 def time_carried(run: Run, row: dict, variants: dict, step, args: tuple, est_s: float, carry) -> None:
     """row[name + "_us"]: each variant's carried decode step (step(opts) maps the arguments to the
     carried ones, at positions `carry`) timed on args; a variant that fails records its error."""

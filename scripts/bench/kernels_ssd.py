@@ -11,9 +11,9 @@ from ddtree_jax.tree import make_tree
 from pallas_kernels.mamba2_decode import DEFAULT_WARPS as MAMBA2_DECODE_WARPS
 from pallas_kernels.mamba2_decode import mamba2_decode
 from pallas_kernels.ssd_tree import ssd_path_commit, ssd_tree_verify
-from scripts.bench.common import err_str, max_rel_err
-from scripts.bench.kernels_harness import (Kernel, Run, add_batches, add_sweep, add_warps, ints, masked_rows_apply,
-                                           registrar, time_carried, tree_parents, variant_name)
+from scripts.bench.common import err_str
+from scripts.bench.kernels_harness import (Kernel, Run, add_batches, add_sweep, add_warps, check_decode_step, ints,
+                                           masked_rows_apply, registrar, time_carried, tree_parents, variant_name)
 from scripts.bench.shapes import DRAFT_DEPTHS, SSD_NEMOTRON_H_8B
 
 KERNELS: dict[str, Kernel] = {}
@@ -185,20 +185,8 @@ def run_mamba2_decode(run: Run) -> None:
                     if sp > 1 or nw or norm:
                         variants[variant_name("kernel", dict(s=sp if sp > 1 else None, w=nw, norm=norm or None))] = \
                             dict(impl=run.impl, num_warps=nw, p_split=sp, norm_in_kernel=norm)
-        for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)):
-            args = mamba2_decode_problem(batch, batch, **shape, dtype=dtype)
-            name = jnp.dtype(dtype).name
-            want = decode("xla")(*args)
-            try:
-                got = decode(run.impl)(*args)
-                row[f"{name}_rel_err"] = err = max_rel_err(want, got)
-                idle = [i for i in range(batch) if int(args[-1][i]) == 0]
-                same = all(bool((np.asarray(got[1][i]) == np.asarray(args[MAMBA2_DECODE_STATE][i])).all())
-                           for i in idle)
-                row[f"{name}_ok"] = bool(err <= tol and same)
-            except Exception as e:
-                row[f"{name}_error"] = err_str(e)
-        row["ok"] = bool(row.get("float32_ok") and row.get("bfloat16_ok"))
+        check_decode_step(row, lambda dtype: mamba2_decode_problem(batch, batch, **shape, dtype=dtype), decode("xla"),
+                          decode(run.impl), MAMBA2_DECODE_STATE)
         args = mamba2_decode_problem(batch * 10, batch, **shape, dtype=jnp.bfloat16)
         time_carried(run, row, variants, carried_step, args, 10e-6, MAMBA2_DECODE_CARRIED)
         run.record(row)
