@@ -45,6 +45,11 @@ ROW_PRODUCT_WEIGHTS_GPU = ROW_PAD_WEIGHTS_GPU
 # (docs/decisions/0058-gdn-decode-split-and-attention-splits.md).
 GDN_DECODE_DV_SPLIT_GPU = 4
 
+# The generation loop's steps between two reads of its predicate on a GPU, unrolled: the 35B-A3B
+# decode step 2.52-2.56 against 2.60-2.62 ms, the demo pair's steps 2-8 % shorter, at most one step
+# run past an end token (docs/decisions/0075-generation-loop-in-pairs-of-steps.md).
+LOOP_CHUNK_GPU = 2
+
 
 @dataclasses.dataclass(frozen=True)
 class Routes:
@@ -157,6 +162,8 @@ class Routes:
     rank_select_max: int = 0  # beam rows up to this long: selection by pairwise ranks
     # ---- XLA compiler options of the compiled program (any impl; `compiler_options`) ----
     xla_pdl: bool = False  # programmatic dependent launch: a kernel starts while its predecessor drains
+    # ---- the generation loop (any impl) ----
+    loop_chunk: int = 1  # fixed-budget steps per predicate read, unrolled (GenSpec.chunk; GPU: 2)
 
     def __post_init__(self):
         problems = self.problems()
@@ -173,8 +180,10 @@ class Routes:
                 out.append(f"{f.name} must be true or false, got {v!r}")
             if f.type == "int" and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
                 out.append(f"{f.name} must be an integer >= 0, got {v!r}")
-        if isinstance(self.gdn_decode_programs_per_sm, int) and self.gdn_decode_programs_per_sm < 1:
-            out.append(f"gdn_decode_programs_per_sm must be >= 1, got {self.gdn_decode_programs_per_sm}")
+        for name in ("gdn_decode_programs_per_sm", "loop_chunk"):
+            v = getattr(self, name)
+            if isinstance(v, int) and not isinstance(v, bool) and v < 1:
+                out.append(f"{name} must be >= 1, got {v}")
         for name in ("gdn_decode_dv_split", "attention_split_keys"):
             v = getattr(self, name)
             if isinstance(v, int) and not isinstance(v, bool) and (v < 1 or v & (v - 1)):
@@ -233,7 +242,7 @@ class Routes:
         if gpu:
             fields.update(sort_top_k_max=16, staged_top_k=True, prefilter_top_k=True, rank_select_max=1024,
                           row_pad_weights=ROW_PAD_WEIGHTS_GPU, row_product_weights=ROW_PRODUCT_WEIGHTS_GPU,
-                          gdn_decode_dv_split=GDN_DECODE_DV_SPLIT_GPU)
+                          gdn_decode_dv_split=GDN_DECODE_DV_SPLIT_GPU, loop_chunk=LOOP_CHUNK_GPU)
         if impl == "pallas_interpret":
             fields.update(ssd_kernel_max_nodes=_NO_LIMIT)
         fields.update(overrides)

@@ -1,8 +1,9 @@
-"""GenSpec.loop_chunk: the generation loop in chunks of a static step count (one predicate read a
-chunk on a GPU) gives the single-step loop's generation exactly - tokens, counts, per-row steps,
-the histogram, the step counter and the caches' lengths - for plain decoding and DDTree, rows that
-stop at different steps, and `advance` called for a few steps at a time (the stop inside a chunk);
-budget "auto" and bad values are refused."""
+"""GenSpec.loop_chunk / Routes.loop_chunk: the generation loop in unrolled chunks of a static step
+count (one predicate read a chunk on a GPU) gives the single-step loop's generation exactly -
+tokens, counts, per-row steps, the histogram, the step counter and the caches' lengths - for plain
+decoding and DDTree, rows that stop at different steps, and `advance` called for a few steps at a
+time (the stop inside a chunk); the routes' default applies unless a GenSpec sets its own; budget
+"auto" runs single steps; bad values are refused."""
 
 import dataclasses
 
@@ -68,7 +69,38 @@ def test_chunked_loop_has_a_static_inner_loop():
     spec = gen.GenSpec("ar", 1, None, NEW, Sampling(), 0, None, loop_chunk=4)
     s = gen.start(gd, params, None, prompt, lens, None, jax.random.PRNGKey(0), spec)
     text = str(jax.make_jaxpr(lambda st: gen._advance_from(gd, params, None, st, None, jnp.int32(8), spec))(s))
-    assert "length=4" in text  # lax.fori_loop of static bounds: a scan of 4 steps
+    assert "length=4" in text and "unroll=4" in text  # lax.fori_loop of static bounds, unrolled: 4 steps a chunk
+
+
+def test_the_chunk_comes_from_the_routes_unless_set():
+    from ddtree_jax.routes import REFERENCE, Routes
+
+    cfg = MODEL[0]
+    assert Routes.resolve(platform="gpu").loop_chunk == 2 and Routes.resolve(platform="cpu").loop_chunk == 1
+    fixed = gen.GenSpec("ar", 1, None, NEW, Sampling(), 0, None, routes=REFERENCE.replace(loop_chunk=3))
+    assert fixed.chunk == 3 and dataclasses.replace(fixed, loop_chunk=1).chunk == 1
+    auto = gen.GenSpec("ddtree", AutoBudget(budgets=(4, 8)), None, NEW, Sampling(), 0,
+                       ScriptedProposer(4, cfg.vocab_size, 0.3, seed=5), routes=REFERENCE.replace(loop_chunk=3))
+    auto.validate(cfg.vocab_size)  # the routes' default is no request: "auto" runs single steps
+    assert auto.chunk == 1
+    with pytest.raises(ValueError, match="loop_chunk must be >= 1"):
+        REFERENCE.replace(loop_chunk=0)
+
+
+def test_a_routes_chunk_generates_what_single_steps_do():
+    from ddtree_jax.routes import REFERENCE
+
+    cfg, gd, params, prompt, lens, _ = _setup()
+    outs = []
+    for chunk in (1, 2):
+        spec = gen.GenSpec("ar", 1, None, NEW, Sampling(), 0, None, routes=REFERENCE.replace(loop_chunk=chunk))
+        rows = gen.uniform_rows(Sampling(), 3, NEW, jax.random.PRNGKey(0))._replace(
+            max_new=jnp.asarray(MAX_NEW, jnp.int32))
+        s = gen.start(gd, params, None, prompt, lens, None, jax.random.PRNGKey(0), spec, rows=rows)
+        outs.append(gen.advance(gd, params, None, s, None, jnp.int32(7), spec))  # a stop inside a chunk
+    for field in ("out", "n_out", "steps", "i", "done"):
+        np.testing.assert_array_equal(np.asarray(getattr(outs[1], field)), np.asarray(getattr(outs[0], field)),
+                                      err_msg=field)
 
 
 def test_bad_loop_chunks_are_refused():
@@ -81,3 +113,18 @@ def test_bad_loop_chunks_are_refused():
     with pytest.raises(ValueError, match="loop_chunk = 2 is for fixed budgets"):
         auto.validate(cfg.vocab_size)
     assert dataclasses.replace(auto, loop_chunk=1).validate(cfg.vocab_size) is None
+
+
+def test_an_engine_on_gpu_routes_runs_fixed_budgets_in_pairs():
+    from ddtree_jax.cli.common import load_engine
+    from ddtree_jax.engine import Engine
+    from ddtree_jax.routes import Routes
+
+    demo = load_engine(None, None)
+    eng = Engine(demo.cfg, demo.graphdef, demo.params, proposer=demo.proposer, drafter_params=demo.drafter_params,
+                 routes=Routes.resolve(platform="gpu"))
+    kw = dict(candidates=None, max_new_tokens=NEW, sampling=Sampling(), prompt_bucket=16)
+    assert eng.spec("ar", budget=1, **kw).chunk == 2
+    assert eng.spec("ddtree", budget=8, **kw).chunk == 2
+    assert eng.spec("ddtree", budget="auto", **kw).chunk == 1
+    assert demo.spec("ddtree", budget=8, **kw).chunk == 1  # this CPU's routes

@@ -55,14 +55,22 @@ class GenSpec:
     capacity: int = 0  # KV slots; 0 = prompt + max_new + block + 1
     proposer: Any = None
     routes: Routes = REFERENCE  # kernel routes and forms (ddtree_jax/routes.py; Routes.resolve() per device)
-    # Steps between two reads of the loop's predicate: > 1 runs the loop in chunks of this many
-    # steps with a static trip count (on a GPU XLA reads a data-dependent predicate on the host every
-    # iteration), then single steps up to the stop; fixed budgets only (`_advance`)
-    loop_chunk: int = 1
+    # Fixed-budget steps between two reads of the loop's predicate, unrolled (on a GPU XLA reads a
+    # data-dependent predicate on the host every iteration, and copies back each carried buffer a
+    # kernel wrote anew, e.g. a conv window); None: routes.loop_chunk. Budget "auto" takes 1 (`chunk`)
+    loop_chunk: int | None = None
 
     @property
     def block(self) -> int:
         return 1 if self.mode == "ar" else self.proposer.block_size
+
+    @property
+    def chunk(self) -> int:
+        """Steps a chunk of the generation loop runs (`_advance`): loop_chunk if set, else the
+        routes' default; 1 under budget "auto", which chooses between steps."""
+        if self.adaptive is not None:
+            return 1
+        return self.routes.loop_chunk if self.loop_chunk is None else self.loop_chunk
 
     @property
     def code(self) -> SamplingCode:
@@ -81,9 +89,10 @@ class GenSpec:
             raise ValueError(f"sampling must be a Sampling or a SamplingCode, got {self.sampling!r}")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
-        if not isinstance(self.loop_chunk, int) or isinstance(self.loop_chunk, bool) or self.loop_chunk < 1:
+        if self.loop_chunk is not None and (not isinstance(self.loop_chunk, int) or isinstance(self.loop_chunk, bool)
+                                            or self.loop_chunk < 1):
             raise ValueError(f"loop_chunk must be a positive integer, got {self.loop_chunk!r}")
-        if self.loop_chunk > 1 and self.adaptive is not None:
+        if self.loop_chunk is not None and self.loop_chunk > 1 and self.adaptive is not None:
             raise ValueError(f"loop_chunk = {self.loop_chunk} is for fixed budgets: budget 'auto' chooses between "
                              "steps (use loop_chunk 1)")
         if self.mode != "ar":
@@ -331,21 +340,23 @@ def _host_plans(spec: GenSpec) -> bool:
 
 
 def _advance(model, drafter_params, s: LoopState, eos_ids, spec: GenSpec, max_steps) -> LoopState:
-    """Up to max_steps steps, until every row stopped. With spec.loop_chunk C > 1, first whole chunks
-    of C steps (a loop of static trip count inside, so the predicate is read once a chunk); a step
+    """Up to max_steps steps, until every row stopped. With spec.chunk C > 1, first whole chunks
+    of C steps (unrolled, so the predicate is read once a chunk, and a buffer one step's kernel
+    writes anew is the next step's input instead of a copy back into the loop's carry); a step
     that starts with every row stopped changes no output and is not counted (a stopped row's state
     is stepped as in any batch whose other rows run); then single steps up to the stop."""
     stop_at = s.i + max_steps
-    step = lambda st: _step(model, drafter_params, st, eos_ids, spec, stop_at)
+    # one jitted step: traced and lowered once however many of its calls the loops below hold
+    step = jax.jit(lambda st: _step(model, drafter_params, st, eos_ids, spec, stop_at))
     going = lambda st: ~jnp.all(st.done)
-    c = spec.loop_chunk
+    c = spec.chunk
     if c > 1:
         def counted(_, st):
             nxt = step(st)
             return nxt._replace(i=jnp.where(going(st), nxt.i, st.i))
 
         s = jax.lax.while_loop(lambda st: going(st) & (st.i + c <= stop_at),
-                               lambda st: jax.lax.fori_loop(0, c, counted, st), s)
+                               lambda st: jax.lax.fori_loop(0, c, counted, st, unroll=True), s)
     s = jax.lax.while_loop(lambda st: going(st) & (st.i < stop_at), step, s)
     return adaptive.with_plan(s, spec) if _host_plans(spec) else s
 

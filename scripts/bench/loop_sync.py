@@ -50,14 +50,15 @@ def measure(engine, mode: str, budget: int, batch: int, prompt_len: int, steps: 
     never = jnp.asarray([-1], jnp.int32)  # no EOS
     rows = gen.uniform_rows(Sampling(), batch, max_new, jax.random.PRNGKey(0))
     s0 = start(params, dparams, prompt, lens, never, None, spec=spec, rows=rows)
+    single = dataclasses.replace(spec, loop_chunk=1)  # not the routes' default (a GPU's is > 1)
 
     @functools.partial(jax.jit, static_argnums=(3,))
     def fori(params, dparams, state, n):
         model = nnx.merge(graphdef, params)
-        return jax.lax.fori_loop(0, n, lambda _, st: gen._step(model, dparams, st, never, spec), state)
+        return jax.lax.fori_loop(0, n, lambda _, st: gen._step(model, dparams, st, never, single), state)
 
     chunked = dataclasses.replace(spec, loop_chunk=chunk)
-    loops = {"while": lambda st, n: advance(params, dparams, st, never, jnp.int32(n), spec=spec),
+    loops = {"while": lambda st, n: advance(params, dparams, st, never, jnp.int32(n), spec=single),
              "chunked": lambda st, n: advance(params, dparams, st, never, jnp.int32(n), spec=chunked),
              "fori": lambda st, n: fori(params, dparams, st, n)}
     for run in loops.values():  # compile and first runs
