@@ -155,26 +155,20 @@ def _phase_loop(graphdef, params, dparams, s, logq, tree, res, eos, key, spec, p
     """Run one phase n times on device (n traced: one compilation for every n); each iteration
     perturbs an input by the loop index so nothing is hoisted out of the loop, and a checksum of
     the output keeps it from being dropped. The plain decoding step ("step") and the whole
-    speculative step ("loop": draft, build, verify, commit and the loop's bookkeeping, as
-    gen._advance runs them) instead carry their state from iteration to iteration, as generation
-    does: with only a checksum of each output, XLA dropped the recurrent-state and cache writebacks
-    and copied the K cache per layer instead of updating it in place (seen in the profile's HLO),
-    and the separate phases miss the copies the loop itself makes into its carried buffers. The
-    inputs are not donated: each call first copies the caches it will update (per call, not per
+    speculative step ("loop": draft, build, verify, commit and the loop's bookkeeping) instead run
+    n steps of gen._advance, the generation loop itself (spec's mode): its state carried from step
+    to step (with only a checksum of each output, XLA dropped the recurrent-state and cache
+    writebacks and copied the K cache per layer instead of updating it in place, seen in the
+    profile's HLO), its predicate reads and its chunks of steps (Routes.loop_chunk: on a GPU pairs,
+    between whose steps no carried buffer is copied back; docs/decisions/0075-generation-loop-in-pairs-of-steps.md).
+    The inputs are not donated: each call first copies the caches it will update (per call, not per
     iteration)."""
     model = nnx.merge(graphdef, params)
     vocab = model.cfg.vocab_size
-    if phase == "step":
-        def carried(i, carry):
-            st, acc = carry
-            st = gen._ar_step(model, st, eos, spec)[0]
-            return st, acc + _checksum(st.bonus)
-
-        last, acc = jax.lax.fori_loop(0, n, carried, (s, jnp.float32(0)))
-        return acc + _checksum(last)
-    if phase == "loop":  # the whole speculative step as generation runs it: n steps of gen._advance
-        last = gen._advance(model, dparams, s, eos, spec, n)
-        return _checksum(last)
+    if phase in ("step", "loop"):  # n steps as generation runs them
+        if (phase == "step") != (spec.mode == "ar"):
+            raise ValueError(f"phase {phase!r} with a {spec.mode!r} spec ('step' is plain decoding's)")
+        return _checksum(gen._advance(model, dparams, s, eos, spec, n))
 
     def body(i, acc):
         bumped = s._replace(bonus=(s.bonus + i) % vocab)

@@ -109,3 +109,31 @@ def test_ncu_target_runs_the_moe_decode_call(capsys):
 
     assert main(["moe_decode", "--launches", "1", "--impl", "xla"]) == 0
     assert "finite=True" in capsys.readouterr().out
+
+
+def test_the_step_phase_is_the_generation_loop():
+    """_phase_loop's "step" is n steps of gen._advance (the loop generation runs, with its chunks),
+    and refuses a speculative spec (whose whole step is "loop")."""
+    import jax
+    import jax.numpy as jnp
+
+    from ddtree_jax import bench as B
+    from ddtree_jax.routes import REFERENCE
+    from ddtree_jax.speculative import generate as gen
+    from ddtree_jax.speculative.sampling import Sampling
+    from tests.scripted_proposers import ScriptedProposer
+    from tests.tiny_models import HYBRID, make_target
+
+    cfg, gd, params = make_target(dict(head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16), seed=4,
+                                  base=HYBRID)
+    prompt, lens = jnp.ones((1, 5), jnp.int32), jnp.full((1,), 5, jnp.int32)
+    eos, key = jnp.zeros((0,), jnp.int32), jax.random.PRNGKey(0)
+    for chunk in (1, 2):
+        spec = gen.GenSpec("ar", 1, None, 32, Sampling(), 0, None, routes=REFERENCE.replace(loop_chunk=chunk))
+        s = gen.start(gd, params, None, prompt, lens, eos, key, spec)
+        got = B._phase_loop(gd, params, None, s, None, None, None, eos, key, spec, "step", jnp.int32(5))
+        want = B._checksum(gen.advance(gd, params, None, s, eos, jnp.int32(5), spec))
+        assert float(got) == float(want)
+    tree_spec = gen.GenSpec("ddtree", 4, None, 32, Sampling(), 0, ScriptedProposer(4, cfg.vocab_size, 0.3, seed=1))
+    with pytest.raises(ValueError, match="plain decoding's"):
+        B._phase_loop(gd, params, None, s, None, None, None, eos, key, tree_spec, "step", jnp.int32(1))

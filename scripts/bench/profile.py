@@ -2,8 +2,9 @@
 
 Same target, drafter and filled caches as scripts.bench.e2e (default: the 27B shape at a 4k
 context; `--shape demo` the demo pair's shape, whose step is bound by its kernel count). Each phase
-(plain decode step; DDTree draft, tree build, verify, commit; "loop", the whole DDTree step as
-generation runs it) runs `--inner` times inside one on-device loop under `jax.profiler.trace`;
+("step", plain decoding, and "loop", the whole DDTree step, both as the generation loop runs them,
+in its chunks of steps; DDTree draft, tree build, verify, commit) runs `--inner` times inside one
+on-device loop under `jax.profiler.trace`;
 the trace's GPU plane is read back with `jax.profiler.ProfileData` and every kernel's time is
 summed by name and by kind (GEMM, Pallas/Triton, fusion, copy, ...); `--sources` also names what
 each kernel computes (shape, op, source lines in our code: read from the phase's optimized HLO,
