@@ -46,8 +46,8 @@ ROW_PRODUCT_WEIGHTS_GPU = ROW_PAD_WEIGHTS_GPU
 GDN_DECODE_DV_SPLIT_GPU = 4
 
 # The generation loop's steps between two reads of its predicate on a GPU, unrolled: the 35B-A3B
-# decode step 2.52-2.56 against 2.60-2.62 ms, the demo pair's steps 2-8 % shorter, at most one step
-# run past an end token (docs/decisions/0075-generation-loop-in-pairs-of-steps.md).
+# decode step 2.57 / 2.57 against 2.62 / 2.65 ms, the demo pair's steps 4-15 % shorter, at most one
+# step run past an end token (docs/decisions/0075-generation-loop-in-pairs-of-steps.md).
 LOOP_CHUNK_GPU = 2
 
 
