@@ -16,7 +16,8 @@ from ddtree_jax.speculative import generate as gen
 from ddtree_jax.speculative.adaptive import AutoBudget
 from ddtree_jax.speculative.sampling import Sampling
 from tests.scripted_proposers import ScriptedProposer
-from tests.tiny_models import HYBRID, make_target
+from tests.hf_mamba_models import make_jax_target
+from tests.tiny_models import ATTENTION_ONLY, HYBRID, HYBRID_MOE, NEXT_MOE, make_target
 
 MODEL = make_target(dict(head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16), seed=21, base=HYBRID)
 NEW = 12
@@ -128,3 +129,38 @@ def test_an_engine_on_gpu_routes_runs_fixed_budgets_in_pairs():
     assert eng.spec("ddtree", budget=8, **kw).chunk == 2
     assert eng.spec("ddtree", budget="auto", **kw).chunk == 1
     assert demo.spec("ddtree", budget=8, **kw).chunk == 1  # this CPU's routes
+
+
+FAMILIES = {
+    "qwen3": lambda: make_target(seed=2, base=ATTENTION_ONLY),
+    "qwen3_5_moe": lambda: make_target(seed=3, base=HYBRID_MOE),
+    "qwen3_next_moe": lambda: make_target(seed=4, base=NEXT_MOE),
+    "nemotron_h": lambda: make_jax_target("nemotron_h", seed=5),
+    "bamba": lambda: make_jax_target("bamba", seed=6),
+    "mamba2": lambda: make_jax_target("mamba2", seed=7),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_pairs_generate_what_single_steps_do_on_every_family(family):
+    """The GPU's default (Routes.loop_chunk 2) against single steps on a tiny target of each family:
+    DDTree (a scripted drafter, rows stopping at different steps) and plain decoding, one call."""
+    from ddtree_jax.routes import REFERENCE
+
+    cfg, gd, params = FAMILIES[family]()
+    rng = np.random.default_rng(11)
+    prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 5)), jnp.int32)
+    lens = jnp.asarray([5, 3], jnp.int32)
+    for mode in ("ar", "ddtree"):
+        proposer = None if mode == "ar" else ScriptedProposer(4, cfg.vocab_size, 0.3, seed=5)
+        table = None if mode == "ar" else jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 32)), jnp.int32)
+        outs = []
+        for chunk in (1, 2):
+            spec = gen.GenSpec(mode, 6, None, 9, Sampling(), 0, proposer, routes=REFERENCE.replace(loop_chunk=chunk))
+            rows = gen.uniform_rows(Sampling(), 2, 9, jax.random.PRNGKey(0))._replace(
+                max_new=jnp.asarray([9, 6], jnp.int32))
+            s = gen.start(gd, params, table, prompt, lens, None, jax.random.PRNGKey(0), spec, rows=rows)
+            outs.append(gen.advance(gd, params, table, s, None, jnp.int32(2**30), spec))
+        for field in ("out", "n_out", "steps", "hist", "i"):
+            np.testing.assert_array_equal(np.asarray(getattr(outs[1], field)), np.asarray(getattr(outs[0], field)),
+                                          err_msg=f"{mode} {field}")
