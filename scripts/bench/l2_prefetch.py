@@ -72,7 +72,7 @@ def _lead_kernel(y_ref, r_ref, nw_ref, w_ref, x_ref, sink_ref, *, rows: int, k: 
                 for u in range(unroll):
                     t = jnp.minimum((g * programs + q) * unroll + u, tiles - 1)
                     idx = (pl.ds(t * TILE[0], TILE[0]), pl.ds(0, TILE[1]))
-                    if gpu:
+                    if gpu:  # interpret mode (the CPU smoke run) takes no cache hints: plain loads there
                         loaded.append(pltriton.load(w_ref.at[idx], eviction_policy="evict_last"))
                     else:
                         loaded.append(load(w_ref, idx))
