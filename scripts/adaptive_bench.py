@@ -8,7 +8,9 @@
               acceptance E (what the policy sees) and the draft tokens it would accept (the target's
               greedy continuation is known, so acceptance is counterfactual for every choice at once).
               The drafter's context is the committed tokens', whatever was chosen before, so greedy
-              generation under any policy walks these positions.
+              generation under any policy walks these positions. Also the target's top-1
+              probability and entropy of the distribution that chose each position's root (what a
+              policy knows of the target before choosing).
     simulate  Any policy (plain, DFlash, every fixed budget, auto with the loop's own choice.py code)
               replayed on a trace with a step-time table: tokens/s per batch size. With the demo
               pair's trace and a 27B-shaped table (python -m scripts.bench.e2e --budgets ... step_ms_by_choice,
@@ -16,8 +18,9 @@
               acceptance comes from the demo pair; with the demo's own table (ddtree-bench
               --cost-table) it checks the simulation against measured auto runs (scripts/adaptive_simulate.py).
     ceiling   What any per-step choice could gain on a trace over the best fixed choice: the oracle
-              (realised acceptance known) and the choice from E with an in-sample calibration
-              (scripts/adaptive_ceiling.py).
+              (realised acceptance known), the choice from E with a calibration fitted in-sample and
+              on the other prompts, and with --knn K the K nearest positions of the other prompts by
+              every choice's E and the target's confidence (scripts/adaptive_ceiling.py).
     latency   Compile time of auto and its effect on the first token: a fresh engine's first call of
               a shape (compilation, warm-up, auto's start-up table) and a second call, per mode.
 
@@ -68,7 +71,9 @@ DEFAULT_PROMPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
 # ---- trace --------------------------------------------------------------------------------------
 @routed_jit(static_argnames=("graphdef", "spec", "auto", "n"))
 def _trace(graphdef, params, dparams, s, table, spec, auto: AutoBudget, n: int):
-    """n positions from state s: (E [n, B, C], accepted [n, B, C]); one plain step between them."""
+    """n positions from state s: (E [n, B, C], accepted [n, B, C], the target's top-1 probability
+    and entropy (nats) [n, B] of the token after each position's root); one plain step between them.
+    The target's figures take one more target forward a position (a trace-only cost)."""
     model = nnx.merge(graphdef, params)
     depth = spec.block - 1
     eos = jnp.zeros((0,), jnp.int32)
@@ -86,12 +91,15 @@ def _trace(graphdef, params, dparams, s, table, spec, auto: AutoBudget, n: int):
         post = [jnp.take_along_axis(table, jnp.minimum(t.positions + 1, table.shape[1] - 1), axis=1) for t in trees]
         acc = [accept(t, p, depth).count - 1 for t, p in zip(trees, post)]
         acc = jnp.stack([jnp.zeros((b,), jnp.int32)] + acc, axis=1)
+        h, _, _ = model(st.bonus[:, None], st.cache, (~st.done).astype(jnp.int32), chunked=False, routes=spec.routes)
+        logp = jax.nn.log_softmax(model.logits(h[:, 0]).astype(jnp.float32), axis=-1)
+        top1, entropy = jnp.exp(jnp.max(logp, axis=-1)), -jnp.sum(jnp.exp(logp) * logp, axis=-1)
         new, _, feats = gen._ar_step(model, st, eos, spec, spec.proposer.hidden_ids)
         dstate = spec.proposer.extend(dparams, new.dstate, feats, (~st.done).astype(jnp.int32), routes=spec.routes)
-        return new._replace(dstate=dstate), (e, acc)
+        return new._replace(dstate=dstate), (e, acc, top1, entropy)
 
-    _, (e, acc) = jax.lax.scan(body, s, None, length=n)
-    return e, acc
+    _, out = jax.lax.scan(body, s, None, length=n)
+    return out
 
 
 def trace(engine, prompts: list[list[int]], max_new: int, auto: AutoBudget) -> dict:
@@ -114,14 +122,17 @@ def trace(engine, prompts: list[list[int]], max_new: int, auto: AutoBudget) -> d
     eos = jnp.zeros((0,), jnp.int32)
     s = gen.start(engine.graphdef, engine.params, engine.drafter_params, jnp.asarray(prompt), jnp.asarray(lengths),
                   eos, jax.random.PRNGKey(0), spec)
-    e, acc = _trace(engine.graphdef, engine.params, engine.drafter_params, s, jnp.asarray(table), spec, auto,
-                    max_new - 1)
-    e, acc = np.asarray(e), np.asarray(acc)
+    e, acc, top1, entropy = (np.asarray(x) for x in _trace(
+        engine.graphdef, engine.params, engine.drafter_params, s, jnp.asarray(table), spec, auto, max_new - 1))
     rows = []
     for i, c in enumerate(ref):
         n = min(len(c.token_ids), max_new) - 1  # positions a generation of max_new tokens (or to EOS) visits
+        # what a policy knows at position p before choosing: the target's distribution that chose
+        # p's root, computed at p - 1 (none at the first position)
         rows.append({"prompt_len": lens[i], "positions": n, "e": e[:n, i].round(5).tolist(),
-                     "accepted": acc[:n, i].tolist()})
+                     "accepted": acc[:n, i].tolist(),
+                     "root_top1": [None] + top1[: n - 1, i].round(5).tolist(),
+                     "root_entropy": [None] + entropy[: n - 1, i].round(5).tolist()})
     return {"choices": list(auto.names), "budgets": list(auto.budgets), "ar_burst": auto.ar_burst,
             "max_new_tokens": max_new, "rows": rows}
 
@@ -268,6 +279,9 @@ def main(argv=None) -> int:
                    help="committed length at the first position (default: each prompt's own length)")
     c.add_argument("--max-new-tokens", type=int, default=None, help="as simulate's")
     c.add_argument("--bins", type=int, default=12, help="quantile bins of E in the calibrated choice")
+    c.add_argument("--knn", type=int, default=0,
+                   help="also choose from the K nearest positions of other prompts: by every choice's E, and by "
+                   "E with the target's confidence in the root where the trace has it (0: off)")
     c.add_argument("--out", required=True)
     la = sub.add_parser("latency", help="compile time of auto and the first token's latency")
     la.add_argument("--target", default=None)
@@ -309,12 +323,14 @@ def main(argv=None) -> int:
         missing = [b for b in batches if b not in tables]
         if missing:
             raise SystemExit(f"no step-time table for batch(es) {missing} (have {sorted(tables)})")
-        result = adaptive_ceiling.ceiling(tr, tables, batches, args.context, batches_of, args.bins)
+        if args.knn < 0:
+            raise SystemExit(f"--knn must be >= 0, got {args.knn}")
+        result = adaptive_ceiling.ceiling(tr, tables, batches, args.context, batches_of, args.bins, args.knn)
         for b, r in result.items():
             print(f"batch {int(b):3d}: best fixed {r['best_fixed']}; per-step choice over it: "
                   + ", ".join(f"{k} {v:.3f}x" for k, v in r["over_best"].items()), flush=True)
         report |= {"trace": args.trace, "cost_table": args.cost_table, "e2e": args.e2e, "context": args.context,
-                   "bins": args.bins, "ceiling": result}
+                   "bins": args.bins, "knn": args.knn, "ceiling": result}
         atomic.write_json(args.out, report)
         return 0
 

@@ -14,6 +14,12 @@ give over the best fixed choice:
   acceptance averaged over quantile bins of E, per choice): what a policy reading only the
   drafter's distributions gets when its calibration is as good as the data allows (in-sample, so
   optimistic).
+- calibrated_outside: the same calibration fitted, for each batch, on the trace's rows outside it
+  (other prompts): what the calibration gives on text it has not seen.
+- knn_e_outside / knn_e+target_outside (with knn > 0): the k nearest positions of the rows outside
+  the batch in a richer view of the step, their mean realised acceptance per choice: every
+  choice's E at once, and with it the target's confidence in the step's root (its top-1
+  probability and entropy, which a policy knows before choosing; traces since 2026-12-04 hold them).
 
 Both use simulate's step costs (a step costs its choice's table time at the active rows' mean
 committed length) and walk the positions as simulate does (a step advances a row by 1 + accepted).
@@ -71,6 +77,43 @@ def run_batch(rows_e, rows_acc, end, base, contexts, table, score=None, fixed: i
     return int(np.sum(end + 1)), total, steps
 
 
+FEATURES = ("e", "e+target")
+
+
+def row_features(row: dict, cols: list[int], which: str) -> np.ndarray:
+    """What a policy sees at each position of a trace row, [positions, F]: log(1 + E) of the choices
+    at cols; with "e+target" also the target's top-1 probability and entropy of the distribution
+    that chose the position's root (the first position has none: it takes the row's mean)."""
+    f = np.log1p(np.asarray(row["e"], np.float64)[:, cols])
+    if which == "e":
+        return f
+    if "root_top1" not in row:
+        raise ValueError("features 'e+target' need a trace with root_top1 / root_entropy (adaptive_bench trace "
+                         "since 2026-12-04)")
+    n = f.shape[0]
+    extra = []
+    for key in ("root_top1", "root_entropy"):
+        v = np.asarray([np.nan if x is None else x for x in row[key][:n]], np.float64)
+        extra.append(np.where(np.isnan(v), np.nanmean(v) if np.any(~np.isnan(v)) else 0.0, v))
+    return np.c_[f, np.stack(extra, axis=1)]
+
+
+def knn_calibration(rows_f, rows_acc, k: int):
+    """features [F] -> the mean realised acceptance [C] of the k training positions nearest to it
+    (features standardised over the training positions)."""
+    f = np.concatenate(rows_f)
+    a = np.concatenate(rows_acc).astype(np.float64)
+    mu, sd = f.mean(axis=0), f.std(axis=0) + 1e-9
+    z = (f - mu) / sd
+    k = min(k, len(z))
+
+    def score(x):
+        d = np.sum((z - (x - mu) / sd) ** 2, axis=1)
+        return a[np.argpartition(d, k - 1)[:k]].mean(axis=0)
+
+    return score
+
+
 def binned_calibration(rows_e, rows_acc, bins: int = 12):
     """E [C] -> the realised acceptance's mean over the trace's positions whose E for that choice
     fell in the same quantile bin (per choice; a choice whose E never varies maps to its mean)."""
@@ -94,38 +137,60 @@ def binned_calibration(rows_e, rows_acc, bins: int = 12):
     return score
 
 
-def ceiling(tr: dict, tables: dict, batches: list[int], context: float | None, batches_of, bins: int = 12) -> dict:
-    """Per batch size: tokens/s of every fixed choice, the oracle and the calibrated per-step
-    choice (this module's docstring), and each one's ratio to the best fixed choice. tables: as
-    adaptive_simulate.tables_from_files; batches_of: how the benchmark groups the trace's rows."""
+def ceiling(tr: dict, tables: dict, batches: list[int], context: float | None, batches_of, bins: int = 12,
+            knn: int = 0) -> dict:
+    """Per batch size: tokens/s of every fixed choice, the oracle and the per-step choices of this
+    module's docstring (the knn ones with knn > 0; "e+target" where the trace has the target's
+    figures), and each one's ratio to the best fixed choice. The choices fitted outside a batch are
+    left out where a batch holds every row. tables: as adaptive_simulate.tables_from_files;
+    batches_of: how the benchmark groups the trace's rows."""
     out = {}
+    rows = tr["rows"]
+    feature_sets = [w for w in FEATURES if w == "e" or all("root_top1" in r for r in rows)] if knn > 0 else []
     for b in batches:
         contexts, ms, _ = tables[b]
         names = [n for n in tr["choices"] if n in ms]
+        cols = [tr["choices"].index(n) for n in names]
         table = [ms[n] for n in names]
         rules = ("rate",) if b == 1 else ("rate", "slowest")  # one rule at batch 1, where both are the same
-        per_step = [(key, rule) for key in ("oracle", "calibrated") for rule in rules]
+        groups = batches_of(rows, b)
+        outside = [[r for r in rows if all(r is not g for g in group)] for group in groups]
+        fitted_outside = all(outside)
+        all_e, all_acc, _ = _rows(tr, rows, names)
+        insample = binned_calibration(all_e, all_acc, bins)
+        # key -> (the view of a row its score reads, the score of group i)
+        policies = {"oracle": (None, lambda i: None), "calibrated": (None, lambda i: insample)}
+        if fitted_outside:
+            def binned_outside(i):
+                e, a, _ = _rows(tr, outside[i], names)
+                return binned_calibration(e, a, bins)
+            policies["calibrated_outside"] = (None, binned_outside)
+            for which in feature_sets:
+                def knn_outside(i, which=which):
+                    _, a, _ = _rows(tr, outside[i], names)
+                    return knn_calibration([row_features(r, cols, which) for r in outside[i]], a, knn)
+                policies[f"knn_{which}_outside"] = (which, knn_outside)
+        per_step = [(key, rule) for key in policies for rule in rules]
         tok = {k: 0 for k in names + per_step}
         time = {k: 0.0 for k in tok}
         steps = {k: {} for k in per_step}
-        groups = batches_of(tr["rows"], b)
-        all_e, all_acc, _ = _rows(tr, tr["rows"], names)
-        score = binned_calibration(all_e, all_acc, bins)
-        for group in groups:
+        for i, group in enumerate(groups):
             e, acc, end = _rows(tr, group, names)
             base = np.asarray([context if context is not None else r["prompt_len"] for r in group], np.float64)
-            for i, n in enumerate(names):
-                n_tok, t, _ = run_batch(e, acc, end, base, contexts, table, fixed=i)
+            for c, n in enumerate(names):
+                n_tok, t, _ = run_batch(e, acc, end, base, contexts, table, fixed=c)
                 tok[n] += n_tok
                 time[n] += t
-            for key, rule in per_step:
-                n_tok, t, st = run_batch(e, acc, end, base, contexts, table,
-                                         score=None if key == "oracle" else score, rule=rule)
-                tok[(key, rule)] += n_tok
-                time[(key, rule)] += t
-                for c, v in st.items():
-                    steps[(key, rule)][names[c]] = steps[(key, rule)].get(names[c], 0) + v
-        for key in ("oracle", "calibrated"):  # each with its better rule over the whole run
+            for key, (which, score_of) in policies.items():
+                seen = e if which is None else [row_features(r, cols, which) for r in group]
+                score = score_of(i)
+                for rule in rules:
+                    n_tok, t, st = run_batch(seen, acc, end, base, contexts, table, score=score, rule=rule)
+                    tok[(key, rule)] += n_tok
+                    time[(key, rule)] += t
+                    for c, v in st.items():
+                        steps[(key, rule)][names[c]] = steps[(key, rule)].get(names[c], 0) + v
+        for key in policies:  # each with its better rule over the whole run
             rule = min(rules, key=lambda r, key=key: time[(key, r)] / tok[(key, r)])
             tok[key], time[key] = tok[(key, rule)], time[(key, rule)]
             steps[key] = steps[(key, rule)] | {"rule": rule}

@@ -3,6 +3,8 @@ tables from scripts.bench.e2e reports (contexts across files), and the whole scr
 
 import json
 
+import numpy as np
+
 import pytest
 
 from scripts import adaptive_bench as ab
@@ -123,6 +125,13 @@ def test_smoke_runs_trace_simulation_and_latency(tmp_path):
                                       "auto-per-generation"}
     tr = json.loads((tmp_path / "trace.json").read_text())
     assert tr["choices"] == ["ar", "dflash", "4", "8"] and all(r["positions"] == 23 for r in tr["rows"])
+    for r in tr["rows"]:  # the target's confidence in each root: none at the first position
+        top1, ent = r["root_top1"], r["root_entropy"]
+        assert len(top1) == len(ent) == 23 and top1[0] is None and ent[0] is None
+        vocab = 8192  # the demo pair's
+        for p, h in zip(top1[1:], ent[1:]):
+            # a distribution's top-1 probability is at least exp(-entropy), its entropy at most log(V)
+            assert 0.0 < p <= 1.0 and 0.0 <= h <= np.log(vocab) + 1e-4 and p >= np.exp(-h) - 1e-4
 
 
 def test_demo_smoke_passes_where_auto_chooses(tmp_path, monkeypatch):

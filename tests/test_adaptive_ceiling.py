@@ -1,10 +1,12 @@
 """scripts/adaptive_ceiling.py: the exact per-step optimum equals brute force, the bounds' walks
-agree with the simulation's, and a calibration fed its own outcomes chooses as the oracle does."""
+agree with the simulation's, a calibration fed its own outcomes chooses as the oracle does, and the
+choices fitted on other prompts (binned, nearest positions) are fitted only there."""
 
 import itertools
 import json
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -90,7 +92,7 @@ def test_ceiling_command_names_missing_tables(tmp_path, capsys):
     out = tmp_path / "ceiling.json"
     assert ab.main(["ceiling", "--trace", str(tpath), "--e2e", str(e2e), "--batches", "1", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert set(report["ceiling"]["1"]["over_best"]) == {"oracle", "calibrated", "oracle_exact"}
+    assert set(report["ceiling"]["1"]["over_best"]) == {"oracle", "calibrated", "calibrated_outside", "oracle_exact"}
     assert "batch   1: best fixed" in capsys.readouterr().out
     try:
         ab.main(["ceiling", "--trace", str(tpath), "--e2e", str(e2e), "--batches", "1,8", "--out", str(out)])
@@ -98,3 +100,51 @@ def test_ceiling_command_names_missing_tables(tmp_path, capsys):
         assert "batch(es) [8]" in str(e)
     else:
         raise AssertionError("a batch without a table was accepted")
+
+
+def test_nearest_positions_score_their_mean_acceptance():
+    """k = 1 returns the nearest training position's realised acceptance (features standardised);
+    k = every position, their mean."""
+    f = [np.asarray([[0.0, 0.0], [1.0, 10.0], [2.0, 20.0]])]
+    a = [np.asarray([[1, 0], [2, 5], [3, 9]])]
+    one = ac.knn_calibration(f, a, 1)
+    assert one(np.asarray([0.9, 11.0])).tolist() == [2.0, 5.0]
+    assert one(np.asarray([2.4, 19.0])).tolist() == [3.0, 9.0]
+    assert np.allclose(ac.knn_calibration(f, a, 50)(np.asarray([0.0, 0.0])), [2.0, 14 / 3])
+
+
+def test_row_features_and_their_refusal():
+    row = {"e": [[0.0, 1.0], [0.0, 3.0], [0.0, 0.0]], "accepted": [[0, 1]] * 3,
+           "root_top1": [None, 0.5, 0.9], "root_entropy": [None, 1.0, 0.2]}
+    e = ac.row_features(row, [1], "e")
+    assert np.allclose(e[:, 0], np.log1p([1.0, 3.0, 0.0]))
+    both = ac.row_features(row, [1], "e+target")
+    assert both.shape == (3, 3)
+    assert np.allclose(both[:, 1], [0.7, 0.5, 0.9]) and np.allclose(both[:, 2], [0.6, 1.0, 0.2])
+    with pytest.raises(ValueError, match="root_top1"):
+        ac.row_features({"e": row["e"]}, [1], "e+target")
+
+
+def test_choices_fitted_outside_each_batch():
+    """With the target's figures in the trace every kNN view runs; the exact oracle bounds each
+    choice at batch 1; a batch holding every row has no rows outside it, so those choices are left
+    out; and where each prompt's text repeats another's (rows in pairs of equal traces), the choice
+    fitted on the others at k = 1 is the in-sample calibration of E itself (exact outcomes)."""
+    rng = np.random.default_rng(3)
+    rows = random_rows(rng, 4, 25)
+    for r in rows:
+        r["root_top1"] = [None] + rng.uniform(0.05, 1.0, 24).round(4).tolist()
+        r["root_entropy"] = [None] + rng.uniform(0.0, 5.0, 24).round(4).tolist()
+    ms = {"ar": [1.0], "dflash": [1.5], "4": [1.7], "16": [2.0]}
+    tables = {1: ([0.0], ms, {}), 4: ([0.0], ms, {})}
+    ceil = ac.ceiling(trace(rows), tables, [1, 4], None, asim.batches_of, knn=5)
+    over = ceil["1"]["over_best"]
+    assert set(over) == {"oracle", "calibrated", "calibrated_outside", "knn_e_outside", "knn_e+target_outside",
+                         "oracle_exact"}
+    assert all(over["oracle_exact"] >= v - 1e-9 for v in over.values())
+    assert set(ceil["4"]["over_best"]) == {"oracle", "calibrated"}
+    twins = [dict(r) for r in rows[:2] for _ in range(2)]
+    for r in twins:
+        r["e"] = [[float(a) for a in acc] for acc in r["accepted"]]  # E = the realised acceptance
+    ceil = ac.ceiling(trace(twins), tables, [1], None, asim.batches_of, knn=1)["1"]["over_best"]
+    assert abs(ceil["knn_e_outside"] - ceil["oracle"]) < 1e-9
