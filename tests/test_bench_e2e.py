@@ -90,8 +90,8 @@ def test_e2e_moe_smoke_reports_experts_roofline_and_the_budget_table(tmp_path, c
 
 
 def test_marginal_ms_separates_the_per_call_cost():
-    """bench.marginal_ms (scripts.bench.profile's marginal figures; scripts.bench.e2e's step and the
-    phase split take the paired form below): from a call costing 7 ms plus 2.5 ms an iteration it
+    """bench.marginal_ms (the unpaired form; scripts.bench.e2e's step, scripts.bench.profile's
+    figures and the phase split take the paired form below): from a call costing 7 ms plus 2.5 ms an iteration it
     recovers both, where T(16) / 16 would read 2.94 ms an iteration."""
     from ddtree_jax.bench import marginal_ms
 

@@ -158,12 +158,6 @@ def write_hlo(path: str, text: str) -> None:
     atomic.write_bytes(path, gzip.compress(text.encode()))
 
 
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    return 1e3 * (time.perf_counter() - t0)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_options(ap)
@@ -249,10 +243,10 @@ def main(argv=None) -> int:
              "top": per_run(p["top"]), "seconds": time.time() - t0}
         if "by_source" in p:
             p["by_source"] = per_run(p["by_source"])
-        # wall time of one more phase run (n and 2n runs: the call's dispatch cancels), beside the
-        # kernel sum: the gap is time between kernels, or the profiler's own cost if negative
-        p["marginal_wall_ms"] = B.marginal_ms(lambda k: statistics.median(_timed(run(k)) for _ in range(5)),
-                                              args.inner)[0]
+        # wall time of one more phase run (n and 2n runs in back-to-back pairs, as scripts.bench.e2e
+        # times the loop: the call's dispatch cancels), beside the kernel sum: the gap is time
+        # between kernels, or the profiler's own cost if negative
+        p["marginal_wall_ms"] = B.paired_marginal_ms(run, args.inner, 7)[0]
         report["phases"][phase] = p
         save()
         print(f"\n== {phase}: {p['wall_ms']:.2f} ms wall per run with the call's dispatch, "
@@ -274,8 +268,8 @@ def main(argv=None) -> int:
         rs = B._verify(graphdef, params, s, tr, spec)
         fn = lambda n: (lambda: B._phase_loop(graphdef, params, dparams, s, lq, tr, rs, eos, key, spec, "verify", n))
         jax.block_until_ready(fn(args.inner)())
-        # n and 2n iterations: the difference cancels the call's host dispatch
-        ms = max(B.marginal_ms(lambda k: statistics.median(_timed(fn(k)) for _ in range(5)), args.inner)[0], 0.0)
+        # n and 2n iterations in back-to-back pairs: the difference cancels the call's host dispatch
+        ms = max(B.paired_marginal_ms(fn, args.inner, 7)[0], 0.0)
         report["verify_by_budget"][budget] = ms
         save()
         print(f"[verify] budget {budget} ({budget + 1} nodes): {ms:.2f} ms", flush=True)
