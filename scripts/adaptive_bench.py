@@ -326,9 +326,15 @@ def main(argv=None) -> int:
         if args.knn < 0:
             raise SystemExit(f"--knn must be >= 0, got {args.knn}")
         result = adaptive_ceiling.ceiling(tr, tables, batches, args.context, batches_of, args.bins, args.knn)
+        if args.knn and not all("root_top1" in r for r in tr["rows"]):
+            print("note: the trace has no target figures (root_top1 / root_entropy: adaptive_bench trace since "
+                  "2026-12-04), so --knn runs the view by every choice's E only", file=sys.stderr)
         for b, r in result.items():
             print(f"batch {int(b):3d}: best fixed {r['best_fixed']}; per-step choice over it: "
                   + ", ".join(f"{k} {v:.3f}x" for k, v in r["over_best"].items()), flush=True)
+            if "calibrated_outside" not in r["over_best"]:
+                print(f"note: batch {int(b)} holds every prompt of the trace: no choice fitted outside it",
+                      file=sys.stderr)
         report |= {"trace": args.trace, "cost_table": args.cost_table, "e2e": args.e2e, "context": args.context,
                    "bins": args.bins, "knn": args.knn, "ceiling": result}
         atomic.write_json(args.out, report)

@@ -94,6 +94,12 @@ def test_ceiling_command_names_missing_tables(tmp_path, capsys):
     report = json.loads(out.read_text())
     assert set(report["ceiling"]["1"]["over_best"]) == {"oracle", "calibrated", "calibrated_outside", "oracle_exact"}
     assert "batch   1: best fixed" in capsys.readouterr().out
+    # a trace without the target's figures: --knn says it runs the E view only
+    assert ab.main(["ceiling", "--trace", str(tpath), "--e2e", str(e2e), "--batches", "1", "--knn", "3",
+                    "--out", str(out)]) == 0
+    assert set(json.loads(out.read_text())["ceiling"]["1"]["over_best"]) == {
+        "oracle", "calibrated", "calibrated_outside", "knn_e_outside", "oracle_exact"}
+    assert "no target figures" in capsys.readouterr().err
     try:
         ab.main(["ceiling", "--trace", str(tpath), "--e2e", str(e2e), "--batches", "1,8", "--out", str(out)])
     except SystemExit as e:
