@@ -5,6 +5,7 @@ any machine). The chain's numbers are checked natively (-m gpu): the Mosaic form
 each other bit for bit and a float64 reference within float32 rounding."""
 
 import functools
+import itertools
 import json
 
 import jax
@@ -18,11 +19,11 @@ from pallas_kernels._mosaic_pdl import USES_PDL_ATTR
 def test_only_pdl_params_carry_the_attribute():
     from scripts.bench import mosaic_pdl
 
-    for op in mosaic_pdl.OPS:
+    for op, io in itertools.product(mosaic_pdl.OPS, mosaic_pdl.IOS):
         for form in mosaic_pdl.MOSAIC_FORMS:
-            text = mosaic_pdl.lowered_text(form, rows=256, cols=256, layers=2, op=op)
+            text = mosaic_pdl.lowered_text(form, rows=256, cols=256, layers=2, op=op, io=io)
             assert "mosaic_gpu_v2" in text
-            assert (USES_PDL_ATTR in text) == (form in mosaic_pdl.PDL_FORMS), (op, form)
+            assert (USES_PDL_ATTR in text) == (form in mosaic_pdl.PDL_FORMS), (op, io, form)
 
 
 def test_smoke_report(tmp_path):
@@ -60,6 +61,7 @@ def test_reference_and_xla_chain_agree():
     ["--cols", "200"],  # not a multiple of a config's block_cols
     ["--cols", "16384"],  # more than --rows
     ["--configs", "128"],
+    ["--io", "ldg"],
     ["--base-layers", "40"],
 ])
 def test_arguments_are_checked(argv):
@@ -71,13 +73,15 @@ def test_arguments_are_checked(argv):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", ["gemv", "rowsum"])
-def test_mosaic_forms_equal_plain_and_the_reference(op):
+@pytest.mark.parametrize("io", ["tma", "direct"])
+def test_mosaic_forms_equal_plain_and_the_reference(op, io):
     from scripts.bench import mosaic_pdl
 
     w = jax.random.normal(jax.random.PRNGKey(0), (1024, 6 * 512), jnp.float32).astype(jnp.bfloat16)
     d = jax.random.normal(jax.random.PRNGKey(1), (1024,), jnp.float32)
     ref = mosaic_pdl.reference(w, d, layers=6, cols=512, op=op)
-    outs = {f: np.asarray(jax.jit(functools.partial(mosaic_pdl.chain, layers=6, cols=512, form=f, op=op))(w, d))
+    outs = {f: np.asarray(jax.jit(functools.partial(mosaic_pdl.chain, layers=6, cols=512, form=f, op=op,
+                                                    io=io))(w, d))
             for f in ("plain", "pdl_start", "pdl_prefetch")}
     for f, out in outs.items():
         assert mosaic_pdl._rel_err(out, ref) < 1e-5, f

@@ -6,7 +6,9 @@ out = s * W_l x + d with x = d[:C] and d the previous layer's out (float32). The
 through a TMA pipeline (one warpgroup a block of 64 rows, `stages` tiles in flight); x and d are
 read only once the dependency is met. `--layers` such launches run in one jitted call.
 `--op rowsum` reads the same weights but only sums their rows (out = s * the row sums + d, no x:
-the first measured form, decision 0077). Forms:
+the first measured form, decision 0077). `--io direct` reads the previous out's rows and writes
+the launch's own with the threads' loads and stores instead of TMA, taking two memory round trips
+off each launch's dependent path. Forms:
 
 - "plain": Mosaic GPU kernels launched as jax launches them (stream order);
 - "pdl_start": launched with PDL (pallas_kernels/_mosaic_pdl.py), each kernel letting its
@@ -58,6 +60,7 @@ TMA_MAX = 256  # elements a TMA copy moves along one dimension at most
 
 
 OPS = ("gemv", "rowsum")
+IOS = ("tma", "direct")
 
 
 def scale_for(cols: int, op: str = "gemv") -> float:
@@ -66,8 +69,8 @@ def scale_for(cols: int, op: str = "gemv") -> float:
     return 0.25 / float(np.sqrt(cols)) if op == "gemv" else 1.0 / 64
 
 
-def layer_launch(w, d, *, layer: int, cols: int, form: str, op: str = "gemv", block_cols: int = 128,
-                 stages: int = 4, layers_in_launch: int = 1):
+def layer_launch(w, d, *, layer: int, cols: int, form: str, op: str = "gemv", io: str = "tma",
+                 block_cols: int = 128, stages: int = 4, layers_in_launch: int = 1):
     """One launch: out = scale * W[:, layer * cols:(layer + layers_in_launch) * cols] @ tile(x) + d,
     x = d[:cols] (bfloat16 W, float32 x and out; tile(x): x repeated over the launch's layers).
     op "rowsum": the same read with no x (out = scale * the row sums + d; the first probe's form)."""
@@ -120,12 +123,16 @@ def layer_launch(w, d, *, layer: int, cols: int, form: str, op: str = "gemv", bl
             in_specs=[plgpu.BlockSpec((BLOCK_ROWS, block_cols),
                                       lambda k: (blk, layer * steps_per_layer + k), transforms=tiles)],
             max_concurrent_steps=min(stages, steps), init_carry=acc)(w_ref)
-        row0 = blk * BLOCK_ROWS
-        plgpu.copy_gmem_to_smem(d_ref.at[pl.ds(row0, BLOCK_ROWS)], d_smem, d_barrier)
+        rows_here = pl.ds(blk * BLOCK_ROWS, BLOCK_ROWS)
+        if io == "direct":  # d read and out written by the threads: no barrier, no store wait
+            prev = plgpu.load(d_ref.at[rows_here], (), layout=wgmma_rows, optimized=False)  # per-thread loads
+            o_ref[rows_here] = acc.sum(axis=1) * scale + prev
+            return
+        plgpu.copy_gmem_to_smem(d_ref.at[rows_here], d_smem, d_barrier)
         plgpu.barrier_wait(d_barrier)
         o_smem[...] = acc.sum(axis=1) * scale + plgpu.load(d_smem, (), layout=wgmma_rows)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[pl.ds(row0, BLOCK_ROWS)])
+        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[rows_here])
         plgpu.wait_smem_to_gmem(0)
 
     params = (PdlCompilerParams if pdl else plgpu.CompilerParams)()
@@ -138,12 +145,12 @@ def layer_launch(w, d, *, layer: int, cols: int, form: str, op: str = "gemv", bl
     )(w, d)
 
 
-def chain(w, d, *, layers: int, cols: int, form: str, op: str = "gemv", block_cols: int = 128,
-          stages: int = 4):
+def chain(w, d, *, layers: int, cols: int, form: str, op: str = "gemv", io: str = "tma",
+          block_cols: int = 128, stages: int = 4):
     """`layers` dependent GEMVs over W's column blocks 0 .. layers - 1 (each `cols` wide); the
     one_launch form reads the same weights in one launch with the first x for every block."""
     if form == "one_launch":
-        return layer_launch(w, d, layer=0, cols=cols, form="plain", op=op, block_cols=block_cols,
+        return layer_launch(w, d, layer=0, cols=cols, form="plain", op=op, io=io, block_cols=block_cols,
                             stages=stages, layers_in_launch=layers)
     for layer in range(layers):
         if form == "xla":
@@ -155,7 +162,7 @@ def chain(w, d, *, layers: int, cols: int, form: str, op: str = "gemv", block_co
                 prod = part.astype(jnp.float32).sum(axis=1)
             d = prod * scale_for(cols, op) + d
         else:
-            d = layer_launch(w, d, layer=layer, cols=cols, form=form, op=op, block_cols=block_cols,
+            d = layer_launch(w, d, layer=layer, cols=cols, form=form, op=op, io=io, block_cols=block_cols,
                              stages=stages)
     return d
 
@@ -187,12 +194,13 @@ def jax_sets_pdl() -> list[str]:
     return sorted(hits)
 
 
-def lowered_text(form: str, *, rows: int = 256, cols: int = 256, layers: int = 2, op: str = "gemv") -> str:
+def lowered_text(form: str, *, rows: int = 256, cols: int = 256, layers: int = 2, op: str = "gemv",
+                 io: str = "tma") -> str:
     """The chain lowered for CUDA on any machine: its StableHLO, whose Mosaic custom calls carry
     each kernel's module (bytecode, where the attribute's name appears when set)."""
     w = jax.ShapeDtypeStruct((rows, layers * cols), jnp.bfloat16)
     d = jax.ShapeDtypeStruct((rows,), jnp.float32)
-    fn = jax.jit(functools.partial(chain, layers=layers, cols=cols, form=form, op=op))
+    fn = jax.jit(functools.partial(chain, layers=layers, cols=cols, form=form, op=op, io=io))
     return fn.trace(w, d).lower(lowering_platforms=("cuda",)).as_text()
 
 
@@ -210,13 +218,13 @@ def _timed_pair(fa, fb, args):
 
 
 def measure(rows: int, cols: int, layers: int, base_layers: int, forms, rounds: int, stages: int,
-            block_cols: int, op: str = "gemv", seed: int = 0):
+            block_cols: int, op: str = "gemv", io: str = "tma", seed: int = 0):
     key = jax.random.PRNGKey(seed)
     w = jax.random.normal(key, (rows, layers * cols), jnp.float32).astype(jnp.bfloat16)
     d0 = jax.random.normal(jax.random.fold_in(key, 1), (rows,), jnp.float32)
     fns = {}
     for form in forms:
-        mk = functools.partial(chain, cols=cols, form=form, op=op, block_cols=block_cols, stages=stages)
+        mk = functools.partial(chain, cols=cols, form=form, op=op, io=io, block_cols=block_cols, stages=stages)
         fns[form] = (jax.jit(functools.partial(mk, layers=layers)),
                      jax.jit(functools.partial(mk, layers=base_layers)))
     outs = {f: np.asarray(jax.block_until_ready(fns[f][0](w, d0))) for f in forms}
@@ -232,7 +240,7 @@ def measure(rows: int, cols: int, layers: int, base_layers: int, forms, rounds: 
             t_long, t_short = _timed_pair(*fns[f], (w, d0))
             samples[f].append((t_long, t_short))
     layer_bytes = rows * cols * 2
-    row = {"op": op, "rows": rows, "cols": cols, "layer_mb": layer_bytes / 1e6, "layers": layers,
+    row = {"op": op, "io": io, "rows": rows, "cols": cols, "layer_mb": layer_bytes / 1e6, "layers": layers,
            "base_layers": base_layers, "rounds": rounds, "stages": stages, "block_cols": block_cols}
     for f in forms:
         longs = [a for a, _ in samples[f]]
@@ -259,6 +267,9 @@ def main(argv=None) -> int:
     ap.add_argument("--op", choices=OPS, default="gemv",
                     help="gemv: each launch a one-row product with x from the previous out; rowsum: the "
                          "same read summed, the previous out added at the end (no x)")
+    ap.add_argument("--io", choices=IOS, default="tma",
+                    help="how a launch reads the previous out's rows it adds and writes its own: tma (SMEM, a "
+                         "barrier, a TMA store and its wait) or direct (the threads' own loads and stores)")
     ap.add_argument("--layers", type=int, default=40)
     ap.add_argument("--base-layers", type=int, default=8)
     ap.add_argument("--forms", default=",".join(FORMS))
@@ -296,13 +307,14 @@ def main(argv=None) -> int:
     if args.check_jax:
         report["jax_files_naming_uses_pdl"] = jax_sets_pdl()
     if args.smoke:
-        report["attribute_in_lowering"] = {f: USES_PDL_ATTR in lowered_text(f, op=args.op) for f in MOSAIC_FORMS}
+        report["attribute_in_lowering"] = {f: USES_PDL_ATTR in lowered_text(f, op=args.op, io=args.io)
+                                           for f in MOSAIC_FORMS}
         print(report["attribute_in_lowering"])
         write_report(args.out, report)
         return 0
     for (block_cols, stages), c in itertools.product(configs, cols):
         row = measure(args.rows, c, args.layers, args.base_layers, forms, args.rounds, stages, block_cols,
-                      args.op)
+                      args.op, args.io)
         line = f"{block_cols}:{stages}, {row['layer_mb']:.1f} MB a layer: " + ", ".join(
             f"{f} {row[f]['us_per_layer']:.2f} us ({row[f]['tb_per_s']:.2f} TB/s)" for f in forms)
         record_row(report, row, args.out, f"{line}; bit-equal to plain: {row.get('bit_equal_to_plain')}")
