@@ -6,14 +6,15 @@ while its predecessor in the stream drains, and must call `plgpu.griddepcontrol_
 reads anything that predecessor (or any earlier kernel) writes. Loads of program inputs that no
 kernel writes (weights) may be issued before the wait; that overlap is the point.
 
-jax's Python sets the attribute on no kernel (0.10.2; 0.11.2 is checked by
-`scripts/bench/mosaic_pdl.py --check-jax`). `PdlCompilerParams` asks for it: Pallas picks a
-pallas_call's GPU lowering by the exact type of its compiler params, so a subclass of
-`plgpu.CompilerParams` with a rule of its own changes only the kernels that pass it. The rule is
-the Mosaic GPU pallas_call lowering with the attribute added to the module; it uses jax-private
-functions (`lower_pipelined_jaxpr_to_module`, `_mosaic_gpu_lowering_rule`), so a jax release that
-moves them fails here, at lowering, by name. Kernels with GMEM scratch or the in-kernel profiler
-are refused rather than half supported.
+jax 0.11.x sets the attribute itself on a kernel that uses either griddepcontrol instruction (a PDL
+effect on the kernel's jaxpr); jax 0.10.2 sets it on no kernel, so there the instructions do nothing
+(docs/decisions/0077-programmatic-dependent-launch-of-mosaic-gpu-kernels.md). `PdlCompilerParams`
+asks for it on both: Pallas picks a pallas_call's GPU lowering by the exact type of its compiler
+params, so a subclass of `plgpu.CompilerParams` with a rule of its own changes only the kernels that
+pass it. The rule is the Mosaic GPU pallas_call lowering with the attribute added to the module; it
+uses jax-private functions (`lower_pipelined_jaxpr_to_module`, `_mosaic_gpu_lowering_rule`), so a
+jax release that moves them fails here, at lowering, by name. Kernels with GMEM scratch or the
+in-kernel profiler are refused rather than half supported.
 """
 
 from __future__ import annotations

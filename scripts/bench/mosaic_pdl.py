@@ -20,16 +20,18 @@ off each launch's dependent path. Forms:
 - "xla": the same product by XLA (`dot_general` of bfloat16 operands, float32 result);
 - "one_launch": one plain launch reading every layer's weights (with the first x): the bytes with
   no boundary.
-The Mosaic forms do the same arithmetic in the same order, so every one but pdl_nowait gives
-plain's out bit for bit.
+The Mosaic forms do the same arithmetic in the same order, so every one but pdl_nowait must give
+plain's out bit for bit (the report checks it; `tests/test_mosaic_pdl.py -m gpu` asserts it).
 
 Times: medians over interleaved rounds of paired calls (`--layers` and `--base-layers` layers,
-back to back); the per-layer figure is their difference over the layers between, which cancels
-the call's fixed cost (one_launch: its call over its layers). `--check-jax` also lists the files
-of jax that name the PDL attribute (none in 0.10.2).
+back to back, one_launch's over as many layers' columns); the per-layer figure is their
+difference over the layers between, which cancels the call's fixed cost (100-250 us here, against a
+few us a layer). `--check-jax` also lists the files of jax that name the PDL attribute (none in
+0.10.2). A call compiles two programs a form, size and config (~6 s each with its timing on the
+H200), so the default sweep (108) does not fit one 600 s device call; decision 0077 splits it.
 
-    python -m scripts.bench.mosaic_pdl --check-jax --out $OUT/mosaic_pdl.json     # on the H200
-    python -m scripts.bench.mosaic_pdl --smoke --out /tmp/mosaic_pdl.json            # lowering only
+    python -m scripts.bench.mosaic_pdl --configs 128:8 --check-jax --out $OUT/mosaic_pdl.json   # H200
+    python -m scripts.bench.mosaic_pdl --smoke --out /tmp/mosaic_pdl.json                        # lowering only
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._mosaic_pdl import USES_PDL_ATTR, PdlCompilerParams
-from scripts.bench.common import record_row, start_report, write_report
+from scripts.bench.common import max_rel_err, record_row, start_report, write_report
 
 FORMS = ("plain", "pdl_start", "pdl_prefetch", "pdl_nowait", "xla", "one_launch")
 MOSAIC_FORMS = ("plain", "pdl_start", "pdl_prefetch", "pdl_nowait")
@@ -204,8 +206,12 @@ def lowered_text(form: str, *, rows: int = 256, cols: int = 256, layers: int = 2
     return fn.trace(w, d).lower(lowering_platforms=("cuda",)).as_text()
 
 
-def _rel_err(out, ref) -> float:
-    return float(np.abs(out - ref).max() / np.abs(ref).max())
+def per_layer_us(pairs, layers: int, base_layers: int) -> float:
+    """Median over rounds of (long call - short call) / (layers - base_layers), in us: the time a
+    layer adds, with the call's fixed cost cancelled. pairs: [(long s, short s)] of one round each.
+    (ddtree_jax.bench.paired_marginal_ms times one program's pairs in a row; here every round
+    visits every form, so the forms compare under the same conditions.)"""
+    return statistics.median((a - b) / (layers - base_layers) for a, b in pairs) * 1e6
 
 
 def _timed_pair(fa, fb, args):
@@ -243,15 +249,10 @@ def measure(rows: int, cols: int, layers: int, base_layers: int, forms, rounds: 
     row = {"op": op, "io": io, "rows": rows, "cols": cols, "layer_mb": layer_bytes / 1e6, "layers": layers,
            "base_layers": base_layers, "rounds": rounds, "stages": stages, "block_cols": block_cols}
     for f in forms:
-        longs = [a for a, _ in samples[f]]
-        marg = [(a - b) / (layers - base_layers) for a, b in samples[f]]
-        if f == "one_launch":
-            us = statistics.median(longs) * 1e6 / layers  # one call: its time over the layers it reads
-        else:
-            us = statistics.median(marg) * 1e6
+        us = per_layer_us(samples[f], layers, base_layers)
         row[f] = {"us_per_layer": us, "tb_per_s": layer_bytes / (us * 1e-6) / 1e12,
-                  "call_ms": statistics.median(longs) * 1e3,
-                  "max_abs_err_over_max": _rel_err(outs[f], refs[f == "one_launch"])}
+                  "call_ms": statistics.median(a for a, _ in samples[f]) * 1e3,
+                  "max_abs_err_over_max": max_rel_err([refs[f == "one_launch"]], [outs[f]])}
     plain = outs.get("plain")
     if plain is not None:
         row["bit_equal_to_plain"] = {f: bool(np.array_equal(outs[f], plain))
